@@ -1,0 +1,203 @@
+"""Block-hash prefix cache: vLLM V1's automatic prefix caching, exact to DESIGN.md §4.
+
+KV is held in blocks of ``block_size`` tokens. A full block's key chains the previous block's key
+with its own tokens, so equal keys mean equal prefixes; a partial last block has no key and is never
+shared. All blocks not used by a running request sit in one free queue: cached (keyed) blocks are
+reused least-recently-freed first, and a block popped for reuse loses its key (that is eviction).
+
+Replay of one request (``seq = prompt + output``, ``nb = ceil(len(seq)/B)``), as vLLM's
+KVCacheManager does it: take the ``k`` leading cached blocks of the prompt out of the free queue
+(among the first ``(len(prompt)-1)//B``, so the last prompt token is always computed), pop
+``nb - k`` blocks from the queue head (evicting their keys), register the key of every full block
+from ``k`` on, then free the request's blocks last to first: keyed blocks to the queue tail, the
+unkeyed partial block to the head.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+from testbed.cache.base import Lease, PrefixCache, Released
+from testbed.cache.pool import SLOT_DTYPE
+
+
+@dataclass
+class _Handle:
+    blocks: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # chained keys of the prompt's full blocks
+
+
+class BlockHashCache(PrefixCache):
+    """Hash-keyed KV blocks with a FIFO free queue (vLLM V1). ``capacity`` in tokens; None means
+    unbounded (fresh blocks are minted instead of reusing cached ones)."""
+
+    name = "block_hash"
+
+    def __init__(self, capacity: int | None = None, block_size: int = 16) -> None:
+        if block_size < 1:
+            raise ValueError(f"cache.block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.num_blocks = None if capacity is None else capacity // block_size
+        # block id -> None, in queue order (head first); O(1) pop from either end and removal.
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._minted = 0
+        if self.num_blocks is not None:
+            self._mint(self.num_blocks)
+        self._ref = {}  # block id -> running requests using it (absent or 0 when free)
+        self._key_of: dict[int, int] = {}  # block id -> its key, for cached blocks
+        # key -> blocks holding it, oldest registration first (lookups use the first)
+        self._blocks_of: dict[int, dict[int, None]] = {}
+        self._cached_tokens = 0
+        self._protected_tokens = 0
+
+    # ---------------------------------------------------------------- keys
+    def block_keys(self, tokens: np.ndarray) -> list[int]:
+        """Chained keys of the full blocks of ``tokens``."""
+        b = self.block_size
+        n = len(tokens) // b
+        rows = np.ascontiguousarray(tokens[: n * b], dtype=np.int64).reshape(n, b)
+        keys, prev = [], 0
+        for row in rows:
+            prev = hash((prev, row.tobytes()))
+            keys.append(prev)
+        return keys
+
+    def _lookup(self, keys: list[int], prompt_len: int) -> list[int]:
+        """Blocks of the leading cached keys, among the first (prompt_len - 1) // B."""
+        limit = max(prompt_len - 1, 0) // self.block_size
+        found = []
+        for key in keys[:limit]:
+            holders = self._blocks_of.get(key)
+            if not holders:
+                break
+            found.append(next(iter(holders)))
+        return found
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def evictable_size(self) -> int:
+        return self._cached_tokens - self._protected_tokens
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected_tokens
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.num_blocks is None or -(-num_tokens // self.block_size) <= self.num_blocks
+
+    # ---------------------------------------------------------------- lifecycle
+    def match(self, tokens: np.ndarray) -> int:
+        return len(self._lookup(self.block_keys(tokens), len(tokens))) * self.block_size
+
+    def acquire(self, prompt: np.ndarray) -> Lease:
+        handle = _Handle(keys=self.block_keys(prompt))
+        for block in self._lookup(handle.keys, len(prompt)):
+            self._take(block)
+            handle.blocks.append(block)
+        hit = len(handle.blocks) * self.block_size
+        return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, hit))
+
+    def extend(self, lease: Lease, num_tokens: int) -> int | None:
+        handle: _Handle = lease.handle
+        total = lease.num_tokens + num_tokens
+        need = -(-total // self.block_size) - len(handle.blocks)
+        if self.num_blocks is not None and need > len(self._free):
+            return None
+        evicted = 0
+        for _ in range(need):
+            if self.num_blocks is None and not self._free:
+                self._mint(1)
+            block, _ = self._free.popitem(last=False)
+            if block in self._key_of:
+                self._forget(block)
+                evicted += self.block_size
+            self._ref[block] = 1
+            handle.blocks.append(block)
+        lease.slots = self._slots(handle.blocks, total)
+        return evicted
+
+    def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
+        handle: _Handle = lease.handle
+        if len(tokens) != lease.num_tokens:
+            raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
+        k = lease.hit // self.block_size
+        if insert:
+            keys = self.block_keys(tokens)
+            for i in range(k, len(keys)):
+                self._register(handle.blocks[i], keys[i])
+        for block in reversed(handle.blocks):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if block in self._key_of:
+                    self._protected_tokens -= self.block_size
+                    self._free[block] = None  # tail: reused last
+                else:
+                    self._free[block] = None
+                    self._free.move_to_end(block, last=False)  # head: reused first
+        lease.slots = lease.slots[:0]
+        return Released(inserted=insert, already_cached=lease.hit)
+
+    def evict(self, num_tokens: int) -> int:
+        """Drop keys of cached free blocks from the queue head until ``num_tokens`` are freed."""
+        freed = 0
+        for block in list(self._free):
+            if freed >= num_tokens:
+                break
+            if block in self._key_of:
+                self._forget(block)
+                freed += self.block_size
+        return freed
+
+    # ---------------------------------------------------------------- block bookkeeping
+    def _mint(self, n: int) -> None:
+        for block in range(self._minted, self._minted + n):
+            self._free[block] = None
+        self._minted += n
+
+    def _take(self, block: int) -> None:
+        """A request starts using a cached block: it leaves the free queue if it was there."""
+        if self._ref.get(block, 0) == 0:
+            del self._free[block]
+            self._protected_tokens += self.block_size
+        self._ref[block] = self._ref.get(block, 0) + 1
+
+    def _register(self, block: int, key: int) -> None:
+        assert block not in self._key_of, "only freshly popped blocks are registered"
+        self._key_of[block] = key
+        self._blocks_of.setdefault(key, {})[block] = None
+        self._cached_tokens += self.block_size
+        self._protected_tokens += self.block_size  # registered while the request still holds it
+
+    def _forget(self, block: int) -> None:
+        key = self._key_of.pop(block)
+        holders = self._blocks_of[key]
+        del holders[block]
+        if not holders:
+            del self._blocks_of[key]
+        self._cached_tokens -= self.block_size
+
+    def _slots(self, blocks: list[int], num_tokens: int) -> np.ndarray:
+        """Token-level slot ids of the first ``num_tokens`` tokens (slot 0 stays reserved)."""
+        b = self.block_size
+        ids = np.asarray(blocks, dtype=SLOT_DTYPE)[:, None] * b + 1 + np.arange(b, dtype=SLOT_DTYPE)
+        return ids.reshape(-1)[:num_tokens]
+
+    # ---------------------------------------------------------------- checks
+    def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
+        in_use = {b for b, r in self._ref.items() if r > 0}
+        assert all(r >= 0 for r in self._ref.values()), "negative block ref count"
+        assert not in_use & set(self._free), "a block is both free and in use"
+        assert len(in_use) + len(self._free) == self._minted, "a block is lost"
+        held = [b for lease in leases for b in lease.handle.blocks]
+        for b in set(held):
+            assert self._ref.get(b, 0) == held.count(b), f"block {b}: ref count != holders"
+        assert set(held) == in_use, "in-use blocks not accounted for by the leases"
+        assert self._cached_tokens == len(self._key_of) * self.block_size
+        protected = sum(self.block_size for b in self._key_of if b in in_use)
+        assert protected == self._protected_tokens, "protected accounting drifted"
+        for key, holders in self._blocks_of.items():
+            assert holders and all(self._key_of[b] == key for b in holders), "key index drifted"

@@ -1,0 +1,51 @@
+"""`NoCache`: the baseline without prefix sharing. Never hits; a request's KV is freed when it ends."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
+from testbed.cache.pool import KVSlotPool
+
+
+class NoCache(PrefixCache):
+    name = "none"
+
+    def __init__(self, capacity: int | None = None, pool: KVSlotPool | None = None) -> None:
+        self.pool = pool if pool is not None else KVSlotPool(capacity)
+
+    @property
+    def evictable_size(self) -> int:
+        return 0
+
+    @property
+    def protected_size(self) -> int:
+        return 0
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.pool.capacity is None or num_tokens <= self.pool.capacity
+
+    def match(self, tokens: np.ndarray) -> int:
+        return 0
+
+    def acquire(self, prompt: np.ndarray) -> Lease:
+        return Lease(hit=0)
+
+    def extend(self, lease: Lease, num_tokens: int) -> int | None:
+        if not self.pool.can_alloc(num_tokens):
+            return None
+        lease.slots = np.concatenate([lease.slots, self.pool.alloc(num_tokens)])
+        return 0
+
+    def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
+        self.pool.free(lease.slots)
+        lease.slots = EMPTY_SLOTS
+        return Released(inserted=False, already_cached=0)
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
+        self.pool.check_ownership([lease.slots for lease in leases])

@@ -1,0 +1,327 @@
+"""The radix-tree prefix cache: SGLang's RadixCache, exact to DESIGN.md §4.
+
+Every cached token's KV slot lives in exactly one tree node; edges hold token runs (numpy arrays,
+compared vectorised, so long system prompts cost one comparison per edge, not one per token).
+Children are keyed by their first token (first page when ``page_size > 1``).
+
+Access times are a logical clock that ticks on every access, so recency is a strict total order and
+runs are deterministic. Eviction candidates (unlocked leaves) sit in a heap ordered by the eviction
+policy's priority; entries are invalidated lazily: a node is re-offered whenever its statistics or
+its leaf/lock status change, and a popped entry counts only if it is the node's latest offer and the
+node is still an unlocked leaf.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import count
+from typing import Iterable
+
+import numpy as np
+
+from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
+from testbed.cache.eviction import LRU, EvictionPolicy
+from testbed.cache.pool import KVSlotPool
+
+TOKEN_DTYPE = np.int32
+
+
+class TreeNode:
+    """A run of tokens and their KV slots; the path from the root spells the cached sequence."""
+
+    __slots__ = (
+        "id", "parent", "children", "key", "slots", "lock_ref",
+        "last_access", "access_count", "created", "offer", "alive",
+    )
+
+    def __init__(self, node_id: int, parent: "TreeNode | None", key: np.ndarray, slots: np.ndarray,
+                 clock: int) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[object, TreeNode] = {}
+        self.key = key
+        self.slots = slots
+        self.lock_ref = 0
+        self.last_access = clock
+        self.access_count = 1
+        self.created = clock
+        self.offer = 0  # version of the node's latest heap entry
+        self.alive = True
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock={self.lock_ref}, "
+                f"t={self.last_access}, children={len(self.children)})")
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = a[:n] != b[:n]
+    i = int(differ.argmax())
+    return i if differ[i] else n
+
+
+class RadixCache(PrefixCache):
+    """Radix tree over token sequences with ref-counted locks and policy-ordered leaf eviction.
+
+    ``capacity`` is the KV pool size in tokens (None: unbounded). ``page_size > 1`` matches, splits
+    and inserts only whole pages.
+    """
+
+    name = "radix"
+
+    def __init__(self, capacity: int | None = None, page_size: int = 1,
+                 policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None) -> None:
+        if page_size < 1:
+            raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
+        self.pool = pool if pool is not None else KVSlotPool(capacity)
+        self.page_size = page_size
+        self.policy: EvictionPolicy = policy if policy is not None else LRU()
+        self._clock = 0
+        self._ids = count()
+        self.root = TreeNode(next(self._ids), None, np.zeros(0, TOKEN_DTYPE), EMPTY_SLOTS, 0)
+        self.root.lock_ref = 1  # the root is never evicted nor counted
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 1
+        self._heap: list[tuple[object, int, int, TreeNode]] = []
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_size(self) -> int:
+        return self._protected
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root included."""
+        return self._num_nodes
+
+    def fits(self, num_tokens: int) -> bool:
+        return self.pool.capacity is None or num_tokens <= self.pool.capacity
+
+    # ---------------------------------------------------------------- walking
+    def _child_key(self, key: np.ndarray, at: int) -> object:
+        if self.page_size == 1:
+            return int(key[at])
+        return tuple(key[at : at + self.page_size].tolist())
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        node.last_access = self._clock
+        node.access_count += 1
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens: a new head takes the first part (and the lock count);
+        ``node`` keeps the tail, its children and its slots. Returns the head."""
+        self._clock += 1
+        head = TreeNode(next(self._ids), node.parent, node.key[:at], node.slots[:at], self._clock)
+        head.lock_ref = node.lock_ref
+        head.access_count = node.access_count
+        head.children[self._child_key(node.key, at)] = node
+        node.parent.children[self._child_key(node.key, 0)] = head
+        node.parent = head
+        node.key = node.key[at:]
+        node.slots = node.slots[at:]
+        self._num_nodes += 1
+        self._offer(node)  # its size changed; a size-aware policy must see it
+        return head
+
+    def _walk(self, key: np.ndarray) -> tuple[TreeNode, int, list[np.ndarray]]:
+        """Follow ``key`` from the root, touching every node on the way and splitting the edge the
+        walk stops inside. Returns (last node, matched length, slot runs of the matched path)."""
+        node = self.root
+        self._touch(node)
+        matched = 0
+        runs: list[np.ndarray] = []
+        n = len(key)
+        while matched < n:
+            child = node.children.get(self._child_key(key, matched))
+            if child is None:
+                break
+            self._touch(child)
+            k = self._aligned(common_prefix_length(child.key, key[matched:]))
+            split = k < len(child.key)
+            if split:
+                child = self._split(child, k)
+            runs.append(child.slots)
+            matched += k
+            node = child
+            if split:
+                break
+        self._offer(node)
+        return node, matched, runs
+
+    # ---------------------------------------------------------------- core API (SGLang's names)
+    def match_prefix(self, key: np.ndarray) -> tuple[int, TreeNode, np.ndarray]:
+        """Longest cached prefix of ``key`` (page-aligned): (length, deepest node, its slots)."""
+        key = key[: self._aligned(len(key))]
+        if len(key) == 0:
+            return 0, self.root, EMPTY_SLOTS
+        node, matched, runs = self._walk(key)
+        slots = np.concatenate(runs) if runs else EMPTY_SLOTS
+        return matched, node, slots
+
+    def insert(self, key: np.ndarray, slots: np.ndarray) -> int:
+        """Cache ``key`` with KV ``slots`` (same length); returns how many leading tokens were
+        already cached. Their entries in ``slots`` are duplicates the caller gives back. With
+        ``page_size > 1`` only whole pages are inserted (the caller frees the rest)."""
+        if len(key) != len(slots):
+            raise ValueError(f"insert: {len(key)} tokens but {len(slots)} slots")
+        n = self._aligned(len(key))
+        if n == 0:
+            return 0
+        key = key[:n]
+        node, present, _ = self._walk(key)
+        if present < n:
+            self._clock += 1
+            leaf = TreeNode(next(self._ids), node, key[present:].copy(), slots[present:n].copy(),
+                            self._clock)
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self._num_nodes += 1
+            self._evictable += len(leaf.key)
+            self._offer(leaf)
+        return present
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction (ref-counted)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        """Undo one `lock` of ``node``."""
+        start = node
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"unlock of an unlocked node {node!r}")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node = node.parent
+        if start is not self.root:
+            self._offer(start)
+
+    def evict(self, num_tokens: int) -> int:
+        """Remove unlocked leaves in policy order until ``num_tokens`` are freed (whole nodes, so
+        possibly more) or nothing unlocked is left. Returns tokens freed."""
+        freed = 0
+        heap = self._heap
+        while freed < num_tokens and heap:
+            _, _, offer, node = heapq.heappop(heap)
+            if offer != node.offer or not node.alive or node.children or node.lock_ref:
+                continue  # a stale entry: the node changed since this offer
+            freed += len(node.key)
+            self._delete_leaf(node)
+        return freed
+
+    # ---------------------------------------------------------------- PrefixCache lifecycle
+    def match(self, tokens: np.ndarray) -> int:
+        return self.match_prefix(tokens)[0]
+
+    def acquire(self, prompt: np.ndarray) -> Lease:
+        hit, node, slots = self.match_prefix(prompt)
+        self.lock(node)
+        return Lease(hit=hit, handle=node, slots=slots)
+
+    def extend(self, lease: Lease, num_tokens: int) -> int | None:
+        evicted = 0
+        if not self.pool.can_alloc(num_tokens):
+            # Every unlocked token can go (locks cover whole root paths, so no unlocked node sits
+            # above a locked one): decide before evicting anything.
+            if self.pool.num_free + self._evictable < num_tokens:
+                return None
+            evicted = self.evict(num_tokens - self.pool.num_free)
+        lease.slots = np.concatenate([lease.slots, self.pool.alloc(num_tokens)])
+        return evicted
+
+    def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
+        if len(tokens) != lease.num_tokens:
+            raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
+        present = lease.hit
+        if insert:
+            present = self.insert(tokens, lease.slots)
+            # The tree kept slots[:hit] all along; slots[hit:present] duplicate cached KV; the
+            # unaligned tail (page_size > 1) was not inserted.
+            self.pool.free(lease.slots[lease.hit : present])
+            self.pool.free(lease.slots[self._aligned(len(tokens)) :])
+        else:
+            self.pool.free(lease.slots[lease.hit :])
+        self.unlock(lease.handle)
+        lease.slots = EMPTY_SLOTS
+        return Released(inserted=insert, already_cached=present)
+
+    # ---------------------------------------------------------------- eviction bookkeeping
+    def _offer(self, node: TreeNode) -> None:
+        """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
+        if node.children or node.lock_ref or node is self.root:
+            return
+        node.offer += 1
+        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
+        if len(self._heap) > 4 * self._num_nodes + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        """Drop stale entries: keep exactly one (the latest) per current candidate."""
+        self._heap = [e for e in self._heap
+                      if e[2] == e[3].offer and e[3].alive and not e[3].children and not e[3].lock_ref]
+        heapq.heapify(self._heap)
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[self._child_key(node.key, 0)]
+        node.alive = False
+        self._num_nodes -= 1
+        self._evictable -= len(node.key)
+        self.pool.free(node.slots)
+        self._offer(parent)  # a parent left childless competes with its own stored statistics
+
+    # ---------------------------------------------------------------- checks and views
+    def nodes(self) -> Iterable[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
+        evictable = protected = 0
+        owned = [lease.slots[lease.hit :] for lease in leases]
+        candidates = {}
+        for e in self._heap:
+            node = e[3]
+            if e[2] == node.offer and node.alive and not node.children and not node.lock_ref:
+                candidates[node.id] = e[0]
+        for node in self.nodes():
+            assert node.alive, f"dead node in tree: {node!r}"
+            assert len(node.key) > 0 and len(node.key) == len(node.slots), node
+            assert len(node.key) % self.page_size == 0, f"unaligned node {node!r}"
+            assert node.lock_ref >= 0, f"negative lock: {node!r}"
+            assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref, node
+            assert node.parent.children.get(self._child_key(node.key, 0)) is node, node
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+                if not node.children:
+                    assert candidates.get(node.id) == self.policy.priority(node), \
+                        f"evictable leaf without a current heap entry: {node!r}"
+            owned.append(node.slots)
+        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
+        assert self._num_nodes == 1 + sum(1 for _ in self.nodes())
+        self.pool.check_ownership(owned)
+

@@ -1,0 +1,92 @@
+"""Per-request records and the run summary (the `summary.json` / `requests.jsonl` contract).
+
+Definitions (DESIGN.md §3): ``hit_rate`` is cached prompt tokens over all prompt tokens;
+``ideal_hit_rate`` is the same ratio with unlimited cache and perfect reuse (each prompt's longest
+prefix shared with any earlier request's prompt+output). Timing figures are None where the backend
+has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per second of makespan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from testbed.cache.radix import RadixCache
+from testbed.workloads.request import Request
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    program: str | None
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    evicted_tokens: int  # tokens evicted to make room for this request
+    inserted: bool  # false when the request could not be cached
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        row = asdict(self)
+        if self.prompt_ids is None:
+            del row["prompt_ids"], row["output_ids"]
+        return row
+
+
+def ideal_hit_rate(requests: Iterable[Request]) -> float:
+    """Hit rate of an unlimited cache with perfect reuse, requests taken in the given order."""
+    tree = RadixCache(capacity=None)
+    hit = total = 0
+    for r in requests:
+        lease = tree.acquire(r.prompt)
+        seq = r.sequence()
+        tree.extend(lease, len(seq) - lease.hit)
+        tree.release(lease, seq)
+        hit += lease.hit
+        total += len(r.prompt)
+    return hit / total if total else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
+              preemptions: int = 0) -> dict[str, Any]:
+    """The summary.json figures for one run."""
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    output = sum(r.output_tokens for r in records)
+    timed = [r for r in records if r.finish_s is not None]
+    makespan = (max(r.finish_s for r in timed) - min(r.arrival_s for r in timed)) if timed else None
+    ttft = [r.first_token_s - r.arrival_s for r in timed if r.first_token_s is not None]
+    tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
+            for r in timed if r.first_token_s is not None and r.output_tokens > 1]
+    e2e = [r.finish_s - r.arrival_s for r in timed]
+    rate = (lambda x: x / makespan) if makespan else (lambda x: None)
+    return {
+        "num_requests": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "ideal_hit_rate": ideal,
+        "output_tokens": output,
+        "evicted_tokens": sum(r.evicted_tokens for r in records),
+        "uncached_requests": sum(not r.inserted for r in records),
+        "preemptions": preemptions,
+        "makespan_s": makespan,
+        "throughput_req_s": rate(len(timed)),
+        "throughput_tok_s": rate(prompt + output),
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_p50_s": _percentile(tpot, 50),
+        "e2e_p50_s": _percentile(e2e, 50),
+        "e2e_p99_s": _percentile(e2e, 99),
+        "wall_s": wall_s,
+    }

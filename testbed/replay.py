@@ -1,0 +1,39 @@
+"""The replay backend: requests served one at a time in arrival order, no time (DESIGN.md §4).
+
+For each request: match its prompt and protect the hit, make room for the rest of prompt+output
+(evicting as needed), insert prompt+output, give duplicates back, unprotect. A request whose
+sequence could never fit in the cache is served uncached: no hit, nothing evicted, nothing inserted
+(the same rule for every cache, so their records stay comparable).
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from testbed.cache.base import PrefixCache
+from testbed.metrics import RequestRecord
+from testbed.workloads.request import Request
+
+
+def replay(requests: list[Request], cache: PrefixCache, save_token_ids: bool = False,
+           progress: bool = False) -> list[RequestRecord]:
+    records = []
+    for r in tqdm(requests, desc=f"replay {cache.name}", unit="req", disable=None if progress else True):
+        seq = r.sequence()
+        hit = evicted = 0
+        inserted = False
+        if cache.fits(len(seq)):
+            lease = cache.acquire(r.prompt)
+            evicted = cache.extend(lease, len(seq) - lease.hit)
+            if evicted is None:  # fits() promised room with nothing else protected
+                raise RuntimeError(f"request {r.id}: cache could not make room for {len(seq)} tokens")
+            inserted = cache.release(lease, seq).inserted
+            hit = lease.hit
+        records.append(RequestRecord(
+            id=r.id, program=r.program, arrival_s=r.arrival_s, first_token_s=None, finish_s=None,
+            prompt_tokens=len(r.prompt), cached_tokens=hit, output_tokens=len(r.output),
+            evicted_tokens=evicted, inserted=inserted,
+            prompt_ids=r.prompt.tolist() if save_token_ids else None,
+            output_ids=r.output.tolist() if save_token_ids else None,
+        ))
+    return records

@@ -1,0 +1,40 @@
+"""Writing a run's results: ``summary.json`` and ``requests.jsonl`` (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from testbed.metrics import RequestRecord
+
+
+def write_run(run_dir: str | Path, summary: dict[str, Any], records: list[RequestRecord],
+              config: dict[str, Any] | None = None) -> Path:
+    """Write the run's files into ``run_dir`` (created if needed); returns the directory."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    doc = dict(summary)
+    if config is not None:
+        doc["config"] = config
+    (run_dir / "summary.json").write_text(json.dumps(doc, indent=2) + "\n")
+    with (run_dir / "requests.jsonl").open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_json()) + "\n")
+    return run_dir
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal: the figures a reader looks at first."""
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.6g}"
+        return str(v)
+
+    keys = ["num_requests", "prompt_tokens", "cached_tokens", "hit_rate", "ideal_hit_rate",
+            "output_tokens", "evicted_tokens", "uncached_requests", "preemptions", "makespan_s",
+            "throughput_req_s", "throughput_tok_s", "ttft_p50_s", "e2e_p50_s", "wall_s"]
+    width = max(map(len, keys))
+    return "\n".join(f"  {k:<{width}}  {fmt(summary.get(k))}" for k in keys)
