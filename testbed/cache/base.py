@@ -83,7 +83,8 @@ class PrefixCache(ABC):
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence, whose
-        length must equal ``lease.num_tokens``); otherwise every slot of the lease is freed."""
+        length must equal ``lease.num_tokens``); otherwise the slots the lease added are freed
+        (the matched prefix stays cached) and ``tokens`` is ignored."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

@@ -122,7 +122,7 @@ class BlockHashCache(PrefixCache):
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle
-        if len(tokens) != lease.num_tokens:
+        if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         k = lease.hit // self.block_size
         if insert:

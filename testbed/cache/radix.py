@@ -248,7 +248,7 @@ class RadixCache(PrefixCache):
         return evicted
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
-        if len(tokens) != lease.num_tokens:
+        if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         present = lease.hit
         if insert:

@@ -1,0 +1,20 @@
+"""Shared helpers for the test suite."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def toks(*ids: int) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)
+
+
+@pytest.fixture
+def mooncake_conversation() -> Path:
+    path = SHARED_TRACES / "mooncake_conversation_trace.jsonl"
+    if not path.is_file():
+        pytest.skip(f"real trace not present: {path}")
+    return path

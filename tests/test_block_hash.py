@@ -1,0 +1,122 @@
+"""Exact behaviour of the block-hash cache (vLLM V1 prefix caching, DESIGN.md §4)."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.cache.block_hash import BlockHashCache
+from testbed.replay import replay
+from testbed.workloads.request import Request
+from tests.conftest import toks
+
+
+def serve(cache: BlockHashCache, prompt, output=()) -> tuple[int, int]:
+    """One replayed request; returns (hit, evicted)."""
+    (rec,) = replay([Request("r", toks(*prompt), toks(*output))], cache)
+    cache.check_invariants()
+    return rec.cached_tokens, rec.evicted_tokens
+
+
+def test_a_partial_block_is_never_cached():
+    cache = BlockHashCache(capacity=64, block_size=4)
+    serve(cache, range(6))          # one full block [0..3], partial [4, 5]
+    assert cache.total_size == 4
+    assert serve(cache, [0, 1, 2, 3, 4, 5, 6, 7, 8])[0] == 4
+
+
+def test_the_last_prompt_token_is_never_a_hit():
+    cache = BlockHashCache(capacity=64, block_size=4)
+    serve(cache, range(8))
+    assert cache.match(toks(*range(8))) == 4  # both blocks cached, only (8-1)//4 = 1 eligible
+    assert serve(cache, range(8))[0] == 4
+    assert serve(cache, range(9))[0] == 8
+
+
+def test_output_blocks_are_cached_for_later_turns():
+    cache = BlockHashCache(capacity=64, block_size=4)
+    serve(cache, [1, 2, 3, 4], [5, 6, 7, 8])
+    assert serve(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9])[0] == 8
+
+
+def test_least_recently_freed_blocks_are_evicted_first():
+    cache = BlockHashCache(capacity=16, block_size=4)  # 4 blocks
+    serve(cache, range(0, 4))      # A
+    serve(cache, range(10, 14))    # B
+    serve(cache, range(20, 24))    # C
+    serve(cache, range(30, 34))    # D: the queue is now A, B, C, D (all keyed)
+    # A is reused (taken out of the queue); the partial block pops the head: B loses its key.
+    assert serve(cache, range(0, 5)) == (4, 4)
+    # Freed: the unkeyed partial block to the head, A to the tail: queue free, C, D, A.
+    assert serve(cache, range(40, 48)) == (0, 4)  # the free block, then C (evicted)
+    assert cache.match(toks(*range(10, 15))) == 0
+    assert cache.match(toks(*range(20, 25))) == 0
+    assert cache.match(toks(*range(30, 35))) == 4
+    assert cache.match(toks(*range(0, 5))) == 4
+
+
+def test_a_requests_blocks_are_evicted_tail_first():
+    cache = BlockHashCache(capacity=12, block_size=4)  # 3 blocks
+    serve(cache, range(12))   # blocks X0 X1 X2 freed last to first: queue X2, X1, X0
+    hit, evicted = serve(cache, range(100, 104))
+    assert (hit, evicted) == (0, 4)
+    # X2 (the tail of the sequence) went first; the first two blocks still hit.
+    assert cache.match(toks(*range(9))) == 8
+
+
+def test_a_request_with_more_blocks_than_the_cache_is_served_uncached():
+    cache = BlockHashCache(capacity=8, block_size=4)
+    serve(cache, range(4))
+    (rec,) = replay([Request("big", toks(*range(12)), toks())], cache)
+    assert (rec.cached_tokens, rec.evicted_tokens, rec.inserted) == (0, 0, False)
+    assert cache.match(toks(*range(5))) == 4  # nothing changed
+
+
+def test_a_duplicate_key_is_registered_twice_and_lookups_use_the_older_block():
+    cache = BlockHashCache(capacity=64, block_size=4)
+    a = cache.acquire(toks(1, 2, 3, 4, 5))
+    b = cache.acquire(toks(1, 2, 3, 4, 5))
+    cache.extend(a, 5)
+    cache.extend(b, 5)
+    cache.check_invariants([a, b])
+    cache.release(a, toks(1, 2, 3, 4, 5))
+    cache.release(b, toks(1, 2, 3, 4, 5))
+    assert cache.total_size == 8  # the same key on two blocks
+    lease = cache.acquire(toks(1, 2, 3, 4, 5))
+    assert lease.handle.blocks == a.handle.blocks[:1]
+    cache.release(lease, toks(), insert=False)
+    cache.check_invariants()
+
+
+def test_slots_are_block_contiguous_and_skip_slot_zero():
+    cache = BlockHashCache(capacity=8, block_size=4)
+    lease = cache.acquire(toks(1, 2, 3))
+    cache.extend(lease, 6)
+    assert lease.slots.tolist() == [1, 2, 3, 4, 5, 6]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 6), st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=12),
+                                             st.lists(st.integers(0, 2), max_size=4),
+                                             st.booleans()), min_size=30, max_size=50))
+def test_block_accounting_stays_consistent_with_overlapping_requests(blocks, ops):
+    cache = BlockHashCache(capacity=4 * blocks, block_size=4)
+    held = []
+    for prompt, output, keep in ops:
+        prompt, seq = toks(*prompt), toks(*prompt, *output)
+        lease = cache.acquire(prompt)
+        evicted = cache.extend(lease, len(seq) - lease.hit)
+        if evicted is None:
+            cache.release(lease, seq, insert=False)
+        elif keep and len(held) < 2:
+            held.append((lease, seq))
+        else:
+            cache.release(lease, seq)
+        if held and not keep:
+            cache.release(*held.pop(0))
+        cache.check_invariants([lease for lease, _ in held])
+        assert cache.total_size <= 4 * blocks
+    for lease, seq in held:
+        cache.release(lease, seq)
+    cache.check_invariants()
+    assert cache.protected_size == 0
+    assert np.isclose(cache.evictable_size % 4, 0)

@@ -1,0 +1,134 @@
+"""Property tests of the radix cache against brute-force models (hypothesis, derandomized).
+
+Each property runs at least 10^4 cache operations per CI run (examples x operations).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.cache.radix import RadixCache, TreeNode
+
+SETTINGS = settings(max_examples=250, deadline=None, derandomize=True)
+seqs = st.lists(st.integers(0, 3), min_size=0, max_size=12)
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def peek(cache: RadixCache, key: list[int]) -> int:
+    """Cached length of ``key``'s prefix, found token by token without touching anything."""
+    node, n = cache.root, 0
+    while True:
+        child = next((c for c in node.children.values()
+                      if n < len(key) and c.key[0] == key[n]), None)
+        if child is None:
+            return n
+        k = lcp(child.key.tolist(), key[n:])
+        n += k
+        if k < len(child.key):
+            return n - n % cache.page_size
+        node = child
+
+
+def brute_force_victims(cache: RadixCache, n: int) -> list[int]:
+    """Node ids `evict(n)` must remove: rescan all nodes for the oldest unlocked leaf each time."""
+    children = {node.id: len(node.children) for node in cache.nodes()}
+    nodes = {node.id: node for node in cache.nodes()}
+    victims, freed = [], 0
+    while freed < n:
+        leaves = [v for k, v in nodes.items() if children[k] == 0 and v.lock_ref == 0]
+        if not leaves:
+            break
+        victim = min(leaves, key=lambda v: v.last_access)
+        victims.append(victim.id)
+        freed += len(victim.key)
+        del nodes[victim.id]
+        if victim.parent is not cache.root:
+            children[victim.parent.id] -= 1
+    return victims
+
+
+@SETTINGS
+@given(st.sampled_from([1, 2, 4]), st.lists(st.tuples(st.booleans(), seqs), min_size=40, max_size=60))
+def test_unlimited_match_equals_longest_common_prefix_with_any_inserted_sequence(page, ops):
+    cache = RadixCache(None, page_size=page)
+    inserted: list[list[int]] = []
+    for is_insert, seq in ops:
+        expected = max((lcp(seq, s) for s in inserted), default=0)
+        expected -= expected % page
+        key = np.asarray(seq, dtype=np.int32)
+        if is_insert:
+            lease = cache.acquire(key)
+            assert lease.hit == expected
+            cache.extend(lease, len(seq) - lease.hit)
+            cache.release(lease, key)
+            inserted.append(seq[: len(seq) - len(seq) % page])
+        else:
+            assert cache.match(key) == expected
+    cache.check_invariants()
+
+
+op = st.one_of(
+    st.tuples(st.just("request"), seqs),
+    st.tuples(st.just("hold"), seqs),
+    st.tuples(st.just("drop"), st.integers(0, 3), st.booleans()),
+    st.tuples(st.just("match"), seqs),
+    st.tuples(st.just("evict"), st.integers(0, 12)),
+)
+
+
+@SETTINGS
+@given(st.sampled_from([1, 2]), st.integers(4, 24), st.lists(op, min_size=40, max_size=60))
+def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(page, capacity, ops):
+    cache = RadixCache(capacity, page_size=page)
+    held = []  # (lease, tokens of its sequence)
+    for step in ops:
+        kind = step[0]
+        if kind in ("request", "hold"):
+            key = np.asarray(step[1], dtype=np.int32)
+            lease = cache.acquire(key)
+            evicted = cache.extend(lease, len(key) - lease.hit)
+            if kind == "hold" and evicted is not None and len(held) < 3:
+                held.append((lease, key))
+            else:
+                cache.release(lease, key, insert=evicted is not None)
+        elif kind == "drop" and held:
+            lease, key = held.pop(step[1] % len(held))
+            cache.release(lease, key, insert=step[2])
+        elif kind == "match":
+            cache.match(np.asarray(step[1], dtype=np.int32))
+        elif kind == "evict":
+            expected = brute_force_victims(cache, step[1])
+            ids_before = {n.id for n in cache.nodes()}
+            size_before = cache.total_size
+            freed = cache.evict(step[1])
+            removed = ids_before - {n.id for n in cache.nodes()}
+            assert removed == set(expected), "victims differ from the brute-force LRU scan"
+            assert cache.total_size == size_before - freed
+        cache.check_invariants([lease for lease, _ in held])
+        for lease, key in held:
+            assert peek(cache, key.tolist()) >= lease.hit, "a locked prefix was evicted"
+    for lease, key in held:
+        cache.release(lease, key)
+    cache.check_invariants()
+    assert cache.protected_size == 0
+    assert cache.pool.num_free + cache.total_size == capacity
+
+
+def test_tree_node_ids_are_unique():
+    cache = RadixCache(None)
+    for seq in ([1, 2, 3], [1, 2, 4], [1, 5]):
+        key = np.asarray(seq, dtype=np.int32)
+        lease = cache.acquire(key)
+        cache.extend(lease, len(key) - lease.hit)
+        cache.release(lease, key)
+    ids = [n.id for n in cache.nodes()]
+    assert len(ids) == len(set(ids)) == 5
+    assert all(isinstance(n, TreeNode) for n in cache.nodes())

@@ -1,0 +1,119 @@
+"""The replay backend (DESIGN.md §4) and the summary it feeds."""
+
+import numpy as np
+import pytest
+
+from testbed.cache import BlockHashCache, NoCache, RadixCache, make_cache
+from testbed.metrics import ideal_hit_rate, summarize
+from testbed.replay import replay
+from testbed.workloads.generators import shared_prefix
+from testbed.workloads.request import Request
+from testbed.workloads.traces import load_mooncake
+from tests.conftest import toks
+
+
+def req(i, prompt, output=()):
+    return Request(str(i), toks(*prompt), toks(*output))
+
+
+def test_replay_records_hits_evictions_and_insertion_per_request():
+    cache = RadixCache(8)
+    records = replay([req(0, [1, 2, 3], [4]), req(1, [1, 2, 3, 4, 5], [6]), req(2, [7, 8, 9], [1])],
+                     cache)
+    assert [r.cached_tokens for r in records] == [0, 4, 0]
+    # Request 2 needs 4 slots with 2 free; the only leaf is [5, 6] ([1, 2, 3, 4] is its parent),
+    # and its 2 tokens are enough.
+    assert [r.evicted_tokens for r in records] == [0, 0, 2]
+    assert all(r.inserted for r in records)
+    cache.check_invariants()
+    assert cache.total_size == 8 and cache.pool.num_free == 0
+
+
+def test_output_tokens_already_cached_still_count_in_need_and_their_slots_are_freed():
+    cache = RadixCache(7)
+    replay([req(0, [1, 2], [3, 4])], cache)
+    (rec,) = replay([req(1, [1], [2, 3, 4])], cache)  # whole sequence cached already
+    assert (rec.cached_tokens, rec.evicted_tokens) == (1, 0)
+    assert cache.total_size == 4 and cache.pool.num_free == 3
+    cache.check_invariants()
+
+
+def test_need_counts_the_cached_continuation_so_it_may_evict_it_first():
+    # SGLang's rule: need = len(prompt + output) - hit even when the rest is cached. With 2 free
+    # slots and need 3, the oldest unlocked leaf is the request's own continuation [2, 3, 4].
+    cache = RadixCache(6)
+    replay([req(0, [1, 2], [3, 4])], cache)
+    (rec,) = replay([req(1, [1], [2, 3, 4])], cache)
+    assert (rec.cached_tokens, rec.evicted_tokens) == (1, 3)
+    assert cache.total_size == 4 and cache.pool.num_free == 2
+    cache.check_invariants()
+
+
+def test_a_sequence_longer_than_the_cache_is_served_uncached_and_changes_nothing():
+    cache = RadixCache(4)
+    replay([req(0, [1, 2, 3])], cache)
+    (rec,) = replay([req(1, [1, 2, 3, 4, 5])], cache)
+    assert (rec.cached_tokens, rec.evicted_tokens, rec.inserted) == (0, 0, False)
+    assert cache.total_size == 3
+
+
+def test_no_cache_never_hits_and_keeps_nothing():
+    cache = NoCache(100)
+    records = replay([req(0, [1, 2, 3]), req(1, [1, 2, 3])], cache)
+    assert [(r.cached_tokens, r.inserted) for r in records] == [(0, False), (0, False)]
+    assert cache.pool.num_free == 100
+    cache.check_invariants()
+
+
+def test_unlimited_radix_replay_reaches_exactly_the_ideal_hit_rate():
+    requests = shared_prefix(num_groups=4, prompts_per_group=3, system_prompt_len=50,
+                             question_len=5, output_len=7, seed=3)
+    records = replay(requests, RadixCache(None))
+    s = summarize(records, ideal=ideal_hit_rate(requests), wall_s=0.0)
+    assert s["hit_rate"] == s["ideal_hit_rate"]
+    assert s["cached_tokens"] >= 4 * 2 * 50
+
+
+def test_ideal_hit_rate_counts_prefixes_of_earlier_outputs():
+    # The second prompt continues the first request's output: all 4 of its first tokens hit.
+    requests = [req(0, [1, 2], [3, 4]), req(1, [1, 2, 3, 4, 5, 6])]
+    assert ideal_hit_rate(requests) == pytest.approx(4 / 8)
+
+
+def test_summary_has_the_contract_fields_and_nulls_for_time_in_replay():
+    records = replay([req(0, [1, 2], [3])], RadixCache(None))
+    s = summarize(records, ideal=0.0, wall_s=0.5)
+    for key in ["num_requests", "prompt_tokens", "cached_tokens", "hit_rate", "ideal_hit_rate",
+                "output_tokens", "evicted_tokens", "preemptions", "makespan_s", "throughput_req_s",
+                "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s",
+                "e2e_p99_s", "wall_s"]:
+        assert key in s
+    assert s["makespan_s"] is None and s["ttft_p50_s"] is None and s["wall_s"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["radix", "block_hash", "none"])
+def test_every_cache_leaves_no_slot_leaked_after_a_replay(name):
+    requests = shared_prefix(num_groups=3, prompts_per_group=4, system_prompt_len=40,
+                             question_len=9, output_len=6, seed=1)
+    cache = make_cache(name, capacity_tokens=150)
+    replay(requests, cache)
+    cache.check_invariants()
+    assert cache.protected_size == 0
+
+
+def test_make_cache_names_the_key_and_allowed_values_on_bad_input():
+    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none"):
+        make_cache("lru")
+    with pytest.raises(ValueError, match="cache.capacity_tokens must be >= 0 or null, got -5"):
+        make_cache("radix", capacity_tokens=-5)
+    with pytest.raises(ValueError, match="eviction must be one of lru"):
+        make_cache("radix", eviction="nope")
+
+
+@pytest.mark.parametrize("capacity, expected", [(None, 0.373624), (3_000_000, 0.135347)])
+def test_mooncake_conversation_trace_hit_rates_match_sglang(mooncake_conversation, capacity, expected):
+    requests = load_mooncake(mooncake_conversation)
+    assert len(requests) == 12031
+    records = replay(requests, RadixCache(capacity))
+    hit_rate = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
+    assert round(hit_rate, 6) == expected
