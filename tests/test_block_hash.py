@@ -120,3 +120,15 @@ def test_block_accounting_stays_consistent_with_overlapping_requests(blocks, ops
     cache.check_invariants()
     assert cache.protected_size == 0
     assert np.isclose(cache.evictable_size % 4, 0)
+
+
+def test_unbounded_cache_never_evicts_and_hits_like_a_cache_too_big_to_fill():
+    from testbed.workloads.generators import shared_prefix
+
+    requests = shared_prefix(num_groups=5, prompts_per_group=4, system_prompt_len=70,
+                             question_len=9, output_len=11, seed=2)
+    unbounded = replay(requests, BlockHashCache(None, block_size=4))
+    huge = replay(requests, BlockHashCache(10**6, block_size=4))
+    assert sum(r.evicted_tokens for r in unbounded) == 0
+    assert [r.cached_tokens for r in unbounded] == [r.cached_tokens for r in huge]
+    assert sum(r.cached_tokens for r in unbounded) >= 5 * 3 * 68

@@ -55,12 +55,14 @@ class BlockHashCache(PrefixCache):
         self._protected_tokens = 0
 
     # ---------------------------------------------------------------- keys
-    def block_keys(self, tokens: np.ndarray) -> list[int]:
-        """Chained keys of the full blocks of ``tokens``."""
+    def block_keys(self, tokens: np.ndarray, known: list[int] | None = None) -> list[int]:
+        """Chained keys of the full blocks of ``tokens``; ``known`` are already computed keys of
+        its leading blocks (a prompt's, when keying prompt + output)."""
         b = self.block_size
-        n = len(tokens) // b
-        rows = np.ascontiguousarray(tokens[: n * b], dtype=np.int64).reshape(n, b)
-        keys, prev = [], 0
+        keys = list(known or [])
+        start, n = len(keys), len(tokens) // b
+        rows = np.ascontiguousarray(tokens[start * b : n * b], dtype=np.int64).reshape(n - start, b)
+        prev = keys[-1] if keys else 0
         for row in rows:
             prev = hash((prev, row.tobytes()))
             keys.append(prev)
@@ -109,8 +111,8 @@ class BlockHashCache(PrefixCache):
             return None
         evicted = 0
         for _ in range(need):
-            if self.num_blocks is None and not self._free:
-                self._mint(1)
+            if self.num_blocks is None and (not self._free or next(iter(self._free)) in self._key_of):
+                self._mint_at_head()  # unbounded: never reuse a cached block
             block, _ = self._free.popitem(last=False)
             if block in self._key_of:
                 self._forget(block)
@@ -126,7 +128,7 @@ class BlockHashCache(PrefixCache):
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         k = lease.hit // self.block_size
         if insert:
-            keys = self.block_keys(tokens)
+            keys = self.block_keys(tokens, known=handle.keys)
             for i in range(k, len(keys)):
                 self._register(handle.blocks[i], keys[i])
         for block in reversed(handle.blocks):
@@ -157,6 +159,11 @@ class BlockHashCache(PrefixCache):
         for block in range(self._minted, self._minted + n):
             self._free[block] = None
         self._minted += n
+
+    def _mint_at_head(self) -> None:
+        self._free[self._minted] = None
+        self._free.move_to_end(self._minted, last=False)
+        self._minted += 1
 
     def _take(self, block: int) -> None:
         """A request starts using a cached block: it leaves the free queue if it was there."""
