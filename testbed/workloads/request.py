@@ -1,20 +1,40 @@
-"""The request record every backend consumes: token ids in, token ids out, when, and after what."""
+"""The request record every backend consumes: token ids in, token ids out, when, and after what.
+
+A request (one LLM call) belongs to a *program*, a DAG of calls: ``after`` names the calls that must
+finish before it is submitted (plus ``think_time_s``). Its prompt may splice in earlier calls'
+outputs (turn 2 of a chat contains turn 1's answer); ``segments`` records that structure — literal
+token spans and `OutputRef`s — so that an engine generating real outputs can rebuild the prompt,
+while ``prompt`` holds it materialised with the predetermined outputs the replay and simulator
+backends use.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Union
 
 import numpy as np
 
 TOKEN_DTYPE = np.int32
 
 
+@dataclass(frozen=True)
+class OutputRef:
+    """A prompt segment standing for the whole output of call ``call``."""
+
+    call: str
+
+
+Segment = Union[np.ndarray, OutputRef]
+
+
 @dataclass
 class Request:
     """One LLM call.
 
-    ``output`` holds the predetermined output tokens (what the replay and simulator backends emit);
-    ``after`` lists ids of requests that must finish before this one is submitted.
+    ``output`` holds the predetermined output tokens (what the replay and simulator backends emit).
+    ``arrival_s`` is when its program arrives; a call with ``after`` dependencies is submitted once
+    they finish, ``think_time_s`` later. Lower ``priority`` values are more urgent.
     """
 
     id: str
@@ -23,6 +43,9 @@ class Request:
     arrival_s: float = 0.0
     program: str | None = None
     after: list[str] = field(default_factory=list)
+    think_time_s: float = 0.0
+    priority: int = 0
+    segments: tuple[Segment, ...] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -35,6 +58,12 @@ class Request:
     def sequence(self) -> np.ndarray:
         """Prompt followed by output: what a finished request leaves in the cache."""
         return np.concatenate([self.prompt, self.output])
+
+
+def materialize(segments: tuple[Segment, ...], outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The prompt spelled by ``segments``, with each `OutputRef` replaced by ``outputs[call]``."""
+    parts = [outputs[s.call] if isinstance(s, OutputRef) else s for s in segments]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
 
 
 def as_tokens(ids, where: str) -> np.ndarray:
@@ -54,3 +83,10 @@ def as_tokens(ids, where: str) -> np.ndarray:
 def arrival_order(requests: list[Request]) -> list[Request]:
     """Requests by arrival time, ties in their given order (sorted() is stable)."""
     return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def fresh_token_ids(start: int, n: int) -> np.ndarray:
+    """``n`` consecutive ids from ``start``: tokens no other request shares (trace loaders)."""
+    if start + n > np.iinfo(TOKEN_DTYPE).max:
+        raise ValueError("too many tokens to give unique 32-bit ids")
+    return np.arange(start, start + n, dtype=TOKEN_DTYPE)
