@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script, installed or not
 from testbed.cache.block_hash import BlockHashCache  # noqa: E402
 from testbed.cache.radix import RadixCache  # noqa: E402
 from testbed.replay import replay  # noqa: E402
-from testbed.workloads.generators import shared_prefix  # noqa: E402
+from testbed.workloads.synthetic import shared_prefix  # noqa: E402
 from testbed.workloads.traces import load_mooncake, load_tokens  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

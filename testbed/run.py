@@ -31,7 +31,8 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     backend = cfg.backend.name
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    requests = build_workload(OmegaConf.to_container(cfg.workload, resolve=True), seed=cfg.seed)
+    requests = build_workload(OmegaConf.to_container(cfg.workload, resolve=True), seed=cfg.seed,
+                              arrival=OmegaConf.to_container(cfg.arrival, resolve=True))
     c = cfg.cache
     cache = make_cache(c.name, capacity_tokens=c.get("capacity_tokens"),
                        page_size=c.get("page_size", 1), block_size=c.get("block_size", 16),

@@ -123,7 +123,7 @@ def test_block_accounting_stays_consistent_with_overlapping_requests(blocks, ops
 
 
 def test_unbounded_cache_never_evicts_and_hits_like_a_cache_too_big_to_fill():
-    from testbed.workloads.generators import shared_prefix
+    from testbed.workloads.synthetic import shared_prefix
 
     requests = shared_prefix(num_groups=5, prompts_per_group=4, system_prompt_len=70,
                              question_len=9, output_len=11, seed=2)

@@ -6,7 +6,7 @@ import pytest
 from testbed.cache import BlockHashCache, NoCache, RadixCache, make_cache
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.replay import replay
-from testbed.workloads.generators import shared_prefix
+from testbed.workloads.synthetic import shared_prefix
 from testbed.workloads.request import Request
 from testbed.workloads.traces import load_mooncake
 from tests.conftest import toks

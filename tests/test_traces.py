@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from testbed.workloads import build_workload
-from testbed.workloads.generators import shared_prefix
+from testbed.workloads.synthetic import shared_prefix
 from testbed.workloads.traces import TraceError, load_mooncake, load_tokens, save_tokens
 
 
@@ -86,7 +86,7 @@ def test_build_workload_orders_by_arrival_with_ties_in_file_order(tmp_path):
 
 
 def test_build_workload_rejects_unknown_names_and_formats():
-    with pytest.raises(ValueError, match="workload must be one of shared_prefix, trace"):
+    with pytest.raises(ValueError, match="workload must be one of few_shot, chat, .*, mixed, trace; got .nope."):
         build_workload({"name": "nope"})
     with pytest.raises(ValueError, match="workload.format must be one of tokens, mooncake"):
         build_workload({"name": "trace", "path": "x", "format": "csv"})

@@ -1,0 +1,30 @@
+"""``python -m testbed.workloads [overrides]``: describe (and with ``save=FILE`` save) a workload."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from testbed.workloads import build_workload, save_tokens
+from testbed.workloads.describe import describe, format_table
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="describe")
+def main(cfg: DictConfig) -> None:
+    try:
+        requests = build_workload(OmegaConf.to_container(cfg.workload, resolve=True), seed=cfg.seed,
+                                  arrival=OmegaConf.to_container(cfg.arrival, resolve=True))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"workload={cfg.workload.name} seed={cfg.seed}")
+    print(format_table(describe(requests)))
+    if cfg.save:
+        save_tokens(requests, cfg.save)
+        print(f"saved {len(requests)} requests to {cfg.save}")
+
+
+if __name__ == "__main__":
+    main()

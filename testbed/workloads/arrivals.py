@@ -1,0 +1,47 @@
+"""Arrival processes: when each program arrives (its calls then follow their dependencies).
+
+- ``offline``: everything at t=0 (a batch job; ``max_in_flight`` makes it a closed loop in the
+  simulator: at most N programs running at once);
+- ``poisson``: programs arrive as a Poisson process of ``rate`` programs per second;
+- ``trace``: the trace's own timestamps, multiplied by ``time_scale``;
+- ``auto``: ``trace`` for recorded traces, ``offline`` for generated workloads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from testbed.workloads.request import Request
+
+ARRIVALS = ("auto", "offline", "poisson", "trace")
+
+
+def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: float | None = None,
+                   time_scale: float = 1.0, max_in_flight: int | None = None,
+                   seed: int = 0) -> list[Request]:
+    """Requests with ``arrival_s`` set by the arrival process (all calls of a program share their
+    program's arrival; requests without a program are programs of their own)."""
+    if kind not in ARRIVALS:
+        raise ValueError(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
+    if kind == "auto":
+        kind = "trace" if is_trace else "offline"
+    if kind == "trace":
+        if time_scale < 0:
+            raise ValueError(f"arrival.time_scale must be >= 0, got {time_scale}")
+        return [replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
+    if kind == "offline":
+        return [replace(r, arrival_s=0.0) for r in requests]
+    if rate is None or rate <= 0:
+        raise ValueError(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
+    programs = list(dict.fromkeys(_program(r) for r in requests))
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(programs))
+    start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))
+    return [replace(r, arrival_s=float(start[_program(r)])) for r in requests]
+
+
+def _program(r: Request) -> str:
+    return r.program if r.program is not None else r.id
