@@ -6,6 +6,7 @@ A request's life in any cache, in the replay backend and (later) in the schedule
    protect it from eviction while the request runs;
 2. ``evicted = cache.extend(lease, n)`` — make room for ``n`` more tokens of KV, evicting if needed;
    returns the tokens evicted, or ``None`` when even evicting everything unprotected is not enough;
+   (``cache.commit(lease, tokens)`` caches a partial sequence while the request goes on);
 3. ``cache.release(lease, tokens)`` — offer the request's sequence to the cache (``insert=False``
    just frees it), give back duplicate or unused slots, and lift the protection.
 
@@ -16,7 +17,7 @@ at all — is the cache's business. Callers only see hit lengths, evicted counts
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -26,23 +27,52 @@ from testbed.cache.pool import SLOT_DTYPE
 EMPTY_SLOTS = np.zeros(0, dtype=SLOT_DTYPE)
 
 
-@dataclass
 class Lease:
     """A running request's hold on the cache.
 
-    ``hit`` tokens of the prompt were found cached; ``slots`` are the KV slots of the request's
-    sequence so far (cached prefix first, then what ``extend`` added); ``handle`` is the cache's own
-    marker of what it protects (a tree node, a list of blocks).
+    ``hit`` tokens of the prompt were found cached when the lease was taken; ``slots`` are the KV
+    slots of the request's sequence so far (cached prefix first, then what ``extend`` added), of
+    which the first ``cached`` belong to the cache (protected while the lease lives) and the rest
+    to the request; ``handle`` is the cache's own marker of what it protects (a tree node, blocks).
+    Slots grow geometrically, so a decode step's one-slot `append` costs O(1) amortised.
     """
 
-    hit: int
-    handle: Any = None
-    slots: np.ndarray = field(default_factory=lambda: EMPTY_SLOTS)
+    __slots__ = ("hit", "handle", "cached", "_buf", "_n")
+
+    def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
+                 cached: int | None = None) -> None:
+        self.hit = hit
+        self.handle = handle
+        self.cached = hit if cached is None else cached
+        self._buf = np.array(slots, dtype=SLOT_DTYPE)
+        self._n = len(slots)
+
+    @property
+    def slots(self) -> np.ndarray:
+        return self._buf[: self._n]
 
     @property
     def num_tokens(self) -> int:
         """Tokens of KV this lease covers (cached prefix plus extensions)."""
-        return len(self.slots)
+        return self._n
+
+    def append(self, slots: np.ndarray) -> None:
+        end = self._n + len(slots)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf), 16), dtype=SLOT_DTYPE)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : end] = slots
+        self._n = end
+
+    def reset(self, slots: np.ndarray, cached: int) -> None:
+        """Replace the slots (after the cache took over ``cached`` of them)."""
+        self._buf = np.array(slots, dtype=SLOT_DTYPE)
+        self._n = len(slots)
+        self.cached = cached
+
+    def __repr__(self) -> str:
+        return f"Lease(hit={self.hit}, cached={self.cached}, tokens={self._n})"
 
 
 @dataclass(frozen=True)
@@ -71,8 +101,10 @@ class PrefixCache(ABC):
         Like SGLang's ``match_prefix`` this counts as an access (it refreshes recency)."""
 
     @abstractmethod
-    def acquire(self, prompt: np.ndarray) -> Lease:
-        """Match ``prompt`` and protect the matched prefix until `release`."""
+    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
+        """Match ``prompt`` and protect the matched prefix until `release`. The hit is at most
+        ``limit`` tokens (a scheduler passes ``len(prompt) - 1``: one token must be computed to
+        produce the next one)."""
 
     @abstractmethod
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
@@ -85,6 +117,11 @@ class PrefixCache(ABC):
         """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence, whose
         length must equal ``lease.num_tokens``); otherwise the slots the lease added are freed
         (the matched prefix stays cached) and ``tokens`` is ignored."""
+
+    @abstractmethod
+    def commit(self, lease: Lease, tokens: np.ndarray) -> None:
+        """Cache the lease's sequence so far (``tokens``, one per slot) while the request goes on:
+        other requests can hit it from now on, and the lease protects it (chunked prefill)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

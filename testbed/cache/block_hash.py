@@ -28,7 +28,8 @@ from testbed.cache.pool import SLOT_DTYPE
 @dataclass
 class _Handle:
     blocks: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # chained keys of the prompt's full blocks
+    keys: list[int] = field(default_factory=list)  # chained keys of the sequence's full blocks
+    registered: int = 0  # leading blocks whose keys are in the cache (hits, then committed)
 
 
 class BlockHashCache(PrefixCache):
@@ -68,11 +69,14 @@ class BlockHashCache(PrefixCache):
             keys.append(prev)
         return keys
 
-    def _lookup(self, keys: list[int], prompt_len: int) -> list[int]:
-        """Blocks of the leading cached keys, among the first (prompt_len - 1) // B."""
-        limit = max(prompt_len - 1, 0) // self.block_size
+    def _lookup(self, keys: list[int], prompt_len: int, limit: int | None = None) -> list[int]:
+        """Blocks of the leading cached keys, among the first (prompt_len - 1) // B (and covering
+        at most ``limit`` tokens)."""
+        eligible = max(prompt_len - 1, 0)
+        if limit is not None:
+            eligible = min(eligible, limit)
         found = []
-        for key in keys[:limit]:
+        for key in keys[: eligible // self.block_size]:
             holders = self._blocks_of.get(key)
             if not holders:
                 break
@@ -95,13 +99,14 @@ class BlockHashCache(PrefixCache):
     def match(self, tokens: np.ndarray) -> int:
         return len(self._lookup(self.block_keys(tokens), len(tokens))) * self.block_size
 
-    def acquire(self, prompt: np.ndarray) -> Lease:
+    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
         handle = _Handle(keys=self.block_keys(prompt))
-        for block in self._lookup(handle.keys, len(prompt)):
+        for block in self._lookup(handle.keys, len(prompt), limit):
             self._take(block)
             handle.blocks.append(block)
+        handle.registered = len(handle.blocks)
         hit = len(handle.blocks) * self.block_size
-        return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, hit))
+        return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, 0, hit))
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
         handle: _Handle = lease.handle
@@ -119,18 +124,15 @@ class BlockHashCache(PrefixCache):
                 evicted += self.block_size
             self._ref[block] = 1
             handle.blocks.append(block)
-        lease.slots = self._slots(handle.blocks, total)
+        lease.append(self._slots(handle.blocks, lease.num_tokens, total))
         return evicted
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle
         if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
-        k = lease.hit // self.block_size
         if insert:
-            keys = self.block_keys(tokens, known=handle.keys)
-            for i in range(k, len(keys)):
-                self._register(handle.blocks[i], keys[i])
+            self._register_full_blocks(handle, tokens)
         for block in reversed(handle.blocks):
             self._ref[block] -= 1
             if self._ref[block] == 0:
@@ -140,8 +142,21 @@ class BlockHashCache(PrefixCache):
                 else:
                     self._free[block] = None
                     self._free.move_to_end(block, last=False)  # head: reused first
-        lease.slots = lease.slots[:0]
+        lease.reset(lease.slots[:0], 0)
         return Released(inserted=insert, already_cached=lease.hit)
+
+    def commit(self, lease: Lease, tokens: np.ndarray) -> None:
+        if len(tokens) != lease.num_tokens:
+            raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
+        self._register_full_blocks(lease.handle, tokens)
+        lease.cached = lease.handle.registered * self.block_size
+
+    def _register_full_blocks(self, handle: _Handle, tokens: np.ndarray) -> None:
+        """Give every full block of ``tokens`` not yet registered its key (vLLM's cache_blocks)."""
+        handle.keys = self.block_keys(tokens, known=handle.keys[: len(tokens) // self.block_size])
+        for i in range(handle.registered, len(handle.keys)):
+            self._register(handle.blocks[i], handle.keys[i])
+        handle.registered = max(handle.registered, len(handle.keys))
 
     def evict(self, num_tokens: int) -> int:
         """Drop keys of cached free blocks from the queue head until ``num_tokens`` are freed."""
@@ -187,11 +202,12 @@ class BlockHashCache(PrefixCache):
             del self._blocks_of[key]
         self._cached_tokens -= self.block_size
 
-    def _slots(self, blocks: list[int], num_tokens: int) -> np.ndarray:
-        """Token-level slot ids of the first ``num_tokens`` tokens (slot 0 stays reserved)."""
+    def _slots(self, blocks: list[int], start: int, end: int) -> np.ndarray:
+        """Token-level slot ids of token positions ``start..end-1`` (slot 0 stays reserved)."""
         b = self.block_size
-        ids = np.asarray(blocks, dtype=SLOT_DTYPE)[:, None] * b + 1 + np.arange(b, dtype=SLOT_DTYPE)
-        return ids.reshape(-1)[:num_tokens]
+        positions = np.arange(start, end)
+        owners = np.asarray(blocks, dtype=SLOT_DTYPE)[positions // b]
+        return (owners * b + 1 + positions % b).astype(SLOT_DTYPE)
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:

@@ -30,19 +30,22 @@ class NoCache(PrefixCache):
     def match(self, tokens: np.ndarray) -> int:
         return 0
 
-    def acquire(self, prompt: np.ndarray) -> Lease:
+    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
         return Lease(hit=0)
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
         if not self.pool.can_alloc(num_tokens):
             return None
-        lease.slots = np.concatenate([lease.slots, self.pool.alloc(num_tokens)])
+        lease.append(self.pool.alloc(num_tokens))
         return 0
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         self.pool.free(lease.slots)
-        lease.slots = EMPTY_SLOTS
+        lease.reset(EMPTY_SLOTS, 0)
         return Released(inserted=False, already_cached=0)
+
+    def commit(self, lease: Lease, tokens: np.ndarray) -> None:
+        """Nothing is shared, so nothing to do."""
 
     def evict(self, num_tokens: int) -> int:
         return 0

@@ -231,8 +231,8 @@ class RadixCache(PrefixCache):
     def match(self, tokens: np.ndarray) -> int:
         return self.match_prefix(tokens)[0]
 
-    def acquire(self, prompt: np.ndarray) -> Lease:
-        hit, node, slots = self.match_prefix(prompt)
+    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
+        hit, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit])
         self.lock(node)
         return Lease(hit=hit, handle=node, slots=slots)
 
@@ -244,24 +244,37 @@ class RadixCache(PrefixCache):
             if self.pool.num_free + self._evictable < num_tokens:
                 return None
             evicted = self.evict(num_tokens - self.pool.num_free)
-        lease.slots = np.concatenate([lease.slots, self.pool.alloc(num_tokens)])
+        lease.append(self.pool.alloc(num_tokens))
         return evicted
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
-        present = lease.hit
+        present = lease.cached
+        slots = lease.slots
         if insert:
-            present = self.insert(tokens, lease.slots)
-            # The tree kept slots[:hit] all along; slots[hit:present] duplicate cached KV; the
-            # unaligned tail (page_size > 1) was not inserted.
-            self.pool.free(lease.slots[lease.hit : present])
-            self.pool.free(lease.slots[self._aligned(len(tokens)) :])
+            present = self.insert(tokens, slots)
+            # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
+            # meanwhile; the unaligned tail (page_size > 1) was not inserted.
+            self.pool.free(slots[lease.cached : present])
+            self.pool.free(slots[self._aligned(len(tokens)) :])
         else:
-            self.pool.free(lease.slots[lease.hit :])
+            self.pool.free(slots[lease.cached :])
         self.unlock(lease.handle)
-        lease.slots = EMPTY_SLOTS
+        lease.reset(EMPTY_SLOTS, 0)
         return Released(inserted=insert, already_cached=present)
+
+    def commit(self, lease: Lease, tokens: np.ndarray) -> None:
+        if len(tokens) != lease.num_tokens:
+            raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
+        slots = lease.slots
+        present = self.insert(tokens, slots)
+        self.pool.free(slots[lease.cached : present])
+        n, node, cached_slots = self.match_prefix(tokens)  # the whole aligned part, now cached
+        self.lock(node)
+        self.unlock(lease.handle)
+        lease.handle = node
+        lease.reset(np.concatenate([cached_slots, slots[n:]]), cached=n)
 
     # ---------------------------------------------------------------- eviction bookkeeping
     def _offer(self, node: TreeNode) -> None:
@@ -299,7 +312,7 @@ class RadixCache(PrefixCache):
 
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
         evictable = protected = 0
-        owned = [lease.slots[lease.hit :] for lease in leases]
+        owned = [lease.slots[lease.cached :] for lease in leases]
         candidates = {}
         for e in self._heap:
             node = e[3]

@@ -33,8 +33,9 @@ class Request:
     """One LLM call.
 
     ``output`` holds the predetermined output tokens (what the replay and simulator backends emit).
-    ``arrival_s`` is when its program arrives; a call with ``after`` dependencies is submitted once
-    they finish, ``think_time_s`` later. Lower ``priority`` values are more urgent.
+    A call is submitted at ``arrival_s`` (its program's arrival, or a trace's own timestamp) or,
+    if later, ``think_time_s`` after the last of its ``after`` dependencies finishes. Lower
+    ``priority`` values are more urgent.
     """
 
     id: str

@@ -1,0 +1,316 @@
+"""GPU step-time models: how long one scheduler step takes, given the step's shape.
+
+The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for each
+request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a decode) on
+top of ``context`` tokens already in its KV. Two models implement the `CostModel` protocol:
+
+- `RooflineCostModel` — FLOPs and HBM bytes per GPU from the model's shape, each divided by the
+  device's peak times an efficiency factor; the slower one wins, plus a per-step overhead and, with
+  tensor parallelism, the all-reduces. ``floor(step)`` is the same with perfect efficiency and no
+  overhead: a physical lower bound.
+- `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per kind of step
+  (decode / prefill), with coefficients fitted to measured step times (YAML files written by
+  `save_fitted`), clamped from below by the roofline floor.
+
+Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
+only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
+these figures (measured time / roofline floor, per layer and per rank):
+
+- matmuls (q, k, v, o, gate/up, down) at 1–64 tokens, memory-bound: 1.28–1.38 (73–78 % of HBM
+  bandwidth); at 512–4096 tokens, compute-bound: 1.29–1.64 (61–78 % of peak FLOP/s);
+- prefill attention (chunks 64–4096 over 0–4032 cached tokens): ≥ 2.4, median 4.3 (the profiled
+  kernel reaches ~23 % of peak on large chunks);
+- decode attention, batch × context ≥ 32k tokens: 1.14–2.24; smaller ones are launch-bound
+  (12–18 µs per call whatever the size);
+- all-reduce at TP2: 7–10 µs per call up to 64 KiB, ~186 GB/s at large sizes (vs 300 GB/s NVLink);
+- a whole layer (all of the above, elementwise ops and two all-reduces): decode 1.45–1.9, prefill
+  1.54–1.67. With the defaults below (mfu 0.6, mbu 0.7) the whole layer's measured / predicted is
+  0.91–1.2 for decode (batch 1–128, context 256–4032) and 0.93–0.99 for prefill chunks 512–4096.
+
+The floor is never above any measured operator. Pure roofline models miss real step times by
+30–50 % (DESIGN.md §6); `FittedCostModel` is the accurate one once a device has been measured.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+import yaml
+
+from testbed.sim.specs import HardwareSpec, ModelSpec
+
+#: Defaults of the roofline model, set from the Vidur comparison above (A100, 34B, TP2).
+#: MFU 0.6: a whole prefill layer (matmuls ~72 % of peak, attention, elementwise ops) runs at
+#: ~0.62 of the A100's 312 TFLOP/s. Smaller models and newer GPUs usually reach less.
+DEFAULT_MFU = 0.6
+#: MBU 0.7: a whole decode layer streams its weights and KV at ~0.55–0.7 of 2.0 TB/s (the matmuls
+#: alone at ~0.75). Also applied to the interconnect bandwidth in `RooflineCostModel.step_time`.
+DEFAULT_MBU = 0.7
+#: Per-step CPU and launch overhead (scheduling, input prep, sampling, kernel launches; SGLang and
+#: vLLM report ~1–5 ms per step without CUDA graphs, less with them). Vidur's CPU-overhead profile
+#: is not in ``shared/vidur``, so this is a stated guess, not a measurement.
+DEFAULT_OVERHEAD_S = 2e-3
+#: Per-direction NVLink bandwidth per GPU: A100 NVLink 3 is 600 GB/s bidirectional, 300 each way
+#: (H100 NVLink 4: 450 GB/s each way).
+DEFAULT_INTERCONNECT_BW = 300e9
+#: Fixed cost of one all-reduce call (not in the floor): Vidur's TP2 A100 all-reduce takes 7–10 µs
+#: at 2–64 KiB.
+ALLREDUCE_LATENCY_S = 8e-6
+
+KINDS = ("decode", "prefill")
+COEFFS = ("a", "b", "c", "d", "e")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One step's batch: request ``i`` computes ``new[i]`` tokens (≥ 1) on top of ``context[i]``
+    tokens (≥ 0) already in its KV.
+
+    >>> s = StepShape(new=(1, 1, 512), context=(100, 200, 0))
+    >>> s.batch, s.num_new, s.num_context, s.is_decode
+    (3, 514, 300, False)
+    """
+
+    new: tuple[int, ...]
+    context: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        new, context = tuple(int(n) for n in self.new), tuple(int(c) for c in self.context)
+        if len(new) != len(context):
+            raise ValueError(f"StepShape: {len(new)} new counts but {len(context)} contexts")
+        if not new:
+            raise ValueError("StepShape: a step needs at least one request")
+        if min(new) < 1:
+            raise ValueError(f"StepShape: new tokens must be >= 1, got {min(new)}")
+        if min(context) < 0:
+            raise ValueError(f"StepShape: context must be >= 0, got {min(context)}")
+        object.__setattr__(self, "new", new)
+        object.__setattr__(self, "context", context)
+
+    @classmethod
+    def decode(cls, contexts: tuple[int, ...] | list[int]) -> StepShape:
+        """A decode step: one new token per request."""
+        return cls(new=(1,) * len(contexts), context=tuple(contexts))
+
+    @property
+    def batch(self) -> int:
+        return len(self.new)
+
+    @cached_property
+    def num_new(self) -> int:
+        """Σ new: tokens computed this step."""
+        return sum(self.new)
+
+    @cached_property
+    def num_context(self) -> int:
+        """Σ context: tokens already cached before this step."""
+        return sum(self.context)
+
+    @cached_property
+    def new_times_context(self) -> int:
+        """Σ new·context: query–key pairs against the cached part."""
+        return sum(n * c for n, c in zip(self.new, self.context))
+
+    @cached_property
+    def attended_pairs(self) -> float:
+        """Σ new·(context + (new+1)/2): query–key pairs including the causal triangle of the chunk."""
+        return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
+
+    @cached_property
+    def is_decode(self) -> bool:
+        """Every request computes exactly one token (a mixed step counts as prefill)."""
+        return self.num_new == self.batch
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.is_decode else "prefill"
+
+
+class CostModel(Protocol):
+    def step_time(self, step: StepShape) -> float:
+        """Seconds the step takes on the device (including per-step overhead)."""
+        ...
+
+
+class RooflineCostModel:
+    """``max(FLOPs / (peak·mfu), bytes / (bandwidth·mbu)) + overhead_s + all-reduces``, per GPU.
+
+    - FLOPs: ``2·linear_params·Σnew / tp`` for the matmuls (LM head included, computed for every
+      new token) plus ``4·layers·heads·head_dim·Σ new·(context + (new+1)/2) / tp`` for QKᵀ and PV
+      (causal within the chunk).
+    - Bytes: the matmul weights of one rank read once per step, the KV read
+      (``Σ(context+new)``) and written (``Σnew``) at ``kv_bytes_per_token_per_gpu``. Activations
+      (~10·hidden + 5·intermediate elements per token per layer, unfused) are left out: in decode
+      they are 1–2 % of the weight bytes, and a large chunk, where they add up, does ~2000 FLOPs
+      per activation byte, far on the compute side of the ridge.
+    - With ``tp > 1``, two ring all-reduces per layer of ``Σnew·hidden·dtype_bytes`` bytes, each
+      ``ALLREDUCE_LATENCY_S + 2·(tp−1)/tp · bytes / (interconnect_bw·mbu)``, not overlapped with
+      compute. ``interconnect_bw`` is the per-direction NVLink bandwidth of one GPU.
+    - ``overhead_s`` per step stands for the CPU side (scheduling, input prep, sampling) and kernel
+      launch gaps, which FLOPs and bytes do not see.
+    """
+
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
+                 mbu: float = DEFAULT_MBU, overhead_s: float = DEFAULT_OVERHEAD_S,
+                 interconnect_bw: float = DEFAULT_INTERCONNECT_BW) -> None:
+        for key, value in (("mfu", mfu), ("mbu", mbu)):
+            if not 0 < value <= 1:
+                raise ValueError(f"cost_model.{key} must be in (0, 1], got {value}")
+        if overhead_s < 0:
+            raise ValueError(f"cost_model.overhead_s must be >= 0, got {overhead_s}")
+        if interconnect_bw <= 0:
+            raise ValueError(f"cost_model.interconnect_bw must be > 0, got {interconnect_bw}")
+        self.model, self.hw = model, hw
+        self.mfu, self.mbu, self.overhead_s = mfu, mbu, overhead_s
+        self.interconnect_bw = interconnect_bw
+        m = model
+        self._linear_flops_per_token = 2 * m.linear_params / m.tp
+        self._attn_flops_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / m.tp
+        self._weight_bytes = m.linear_params * m.dtype_bytes / m.tp
+        self._ar_bytes_per_token = m.hidden_size * m.dtype_bytes
+
+    def flops(self, step: StepShape) -> float:
+        """FLOPs one GPU executes in the step (matmuls and attention)."""
+        return (self._linear_flops_per_token * step.num_new
+                + self._attn_flops_per_pair * step.attended_pairs)
+
+    def bytes(self, step: StepShape) -> float:
+        """HBM bytes one GPU moves in the step: weights once, KV read and written."""
+        kv = self.model.kv_bytes_per_token_per_gpu
+        return self._weight_bytes + kv * (step.num_context + 2 * step.num_new)
+
+    def allreduce_time(self, step: StepShape, efficiency: float = 1.0,
+                       latency_s: float = ALLREDUCE_LATENCY_S) -> float:
+        """Seconds of tensor-parallel all-reduces in the step (0 when ``tp == 1``)."""
+        tp = self.model.tp
+        if tp == 1:
+            return 0.0
+        moved = 2 * (tp - 1) / tp * self._ar_bytes_per_token * step.num_new
+        one = latency_s + moved / (self.interconnect_bw * efficiency)
+        return 2 * self.model.num_layers * one
+
+    def step_time(self, step: StepShape) -> float:
+        compute = self.flops(step) / (self.hw.flops * self.mfu)
+        memory = self.bytes(step) / (self.hw.mem_bw * self.mbu)
+        return (max(compute, memory) + self.overhead_s
+                + self.allreduce_time(step, efficiency=self.mbu))
+
+    def floor(self, step: StepShape) -> float:
+        """The physical lower bound: peak FLOP/s and bandwidths, no overhead, no call latency."""
+        compute = self.flops(step) / self.hw.flops
+        memory = self.bytes(step) / self.hw.mem_bw
+        return max(compute, memory) + self.allreduce_time(step, latency_s=0.0)
+
+    def __repr__(self) -> str:
+        return (f"RooflineCostModel({self.model.name}, {self.hw.name}, mfu={self.mfu}, "
+                f"mbu={self.mbu}, overhead_s={self.overhead_s})")
+
+
+class FittedCostModel:
+    """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` seconds, with one coefficient set
+    per kind (``decode`` when every request computes one token, else ``prefill``), never below
+    ``floor_model.floor(step)``."""
+
+    def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
+                 floor_model: RooflineCostModel) -> None:
+        self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
+        self.floor_model = floor_model
+
+    def predict(self, step: StepShape) -> float:
+        """The fitted form alone, without the floor."""
+        k = self.coeffs[step.kind]
+        return (k["a"] + k["b"] * step.num_new + k["c"] * step.new_times_context
+                + k["d"] * step.batch + k["e"] * step.num_context)
+
+    def step_time(self, step: StepShape) -> float:
+        return max(self.predict(step), self.floor_model.floor(step))
+
+
+def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
+                meta: Mapping[str, Any]) -> None:
+    """Write fitted coefficients as YAML: ``meta`` (at least ``model`` and ``device``; ``date``
+    is filled in with today's if absent) and ``coeffs: {decode: {a..e}, prefill: {a..e}}``."""
+    checked = _check_coeffs(coeffs, where=str(path))
+    for key in ("model", "device"):
+        if key not in meta:
+            raise ValueError(f"save_fitted: meta.{key} is required")
+    meta = {"date": _dt.date.today().isoformat(), **meta}
+    doc = {"meta": dict(meta), "coeffs": checked}
+    header = ("# Fitted step-time coefficients (testbed.sim.cost_model.FittedCostModel), seconds:\n"
+              "# t = a + b*sum(new) + c*sum(new*context) + d*batch + e*sum(context)\n")
+    Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
+
+
+def load_fitted(path: str | Path, floor_model: RooflineCostModel) -> FittedCostModel:
+    """A `FittedCostModel` from a file written by `save_fitted`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"cost_model.path: no such file: {path}")
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict) or "coeffs" not in doc:
+        raise ValueError(f"{path}: missing key 'coeffs' (expected coeffs: {{decode: {{a..e}}, "
+                         f"prefill: {{a..e}}}})")
+    return FittedCostModel(_check_coeffs(doc["coeffs"], where=str(path)), floor_model)
+
+
+def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
+    if not isinstance(coeffs, Mapping):
+        raise ValueError(f"{where}: coeffs must be a mapping of {', '.join(KINDS)}")
+    out: dict[str, dict[str, float]] = {}
+    for kind in KINDS:
+        if kind not in coeffs:
+            raise ValueError(f"{where}: missing coeffs.{kind} (need {', '.join(KINDS)})")
+        row = coeffs[kind]
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where}: coeffs.{kind} must map {', '.join(COEFFS)} to numbers")
+        out[kind] = {}
+        for c in COEFFS:
+            if c not in row:
+                raise ValueError(f"{where}: missing coeffs.{kind}.{c}")
+            value = row[c]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{where}: coeffs.{kind}.{c} must be a number, got {value!r}")
+            if value < 0:
+                raise ValueError(f"{where}: coeffs.{kind}.{c} must be >= 0, got {value}")
+            out[kind][c] = float(value)
+        extra = set(row) - set(COEFFS)
+        if extra:
+            raise ValueError(f"{where}: unknown coeffs.{kind} keys {sorted(extra)} "
+                             f"(allowed: {', '.join(COEFFS)})")
+    return out
+
+
+COST_MODELS = ("roofline", "fitted")
+
+
+def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> CostModel:
+    """The cost model the ``cost_model`` config group selects (``conf/cost_model/*.yaml``)."""
+    name = cfg.get("name")
+    if name not in COST_MODELS:
+        raise ValueError(f"cost_model.name must be one of {', '.join(COST_MODELS)}; got {name!r}")
+
+    def num(key: str, default: float) -> float:
+        value = cfg.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"cost_model.{key} must be a number, got {value!r}")
+        return float(value)
+
+    roofline = RooflineCostModel(
+        model, hw, mfu=num("mfu", DEFAULT_MFU), mbu=num("mbu", DEFAULT_MBU),
+        overhead_s=num("overhead_s", DEFAULT_OVERHEAD_S),
+        interconnect_bw=num("interconnect_bw", DEFAULT_INTERCONNECT_BW))
+    if name == "roofline":
+        return roofline
+    path = cfg.get("path")
+    if not path:
+        raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
+                         "by testbed.sim.cost_model.save_fitted)")
+    return load_fitted(path, floor_model=roofline)

@@ -1,0 +1,161 @@
+"""ShareGPT conversations as multi-turn chat programs (``workload.format=sharegpt``).
+
+The file is one JSON list of conversations, ``{"id": ..., "conversations": [{"from":
+"human"|"gpt"|"system", "value": text}, ...]}``, tokenized with a HF tokenizer loaded from a local
+directory (``workload.tokenizer=DIR``; nothing is ever downloaded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from testbed.workloads.request import TOKEN_DTYPE, Request
+from testbed.workloads.traces import TraceError
+
+ROLES = ("human", "gpt", "system")
+PROMPT_ROLES = ("human", "system")
+MISSING_TOKENIZER = ("workload.tokenizer must name a local HF tokenizer directory for "
+                     "workload.format=sharegpt")
+_WS = re.compile(r"[ \t\n\r]*")
+_BATCH = 4096  # messages per tokenizer call
+
+
+def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Request]:
+    """Read a ShareGPT JSON file; each conversation is one program, each gpt message one request.
+
+    Every message is tokenized on its own with ``add_special_tokens=False``. A gpt message's
+    request has the message's tokens as output; its prompt is the previous request's prompt, then
+    that request's output, then the tokens of the human and system messages since (the first
+    request: the human/system messages before it). So turn t's prompt starts with turn t-1's prompt
+    and output exactly. Request ids are ``f"{id}-{t}"`` with t counting the conversation's
+    requests from 0, ``program`` is ``str(id)``, ``after`` the previous turn, arrival 0.
+
+    Skipped, not errors: conversations that do not start with a human or system message (including
+    empty ones), and gpt messages whose text is empty or tokenizes to nothing (they add nothing to
+    later prompts). Human/system messages after the last gpt message make no request.
+    Malformed JSON or structure raises `TraceError` naming the file and the line the conversation
+    starts on; a missing or unloadable tokenizer directory raises ValueError.
+    """
+    if not tokenizer:
+        raise ValueError(MISSING_TOKENIZER)
+    path = Path(path)
+    convs = _parse(path)
+    tok = _load_tokenizer(tokenizer)
+    texts = [m["value"] for _, _, msgs in convs for m in msgs]
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), _BATCH):
+        batch = tok(texts[start:start + _BATCH], add_special_tokens=False, verbose=False)
+        ids.extend(batch["input_ids"])
+    requests: list[Request] = []
+    k = 0
+    for cid, _, msgs in convs:
+        prompt = output = np.zeros(0, dtype=TOKEN_DTYPE)
+        pending: list[np.ndarray] = []  # human/system tokens since the last request
+        prev: str | None = None
+        turn = 0
+        for m in msgs:
+            tokens = np.asarray(ids[k], dtype=TOKEN_DTYPE)
+            k += 1
+            if m["from"] != "gpt":
+                pending.append(tokens)
+                continue
+            if tokens.size == 0:
+                continue
+            prompt = np.concatenate([prompt, output, *pending])
+            output, pending = tokens, []
+            rid = f"{cid}-{turn}"
+            turn += 1
+            requests.append(Request(id=rid, prompt=prompt, output=output, program=cid,
+                                    after=[] if prev is None else [prev]))
+            prev = rid
+    return requests
+
+
+def _load_tokenizer(directory: str):
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"workload.tokenizer: no such directory: {d} ({MISSING_TOKENIZER})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"workload.tokenizer: cannot load a tokenizer from {d}: {e}") from None
+
+
+def _parse(path: Path) -> list[tuple[str, int, list[dict]]]:
+    """Validated conversations ``(id, line, messages)`` that start with a human/system message."""
+    kept, lines_of_id = [], {}
+    for index, line, conv in _conversations(path):
+        where = f"{path}:{line}: conversation {index}"
+        if not isinstance(conv, dict):
+            raise TraceError(f"{where}: expected a JSON object")
+        if "id" not in conv:
+            raise TraceError(f"{where}: missing field 'id'")
+        cid = conv["id"]
+        if not isinstance(cid, (str, int)) or isinstance(cid, bool):
+            raise TraceError(f"{where}: 'id' must be a string or an integer, got {cid!r}")
+        cid = str(cid)
+        where = f"{where} (id {cid!r})"
+        msgs = conv.get("conversations")
+        if not isinstance(msgs, list):
+            raise TraceError(f"{where}: 'conversations' must be a list of messages")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise TraceError(f"{where}: message {j}: expected a JSON object")
+            if m.get("from") not in ROLES:
+                raise TraceError(f"{where}: message {j}: 'from' must be one of "
+                                 f"{', '.join(ROLES)}, got {m.get('from')!r}")
+            if not isinstance(m.get("value"), str):
+                raise TraceError(f"{where}: message {j}: 'value' must be a string")
+        if not msgs or msgs[0]["from"] not in PROMPT_ROLES:
+            continue
+        if cid in lines_of_id:
+            raise TraceError(f"{where}: duplicate id (also the conversation on line "
+                             f"{lines_of_id[cid]})")
+        lines_of_id[cid] = line
+        kept.append((cid, line, msgs))
+    return kept
+
+
+def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
+    """The top-level list's items with their index and the line each starts on."""
+    if not path.is_file():
+        raise TraceError(f"workload.path: no such file: {path}")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+    def fail(pos: int, what: str) -> TraceError:
+        return TraceError(f"{path}:{text.count(chr(10), 0, pos) + 1}: {what}")
+
+    decoder = json.JSONDecoder()
+    pos = _WS.match(text).end()
+    if text[pos:pos + 1] != "[":
+        raise fail(pos, "expected a JSON list of conversations")
+    pos = _WS.match(text, pos + 1).end()
+    line, counted, index = 1, 0, 0
+    if text[pos:pos + 1] != "]":
+        while True:
+            try:
+                item, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            line += text.count("\n", counted, pos)
+            counted = pos
+            yield index, line, item
+            index += 1
+            pos = _WS.match(text, end).end()
+            if text[pos:pos + 1] == "]":
+                break
+            if text[pos:pos + 1] != ",":
+                raise fail(pos, "not valid JSON (expected ',' or ']' after a conversation)")
+            pos = _WS.match(text, pos + 1).end()
+    if _WS.match(text, pos + 1).end() != len(text):
+        raise fail(_WS.match(text, pos + 1).end(), "not valid JSON (extra data after the list)")
