@@ -1,8 +1,8 @@
 """GPU step-time models: how long one scheduler step takes, given the step's shape.
 
-The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for each
-request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a decode) on
-top of ``context`` tokens already in its KV. Two models implement the `CostModel` protocol:
+The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for
+each request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a
+decode) on top of ``context`` tokens already in its KV. Two models implement `CostModel`:
 
 - `RooflineCostModel` — FLOPs and HBM bytes per GPU from the model's shape, each divided by the
   device's peak times an efficiency factor; the slower one wins, plus a per-step overhead and, with
@@ -16,16 +16,17 @@ Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP
 only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
 these figures (measured time / roofline floor, per layer and per rank):
 
-- matmuls (q, k, v, o, gate/up, down) at 1–64 tokens, memory-bound: 1.28–1.38 (73–78 % of HBM
-  bandwidth); at 512–4096 tokens, compute-bound: 1.29–1.64 (61–78 % of peak FLOP/s);
-- prefill attention (chunks 64–4096 over 0–4032 cached tokens): ≥ 2.4, median 4.3 (the profiled
+- matmuls (q, k, v, o, gate/up, down) at 1–64 tokens, memory-bound: 1.28–1.38 (72–78 % of HBM
+  bandwidth); at 512–4096 tokens, compute-bound: 1.29–1.64, median 1.39 (~72 % of peak FLOP/s);
+- prefill attention (chunks 64–4096 over 0–4032 cached tokens): ≥ 2.45, median 4.3 (the profiled
   kernel reaches ~23 % of peak on large chunks);
-- decode attention, batch × context ≥ 32k tokens: 1.14–2.24; smaller ones are launch-bound
-  (12–18 µs per call whatever the size);
+- decode attention with batch × context ≥ 32k tokens: 1.14–2.24, median 1.44; smaller ones are
+  launch-bound (9–31 µs per call whatever the size);
 - all-reduce at TP2: 7–10 µs per call up to 64 KiB, ~186 GB/s at large sizes (vs 300 GB/s NVLink);
-- a whole layer (all of the above, elementwise ops and two all-reduces): decode 1.45–1.9, prefill
-  1.54–1.67. With the defaults below (mfu 0.6, mbu 0.7) the whole layer's measured / predicted is
-  0.91–1.2 for decode (batch 1–128, context 256–4032) and 0.93–0.99 for prefill chunks 512–4096.
+- a whole layer (all of the above, elementwise ops and two all-reduces): decode (batch 1–128,
+  context 256–4032) 1.51–1.96, prefill chunks of 512–4096 tokens 1.54–1.68. With the defaults below
+  (mfu 0.6, mbu 0.7, no overhead) measured / predicted is 1.03–1.33 for those decode steps and
+  0.93–1.01 for those prefill chunks.
 
 The floor is never above any measured operator. Pure roofline models miss real step times by
 30–50 % (DESIGN.md §6); `FittedCostModel` is the accurate one once a device has been measured.
@@ -48,12 +49,13 @@ from testbed.sim.specs import HardwareSpec, ModelSpec
 #: MFU 0.6: a whole prefill layer (matmuls ~72 % of peak, attention, elementwise ops) runs at
 #: ~0.62 of the A100's 312 TFLOP/s. Smaller models and newer GPUs usually reach less.
 DEFAULT_MFU = 0.6
-#: MBU 0.7: a whole decode layer streams its weights and KV at ~0.55–0.7 of 2.0 TB/s (the matmuls
-#: alone at ~0.75). Also applied to the interconnect bandwidth in `RooflineCostModel.step_time`.
+#: MBU 0.7: a whole decode layer streams its weights and KV at ~0.5–0.66 of 2.0 TB/s, the matmuls
+#: alone at ~0.75; 0.7 errs fast for large decode batches. `RooflineCostModel.step_time` applies it
+#: to the interconnect bandwidth too (Vidur's TP2 all-reduce reaches ~0.62 of NVLink's 300 GB/s).
 DEFAULT_MBU = 0.7
-#: Per-step CPU and launch overhead (scheduling, input prep, sampling, kernel launches; SGLang and
-#: vLLM report ~1–5 ms per step without CUDA graphs, less with them). Vidur's CPU-overhead profile
-#: is not in ``shared/vidur``, so this is a stated guess, not a measurement.
+#: Per-step CPU and launch overhead (scheduling, input prep, sampling, kernel launch gaps): a stated
+#: guess, not a measurement (Vidur's CPU-overhead profile is not in ``shared/vidur``). Python
+#: serving loops spend milliseconds per step without CUDA graphs, well under one with them.
 DEFAULT_OVERHEAD_S = 2e-3
 #: Per-direction NVLink bandwidth per GPU: A100 NVLink 3 is 600 GB/s bidirectional, 300 each way
 #: (H100 NVLink 4: 450 GB/s each way).
@@ -118,7 +120,7 @@ class StepShape:
 
     @cached_property
     def attended_pairs(self) -> float:
-        """Σ new·(context + (new+1)/2): query–key pairs including the causal triangle of the chunk."""
+        """Σ new·(context + (new+1)/2): query–key pairs, the chunk's causal triangle included."""
         return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
 
     @cached_property

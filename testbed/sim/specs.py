@@ -58,7 +58,7 @@ class ModelSpec:
 
     @property
     def weight_bytes_per_gpu(self) -> int:
-        """Bytes of weights each tensor-parallel rank holds (everything split evenly over ``tp``)."""
+        """Bytes of weights each tensor-parallel rank holds (all of them split evenly over tp)."""
         return self.params * self.dtype_bytes // self.tp
 
     @property
@@ -68,7 +68,7 @@ class ModelSpec:
 
     @property
     def kv_heads_per_gpu(self) -> int:
-        """KV heads on one rank: ``num_kv_heads / tp``, or 1 (replicated) when ``tp`` exceeds them."""
+        """KV heads on one rank: ``num_kv_heads / tp``, or 1 (replicated) when tp exceeds them."""
         return max(1, self.num_kv_heads // self.tp)
 
     @property

@@ -1,0 +1,340 @@
+"""Model/hardware specs, KV capacity, and the roofline and fitted step-time models."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from testbed.sim.cost_model import (
+    FittedCostModel, RooflineCostModel, StepShape, load_fitted, make_cost_model, save_fitted,
+)
+from testbed.sim.specs import (
+    HardwareSpec, ModelSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+VIDUR = Path(__file__).resolve().parents[2] / "shared" / "vidur" / "a100_codellama34b_tp2"
+KiB = 1024
+
+
+def conf(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+def model(name: str) -> ModelSpec:
+    return model_spec(conf("model", name))
+
+
+def hw(name: str) -> HardwareSpec:
+    return hardware_spec(conf("hardware", name))
+
+
+def zero_coeffs() -> dict:
+    return {kind: dict.fromkeys("abcde", 0.0) for kind in ("decode", "prefill")}
+
+
+# ---- specs ----
+
+@pytest.mark.parametrize("name, kib", [("llama2_7b", 512), ("llama3_8b", 128), ("llama3_70b", 320)])
+def test_kv_bytes_per_token(name, kib):
+    """2 · layers · kv_heads · head_dim · 2 bytes: 512 / 128 / 320 KiB (DESIGN.md §6)."""
+    m = model(name)
+    assert m.kv_bytes_per_token == kib * KiB
+    assert m.kv_bytes_per_token_per_gpu == kib * KiB // m.tp
+
+
+@pytest.mark.parametrize("name, published, exact", [
+    ("llama2_7b", 6.74e9, 6_738_415_616),  # published: 6.74B, 8.03B, 70.6B (model cards)
+    ("llama3_8b", 8.03e9, 8_030_261_248),
+    ("llama3_70b", 70.6e9, 70_553_706_496),
+])
+def test_param_counts(name, published, exact):
+    """Matmuls + untied embedding and LM head + RMSNorm weights = the checkpoints' counts."""
+    m = model(name)
+    assert m.params == pytest.approx(published, rel=0.01)
+    assert m.params == exact
+    assert m.weight_bytes_per_gpu == m.params * 2 // m.tp
+
+
+def test_linear_params_by_hand():
+    """Per layer q,o = 2·h·heads·hd, k,v = 2·h·kv·hd, SwiGLU = 3·h·ffn; plus the LM head."""
+    m = ModelSpec("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                  intermediate_size=16, vocab_size=10)
+    per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16
+    assert m.linear_params == 2 * per_layer + 10 * 8
+    assert m.params == m.linear_params + 10 * 8 + 5 * 8
+
+
+def test_kv_capacity_arithmetic():
+    """(memory · fraction − weights per GPU) / KV bytes per token per GPU, floored."""
+    m = ModelSpec("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4,
+                  intermediate_size=16, vocab_size=10, dtype_bytes=2, tp=2)
+    layer = 2 * 8 * 8 + 2 * 8 * 8 + 3 * 8 * 16  # q,o + k,v + gate,up,down
+    assert m.params == 2 * layer + 2 * 10 * 8 + 5 * 8 == 1480
+    assert m.weight_bytes_per_gpu == 1480 * 2 // 2
+    assert m.kv_bytes_per_token_per_gpu == 2 * 2 * 1 * 4 * 2 == 32  # one KV head per rank
+    h = HardwareSpec("h", flops=1.0, mem_bw=1.0, memory_bytes=10_000)
+    assert kv_capacity_tokens(m, h, mem_fraction=0.5) == (5000 - 1480) // 32 == 110
+    assert kv_capacity_tokens(m, h) == (9000 - 1480) // 32 == 235
+    with pytest.raises(ValueError, match="model does not fit: weights .* > memory × mem_fraction"):
+        kv_capacity_tokens(m, HardwareSpec("small", 1.0, 1.0, memory_bytes=1000))
+
+
+def test_preset_capacities():
+    """The presets give plausible pools; a 70B model does not fit an A10G."""
+    assert 10_000 < kv_capacity_tokens(model("llama2_7b"), hw("a10g")) < 20_000
+    assert kv_capacity_tokens(model("llama3_8b"), hw("h100")) > 400_000
+    assert kv_capacity_tokens(model("llama3_70b"), hw("h100")) > 400_000
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_capacity_tokens(model("llama3_70b"), hw("a10g"))
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_configs_load(path):
+    cfg = yaml.safe_load(path.read_text())
+    m = model_spec(cfg)
+    assert m.name == path.stem and "path" in cfg
+    assert m.num_heads * m.head_dim == m.hidden_size
+
+
+@pytest.mark.parametrize("path", sorted((CONF / "hardware").glob("*.yaml")), ids=lambda p: p.stem)
+def test_hardware_configs_load(path):
+    cfg = yaml.safe_load(path.read_text())
+    h = hardware_spec(cfg)
+    assert h.name == path.stem and mem_fraction(cfg) == 0.9
+    assert kv_capacity_tokens(model("tiny"), h, mem_fraction(cfg)) > 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_layers", 0, "model.num_layers must be >= 1, got 0"),
+    ("num_layers", None, "model.num_layers is required"),
+    ("hidden_size", 2.5, "model.hidden_size must be an integer >= 1, got 2.5"),
+    ("num_kv_heads", 3, r"model.num_heads \(32\) must be a multiple of model.num_kv_heads \(3\)"),
+    ("tp", 3, r"model.tp must divide model.num_heads \(32\), got 3"),
+    ("dtype_bytes", 3, "model.dtype_bytes must be one of 1, 2, 4, got 3"),
+    ("name", "", "model.name must be a non-empty string"),
+])
+def test_bad_model_config(key, value, message):
+    cfg = conf("model", "llama3_8b") | {key: value}
+    with pytest.raises(ValueError, match=message):
+        model_spec(cfg)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("flops", -1.0, "hardware.flops must be > 0, got -1"),
+    ("mem_bw", "2e12", r"hardware.mem_bw must be a number, got '2e12' \(YAML reads"),
+    ("memory_bytes", 0, "hardware.memory_bytes must be >= 1, got 0"),
+    ("mem_fraction", 1.5, r"hardware.mem_fraction must be in \(0, 1\], got 1.5"),
+])
+def test_bad_hardware_config(key, value, message):
+    cfg = conf("hardware", "h100") | {key: value}
+    with pytest.raises(ValueError, match=message):
+        hardware_spec(cfg)
+
+
+# ---- step shapes ----
+
+def test_step_shape():
+    s = StepShape(new=[1, 1, 512], context=[100, 200, 0])
+    assert (s.batch, s.num_new, s.num_context, s.new_times_context) == (3, 514, 300, 300)
+    assert not s.is_decode and s.kind == "prefill"  # a mixed step counts as prefill
+    assert s.attended_pairs == 300 + 1 + 1 + 512 * 513 / 2
+    d = StepShape.decode([5, 7])
+    assert d.is_decode and d.kind == "decode" and d.new == (1, 1)
+    for bad in [((), ()), ((1,), (1, 2)), ((0,), (3,)), ((1,), (-1,))]:
+        with pytest.raises(ValueError, match="StepShape"):
+            StepShape(*bad)
+
+
+# ---- roofline ----
+
+def roofline(name="llama3_8b", device="h100", **kw) -> RooflineCostModel:
+    return RooflineCostModel(model(name), hw(device), **kw)
+
+
+def test_roofline_decode_is_memory_bound_and_grows_with_context():
+    r = roofline()
+    step = StepShape.decode([1000] * 32)
+    compute = r.flops(step) / (r.hw.flops * r.mfu)
+    memory = r.bytes(step) / (r.hw.mem_bw * r.mbu)
+    assert memory > 5 * compute
+    assert r.step_time(step) == pytest.approx(memory + r.overhead_s)
+    longer, wider = StepShape.decode([4000] * 32), StepShape.decode([1000] * 64)
+    assert r.step_time(longer) > r.step_time(step)
+    assert r.step_time(wider) > r.step_time(step)
+    kv = r.model.kv_bytes_per_token_per_gpu
+    assert r.bytes(longer) - r.bytes(step) == 32 * 3000 * kv
+
+
+def test_roofline_large_prefill_is_compute_bound():
+    r = roofline()
+    step = StepShape(new=(2048,), context=(0,))
+    compute = r.flops(step) / (r.hw.flops * r.mfu)
+    assert compute > 5 * r.bytes(step) / (r.hw.mem_bw * r.mbu)
+    linear = 2 * r.model.linear_params * 2048
+    attention = 4 * 32 * 32 * 128 * 2048 * 2049 / 2
+    assert r.flops(step) == pytest.approx(linear + attention)
+    assert r.step_time(step) == pytest.approx(compute + r.overhead_s)
+
+
+def test_roofline_tensor_parallel_allreduce():
+    """tp=1 has no all-reduce; at tp=4, 2·layers ring all-reduces of Σnew·hidden·2 bytes."""
+    step = StepShape(new=(512,), context=(0,))
+    assert roofline().allreduce_time(step) == 0
+    r = roofline("llama3_70b", interconnect_bw=450e9)
+    moved = 2 * 3 / 4 * 512 * 8192 * 2
+    assert r.allreduce_time(step, latency_s=0) == pytest.approx(2 * 80 * moved / 450e9)
+    assert r.floor(step) == pytest.approx(r.flops(step) / r.hw.flops + 2 * 80 * moved / 450e9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 32768)), min_size=1, max_size=64),
+       st.sampled_from(["tiny", "llama2_7b", "llama3_70b"]))
+def test_floor_below_step_time(pairs, name):
+    r = roofline(name)
+    step = StepShape(new=[n for n, _ in pairs], context=[c for _, c in pairs])
+    assert 0 < r.floor(step) < r.step_time(step)
+
+
+# ---- fitted ----
+
+coeff = st.one_of(st.just(0.0), st.floats(0, 1e-2), st.floats(0, 1e-6), st.floats(0, 1e-9))
+coeff_row = st.fixed_dictionaries({c: coeff for c in "abcde"})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 32768)), min_size=1, max_size=64),
+       st.fixed_dictionaries({"decode": coeff_row, "prefill": coeff_row}), st.booleans())
+def test_fitted_never_below_floor(pairs, coeffs, decode):
+    floor = roofline("llama3_70b")
+    fitted = FittedCostModel(coeffs, floor)
+    new = [1] * len(pairs) if decode else [n for n, _ in pairs]
+    step = StepShape(new=new, context=[c for _, c in pairs])
+    t = fitted.step_time(step)
+    assert t >= floor.floor(step)
+    assert t == max(fitted.predict(step), floor.floor(step))
+
+
+def test_fitted_form_and_all_zero():
+    floor = roofline()
+    coeffs = {"decode": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 5.0},
+              "prefill": {"a": 10.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0}}
+    fitted = FittedCostModel(coeffs, floor)
+    step = StepShape.decode([10, 20])
+    assert fitted.step_time(step) == 1 + 2 * 2 + 3 * 30 + 4 * 2 + 5 * 30
+    assert fitted.step_time(StepShape(new=(1, 5), context=(3, 0))) == 10.0  # mixed → prefill
+    zero = FittedCostModel(zero_coeffs(), floor)
+    assert zero.step_time(step) == floor.floor(step) > 0
+
+
+def test_fitted_yaml_round_trip(tmp_path):
+    path = tmp_path / "fit.yaml"
+    coeffs = {"decode": {"a": 4e-3, "b": 1e-6, "c": 2e-11, "d": 3e-6, "e": 1e-9},
+              "prefill": {"a": 6e-3, "b": 1.5e-5, "c": 4e-10, "d": 0.0, "e": 2e-8}}
+    save_fitted(path, coeffs, {"model": "llama3_8b", "device": "NVIDIA H100 80GB HBM3"})
+    doc = yaml.safe_load(path.read_text())
+    assert doc["meta"]["model"] == "llama3_8b" and len(doc["meta"]["date"]) == 10
+    assert load_fitted(path, roofline()).coeffs == coeffs
+    made = make_cost_model({"name": "fitted", "path": str(path)}, model("llama3_8b"), hw("h100"))
+    assert isinstance(made, FittedCostModel) and made.coeffs == coeffs
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["prefill"].update(c=-1e-9), "coeffs.prefill.c must be >= 0"),
+    (lambda c: c.pop("decode"), "missing coeffs.decode"),
+    (lambda c: c["decode"].pop("e"), "missing coeffs.decode.e"),
+    (lambda c: c["decode"].update(f=1.0), "unknown coeffs.decode keys"),
+])
+def test_bad_fitted_file(tmp_path, edit, message):
+    coeffs = zero_coeffs()
+    edit(coeffs)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"meta": {}, "coeffs": coeffs}))
+    with pytest.raises(ValueError, match=f"bad.yaml: {message}"):
+        load_fitted(path, roofline())
+
+
+def test_make_cost_model_from_configs():
+    m, h = model("llama3_8b"), hw("h100")
+    r = make_cost_model(conf("cost_model", "roofline"), m, h)
+    assert isinstance(r, RooflineCostModel) and (r.mfu, r.mbu, r.overhead_s) == (0.6, 0.7, 2e-3)
+    with pytest.raises(ValueError, match="cost_model.path is required"):
+        make_cost_model(conf("cost_model", "fitted"), m, h)
+    with pytest.raises(ValueError, match="cost_model.name must be one of roofline, fitted; got"):
+        make_cost_model({"name": "x"}, m, h)
+    with pytest.raises(ValueError, match=r"cost_model.mfu must be in \(0, 1\], got 1.5"):
+        make_cost_model({"name": "roofline", "mfu": 1.5}, m, h)
+    with pytest.raises(ValueError, match="cost_model.path: no such file"):
+        make_cost_model({"name": "fitted", "path": "/nonexistent.yaml"}, m, h)
+
+
+# ---- against measurements ----
+
+def test_roofline_against_vidur_a100():
+    """Vidur's measured A100 operators (CodeLlama-34B, TP2) are never below the roofline floor, and
+    whole layers land within ~0.9–1.35× of the default roofline (figures in cost_model.py)."""
+    pd = pytest.importorskip("pandas")
+    if not VIDUR.is_dir():
+        pytest.skip(f"Vidur data not present: {VIDUR}")
+    # one layer of CodeLlama-34B per rank, no LM head (Vidur times layers)
+    layer = ModelSpec("codellama34b-layer", num_layers=1, hidden_size=8192, num_heads=64,
+                      num_kv_heads=8, head_dim=128, intermediate_size=22016, vocab_size=0, tp=2)
+    a100 = hw("a100")
+    roof = RooflineCostModel(layer, a100, overhead_s=0.0)  # defaults; GPU time only, like Vidur
+    med = lambda df, op: df[f"time_stats.{op}.median"] / 1e3  # noqa: E731  (ms → s)
+
+    mlp = pd.read_csv(VIDUR / "mlp.csv").groupby("num_tokens").median(numeric_only=True)
+    matmuls = sum(med(mlp, op) for op in
+                  ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"))
+    T = mlp.index.to_numpy()
+    matmul_floor = [max(2 * layer.layer_linear_params / 2 * t / a100.flops,
+                        layer.layer_linear_params * 2 / 2 / a100.mem_bw) for t in T]
+    ratio = matmuls / matmul_floor
+    assert ratio.min() > 1.2 and ratio[T <= 64].max() < 1.4 and ratio[T >= 512].max() < 1.7
+
+    att = pd.read_csv(VIDUR / "attention.csv")
+    heads, kv = layer.num_heads // 2, layer.kv_bytes_per_token_per_gpu
+
+    def attention_floor(step):
+        return max(4 * heads * 128 * step.attended_pairs / a100.flops,
+                   kv * (step.num_context + 2 * step.num_new) / a100.mem_bw)
+
+    pre = att[att.is_prefill]
+    pre_ratio = med(pre, "attn_prefill") / [
+        attention_floor(StepShape((c,), (k,)))
+        for c, k in zip(pre.prefill_chunk_size, pre.kv_cache_size)]
+    dec = att[~att.is_prefill]
+    dec_ratio = med(dec, "attn_decode") / [
+        attention_floor(StepShape.decode([k] * b))
+        for b, k in zip(dec.batch_size, dec.kv_cache_size)]
+    assert pre_ratio.min() > 2 and 3.5 < pre_ratio.median() < 5
+    assert dec_ratio.min() > 1.1
+
+    # whole layers: matmuls + attention + elementwise ops + two all-reduces
+    other = sum(med(mlp, op) for op in ("input_layernorm", "attn_rope", "post_attention_layernorm",
+                                        "mlp_act")) + 2 * med(mlp, "add")
+    ar = pd.read_csv(VIDUR / "all_reduce.csv")
+    ar = ar[(ar.collective == "all_reduce") & (ar.num_workers == 2)].groupby("size").median(
+        numeric_only=True)
+    ar_s = med(ar, "all_reduce")
+
+    def whole(step, attn_s):
+        t = step.num_new
+        return (matmuls[t] + other[t] + attn_s
+                + 2 * float(ar_s.iloc[ar_s.index.get_indexer([t * 8192 * 2], "nearest")[0]]))
+
+    for b in (1, 8, 32, 128):
+        for k in (256, 1024, 4032):
+            row = dec[(dec.batch_size == b) & (dec.kv_cache_size == k)]
+            step = StepShape.decode([k] * b)
+            measured = whole(step, med(row, "attn_decode").median())
+            assert 1.4 < measured / roof.floor(step) < 2.1
+            assert 1.0 < measured / roof.step_time(step) < 1.4
+    for c in (512, 1024, 2048, 4096):
+        row = pre[(pre.prefill_chunk_size == c) & (pre.kv_cache_size == 0)]
+        step = StepShape((c,), (0,))
+        measured = whole(step, med(row, "attn_prefill").median())
+        assert 1.5 < measured / roof.floor(step) < 1.8
+        assert 0.9 < measured / roof.step_time(step) < 1.05
