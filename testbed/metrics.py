@@ -29,6 +29,8 @@ class RequestRecord:
     output_tokens: int
     evicted_tokens: int  # tokens evicted to make room for this request
     inserted: bool  # false when the request could not be cached
+    preemptions: int = 0  # times it was retracted and re-queued (sim, engine)
+    aborted: bool = False  # could never fit in the KV cache: not served (sim, engine)
     prompt_ids: list[int] | None = None
     output_ids: list[int] | None = None
 
@@ -63,7 +65,7 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
     output = sum(r.output_tokens for r in records)
-    timed = [r for r in records if r.finish_s is not None]
+    timed = [r for r in records if r.finish_s is not None and not r.aborted]
     makespan = (max(r.finish_s for r in timed) - min(r.arrival_s for r in timed)) if timed else None
     ttft = [r.first_token_s - r.arrival_s for r in timed if r.first_token_s is not None]
     tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
@@ -79,6 +81,7 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "output_tokens": output,
         "evicted_tokens": sum(r.evicted_tokens for r in records),
         "uncached_requests": sum(not r.inserted for r in records),
+        "aborted_requests": sum(r.aborted for r in records),
         "preemptions": preemptions,
         "makespan_s": makespan,
         "throughput_req_s": rate(len(timed)),

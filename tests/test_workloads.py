@@ -100,26 +100,37 @@ def test_unlimited_replay_hits_the_ideal_which_a_brute_force_recount_confirms(na
     assert describe(requests)["ideal_hit_rate"] == hit / sum(r.prompt_tokens for r in records)
 
 
-def test_self_consistency_ideal_hit_rate_equals_the_analytic_value():
+@pytest.mark.parametrize("fork", [False, True])
+def test_self_consistency_ideal_hit_rate_equals_the_analytic_value(fork):
     q, n, p, l = 6, 4, 50, 13
     requests = self_consistency(num_questions=q, num_samples=n, prefix_len=p, question_len=l,
-                                output_len=7, vocab_size=BIG_VOCAB, seed=0)
-    # The first sample of question 0 hits nothing; the first of every other question hits the
-    # shared prefix; every other sample hits its whole prompt.
-    analytic = ((q - 1) * p + q * (n - 1) * (p + l)) / (q * n * (p + l))
+                                output_len=7, fork_prefill=fork, vocab_size=BIG_VOCAB, seed=0)
+    # The first call of question 0 hits nothing; the first of every other question hits the
+    # shared prefix; every later call (the samples after a fork) hits its whole prompt.
+    calls = n + fork
+    analytic = ((q - 1) * p + q * (calls - 1) * (p + l)) / (q * calls * (p + l))
+    assert len(requests) == q * calls
     assert describe(requests)["ideal_hit_rate"] == pytest.approx(analytic, rel=1e-12)
 
 
+@pytest.mark.parametrize("fork", [False, True])
 @pytest.mark.parametrize("depth, branching", [(1, 3), (3, 2), (4, 3)])
-def test_tree_of_thought_has_sum_of_branching_powers_calls_and_children_extend_parents(depth, branching):
+def test_tree_of_thought_has_sum_of_branching_powers_calls_and_children_extend_parents(
+        depth, branching, fork):
     requests = tree_of_thought(num_problems=2, depth=depth, branching=branching, instruction_len=8,
-                               problem_len=4, step_prompt_len=2, thought_len=3, seed=0)
-    per_problem = sum(branching**i for i in range(depth))
-    assert len(requests) == 2 * per_problem
+                               problem_len=4, step_prompt_len=2, thought_len=3, fork_prefill=fork,
+                               seed=0)
+    thoughts = [r for r in requests if len(r.output)]
+    forks = [r for r in requests if not len(r.output)]
+    assert len(thoughts) == 2 * sum(branching**i for i in range(depth))
+    assert len(forks) == (2 * sum(branching**i for i in range(depth - 1)) if fork else 0)
     by_id = {r.id: r for r in requests}
-    for r in requests:
+    for r in thoughts:
         if r.after:
             parent = by_id[r.after[0]]
+            if fork:  # the fork call has exactly the siblings' prompt, after the thought's parent
+                assert np.array_equal(parent.prompt, r.prompt)
+                parent = by_id[parent.after[0]]
             assert np.array_equal(r.prompt[: len(parent.prompt) + 3], parent.sequence())
 
 
@@ -213,7 +224,8 @@ def test_bad_sizes_and_arrivals_name_the_key():
 def test_describe_command_prints_the_table_and_saves_a_replayable_trace(tmp_path):
     out = tmp_path / "w.jsonl"
     proc = subprocess.run([sys.executable, "-m", "testbed.workloads", "workload=self_consistency",
-                           "workload.num_questions=2", f"save={out}"], cwd=tmp_path,
+                           "workload.num_questions=2", "workload.fork_prefill=false", f"save={out}"],
+                          cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     for key in ["programs", "requests", "prompt_tokens", "output_tokens", "ideal_hit_rate",

@@ -95,10 +95,15 @@ class PrefixCache(ABC):
         """Whether a sequence of ``num_tokens`` could ever be held, with nothing else protected."""
 
     @abstractmethod
-    def match(self, tokens: np.ndarray) -> int:
-        """Length of the longest cached prefix of ``tokens`` usable as a hit (no protection taken).
+    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+        """Length of the longest cached prefix of ``tokens`` usable as a hit (at most ``limit``),
+        without protecting it. Like SGLang's ``match_prefix`` this counts as an access."""
 
-        Like SGLang's ``match_prefix`` this counts as an access (it refreshes recency)."""
+    @property
+    @abstractmethod
+    def available_size(self) -> float:
+        """Tokens that could be allocated now, evicting every unprotected entry if need be
+        (``math.inf`` for an unbounded cache)."""
 
     @abstractmethod
     def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
@@ -111,6 +116,21 @@ class PrefixCache(ABC):
         """Add ``num_tokens`` slots to the lease, evicting as needed. Returns the number of tokens
         evicted, or None (having changed nothing) if even evicting every unprotected token would
         not make the room."""
+
+    def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
+        """`extend` every lease by ``num_tokens`` in turn (a decode step); returns the tokens
+        evicted for each. The caller has checked that the room exists."""
+        out = []
+        for lease in leases:
+            evicted = self.extend(lease, num_tokens)
+            if evicted is None:
+                raise RuntimeError("extend_each: the cache could not make room")
+            out.append(evicted)
+        return out
+
+    def extension_cost(self, lease: Lease, num_tokens: int) -> int:
+        """Capacity (in tokens) that `extend(lease, num_tokens)` takes from `available_size`."""
+        return num_tokens
 
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:

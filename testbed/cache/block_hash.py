@@ -15,6 +15,7 @@ unkeyed partial block to the head.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -96,8 +97,12 @@ class BlockHashCache(PrefixCache):
         return self.num_blocks is None or -(-num_tokens // self.block_size) <= self.num_blocks
 
     # ---------------------------------------------------------------- lifecycle
-    def match(self, tokens: np.ndarray) -> int:
-        return len(self._lookup(self.block_keys(tokens), len(tokens))) * self.block_size
+    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+        return len(self._lookup(self.block_keys(tokens), len(tokens), limit)) * self.block_size
+
+    @property
+    def available_size(self) -> float:
+        return math.inf if self.num_blocks is None else len(self._free) * self.block_size
 
     def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
         handle = _Handle(keys=self.block_keys(prompt))
@@ -126,6 +131,10 @@ class BlockHashCache(PrefixCache):
             handle.blocks.append(block)
         lease.append(self._slots(handle.blocks, lease.num_tokens, total))
         return evicted
+
+    def extension_cost(self, lease: Lease, num_tokens: int) -> int:
+        blocks = -(-(lease.num_tokens + num_tokens) // self.block_size) - len(lease.handle.blocks)
+        return blocks * self.block_size
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import numpy as np
@@ -27,8 +28,12 @@ class NoCache(PrefixCache):
     def fits(self, num_tokens: int) -> bool:
         return self.pool.capacity is None or num_tokens <= self.pool.capacity
 
-    def match(self, tokens: np.ndarray) -> int:
+    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
         return 0
+
+    @property
+    def available_size(self) -> float:
+        return math.inf if self.pool.unbounded else self.pool.num_free
 
     def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
         return Lease(hit=0)
@@ -38,6 +43,15 @@ class NoCache(PrefixCache):
             return None
         lease.append(self.pool.alloc(num_tokens))
         return 0
+
+    def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
+        total = num_tokens * len(leases)
+        if not self.pool.can_alloc(total):
+            return super().extend_each(leases, num_tokens)  # evictions: attribute them one by one
+        slots = self.pool.alloc(total)
+        for i, lease in enumerate(leases):
+            lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
+        return [0] * len(leases)
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         self.pool.free(lease.slots)

@@ -14,6 +14,7 @@ node is still an unlocked leaf.
 from __future__ import annotations
 
 import heapq
+import math
 from itertools import count
 from typing import Iterable
 
@@ -228,8 +229,12 @@ class RadixCache(PrefixCache):
         return freed
 
     # ---------------------------------------------------------------- PrefixCache lifecycle
-    def match(self, tokens: np.ndarray) -> int:
-        return self.match_prefix(tokens)[0]
+    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+        return self.match_prefix(tokens if limit is None else tokens[:limit])[0]
+
+    @property
+    def available_size(self) -> float:
+        return math.inf if self.pool.unbounded else self.pool.num_free + self._evictable
 
     def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
         hit, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit])
@@ -246,6 +251,15 @@ class RadixCache(PrefixCache):
             evicted = self.evict(num_tokens - self.pool.num_free)
         lease.append(self.pool.alloc(num_tokens))
         return evicted
+
+    def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
+        total = num_tokens * len(leases)
+        if not self.pool.can_alloc(total):
+            return super().extend_each(leases, num_tokens)  # evictions: attribute them one by one
+        slots = self.pool.alloc(total)
+        for i, lease in enumerate(leases):
+            lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
+        return [0] * len(leases)
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         if insert and len(tokens) != lease.num_tokens:

@@ -35,6 +35,7 @@ def generate(cfg: Mapping[str, Any], seed: int = 0) -> list[Request]:
     """The requests of the configured workload, in generation/file order, before arrivals."""
     params = dict(cfg)
     name = params.pop("name", None)
+    params.pop("max_in_flight", None)  # the benchmark client's concurrency: the driver's business
     if name == "trace":
         path, fmt = params.pop("path", None), params.pop("format", "tokens")
         if not path:

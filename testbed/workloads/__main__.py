@@ -7,6 +7,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from testbed.cli import check_group_choices
+
 from testbed.workloads import build_workload, save_tokens
 from testbed.workloads.describe import describe, format_table
 
@@ -27,4 +29,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
     main()

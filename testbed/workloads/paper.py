@@ -58,11 +58,13 @@ def chat(num_sessions: int = 20, turns: int = 4, system_prompt_len: int = 64,
     return calls
 
 
-def self_consistency(num_questions: int = 32, num_samples: int = 5, prefix_len: int = 512,
-                     question_len: int = 128, output_len: int = 256, vocab_size: int = 32000,
-                     seed: int = 0) -> list[Request]:
+def self_consistency(num_questions: int = 32, num_samples: int = 5, prefix_len: int = 768,
+                     question_len: int = 96, output_len: int = 128, fork_prefill: bool = True,
+                     vocab_size: int = 32000, seed: int = 0) -> list[Request]:
     """Each question is a program of ``num_samples`` parallel calls with the same prompt: a
-    few-shot prefix shared by all questions, then the question."""
+    few-shot prefix shared by all questions, then the question. With ``fork_prefill`` the samples
+    wait for a prefill-only call of that prompt, as SGLang's frontend commits a prefix before
+    ``fork(n)`` so the forks hit it instead of computing it n times."""
     check_nonnegative(num_questions=num_questions, num_samples=num_samples, prefix_len=prefix_len,
                       question_len=question_len, output_len=output_len)
     tokens = TokenSource(np.random.default_rng(seed), vocab_size)
@@ -70,20 +72,24 @@ def self_consistency(num_questions: int = 32, num_samples: int = 5, prefix_len: 
     calls = []
     for q in range(num_questions):
         program = ProgramBuilder(f"question{q}", tokens)
-        question = tokens(question_len)
-        calls += [program.call(f"sample{i}", [prefix, question], output_len)
-                  for i in range(num_samples)]
+        segments = [prefix, tokens(question_len)]
+        after = [program.call("fork", segments, 0).id] if fork_prefill and num_samples > 1 else []
+        for i in range(num_samples):
+            program.call(f"sample{i}", segments, output_len, after=after)
+        calls += program.calls
     return calls
 
 
-def tree_of_thought(num_problems: int = 8, depth: int = 4, branching: int = 3,
-                    instruction_len: int = 256, problem_len: int = 128, step_prompt_len: int = 16,
-                    thought_len: int = 64, vocab_size: int = 32000, seed: int = 0) -> list[Request]:
+def tree_of_thought(num_problems: int = 64, depth: int = 4, branching: int = 2,
+                    instruction_len: int = 64, problem_len: int = 96, step_prompt_len: int = 32,
+                    thought_len: int = 128, fork_prefill: bool = True, vocab_size: int = 32000,
+                    seed: int = 0) -> list[Request]:
     """Per problem a tree of ``depth`` levels of calls, ``branching`` children per call
     (Σ_{i<depth} branching^i calls). A call's prompt is the instruction (shared by all problems),
     the problem, and for every ancestor its thought followed by the next level's step prompt; the
-    ``branching`` siblings share their prompt and differ in their sampled thoughts. Calls are listed
-    level by level (breadth first) within each problem."""
+    ``branching`` siblings share their prompt and differ in their sampled thoughts. With
+    ``fork_prefill`` the siblings wait for a prefill-only call of their shared prompt (SGLang's
+    fork), one per internal node. Calls are listed level by level within each problem."""
     check_nonnegative(num_problems=num_problems, depth=depth, branching=branching,
                       instruction_len=instruction_len, problem_len=problem_len,
                       step_prompt_len=step_prompt_len, thought_len=thought_len)
@@ -97,10 +103,13 @@ def tree_of_thought(num_problems: int = 8, depth: int = 4, branching: int = 3,
         for d in range(1, depth):
             next_level = []
             for parent in level:
+                name = parent.id.rsplit("/", 1)[1]
                 segments = [*parent.segments, OutputRef(parent.id), steps[d]]
+                after = [parent.id]
+                if fork_prefill and branching > 1:
+                    after = [program.call(f"{name}.fork", segments, 0, after=after).id]
                 for b in range(branching):
-                    name = f"{parent.id.rsplit('/', 1)[1]}.{b}"
-                    next_level.append(program.call(name, segments, thought_len, after=[parent.id]))
+                    next_level.append(program.call(f"{name}.{b}", segments, thought_len, after=after))
             level = next_level
         calls += program.calls
     return calls

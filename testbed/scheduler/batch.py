@@ -1,0 +1,48 @@
+"""`Batch`: one step of work the scheduler hands to an executor.
+
+A prefill batch computes, for each entry, a run of ``new`` tokens of the request's fill (prompt,
+plus tokens generated before a retraction) on top of ``context`` tokens of KV it already has (the
+cached prefix, or earlier chunks). A decode batch computes one token per running request. Entries
+that finish their fill produce the request's next token. Executors read token ids and KV slots
+from here; nothing in a batch is decided by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.scheduler.request_state import Req
+
+
+@dataclass
+class BatchEntry:
+    req: Req
+    context: int  # tokens with KV before this step
+    new: int  # tokens computed in this step
+    produces_token: bool  # False for a chunk that does not reach the end of the fill
+
+    def input_ids(self) -> np.ndarray:
+        """Token ids fed in this step (positions context .. context+new-1)."""
+        if self.new == 1 and self.req.output and self.context == self.req.fill_len - 1:
+            return np.asarray(self.req.output[-1:], dtype=np.int32)
+        return self.req.fill()[self.context : self.context + self.new]
+
+    def kv_slots(self) -> np.ndarray:
+        """KV slots of positions 0 .. context+new-1: read for attention, the last ``new`` written."""
+        return self.req.lease.slots[: self.context + self.new]
+
+
+@dataclass
+class Batch:
+    kind: str  # "prefill" or "decode"
+    entries: list[BatchEntry]
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(e.new for e in self.entries)
+
+    def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(new tokens, context) per entry: what a cost model needs."""
+        return tuple(e.new for e in self.entries), tuple(e.context for e in self.entries)

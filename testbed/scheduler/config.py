@@ -1,0 +1,56 @@
+"""`SchedulerConfig`: the ``scheduler`` config group, validated. Defaults are SGLang's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from testbed.scheduler.policy import POLICIES
+
+RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    name: str = "fcfs"  # the queue policy
+    max_running_requests: int | None = None  # None: min(KV capacity // 2, 4096), as SGLang
+    max_prefill_tokens: int = 16384  # new tokens per prefill batch
+    chunked_prefill_size: int | None = 8192  # None disables chunking
+    lpm_fallback_threshold: int = 128
+    in_batch_prefix_caching: bool = True
+    in_batch_check_threshold: int = 32
+    in_batch_deprioritize_threshold: int = 32
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    clip_max_new_tokens: int = 4096
+    retract_decode_steps: int = 20
+    retract_order: str = "newest"  # who goes first when decode runs out of KV
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> "SchedulerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"scheduler.{unknown[0]} is not a scheduler setting; "
+                             f"allowed: {', '.join(sorted(known))}")
+        config = cls(**dict(cfg))
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}; got {self.name!r}")
+        if self.retract_order not in RETRACT_ORDERS:
+            raise ValueError(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
+                             f"got {self.retract_order!r}")
+        positive = ["max_prefill_tokens", "clip_max_new_tokens", "new_token_ratio_decay_steps",
+                    "lpm_fallback_threshold", "retract_decode_steps"]
+        optional_positive = ["max_running_requests", "chunked_prefill_size"]
+        for key in positive + optional_positive:
+            value = getattr(self, key)
+            if (value is not None or key in positive) and (value is None or value < 1):
+                raise ValueError(f"scheduler.{key} must be >= 1{' or null' if key in optional_positive else ''}, got {value}")
+        for key in ["init_new_token_ratio", "min_new_token_ratio_factor"]:
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"scheduler.{key} must be in [0, 1], got {getattr(self, key)}")

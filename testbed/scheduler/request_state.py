@@ -1,0 +1,68 @@
+"""`Req`: the scheduler's view of one request while it is served (SGLang's ``Req``).
+
+It pairs the workload's `Request` with what serving adds: the cache lease, the tokens generated so
+far, how much of the sequence has KV, and the times and counts that become its record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from testbed.cache.base import Lease
+from testbed.workloads.request import TOKEN_DTYPE, Request
+
+
+@dataclass(eq=False)
+class Req:
+    request: Request
+    prompt: np.ndarray  # as submitted (rebuilt from actual outputs when the engine generates)
+    submitted_s: float
+    seq: int  # submission order: FCFS and tie breaks
+    output: list[int] = field(default_factory=list)
+    lease: Lease | None = None
+    computed: int = 0  # tokens of prompt + output whose KV exists
+    cached_tokens: int | None = None  # prompt tokens hit at first admission
+    evicted_tokens: int = 0  # evicted to make room for this request
+    inserted: bool = False
+    preemptions: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    aborted: bool = False
+    max_new_tokens: int = -1  # set from the request's output length
+
+    def __post_init__(self) -> None:
+        self.max_new_tokens = len(self.request.output)
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_s is not None
+
+    def fill(self) -> np.ndarray:
+        """The tokens whose KV a prefill computes: prompt plus what was generated before a
+        retraction (re-prefilled rather than lost)."""
+        if not self.output:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output, dtype=TOKEN_DTYPE)])
+
+    def kv_tokens(self) -> np.ndarray:
+        """The tokens that have KV now (``computed`` of them), for the cache."""
+        return self.fill()[: self.computed]
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def kv_needed(self) -> int:
+        """KV slots the whole request occupies at its end: the last output token never gets KV."""
+        return len(self.prompt) + max(self.max_new_tokens - 1, 0)

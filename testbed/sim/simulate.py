@@ -1,0 +1,42 @@
+"""Assembling a simulated (or engine) run from config: KV capacity, cache, scheduler, driver.
+
+The KV capacity is ``cache.capacity_tokens`` when given, else derived from the model and the
+hardware: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (as SGLang sizes its pool).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from testbed.cache import PrefixCache
+from testbed.metrics import RequestRecord
+from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.request_state import Req
+from testbed.scheduler.scheduler import Scheduler
+from testbed.sim.driver import Driver, DriverResult
+from testbed.sim.executor import Executor
+from testbed.workloads.request import Request
+
+
+def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
+          executor: Executor, seed: int = 0, max_in_flight: int | None = None,
+          generate: bool = False, progress: bool = False,
+          record_steps: bool = False) -> tuple[Scheduler, DriverResult]:
+    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time."""
+    scheduler = Scheduler(cache, SchedulerConfig.from_mapping(scheduler_cfg), seed=seed)
+    driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=generate,
+                    progress=progress, record_steps=record_steps)
+    return scheduler, driver.run()
+
+
+def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRecord]:
+    """One record per request, in submission (arrival) order."""
+    return [RequestRecord(
+        id=r.id, program=r.request.program, arrival_s=r.submitted_s,
+        first_token_s=r.first_token_s, finish_s=r.finish_s, prompt_tokens=len(r.prompt),
+        cached_tokens=r.cached_tokens or 0, output_tokens=len(r.output),
+        evicted_tokens=r.evicted_tokens, inserted=r.inserted, preemptions=r.preemptions,
+        aborted=r.aborted,
+        prompt_ids=r.prompt.tolist() if save_token_ids else None,
+        output_ids=list(r.output) if save_token_ids else None,
+    ) for r in reqs]

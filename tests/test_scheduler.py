@@ -1,0 +1,183 @@
+"""The shared scheduler: queue orders, in-batch deferral, admission, chunking, retraction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from testbed.cache import BlockHashCache, NoCache, RadixCache
+from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.policy import QueuePolicy, dfs_weight_order
+from testbed.scheduler.scheduler import Scheduler
+from testbed.workloads.request import Request
+from tests.conftest import toks
+
+
+def request(rid: str, prompt, out: int = 1) -> Request:
+    return Request(rid, toks(*prompt), np.arange(1000, 1000 + out, dtype=np.int32))
+
+
+def cache_with(*seqs, capacity=None) -> RadixCache:
+    cache = RadixCache(capacity)
+    for seq in seqs:
+        lease = cache.acquire(toks(*seq))
+        cache.extend(lease, len(seq) - lease.hit)
+        cache.release(lease, toks(*seq))
+    return cache
+
+
+def waiting(scheduler: Scheduler, *prompts):
+    return [scheduler.submit(request(f"r{i}", p), 0.0) for i, p in enumerate(prompts)]
+
+
+def test_lpm_orders_by_longest_cached_prefix_with_fcfs_ties():
+    cache = cache_with(range(100, 150), range(200, 210))
+    s = Scheduler(cache, SchedulerConfig(name="lpm", in_batch_prefix_caching=False))
+    reqs = waiting(s, [9, 9, 9], [*range(200, 210), 1], [*range(100, 150), 2], [*range(200, 205), 3],
+                   [*range(100, 150), 4])
+    order = s.policy.order(s.waiting).queue
+    assert [r.id for r in order] == ["r2", "r4", "r1", "r3", "r0"]
+
+
+def test_lpm_falls_back_to_fcfs_above_the_threshold():
+    cache = cache_with(range(100, 150))
+    s = Scheduler(cache, SchedulerConfig(name="lpm", lpm_fallback_threshold=2))
+    waiting(s, [1, 2], [3, 4], [*range(100, 150), 5])
+    assert s.policy.effective(3) == "fcfs"
+    assert [r.id for r in s.policy.order(s.waiting).queue] == ["r0", "r1", "r2"]
+    assert s.policy.effective(2) == "lpm"
+
+
+def test_lpm_with_no_cache_is_fcfs():
+    s = Scheduler(NoCache(100), SchedulerConfig(name="lpm"))
+    waiting(s, [5, 6], [1, 2])
+    assert s.policy.effective(2) == "fcfs"
+    assert s.policy.order(s.waiting).deferred == set()
+
+
+def test_dfs_weight_visits_heavier_subtrees_first_and_a_nodes_requests_after_its_subtree():
+    # Tree: A=[1..10] with children B=[11..20] and C=[21..30]; D=[50..59] beside A.
+    cache = cache_with([*range(1, 11), *range(11, 21)], [*range(1, 11), *range(21, 31)], range(50, 60))
+    s = Scheduler(cache, SchedulerConfig(name="dfs_weight", in_batch_prefix_caching=False))
+    waiting(s,
+            [*range(50, 60), 7],                      # r0 ends in D
+            [*range(1, 11), *range(21, 31), 7],       # r1 ends in C
+            [*range(1, 11), 99],                      # r2 ends in A
+            [*range(1, 11), *range(21, 31), 8],       # r3 ends in C
+            [*range(1, 11), *range(11, 21), 7])       # r4 ends in B
+    order = [r.id for r in s.policy.order(s.waiting).queue]
+    # A's subtree holds 4 requests, D's 1: A first; inside A, C (2) before B (1), then A's own.
+    assert order == ["r1", "r3", "r4", "r2", "r0"]
+
+
+def test_dfs_weight_order_on_an_empty_tree_keeps_fcfs():
+    cache = RadixCache(None)
+    s = Scheduler(cache, SchedulerConfig(name="dfs_weight"))
+    reqs = waiting(s, [1, 2], [3, 4])
+    assert dfs_weight_order(cache.root, reqs, [cache.root, cache.root]) == reqs
+
+
+def test_in_batch_prefix_caching_defers_a_request_whose_prefix_another_will_compute():
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm"))
+    shared = list(range(500, 540))  # 40 tokens: above the 32-token thresholds
+    reqs = waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
+    ordering = s.policy.order(s.waiting)
+    assert ordering.deferred == {id(reqs[1])}
+    batch = s.next_batch()
+    assert [e.req.id for e in batch.entries] == ["r0", "r2"]
+    s.complete(batch, [1000, 1000], now=1.0)
+    # Next step: r1 now hits the shared prefix computed by r0.
+    batch = s.next_batch()
+    assert [(e.req.id, e.context) for e in batch.entries] == [("r1", 40)]
+
+
+def test_short_shared_prefixes_are_not_deferred():
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm"))
+    waiting(s, [*range(20), 1], [*range(20), 2])
+    assert s.policy.order(s.waiting).deferred == set()
+
+
+def test_unknown_policy_and_bad_settings_name_the_key():
+    with pytest.raises(ValueError, match="scheduler must be one of fcfs, lpm, dfs_weight, random, lof"):
+        SchedulerConfig.from_mapping({"name": "sjf"})
+    with pytest.raises(ValueError, match="scheduler.max_prefill_tokens must be >= 1, got 0"):
+        SchedulerConfig.from_mapping({"name": "fcfs", "max_prefill_tokens": 0})
+    with pytest.raises(ValueError, match="scheduler.chunk is not a scheduler setting"):
+        SchedulerConfig.from_mapping({"chunk": 3})
+
+
+def test_admission_stops_at_the_first_request_over_the_kv_budget():
+    cache = RadixCache(100)
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0))
+    waiting(s, list(range(40)), list(range(100, 150)), [7, 7])
+    # r0: 40 + 1 reserved; r1: 50 + 1 would leave 100 - 41 - 51 = 8 > 0: admitted; r2 then fits too.
+    batch = s.next_batch()
+    assert [e.req.id for e in batch.entries] == ["r0", "r1", "r2"]
+    s2 = Scheduler(RadixCache(80), SchedulerConfig(name="fcfs"))
+    waiting(s2, list(range(40)), list(range(100, 150)), [7, 7])
+    assert [e.req.id for e in s2.next_batch().entries] == ["r0"]  # r1 does not fit; r2 waits behind
+
+
+def test_a_long_prompt_is_chunked_and_each_chunk_is_shared_at_once():
+    cache = RadixCache(1000)
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", chunked_prefill_size=16))
+    (r,) = waiting(s, list(range(40)))
+    contexts = []
+    for _ in range(3):
+        batch = s.next_batch()
+        contexts.append([(e.context, e.new, e.produces_token) for e in batch.entries])
+        s.complete(batch, [1000 if e.produces_token else None for e in batch.entries], now=1.0)
+        cache.check_invariants(s.leases())
+        if s.chunked:
+            assert cache.match(toks(*range(40))) == r.computed  # committed: others can hit it
+    assert contexts == [[(0, 16, False)], [(16, 16, False)], [(32, 8, True)]]
+    assert r.finished and r.output == [1000]
+
+
+def drive(scheduler: Scheduler, max_steps: int = 10_000) -> int:
+    """Run the scheduler to completion with predetermined tokens, checking invariants each step."""
+    steps = 0
+    while scheduler.has_work:
+        batch = scheduler.next_batch()
+        assert batch is not None, "stuck with work left"
+        scheduler.cache.check_invariants(scheduler.leases())
+        tokens = [int(e.req.request.output[len(e.req.output)])
+                  if e.produces_token and e.req.remaining_new_tokens else None for e in batch.entries]
+        scheduler.complete(batch, tokens, now=float(steps))
+        steps += 1
+        assert steps < max_steps
+    return steps
+
+
+@pytest.mark.parametrize("make_cache", [lambda: RadixCache(60), lambda: BlockHashCache(64, block_size=4),
+                                        lambda: NoCache(60)])
+def test_retraction_requeues_and_every_request_finishes_with_its_tokens(make_cache):
+    cache = make_cache()
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0,
+                                         min_new_token_ratio_factor=0.0))
+    reqs = [s.submit(request(f"r{i}", [i, *range(10, 18)], out=12), 0.0) for i in range(5)]
+    drive(s)
+    assert s.preemptions > 0
+    for r in reqs:
+        assert r.finished and r.output == list(range(1000, 1012))
+    cache.check_invariants()
+    assert cache.protected_size == 0
+    if isinstance(cache, (RadixCache, NoCache)):  # no KV slot leaked
+        assert cache.pool.num_free + cache.total_size == 60
+
+
+def test_a_request_that_can_never_fit_is_aborted_at_submission():
+    s = Scheduler(RadixCache(10), SchedulerConfig())
+    r = s.submit(request("big", range(20)), 0.0)
+    assert r.aborted and r.finished and not s.has_work
+
+
+def test_retracted_requests_keep_their_tokens_and_re_prefill_them():
+    cache = RadixCache(40)  # both run (reservations clipped to 1 token), then outgrow the pool
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", clip_max_new_tokens=1))
+    a = s.submit(request("a", range(10), out=20), 0.0)
+    b = s.submit(request("b", range(50, 60), out=20), 0.0)
+    drive(s)
+    assert (a.preemptions, b.preemptions) == (0, 1)  # same outputs and prompt: the later one goes
+    assert a.output == b.output == list(range(1000, 1020))
+    assert b.first_token_s < a.finish_s  # b had started decoding before it was retracted

@@ -1,0 +1,138 @@
+"""The simulator end to end: driver, dependencies, closed loop, determinism, every workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+
+from testbed.cache import RadixCache
+from testbed.run import execute
+from testbed.sim.cost_model import RooflineCostModel, save_fitted
+from testbed.sim.executor import SimExecutor
+from testbed.sim.simulate import records_of, serve
+from testbed.sim.specs import hardware_spec, model_spec
+from testbed.workloads import GENERATORS, generate
+from testbed.workloads.paper import chat
+from tests.test_workloads import small_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(*overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose("config", overrides=["progress=false", *overrides])
+
+
+def a10g_llama2_executor() -> SimExecutor:
+    cfg = config()
+    model = model_spec(dict(cfg.model))
+    return SimExecutor(RooflineCostModel(model, hardware_spec(dict(cfg.hardware))))
+
+
+def test_same_seed_gives_byte_identical_summary_apart_from_wall_time(tmp_path):
+    cfg = config("workload=tree_of_thought", "workload.num_problems=6", "cache.capacity_tokens=3000")
+    texts = []
+    for name in ("a", "b"):
+        execute(cfg, tmp_path / name)
+        doc = json.loads((tmp_path / name / "summary.json").read_text())
+        doc.pop("wall_s")
+        texts.append(json.dumps(doc, sort_keys=True))
+        assert (tmp_path / name / "requests.jsonl").read_bytes() == \
+            (tmp_path / "a" / "requests.jsonl").read_bytes()
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("name", [*GENERATORS, "mixed"])
+def test_every_generator_runs_in_the_simulator_and_leaks_no_kv(name):
+    requests = generate(small_config(name), seed=0)
+    cache = RadixCache(4000)
+    scheduler, result = serve(requests, cache, {"name": "lpm"}, a10g_llama2_executor())
+    assert len(result.reqs) == len(requests)
+    for req in result.reqs:
+        assert req.finished and not req.aborted
+        assert req.output == req.request.output.tolist()
+    cache.check_invariants()
+    assert cache.protected_size == 0
+    assert cache.pool.num_free + cache.total_size == 4000
+
+
+def test_a_call_is_submitted_think_time_after_its_dependency_finishes():
+    requests = chat(num_sessions=2, turns=3, system_prompt_len=8, min_question_len=4,
+                    max_question_len=6, min_output_len=2, max_output_len=3, think_time_s=5.0)
+    _, result = serve(requests, RadixCache(10_000), {"name": "fcfs"}, a10g_llama2_executor())
+    by_id = {r.id: r for r in result.reqs}
+    for r in result.reqs:
+        if r.request.after:
+            (dep,) = r.request.after
+            assert r.submitted_s == pytest.approx(by_id[dep].finish_s + 5.0)
+        else:
+            assert r.submitted_s == 0.0
+
+
+def test_closed_loop_keeps_at_most_n_programs_in_flight():
+    requests = generate(small_config("tree_of_thought") | {"num_problems": 6}, seed=0)
+    _, result = serve(requests, RadixCache(10_000), {"name": "lpm"}, a10g_llama2_executor(),
+                      max_in_flight=2)
+    spans: dict[str, list[float]] = {}
+    for r in result.reqs:
+        span = spans.setdefault(r.request.program, [r.submitted_s, r.finish_s])
+        span[0], span[1] = min(span[0], r.submitted_s), max(span[1], r.finish_s)
+    events = sorted([(s, 1) for s, _ in spans.values()] + [(e, -1) for _, e in spans.values()])
+    running = peak = 0
+    for _, delta in events:  # finishes sort before starts at the same instant
+        running += delta
+        peak = max(peak, running)
+    assert peak == 2
+
+
+def test_lpm_on_an_offline_batch_reaches_most_of_the_ideal_hit_rate(tmp_path):
+    cfg = config("workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=16")
+    summary = execute(cfg, tmp_path)
+    assert summary["hit_rate"] >= 0.9 * summary["ideal_hit_rate"]
+
+
+def test_radix_with_lpm_beats_no_cache_on_a_shared_prefix_workload(tmp_path):
+    base = ["workload=self_consistency", "workload.num_questions=8"]
+    radix = execute(config(*base, "cache=radix", "scheduler=lpm"), tmp_path / "radix")
+    none = execute(config(*base, "cache=none", "scheduler=fcfs"), tmp_path / "none")
+    assert none["hit_rate"] == 0.0
+    assert radix["makespan_s"] < none["makespan_s"]
+
+
+@pytest.mark.parametrize("cache", ["block_hash", "none"])
+def test_other_caches_run_in_the_simulator(cache, tmp_path):
+    summary = execute(config(f"cache={cache}", "workload.num_problems=3"), tmp_path)
+    assert summary["num_requests"] == 3 * 22 and summary["aborted_requests"] == 0
+
+
+def test_fitted_cost_model_is_used_from_its_yaml_file(tmp_path):
+    coeffs = {kind: {"a": 0.5, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0}
+              for kind in ("prefill", "decode")}
+    path = tmp_path / "fit.yaml"
+    save_fitted(path, coeffs, {"model": "llama2_7b", "device": "test"})
+    cfg = config("cost_model=fitted", f"cost_model.path={path}", "workload.num_problems=1",
+                 "workload.depth=1")
+    summary = execute(cfg, tmp_path / "run")
+    assert summary["makespan_s"] == pytest.approx(0.5 * (summary["prefill_steps"] + summary["decode_steps"]))
+
+
+def test_requests_too_large_for_the_cache_are_aborted_and_reported(tmp_path):
+    summary = execute(config("cache.capacity_tokens=100", "workload.num_problems=1"), tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert summary["aborted_requests"] == sum(r["aborted"] for r in rows) > 0
+    assert all(r["output_tokens"] == 0 for r in rows if r["aborted"])
+
+
+def test_records_are_in_submission_order_with_consistent_times():
+    requests = generate(small_config("chat"), seed=1)
+    _, result = serve(requests, RadixCache(10_000), {"name": "lpm"}, a10g_llama2_executor())
+    records = records_of(result.reqs)
+    assert [r.arrival_s for r in records] == sorted(r.arrival_s for r in records)
+    for r in records:
+        assert r.arrival_s <= r.first_token_s <= r.finish_s
+        assert 0 <= r.cached_tokens < r.prompt_tokens
+    assert np.isclose(max(r.finish_s for r in records), result.end_s)
