@@ -11,6 +11,7 @@ from __future__ import annotations
 from tqdm import tqdm
 
 from testbed.cache.base import PrefixCache
+from testbed.cache.eviction import Requester
 from testbed.metrics import RequestRecord
 from testbed.workloads.request import Request
 
@@ -23,7 +24,7 @@ def replay(requests: list[Request], cache: PrefixCache, save_token_ids: bool = F
         hit = evicted = 0
         inserted = False
         if cache.fits(len(seq)):
-            lease = cache.acquire(r.prompt)
+            lease = cache.acquire(r.prompt, requester=Requester(r.id, r.priority, r.category))
             evicted = cache.extend(lease, len(seq) - lease.hit)
             if evicted is None:  # fits() promised room with nothing else protected
                 raise RuntimeError(f"request {r.id}: cache could not make room for {len(seq)} tokens")

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from testbed.cli import check_group_choices
 
-from testbed.cache import make_cache
+from testbed.cache import make_cache, make_policy
 from testbed.metrics import RequestRecord, ideal_hit_rate, summarize
 from testbed.replay import replay
 from testbed.rundir import format_summary, write_run
@@ -41,7 +41,7 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                               arrival=_container(cfg.arrival))
     extra: dict[str, Any] = {}
     if backend == "replay":
-        records = replay(requests, _make_cache(cfg, cfg.cache.get("capacity_tokens")),
+        records = replay(requests, _make_cache(cfg, cfg.cache.get("capacity_tokens"), requests),
                          save_token_ids=cfg.save_token_ids, progress=cfg.progress)
         preemptions = 0
     else:
@@ -55,10 +55,22 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
     return summary
 
 
-def _make_cache(cfg: DictConfig, capacity: int | None):
+def _make_cache(cfg: DictConfig, capacity: int | None, requests: list[Request]):
     c = cfg.cache
+    policy = make_policy(_container(cfg.eviction), requests, cost_fn=_recompute_cost(cfg))
     return make_cache(c.name, capacity_tokens=capacity, page_size=c.get("page_size", 1),
-                      block_size=c.get("block_size", 16), eviction=cfg.eviction.name)
+                      block_size=c.get("block_size", 16), policy=policy)
+
+
+def _recompute_cost(cfg: DictConfig):
+    """Seconds to recompute ``size`` tokens after ``start`` cached ones (the GDSF policy's cost):
+    the roofline floor of that prefill on the configured model and hardware."""
+    from testbed.sim.cost_model import RooflineCostModel, StepShape
+    from testbed.sim.specs import hardware_spec, model_spec
+
+    floor = RooflineCostModel(model_spec(_container(cfg.model)),
+                              hardware_spec(_container(cfg.hardware))).floor
+    return lambda start, size: floor(StepShape(new=(max(size, 1),), context=(start,)))
 
 
 def max_in_flight(cfg: DictConfig) -> int | None:
@@ -78,7 +90,7 @@ def _simulate(cfg: DictConfig, requests: list[Request]) -> tuple[list[RequestRec
     if capacity is None:
         capacity = kv_capacity_tokens(model, hw, mem_fraction(_container(cfg.hardware)))
     executor = SimExecutor(make_cost_model(_container(cfg.cost_model), model, hw))
-    scheduler, result = serve(requests, _make_cache(cfg, capacity), _container(cfg.scheduler),
+    scheduler, result = serve(requests, _make_cache(cfg, capacity, requests), _container(cfg.scheduler),
                               executor, seed=cfg.seed, max_in_flight=max_in_flight(cfg),
                               progress=cfg.progress)
     s = result.stats
@@ -91,12 +103,58 @@ def _simulate(cfg: DictConfig, requests: list[Request]) -> tuple[list[RequestRec
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    """One run. In a sweep (``-m``) a run whose directory already has ``summary.json`` is
+    skipped, and a failing run is recorded in ``failed.json`` while the sweep goes on; a single
+    run records the failure too and exits non-zero (2 for a bad value, 1 otherwise)."""
+    import json
+    import traceback
+
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    sweeping = hydra_cfg.mode == RunMode.MULTIRUN
+    overrides = list(hydra_cfg.overrides.task)
+    done = run_dir / "summary.json"
+    if sweeping and done.is_file():  # skip it if it ran this very config (progress aside)
+        try:
+            same = {**json.loads(done.read_text()).get("config", {}), "progress": None} == \
+                {**_container(cfg), "progress": None}
+        except Exception:  # unreadable summary, unresolvable config: run it again
+            same = False
+        if same:
+            print(f"skip: {run_dir} already has summary.json")
+            return
+        print(f"rerun: {run_dir} has a summary.json of another config; replacing it")
+        for stale in (done, run_dir / "requests.jsonl"):
+            stale.unlink(missing_ok=True)
+    failed = run_dir / "failed.json"
     try:
         summary = execute(cfg, run_dir)
-    except ValueError as e:  # bad config values and malformed traces: one clear line
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:  # recorded for the report; a sweep goes on with its other runs
+        try:
+            config = _container(cfg)
+        except Exception:  # an unresolvable interpolation: the overrides still say what ran
+            config = None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        failed.write_text(json.dumps({
+            "error_type": type(e).__name__, "message": str(e),
+            "traceback": traceback.format_exc(), "overrides": overrides, "config": config},
+            indent=2) + "\n")
+        bad_value = isinstance(e, ValueError)  # bad config values, malformed traces: one line
+        what = str(e) if bad_value else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        if sweeping:
+            print(f"error: {what} [{' '.join(overrides)}]; recorded in {failed}", file=sys.stderr)
+            return
+        print(f"error: {what}" if bad_value else f"error: run failed with {what}; see {failed}",
+              file=sys.stderr)
+        sys.exit(2 if bad_value else 1)
+    failed.unlink(missing_ok=True)  # an earlier failure of this run, now superseded
+    if sweeping:
+        span = summary["makespan_s"]
+        print(f"done: {' '.join(overrides)} · hit_rate {summary['hit_rate']:.4g}"
+              + (f" · makespan_s {span:.4g}" if span is not None else "") + f" · {run_dir}")
+        return
     head = [f"backend={summary['backend']}", f"workload={summary['workload']}",
             f"cache={summary['cache']}", f"eviction={summary['eviction']}"]
     if summary["backend"] != "replay":

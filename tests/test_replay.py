@@ -106,8 +106,8 @@ def test_make_cache_names_the_key_and_allowed_values_on_bad_input():
         make_cache("lru")
     with pytest.raises(ValueError, match="cache.capacity_tokens must be >= 0 or null, got -5"):
         make_cache("radix", capacity_tokens=-5)
-    with pytest.raises(ValueError, match="eviction must be one of lru"):
-        make_cache("radix", eviction="nope")
+    with pytest.raises(ValueError, match="eviction must be one of lru, fifo, lfu"):
+        make_cache("radix", policy="nope")
 
 
 @pytest.mark.parametrize("capacity, expected", [(None, 0.373624), (3_000_000, 0.135347)])

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from testbed.cache.eviction import Requester
 from testbed.cache.pool import SLOT_DTYPE
 
 EMPTY_SLOTS = np.zeros(0, dtype=SLOT_DTYPE)
@@ -37,12 +38,13 @@ class Lease:
     Slots grow geometrically, so a decode step's one-slot `append` costs O(1) amortised.
     """
 
-    __slots__ = ("hit", "handle", "cached", "_buf", "_n")
+    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n")
 
     def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
-                 cached: int | None = None) -> None:
+                 cached: int | None = None, requester: Requester | None = None) -> None:
         self.hit = hit
         self.handle = handle
+        self.requester = requester  # who holds it: what eviction policies may know
         self.cached = hit if cached is None else cached
         self._buf = np.array(slots, dtype=SLOT_DTYPE)
         self._n = len(slots)
@@ -95,7 +97,8 @@ class PrefixCache(ABC):
         """Whether a sequence of ``num_tokens`` could ever be held, with nothing else protected."""
 
     @abstractmethod
-    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+    def match(self, tokens: np.ndarray, limit: int | None = None,
+              requester: Requester | None = None) -> int:
         """Length of the longest cached prefix of ``tokens`` usable as a hit (at most ``limit``),
         without protecting it. Like SGLang's ``match_prefix`` this counts as an access."""
 
@@ -106,7 +109,8 @@ class PrefixCache(ABC):
         (``math.inf`` for an unbounded cache)."""
 
     @abstractmethod
-    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
+    def acquire(self, prompt: np.ndarray, limit: int | None = None,
+                requester: Requester | None = None) -> Lease:
         """Match ``prompt`` and protect the matched prefix until `release`. The hit is at most
         ``limit`` tokens (a scheduler passes ``len(prompt) - 1``: one token must be computed to
         produce the next one)."""

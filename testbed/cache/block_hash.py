@@ -16,13 +16,15 @@ unkeyed partial block to the head.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
 from testbed.cache.base import Lease, PrefixCache, Released
+from testbed.cache.eviction import Requester
+from testbed.cache.eviction import LRU, EvictionPolicy
+from testbed.cache.free_queue import BlockStats, FreeBlockQueue
 from testbed.cache.pool import SLOT_DTYPE
 
 
@@ -39,18 +41,22 @@ class BlockHashCache(PrefixCache):
 
     name = "block_hash"
 
-    def __init__(self, capacity: int | None = None, block_size: int = 16) -> None:
+    def __init__(self, capacity: int | None = None, block_size: int = 16,
+                 policy: EvictionPolicy | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"cache.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_blocks = None if capacity is None else capacity // block_size
-        # block id -> None, in queue order (head first); O(1) pop from either end and removal.
-        self._free: OrderedDict[int, None] = OrderedDict()
+        self.policy = policy if policy is not None else LRU()
+        self._free = FreeBlockQueue(self.policy)
         self._minted = 0
+        self._clock = 0
         if self.num_blocks is not None:
-            self._mint(self.num_blocks)
+            for _ in range(self.num_blocks):
+                self._mint(head=False)
         self._ref = {}  # block id -> running requests using it (absent or 0 when free)
         self._key_of: dict[int, int] = {}  # block id -> its key, for cached blocks
+        self._stats: dict[int, BlockStats] = {}  # block id -> statistics, for cached blocks
         # key -> blocks holding it, oldest registration first (lookups use the first)
         self._blocks_of: dict[int, dict[int, None]] = {}
         self._cached_tokens = 0
@@ -97,21 +103,26 @@ class BlockHashCache(PrefixCache):
         return self.num_blocks is None or -(-num_tokens // self.block_size) <= self.num_blocks
 
     # ---------------------------------------------------------------- lifecycle
-    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+    def match(self, tokens: np.ndarray, limit: int | None = None,
+              requester: Requester | None = None) -> int:
+        self.policy.on_access(requester)
         return len(self._lookup(self.block_keys(tokens), len(tokens), limit)) * self.block_size
 
     @property
     def available_size(self) -> float:
         return math.inf if self.num_blocks is None else len(self._free) * self.block_size
 
-    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
+    def acquire(self, prompt: np.ndarray, limit: int | None = None,
+                requester: Requester | None = None) -> Lease:
+        self.policy.on_access(requester)
         handle = _Handle(keys=self.block_keys(prompt))
         for block in self._lookup(handle.keys, len(prompt), limit):
-            self._take(block)
+            self._take(block, requester)
             handle.blocks.append(block)
         handle.registered = len(handle.blocks)
         hit = len(handle.blocks) * self.block_size
-        return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, 0, hit))
+        return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, 0, hit),
+                     requester=requester)
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
         handle: _Handle = lease.handle
@@ -121,11 +132,11 @@ class BlockHashCache(PrefixCache):
             return None
         evicted = 0
         for _ in range(need):
-            if self.num_blocks is None and (not self._free or next(iter(self._free)) in self._key_of):
-                self._mint_at_head()  # unbounded: never reuse a cached block
-            block, _ = self._free.popitem(last=False)
-            if block in self._key_of:
-                self._forget(block)
+            if self.num_blocks is None and (not len(self._free) or self._free.head_is_keyed()):
+                self._mint(head=True)  # unbounded: never reuse a cached block
+            block, key = self._free.pop()
+            if key is not None:
+                self._forget(block, key)
                 evicted += self.block_size
             self._ref[block] = 1
             handle.blocks.append(block)
@@ -141,69 +152,82 @@ class BlockHashCache(PrefixCache):
         if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         if insert:
-            self._register_full_blocks(handle, tokens)
-        for block in reversed(handle.blocks):
+            self._register_full_blocks(handle, tokens, lease.requester)
+        for block in reversed(handle.blocks):  # last to first: a sequence's tail is reused first
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 if block in self._key_of:
                     self._protected_tokens -= self.block_size
-                    self._free[block] = None  # tail: reused last
+                    self._clock += 1
+                    stats = self._stats[block]
+                    stats.last_access = self._clock
+                    self._free.push_keyed(block, stats)
                 else:
-                    self._free[block] = None
-                    self._free.move_to_end(block, last=False)  # head: reused first
+                    self._free.push_unkeyed(block, head=True)
         lease.reset(lease.slots[:0], 0)
         return Released(inserted=insert, already_cached=lease.hit)
 
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
         if len(tokens) != lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
-        self._register_full_blocks(lease.handle, tokens)
+        self._register_full_blocks(lease.handle, tokens, lease.requester)
         lease.cached = lease.handle.registered * self.block_size
 
-    def _register_full_blocks(self, handle: _Handle, tokens: np.ndarray) -> None:
+    def _register_full_blocks(self, handle: _Handle, tokens: np.ndarray,
+                              requester: Requester | None) -> None:
         """Give every full block of ``tokens`` not yet registered its key (vLLM's cache_blocks)."""
         handle.keys = self.block_keys(tokens, known=handle.keys[: len(tokens) // self.block_size])
         for i in range(handle.registered, len(handle.keys)):
-            self._register(handle.blocks[i], handle.keys[i])
+            self._register(handle.blocks[i], handle.keys[i], i * self.block_size, requester)
         handle.registered = max(handle.registered, len(handle.keys))
 
     def evict(self, num_tokens: int) -> int:
-        """Drop keys of cached free blocks from the queue head until ``num_tokens`` are freed."""
+        """Drop keys of cached free blocks in policy order until ``num_tokens`` are freed."""
         freed = 0
-        for block in list(self._free):
-            if freed >= num_tokens:
+        while freed < num_tokens:
+            popped = self._free.pop_keyed()
+            if popped is None:
                 break
-            if block in self._key_of:
-                self._forget(block)
-                freed += self.block_size
+            self._forget(*popped)
+            self._free.push_unkeyed(popped[0], head=False)
+            freed += self.block_size
         return freed
 
     # ---------------------------------------------------------------- block bookkeeping
-    def _mint(self, n: int) -> None:
-        for block in range(self._minted, self._minted + n):
-            self._free[block] = None
-        self._minted += n
-
-    def _mint_at_head(self) -> None:
-        self._free[self._minted] = None
-        self._free.move_to_end(self._minted, last=False)
+    def _mint(self, head: bool) -> None:
+        self._free.push_unkeyed(self._minted, head=head)
         self._minted += 1
 
-    def _take(self, block: int) -> None:
-        """A request starts using a cached block: it leaves the free queue if it was there."""
+    def _take(self, block: int, requester: Requester | None) -> None:
+        """A request hits a cached block: it leaves the free queue if it was there."""
         if self._ref.get(block, 0) == 0:
-            del self._free[block]
+            self._free.remove_keyed(block)
             self._protected_tokens += self.block_size
         self._ref[block] = self._ref.get(block, 0) + 1
+        stats = self._stats[block]
+        stats.access_count += 1
+        if requester is not None:
+            stats.priority = min(stats.priority, requester.priority)
+        self.policy.on_hit(stats)
 
-    def _register(self, block: int, key: int) -> None:
+    def _register(self, block: int, key: int, start: int, requester: Requester | None) -> None:
         assert block not in self._key_of, "only freshly popped blocks are registered"
         self._key_of[block] = key
         self._blocks_of.setdefault(key, {})[block] = None
         self._cached_tokens += self.block_size
         self._protected_tokens += self.block_size  # registered while the request still holds it
+        self._clock += 1
+        stats = BlockStats(id=block, created=self._clock, last_access=self._clock, start=start,
+                           size=self.block_size,
+                           priority=requester.priority if requester else 0,
+                           category=requester.category if requester else None)
+        self._stats[block] = stats
+        self.policy.on_create(stats)
 
-    def _forget(self, block: int) -> None:
+    def _forget(self, block: int, evict_key: Any = None) -> None:
+        if evict_key is not None:
+            self.policy.on_evict(self._stats[block], evict_key)
+        del self._stats[block]
         key = self._key_of.pop(block)
         holders = self._blocks_of[key]
         del holders[block]
@@ -222,8 +246,10 @@ class BlockHashCache(PrefixCache):
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
         in_use = {b for b, r in self._ref.items() if r > 0}
         assert all(r >= 0 for r in self._ref.values()), "negative block ref count"
-        assert not in_use & set(self._free), "a block is both free and in use"
-        assert len(in_use) + len(self._free) == self._minted, "a block is lost"
+        free = self._free.blocks()
+        assert len(set(free)) == len(free), "a block is free twice"
+        assert not in_use & set(free), "a block is both free and in use"
+        assert len(in_use) + len(free) == self._minted, "a block is lost"
         held = [b for lease in leases for b in lease.handle.blocks]
         for b in set(held):
             assert self._ref.get(b, 0) == held.count(b), f"block {b}: ref count != holders"

@@ -1,46 +1,194 @@
 """Eviction policies: which unprotected cached entry goes first.
 
-A policy maps a cache entry's statistics to a priority; the cache evicts the lowest priority first.
+A policy maps an entry's statistics to a priority key; the cache evicts the smallest key first.
 The cache owns the data structure (a lazily-invalidated heap of candidates) and re-asks the policy
-whenever an entry's statistics change, so policy code never lives inside the tree.
+whenever an entry's statistics change, so policy code never lives inside the tree. Policies with
+state of their own (an aging clock, reuse statistics, the future) learn about accesses, creations,
+hits and evictions through the hooks of `EvictionPolicy`.
+
+Keys are computed when an entry is (re)offered; a policy whose key drifts with global state (GDSF's
+clock, the workload-aware estimator) sees it applied to an entry at its next offer, as in the usual
+heap-based implementations of those policies.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+
+@dataclass(frozen=True)
+class Requester:
+    """Who is using the cache right now: what policies may know of a request."""
+
+    request_id: str | None = None
+    priority: int = 0  # lower is more urgent
+    category: str | None = None  # e.g. a trace's request type and turn
 
 
 class EntryStats(Protocol):
-    """What a cache maintains per entry (a radix node) for policies to read."""
+    """What a cache maintains per entry (a radix node, a block) for policies to read."""
 
+    id: int
     last_access: int  # logical clock of the latest access; unique per access
-    access_count: int  # accesses since creation (creation counts as one)
+    access_count: int  # creation counts one, each hit one more
     created: int  # logical clock at creation
+    start: int  # tokens before the entry on its sequence (its depth)
+    size: int  # tokens in the entry
+    priority: int  # the most urgent priority of the requests that used it
+    category: str | None  # the category of the request that created it
 
 
-class EvictionPolicy(Protocol):
-    name: str
+class EvictionPolicy:
+    """Base policy: LRU. Subclasses override `priority` and the hooks they need."""
 
-    def priority(self, entry: EntryStats) -> object:
-        """Sort key: the entry with the smallest key is evicted first. Keys must be totally ordered
-        and distinct between entries (end with ``last_access`` to break ties deterministically)."""
+    name = "lru"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return entry.last_access
+
+    def on_access(self, requester: Requester | None) -> None:
+        """A request starts using the cache (before its match)."""
+
+    def on_create(self, entry: EntryStats) -> None:
+        """A new entry was cached."""
+
+    def on_hit(self, entry: EntryStats) -> None:
+        """An entry was hit by a match."""
+
+    def on_evict(self, entry: EntryStats, key: Any) -> None:
+        """An entry was evicted with this key."""
+
+    def path_key_needed(self) -> bool:
+        """Whether the cache must tell the policy the tokens leading into an entry (oracle)."""
+        return False
 
 
-class LRU:
+class LRU(EvictionPolicy):
     """Least recently used first (SGLang's default)."""
 
     name = "lru"
 
-    def priority(self, entry: EntryStats) -> object:
-        return entry.last_access
+
+class FIFO(EvictionPolicy):
+    """Oldest entry first, however often it was used."""
+
+    name = "fifo"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (entry.created, entry.id)
 
 
-EVICTION_POLICIES: dict[str, type] = {"lru": LRU}
+class LFU(EvictionPolicy):
+    """Fewest hits first; ties by LRU."""
+
+    name = "lfu"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (entry.access_count, entry.last_access)
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
+class MRU(EvictionPolicy):
+    """Most recently used first (good for scans larger than the cache)."""
+
+    name = "mru"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return -entry.last_access
+
+
+class SLRU(EvictionPolicy):
+    """Segmented LRU: entries never hit since creation (probation) go before hit ones
+    (protected); LRU within each segment."""
+
+    name = "slru"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (entry.access_count > 1, entry.last_access)
+
+
+class PriorityLRU(EvictionPolicy):
+    """Entries used only by less urgent requests go first (larger priority value); then LRU."""
+
+    name = "priority"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (-entry.priority, entry.last_access)
+
+
+class GDSF(EvictionPolicy):
+    """Greedy-Dual-Size-Frequency: value = L + frequency × recompute cost / size, lowest first;
+    L (the aging clock) becomes the value of each evicted entry. The recompute cost of an entry is
+    the time to prefill its tokens on top of its prefix (``cost_fn(start, size)``), so deep entries,
+    whose attention spans a long prefix, are costlier per token."""
+
+    name = "gdsf"
+
+    def __init__(self, cost_fn: Callable[[int, int], float] | None = None) -> None:
+        self.cost_fn = cost_fn or (lambda start, size: size * (1.0 + start / 4096.0))
+        self.clock = 0.0
+
+    def priority(self, entry: EntryStats) -> Any:
+        value = entry.access_count * self.cost_fn(entry.start, entry.size) / max(entry.size, 1)
+        return (self.clock + value, entry.last_access)
+
+    def on_evict(self, entry: EntryStats, key: Any) -> None:
+        self.clock = max(self.clock, key[0])
+
+
+class WorkloadAware(EvictionPolicy):
+    """Reuse-probability-weighted recency, after "KVCache Cache in the Wild" (ATC'25): per request
+    category, estimate the probability that a newly cached entry is hit again (Laplace-smoothed
+    hits over creations); evict the lowest ``log p(category) + last_access / tau`` first. Entries of
+    requests without a category are ranked by recency alone (so a trace without categories gets
+    LRU); ``tau`` (in accesses) trades the estimate against recency."""
+
+    name = "workload_aware"
+
+    def __init__(self, tau: float = 20000.0) -> None:
+        if tau <= 0:
+            raise ValueError(f"eviction.tau must be > 0, got {tau}")
+        self.tau = tau
+        self.created: dict[str | None, int] = {}
+        self.reused: dict[str | None, int] = {}
+        self._hit_ids: set[int] = set()
+
+    def reuse_probability(self, category: str | None) -> float:
+        return (self.reused.get(category, 0) + 1) / (self.created.get(category, 0) + 2)
+
+    def priority(self, entry: EntryStats) -> Any:
+        if entry.category is None:  # nothing to estimate by: recency alone
+            return (entry.last_access / self.tau, entry.last_access)
+        return (math.log(self.reuse_probability(entry.category)) + entry.last_access / self.tau,
+                entry.last_access)
+
+    def on_create(self, entry: EntryStats) -> None:
+        self.created[entry.category] = self.created.get(entry.category, 0) + 1
+
+    def on_hit(self, entry: EntryStats) -> None:
+        if entry.id not in self._hit_ids:
+            self._hit_ids.add(entry.id)
+            self.reused[entry.category] = self.reused.get(entry.category, 0) + 1
+
+
+EVICTION_POLICIES: dict[str, type] = {
+    p.name: p for p in (LRU, FIFO, LFU, MRU, SLRU, PriorityLRU, GDSF, WorkloadAware)
+}
+ALL_POLICIES = (*EVICTION_POLICIES, "oracle")
+
+
+def make_eviction_policy(name: str, **params: Any) -> EvictionPolicy:
+    """A policy by config name; ``oracle`` is built by `testbed.cache.oracle.Oracle` (it needs
+    the whole workload)."""
+    if name == "oracle":
+        raise ValueError("eviction=oracle needs the whole workload: build it with "
+                         "testbed.cache.oracle.Oracle(requests)")
     try:
-        return EVICTION_POLICIES[name]()
+        cls = EVICTION_POLICIES[name]
     except KeyError:
-        allowed = ", ".join(sorted(EVICTION_POLICIES))
-        raise ValueError(f"eviction must be one of {allowed}; got {name!r}") from None
+        raise ValueError(f"eviction must be one of {', '.join(ALL_POLICIES)}; got {name!r}") from None
+    try:
+        return cls(**params)
+    except TypeError as e:
+        raise ValueError(f"eviction={name}: {e}") from None

@@ -8,6 +8,7 @@ from typing import Iterable
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
+from testbed.cache.eviction import Requester
 from testbed.cache.pool import KVSlotPool
 
 
@@ -28,14 +29,16 @@ class NoCache(PrefixCache):
     def fits(self, num_tokens: int) -> bool:
         return self.pool.capacity is None or num_tokens <= self.pool.capacity
 
-    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
+    def match(self, tokens: np.ndarray, limit: int | None = None,
+              requester: Requester | None = None) -> int:
         return 0
 
     @property
     def available_size(self) -> float:
         return math.inf if self.pool.unbounded else self.pool.num_free
 
-    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
+    def acquire(self, prompt: np.ndarray, limit: int | None = None,
+                requester: Requester | None = None) -> Lease:
         return Lease(hit=0)
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:

@@ -21,7 +21,7 @@ from typing import Iterable
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
-from testbed.cache.eviction import LRU, EvictionPolicy
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
 
 TOKEN_DTYPE = np.int32
@@ -31,12 +31,12 @@ class TreeNode:
     """A run of tokens and their KV slots; the path from the root spells the cached sequence."""
 
     __slots__ = (
-        "id", "parent", "children", "key", "slots", "lock_ref",
-        "last_access", "access_count", "created", "offer", "alive",
+        "id", "parent", "children", "key", "slots", "lock_ref", "last_access", "access_count",
+        "created", "start", "priority", "category", "offer", "alive",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", key: np.ndarray, slots: np.ndarray,
-                 clock: int) -> None:
+                 clock: int, start: int = 0, requester: Requester | None = None) -> None:
         self.id = node_id
         self.parent = parent
         self.children: dict[object, TreeNode] = {}
@@ -46,8 +46,15 @@ class TreeNode:
         self.last_access = clock
         self.access_count = 1
         self.created = clock
+        self.start = start  # tokens on the path before this node
+        self.priority = requester.priority if requester else 0
+        self.category = requester.category if requester else None
         self.offer = 0  # version of the node's latest heap entry
         self.alive = True
+
+    @property
+    def size(self) -> int:
+        return len(self.key)
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock={self.lock_ref}, "
@@ -115,18 +122,28 @@ class RadixCache(PrefixCache):
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
 
-    def _touch(self, node: TreeNode) -> None:
+    def _touch(self, node: TreeNode, requester: Requester | None) -> None:
+        """An access: refreshes recency (a node a walk stops inside counts too)."""
         self._clock += 1
         node.last_access = self._clock
+        if requester is not None and requester.priority < node.priority:
+            node.priority = requester.priority
+
+    def _hit(self, node: TreeNode) -> None:
+        """A match used all of ``node``'s tokens (after any split): frequency statistics."""
         node.access_count += 1
+        self.policy.on_hit(node)
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens: a new head takes the first part (and the lock count);
         ``node`` keeps the tail, its children and its slots. Returns the head."""
         self._clock += 1
-        head = TreeNode(next(self._ids), node.parent, node.key[:at], node.slots[:at], self._clock)
+        head = TreeNode(next(self._ids), node.parent, node.key[:at], node.slots[:at], self._clock,
+                        start=node.start)
         head.lock_ref = node.lock_ref
         head.access_count = node.access_count
+        head.priority, head.category = node.priority, node.category
+        node.start += at
         head.children[self._child_key(node.key, at)] = node
         node.parent.children[self._child_key(node.key, 0)] = head
         node.parent = head
@@ -136,11 +153,13 @@ class RadixCache(PrefixCache):
         self._offer(node)  # its size changed; a size-aware policy must see it
         return head
 
-    def _walk(self, key: np.ndarray) -> tuple[TreeNode, int, list[np.ndarray]]:
-        """Follow ``key`` from the root, touching every node on the way and splitting the edge the
-        walk stops inside. Returns (last node, matched length, slot runs of the matched path)."""
+    def _walk(self, key: np.ndarray, requester: Requester | None,
+              hit: bool) -> tuple[TreeNode, int, list[np.ndarray]]:
+        """Follow ``key`` from the root, touching every node on the way (as hits for a match) and
+        splitting the edge the walk stops inside. Returns (last node, matched length, slot runs of
+        the matched path)."""
         node = self.root
-        self._touch(node)
+        self._touch(node, requester)
         matched = 0
         runs: list[np.ndarray] = []
         n = len(key)
@@ -148,11 +167,13 @@ class RadixCache(PrefixCache):
             child = node.children.get(self._child_key(key, matched))
             if child is None:
                 break
-            self._touch(child)
+            self._touch(child, requester)
             k = self._aligned(common_prefix_length(child.key, key[matched:]))
             split = k < len(child.key)
             if split:
                 child = self._split(child, k)
+            if hit:
+                self._hit(child)  # the head of a split: its tail was only passed through
             runs.append(child.slots)
             matched += k
             node = child
@@ -162,16 +183,17 @@ class RadixCache(PrefixCache):
         return node, matched, runs
 
     # ---------------------------------------------------------------- core API (SGLang's names)
-    def match_prefix(self, key: np.ndarray) -> tuple[int, TreeNode, np.ndarray]:
+    def match_prefix(self, key: np.ndarray,
+                     requester: Requester | None = None) -> tuple[int, TreeNode, np.ndarray]:
         """Longest cached prefix of ``key`` (page-aligned): (length, deepest node, its slots)."""
         key = key[: self._aligned(len(key))]
         if len(key) == 0:
             return 0, self.root, EMPTY_SLOTS
-        node, matched, runs = self._walk(key)
+        node, matched, runs = self._walk(key, requester, hit=True)
         slots = np.concatenate(runs) if runs else EMPTY_SLOTS
         return matched, node, slots
 
-    def insert(self, key: np.ndarray, slots: np.ndarray) -> int:
+    def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None) -> int:
         """Cache ``key`` with KV ``slots`` (same length); returns how many leading tokens were
         already cached. Their entries in ``slots`` are duplicates the caller gives back. With
         ``page_size > 1`` only whole pages are inserted (the caller frees the rest)."""
@@ -181,14 +203,15 @@ class RadixCache(PrefixCache):
         if n == 0:
             return 0
         key = key[:n]
-        node, present, _ = self._walk(key)
+        node, present, _ = self._walk(key, requester, hit=False)
         if present < n:
             self._clock += 1
             leaf = TreeNode(next(self._ids), node, key[present:].copy(), slots[present:n].copy(),
-                            self._clock)
+                            self._clock, start=present, requester=requester)
             node.children[self._child_key(leaf.key, 0)] = leaf
             self._num_nodes += 1
             self._evictable += len(leaf.key)
+            self.policy.on_create(leaf)
             self._offer(leaf)
         return present
 
@@ -221,25 +244,30 @@ class RadixCache(PrefixCache):
         freed = 0
         heap = self._heap
         while freed < num_tokens and heap:
-            _, _, offer, node = heapq.heappop(heap)
+            key, _, offer, node = heapq.heappop(heap)
             if offer != node.offer or not node.alive or node.children or node.lock_ref:
                 continue  # a stale entry: the node changed since this offer
             freed += len(node.key)
             self._delete_leaf(node)
+            self.policy.on_evict(node, key)
         return freed
 
     # ---------------------------------------------------------------- PrefixCache lifecycle
-    def match(self, tokens: np.ndarray, limit: int | None = None) -> int:
-        return self.match_prefix(tokens if limit is None else tokens[:limit])[0]
+    def match(self, tokens: np.ndarray, limit: int | None = None,
+              requester: Requester | None = None) -> int:
+        self.policy.on_access(requester)
+        return self.match_prefix(tokens if limit is None else tokens[:limit], requester)[0]
 
     @property
     def available_size(self) -> float:
         return math.inf if self.pool.unbounded else self.pool.num_free + self._evictable
 
-    def acquire(self, prompt: np.ndarray, limit: int | None = None) -> Lease:
-        hit, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit])
+    def acquire(self, prompt: np.ndarray, limit: int | None = None,
+                requester: Requester | None = None) -> Lease:
+        self.policy.on_access(requester)
+        hit, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit], requester)
         self.lock(node)
-        return Lease(hit=hit, handle=node, slots=slots)
+        return Lease(hit=hit, handle=node, slots=slots, requester=requester)
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
         evicted = 0
@@ -267,7 +295,7 @@ class RadixCache(PrefixCache):
         present = lease.cached
         slots = lease.slots
         if insert:
-            present = self.insert(tokens, slots)
+            present = self.insert(tokens, slots, lease.requester)
             # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
             # meanwhile; the unaligned tail (page_size > 1) was not inserted.
             self.pool.free(slots[lease.cached : present])
@@ -282,9 +310,9 @@ class RadixCache(PrefixCache):
         if len(tokens) != lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         slots = lease.slots
-        present = self.insert(tokens, slots)
+        present = self.insert(tokens, slots, lease.requester)
         self.pool.free(slots[lease.cached : present])
-        n, node, cached_slots = self.match_prefix(tokens)  # the whole aligned part, now cached
+        n, node, cached_slots = self.match_prefix(tokens, lease.requester)  # now all cached
         self.lock(node)
         self.unlock(lease.handle)
         lease.handle = node
@@ -338,6 +366,7 @@ class RadixCache(PrefixCache):
             assert len(node.key) % self.page_size == 0, f"unaligned node {node!r}"
             assert node.lock_ref >= 0, f"negative lock: {node!r}"
             assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref, node
+            assert node.start == node.parent.start + len(node.parent.key), f"bad start: {node!r}"
             assert node.parent.children.get(self._child_key(node.key, 0)) is node, node
             if node.lock_ref:
                 protected += len(node.key)

@@ -69,11 +69,12 @@ class QueuePolicy:
         # Cache-aware: match every waiting request (as SGLang does, this counts as an access).
         keys = [r.fill()[: r.fill_len - 1] for r in fcfs]
         if name == "lpm":
-            hits = [self.cache.match(r.fill(), limit=r.fill_len - 1) for r in fcfs]
+            hits = [self.cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester)
+                    for r in fcfs]
             deferred = self._in_batch_deferrals(fcfs, keys, hits)
             order = sorted(range(len(fcfs)), key=lambda i: -hits[i])
             return Ordering([fcfs[i] for i in order], deferred)
-        matches = [self.cache.match_prefix(k) for k in keys]  # dfs_weight: radix only
+        matches = [self.cache.match_prefix(k, r.requester) for k, r in zip(keys, fcfs)]  # radix
         deferred = self._in_batch_deferrals(fcfs, keys, [m[0] for m in matches])
         return Ordering(dfs_weight_order(self.cache.root, fcfs, [m[1] for m in matches]), deferred)
 

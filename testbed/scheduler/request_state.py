@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from testbed.cache.base import Lease
+from testbed.cache.eviction import Requester
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
 
@@ -34,6 +35,8 @@ class Req:
 
     def __post_init__(self) -> None:
         self.max_new_tokens = len(self.request.output)
+        r = self.request
+        self.requester = Requester(r.id, r.priority, r.category)  # what eviction policies see
 
     @property
     def id(self) -> str:

@@ -125,7 +125,7 @@ class Scheduler:
             if id(req) in ordering.deferred:
                 continue
             fill = req.fill()
-            lease = self.cache.acquire(fill, limit=len(fill) - 1)
+            lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
             extend = len(fill) - lease.hit
             reserve = min(req.remaining_new_tokens, c.clip_max_new_tokens)
             budget = rem_total()

@@ -47,6 +47,7 @@ class Request:
     think_time_s: float = 0.0
     priority: int = 0
     segments: tuple[Segment, ...] | None = None
+    category: str | None = None  # e.g. a trace's request type and turn (eviction policies)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -199,11 +199,10 @@ def load_bailian(path: str | Path) -> list[Request]:
         parent = _field(rec, "parent_chat_id", int, where)
         ts = _seconds(rec, "timestamp", where)
         n_in, n_out = _lengths(rec, where)
-        # `type` (text/image/search/file) and `turn` are validated but not kept: Request has no
-        # field for them. The workload-aware eviction study will need them; Request should then
-        # gain a `tags` dict and this loader fill it.
-        _field(rec, "type", str, where)
-        _field(rec, "turn", int, where)
+        # `type` (text/image/search/file) and `turn` become the request's category, what the
+        # workload-aware eviction policy estimates reuse by (turns beyond 4 pooled).
+        kind = _field(rec, "type", str, where)
+        turn = _field(rec, "turn", int, where)
         blocks = _check_blocks(rec, n_in, BAILIAN_BLOCK, where)
         if chat < 0:
             raise TraceError(f"{where}: 'chat_id' must be >= 0, got {chat}")
@@ -214,11 +213,11 @@ def load_bailian(path: str | Path) -> list[Request]:
         linked = parent in program_of  # only an earlier line can be waited for
         program_of[chat] = program_of[parent] if linked else str(chat)
         rows.append((chat, [str(parent)] if linked else [], program_of[chat], ts, n_in, n_out,
-                     blocks))
+                     blocks, f"{kind}/turn{min(turn, 4)}"))
     tokens = _BlockTokens(path, BAILIAN_BLOCK, [r[6] for r in rows], sum(r[5] for r in rows))
     return [Request(id=str(chat), prompt=tokens.prompt(blocks, n_in), output=tokens.output(n_out),
-                    arrival_s=ts, program=program, after=after)
-            for chat, after, program, ts, n_in, n_out, blocks in rows]
+                    arrival_s=ts, program=program, after=after, category=category)
+            for chat, after, program, ts, n_in, n_out, blocks, category in rows]
 
 
 def _count(text: str, name: str, where: str) -> int:
