@@ -63,7 +63,13 @@ def main() -> None:
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(ALL_POLICIES))
     ap.add_argument("--report-capacity", type=int, default=3_000_000)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
+    ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
     args = ap.parse_args()
+    if args.replot:
+        df = pd.read_csv(args.out / "eviction.csv")
+        plot(df, df["ideal_hit_rate"].iloc[0], df["workload"].iloc[0], args.out / "eviction.png")
+        report(df, args.report_capacity)
+        return
 
     if args.workload:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -104,7 +110,7 @@ def plot(df: pd.DataFrame, ideal: float, name: str, path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (million tokens, log scale)")
     ax.set_ylabel("hit rate (cached / prompt tokens)")
-    ax.set_title(f"Eviction policies on {name}: hit rate vs capacity (radix cache, replay)")
+    ax.set_title(f"Hit rate vs capacity per eviction policy\n{name} (radix cache, replay)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
