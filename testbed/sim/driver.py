@@ -39,12 +39,23 @@ class StepStats:
         self.busy_s += duration
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One executed step: what ran (kind, request ids, tokens per entry) and how long it took."""
+
+    kind: str
+    ids: tuple[str, ...]
+    new: tuple[int, ...]
+    context: tuple[int, ...]
+    duration_s: float
+
+
 @dataclass
 class DriverResult:
     reqs: list[Req]  # in submission order
     stats: StepStats
     end_s: float
-    steps: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)  # with record_steps=True
 
 
 class Driver:
@@ -60,7 +71,7 @@ class Driver:
         self.record_steps = record_steps
         self.stats = StepStats()
         self.reqs: list[Req] = []
-        self.steps: list[tuple[str, tuple[str, ...]]] = []
+        self.steps: list[StepRecord] = []
         self._outputs: dict[str, np.ndarray] = {}
         self._finish_s: dict[str, float] = {}
         self._dependents: dict[str, list[Request]] = {}
@@ -140,7 +151,9 @@ class Driver:
                 continue
             outcome = self.executor.execute(batch)
             if self.record_steps:
-                self.steps.append((batch.kind, tuple(e.req.id for e in batch.entries)))
+                new, context = batch.shape()
+                self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
+                                             new, context, outcome.duration_s))
             yield self.env.timeout(outcome.duration_s)
             self.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
             for req in self.scheduler.complete(batch, outcome.tokens, self.env.now):

@@ -1,0 +1,159 @@
+"""``python -m testbed.calibrate [overrides]``: measure engine steps, fit the simulator's cost model.
+
+Runs a grid of real engine steps on the configured ``model``/``device``/``dtype``/``attention`` —
+prefills (new tokens × cached context × batch size) and decodes (batch size × context) — each
+``calibrate.repeats`` times (the median counts), fits the ``fitted`` cost model per step kind
+(non-negative least squares on relative error; predictions are floored at the roofline of the
+configured ``hardware``), and writes into the run directory:
+
+- ``cost_model.yaml``: the coefficients with the date, model and device (use it with
+  ``cost_model=fitted cost_model.path=.../cost_model.yaml``);
+- ``calibration.json``: every measured step, the fit, and its error (MAPE per kind);
+- ``calibration.png``: predicted against measured step time.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import matplotlib
+import numpy as np
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from testbed.cli import check_group_choices
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from testbed.cache.base import Lease  # noqa: E402
+from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
+from testbed.scheduler.request_state import Req  # noqa: E402
+from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
+                                    save_fitted)
+from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
+from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
+from testbed.workloads.request import Request  # noqa: E402
+
+
+def grid(cfg: Any) -> list[StepShape]:
+    """The steps to measure: every prefill and decode shape of the ``calibrate`` config."""
+    steps = []
+    for batch in cfg.prefill_batch:
+        for new in cfg.prefill_new:
+            for context in cfg.prefill_context:
+                steps.append(StepShape(new=(new,) * batch, context=(context,) * batch))
+    for batch in cfg.decode_batch:
+        for context in cfg.decode_context:
+            steps.append(StepShape.decode((context,) * batch))
+    return steps
+
+
+def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator) -> Batch:
+    """A batch of the given shape over fresh requests holding distinct KV slots."""
+    entries, next_slot = [], 1
+    for i, (new, context) in enumerate(zip(step.new, step.context)):
+        length = new + context
+        request = Request(f"cal{i}", rng.integers(0, vocab, length, dtype=np.int32),
+                          np.zeros(1, dtype=np.int32))
+        req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=i)
+        req.lease = Lease(hit=0, slots=np.arange(next_slot, next_slot + length, dtype=np.int32))
+        next_slot += length
+        entries.append(BatchEntry(req, context, new, produces_token=True))
+    kind = "decode" if step.is_decode else "prefill"
+    return Batch(kind, entries)
+
+
+def measure(executor: Any, steps: list[StepShape], repeats: int, vocab: int,
+            seed: int = 0, progress: bool = False) -> list[tuple[StepShape, float]]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for step in tqdm(steps, desc="calibrate", unit="shape", disable=None if progress else True):
+        batch = synthetic_batch(step, vocab, rng)
+        executor.execute(batch)  # warm-up: allocator, kernels
+        times = [executor.execute(batch).duration_s for _ in range(repeats)]
+        samples.append((step, float(np.median(times))))
+    return samples
+
+
+def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: Path,
+         title: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for kind, marker in (("prefill", "o"), ("decode", "s")):
+        rows = [(t, model.step_time(s)) for s, t in samples if s.kind == kind]
+        if rows:
+            measured, predicted = np.array(rows).T * 1e3
+            ax.scatter(measured, predicted, marker=marker, label=kind, alpha=0.8)
+    lo = min(min(t for _, t in samples), min(model.step_time(s) for s, _ in samples)) * 1e3
+    hi = max(max(t for _, t in samples), max(model.step_time(s) for s, _ in samples)) * 1e3
+    ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", label="predicted = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("fitted model's prediction (ms)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    from testbed.engine import make_engine_executor
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model, hw = model_spec(model_cfg), hardware_spec(OmegaConf.to_container(cfg.hardware))
+    c = cfg.calibrate
+    steps = grid(c)
+    slots = max(sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps)
+    executor = make_engine_executor(model_cfg, num_slots=slots, device=cfg.get("device"),
+                                    dtype=cfg.get("dtype"), attention=cfg.get("attention"),
+                                    seed=cfg.seed, forced=True)
+    samples = measure(executor, steps, c.repeats, model.vocab_size, cfg.seed, cfg.progress)
+    coeffs = fit_coefficients(samples)
+    fitted = FittedCostModel(coeffs, floor_model=RooflineCostModel(model, hw))
+    device = str(executor.runner.device)
+    meta = {"model": model.name, "device": device, "hardware": hw.name,
+            "dtype": str(next(executor.runner.model.parameters()).dtype).replace("torch.", ""),
+            "attention": type(executor.runner.attention).__name__, "steps_measured": len(samples)}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
+    errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],
+                         [t for s, t in samples if s.kind == kind]) for kind in ("prefill", "decode")}
+    result = {"meta": meta | {"date": dt.date.today().isoformat()}, "coefficients": coeffs,
+              "mape": errors, "samples": [
+                  {"kind": s.kind, "new": list(s.new), "context": list(s.context),
+                   "measured_s": t, "predicted_s": fitted.step_time(s)} for s, t in samples]}
+    (run_dir / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(samples, fitted, run_dir / "calibration.png",
+         f"Fitted step time: {model.name} on {device}\n"
+         f"MAPE prefill {errors['prefill']:.1%}, decode {errors['decode']:.1%}")
+    return result
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="calibrate")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        result = calibrate(cfg, run_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"calibrated {result['meta']['model']} on {result['meta']['device']}: "
+          f"{result['meta']['steps_measured']} step shapes")
+    for kind, coeffs in result["coefficients"].items():
+        terms = "  ".join(f"{k}={v:.3g}" for k, v in coeffs.items())
+        print(f"  {kind:<8} {terms}   MAPE {result['mape'][kind]:.1%}")
+    print(f"cost model in {run_dir / 'cost_model.yaml'} "
+          f"(use: cost_model=fitted cost_model.path={run_dir / 'cost_model.yaml'})")
+
+
+if __name__ == "__main__":
+    check_group_choices(sys.argv[1:])
+    main()

@@ -1,0 +1,68 @@
+"""Fitting the simulator's step-time model to measured steps.
+
+The fitted form (DESIGN.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
+kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
+`nnls` is the Lawson–Hanson active-set method, small enough to keep here (five unknowns).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from testbed.sim.cost_model import COEFFS, KINDS, StepShape
+
+
+def features(step: StepShape) -> np.ndarray:
+    """The fitted form's terms for one step, in the order of ``COEFFS``."""
+    return np.array([1.0, step.num_new, step.new_times_context, step.batch, step.num_context])
+
+
+def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """argmin ||a·x − y|| subject to x ≥ 0 (Lawson & Hanson, 1974)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        gradient = a.T @ (y - a @ x)
+        candidates = ~passive & (gradient > 1e-12 * max(1.0, np.abs(gradient).max()))
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], y, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocked = passive & (z <= 0)
+            step = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + step * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def fit_coefficients(samples: Iterable[tuple[StepShape, float]]) -> dict[str, dict[str, float]]:
+    """Coefficients per step kind from (step, measured seconds) pairs, fitted on relative error
+    (each row weighted by 1/measured) so short decode steps count as much as long prefills."""
+    by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
+    for step, seconds in samples:
+        by_kind[step.kind].append((features(step), seconds))
+    coeffs = {}
+    for kind, rows in by_kind.items():
+        if not rows:
+            raise ValueError(f"no {kind} steps to fit")
+        x = np.array([r[0] for r in rows])
+        y = np.array([r[1] for r in rows])
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # conditioning: columns of similar size
+        weights = 1.0 / np.maximum(y, 1e-9)
+        solution = nnls((x / scale) * weights[:, None], y * weights) / scale
+        coeffs[kind] = {name: float(v) for name, v in zip(COEFFS, solution)}
+    return coeffs
+
+
+def mape(predicted: Iterable[float], measured: Iterable[float]) -> float:
+    """Mean absolute percentage error."""
+    p, m = np.asarray(list(predicted)), np.asarray(list(measured))
+    return float(np.mean(np.abs(p - m) / m)) if len(m) else float("nan")
