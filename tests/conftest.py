@@ -1,5 +1,11 @@
 """Shared helpers for the test suite."""
 
+import os
+
+# Triton kernels run in the CPU interpreter unless a GPU session says otherwise. Triton fixes the
+# mode when it is first imported, so this must precede any import of torch/triton.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import numpy as np

@@ -1,0 +1,23 @@
+"""The real inference engine: a Llama-family model run step by step on the scheduler's batches.
+
+One idea per module: `model` (the decoder over a flattened batch), `kv_cache` (per-layer KV
+buffers indexed by cache slot), `attention` (per-step metadata; torch and Triton backends),
+`loader` (HF checkpoints, random and tiny models, the ``model`` config group), `sampler`,
+`runner` (`ModelRunner`: a `Batch` in, logits out) and `executor` (`EngineExecutor`: the
+simulator's `Executor` seam with measured step times).
+"""
+
+from testbed.engine.attention import ATTENTION_BACKENDS, AttentionMetadata, make_attention
+from testbed.engine.executor import EngineExecutor, default_device, make_engine_executor
+from testbed.engine.kv_cache import KVCache
+from testbed.engine.loader import (build_model, config_from_model_group, load_model,
+                                   model_from_group, parse_dtype, save_random_hf_model,
+                                   tiny_config)
+from testbed.engine.model import LlamaModel, ModelConfig
+from testbed.engine.runner import ModelRunner
+from testbed.engine.sampler import Sampler, sample
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "EngineExecutor", "KVCache", "LlamaModel",
+           "ModelConfig", "ModelRunner", "Sampler", "build_model", "config_from_model_group",
+           "default_device", "load_model", "make_attention", "make_engine_executor",
+           "model_from_group", "parse_dtype", "sample", "save_random_hf_model", "tiny_config"]

@@ -1,0 +1,122 @@
+"""Torch references for the attention kernels: readable, slow, trusted.
+
+These are the definitions the Triton kernels are tested against, and the engine's ``torch``
+attention backend calls them directly. Everything is computed in fp32 and returned in the query's
+dtype.
+
+Layout (FlashInfer style, built once per step on the CPU and shared by every layer):
+
+- ``k_buf, v_buf``: ``[num_slots + 1, num_kv_heads, head_dim]`` per layer; slot 0 is padding.
+- ``qo_indptr``: ``[batch + 1]``; request ``i``'s new (query) tokens are
+  ``q[qo_indptr[i]:qo_indptr[i + 1]]``.
+- ``kv_indptr`` / ``kv_indices``: request ``i``'s KV slots are
+  ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`` — its cached prefix, then its new tokens, so the
+  KV length is ``prefix_i + new_i`` (the new tokens' KV is stored before attention runs).
+- GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (HF ``repeat_kv``).
+- Causal mask, lower-right aligned: new token ``j`` (0-based among request ``i``'s new tokens) sees
+  KV positions ``< prefix_i + j + 1``. (SDPA's ``is_causal=True`` is top-left aligned: wrong here.)
+- LSE is the natural log of the sum of ``exp(sm_scale * q·k)`` over the keys a query sees;
+  ``-inf`` for a query that sees none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states"]
+
+
+def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write new tokens' ``k, v`` (``[n, num_kv_heads, head_dim]``) into the buffers at ``slots``.
+
+    ``slots`` is ``[n]`` int32/int64; values are cast to the buffers' dtype.
+    """
+    idx = slots.long()
+    k_buf[idx] = k.to(k_buf.dtype)
+    v_buf[idx] = v.to(v_buf.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, sm_scale: float):
+    """One request: q ``[n, H, D]``, k/v ``[L, KH, D]`` (fp32), ``L = prefix + n``. -> (o, lse)."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)                    # [L, H, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * sm_scale   # [H, n, L]
+    pos = torch.arange(k.shape[0], device=q.device)
+    last_visible = prefix + torch.arange(n, device=q.device)  # query j sees pos <= prefix + j
+    scores = scores.masked_fill(pos[None, None, :] > last_visible[None, :, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                    # [H, n]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a query seeing nothing -> 0
+    out = torch.einsum("hnl,lhd->nhd", probs, v)
+    return out, lse.transpose(0, 1)                          # [n, H, D], [n, H]
+
+
+def _check(q, k_buf, v_buf):
+    if q.dim() != 3 or k_buf.dim() != 3 or v_buf.shape != k_buf.shape:
+        raise ValueError(f"expected q [tokens, heads, dim] and k_buf == v_buf shape "
+                         f"[slots, kv_heads, dim], got {tuple(q.shape)}, {tuple(k_buf.shape)}, "
+                         f"{tuple(v_buf.shape)}")
+    if q.shape[2] != k_buf.shape[2] or q.shape[1] % k_buf.shape[1]:
+        raise ValueError(f"head_dim must match and num_heads must be a multiple of num_kv_heads, "
+                         f"got q {tuple(q.shape)} and k_buf {tuple(k_buf.shape)}")
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     sm_scale: float | None = None, return_lse: bool = False):
+    """Causal (lower-right) attention of each request's new tokens over its prefix + new tokens.
+
+    ``q``: ``[total_new, num_heads, head_dim]``. Returns ``o`` of q's shape and dtype, and with
+    ``return_lse`` also ``lse`` ``[total_new, num_heads]`` fp32.
+    """
+    _check(q, k_buf, v_buf)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+    for i in range(len(qo) - 1):
+        q0, q1, k0, k1 = qo[i], qo[i + 1], kvp[i], kvp[i + 1]
+        if q1 == q0:
+            continue
+        if k1 - k0 < q1 - q0:
+            raise ValueError(f"request {i}: KV length {k1 - k0} < new tokens {q1 - q0}; "
+                             f"kv_indices must hold the prefix and the new tokens")
+        slots = kv_indices[k0:k1].long()
+        o_i, lse_i = _attend(q[q0:q1].float(), k_buf[slots].float(), v_buf[slots].float(),
+                             (k1 - k0) - (q1 - q0), sm_scale)
+        out[q0:q1], lse[q0:q1] = o_i, lse_i
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     sm_scale: float | None = None, return_lse: bool = False):
+    """One query per request (``q``: ``[batch, num_heads, head_dim]``) over all its KV.
+
+    The same as :func:`extend_attention` with ``qo_indptr = arange(batch + 1)``.
+    """
+    qo_indptr = torch.arange(q.shape[0] + 1, device=kv_indptr.device)
+    return extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, sm_scale,
+                            return_lse)
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Merge two partial attention results over disjoint key sets (the split-KV merge).
+
+    ``o_*``: ``[n, heads, dim]``; ``lse_*``: ``[n, heads]``. Returns ``(o, lse)``: attention over
+    the union of both key sets. A side with ``lse = -inf`` (no keys) contributes nothing; if both
+    are empty the output is 0 and ``lse = -inf``.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / safe[..., None]
+    return o.to(o_a.dtype), m + torch.log(total)

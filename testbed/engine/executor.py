@@ -1,0 +1,86 @@
+"""`EngineExecutor`: the real model behind the simulator's `Executor` seam.
+
+It runs each `Batch` through the `ModelRunner`, picks the next token of every entry that produces
+one, and reports the step's measured wall time (``time.perf_counter`` around building the step's
+inputs, the forward, sampling and reading the tokens back; ``torch.cuda.synchronize`` on CUDA), by
+which the driver advances virtual time. With ``forced=True`` the workload's predetermined tokens
+are returned instead of the model's (the model still runs and samples, so the step costs the
+same): engine and simulator then see identical sequences and make identical decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+
+from testbed.engine.attention import ATTENTION_BACKENDS
+from testbed.engine.loader import model_from_group, parse_dtype
+from testbed.engine.runner import ModelRunner
+from testbed.engine.sampler import Sampler
+from testbed.scheduler.batch import Batch
+from testbed.sim.executor import StepOutcome, predetermined_tokens
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class EngineExecutor:
+    def __init__(self, runner: ModelRunner, sampler: Sampler | None = None,
+                 forced: bool = False) -> None:
+        self.runner = runner
+        self.sampler = sampler or Sampler(device=runner.device)
+        self.forced = forced
+        self.steps = 0
+        self.busy_s = 0.0
+        self.forced_tokens = 0  # forced mode: tokens imposed, and how many the model agreed with
+        self.forced_agreed = 0
+
+    def execute(self, batch: Batch) -> StepOutcome:
+        cuda = self.runner.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+        start = time.perf_counter()
+        logits = self.runner.run(batch)
+        sampled = self.sampler(logits).tolist()  # reading the tokens back syncs the device
+        if cuda:
+            torch.cuda.synchronize(self.runner.device)
+        duration = time.perf_counter() - start
+        self.steps += 1
+        self.busy_s += duration
+        if self.forced:
+            tokens = predetermined_tokens(batch)
+            for tok, own in zip(tokens, sampled):
+                if tok is not None:
+                    self.forced_tokens += 1
+                    self.forced_agreed += tok == own
+        else:
+            tokens = [int(tok) if e.produces_token and e.req.remaining_new_tokens > 0 else None
+                      for e, tok in zip(batch.entries, sampled)]
+        return StepOutcome(duration_s=duration, tokens=tokens)
+
+
+def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: str | None = None,
+                         dtype: str | None = None, attention: str | None = None, seed: int = 0,
+                         forced: bool = True, temperature: float = 0.0,
+                         top_p: float = 1.0) -> EngineExecutor:
+    """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
+    of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity).
+
+    Defaults: ``device`` CUDA when present, else CPU; ``dtype`` float32 on CPU, on CUDA bf16 when
+    ``model.dtype_bytes`` is 2; ``attention`` triton on CUDA, torch on CPU.
+    """
+    device = device or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device=cuda but torch sees no CUDA device; use device=cpu")
+    if dtype is None:
+        dtype = "bfloat16" if device != "cpu" and model.get("dtype_bytes") == 2 else "float32"
+    attention = attention or ("triton" if device != "cpu" else "torch")
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
+    net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
+    runner = ModelRunner(net, num_slots, attention=attention)
+    return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
+                          forced=forced)

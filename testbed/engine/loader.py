@@ -1,0 +1,234 @@
+"""Model configs and weights: HF checkpoints, random tiny models, the project's ``model`` group.
+
+Weights are mapped from HF names by one explicit table (`weight_table`): each HF tensor fills a
+block of rows of one of our parameters (Q, K and V share ``qkv_proj``; gate and up share
+``gate_up_proj``). Every shape is checked, and a checkpoint with a tensor missing or one the table
+does not know is refused with the tensor's name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from testbed.engine.model import LlamaModel, ModelConfig
+
+#: tensors some checkpoints carry that are not weights (old Llama exports)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+#: the ``model`` config group's keys that must agree with a checkpoint's config.json
+MODEL_GROUP_SHAPES = {
+    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim", "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
+}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+# ---------------------------------------------------------------------------- the name table
+def weight_table(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF tensor name -> (our parameter, first row, end row) it fills."""
+    q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    table = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, c.vocab_size),
+             "model.norm.weight": ("norm.weight", 0, c.hidden_size)}
+    if not c.tie_word_embeddings:
+        table["lm_head.weight"] = ("lm_head.weight", 0, c.vocab_size)
+    for i in range(c.num_layers):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        attn_params = ["weight"] + (["bias"] if c.qkv_bias else [])
+        for p in attn_params:
+            table[f"{hf}.self_attn.q_proj.{p}"] = (f"{ours}.self_attn.qkv_proj.{p}", 0, q)
+            table[f"{hf}.self_attn.k_proj.{p}"] = (f"{ours}.self_attn.qkv_proj.{p}", q, q + kv)
+            table[f"{hf}.self_attn.v_proj.{p}"] = (f"{ours}.self_attn.qkv_proj.{p}", q + kv, q + 2 * kv)
+        for p in ["weight"] + (["bias"] if c.o_bias else []):
+            table[f"{hf}.self_attn.o_proj.{p}"] = (f"{ours}.self_attn.o_proj.{p}", 0, c.hidden_size)
+        for p in ["weight"] + (["bias"] if c.mlp_bias else []):
+            table[f"{hf}.mlp.gate_proj.{p}"] = (f"{ours}.mlp.gate_up_proj.{p}", 0, inter)
+            table[f"{hf}.mlp.up_proj.{p}"] = (f"{ours}.mlp.gate_up_proj.{p}", inter, 2 * inter)
+            table[f"{hf}.mlp.down_proj.{p}"] = (f"{ours}.mlp.down_proj.{p}", 0, c.hidden_size)
+        table[f"{hf}.input_layernorm.weight"] = (f"{ours}.input_layernorm.weight", 0, c.hidden_size)
+        table[f"{hf}.post_attention_layernorm.weight"] = (
+            f"{ours}.post_attention_layernorm.weight", 0, c.hidden_size)
+    return table
+
+
+def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]],
+                 where: str = "the state dict") -> None:
+    """Copy HF-named ``(name, tensor)`` pairs into ``model`` (casting to its dtype and device).
+
+    Raises KeyError for a tensor the table does not know, ValueError for a shape mismatch or a
+    weight that never came.
+    """
+    table = weight_table(model.config)
+    params = dict(model.named_parameters())
+    ours_total = {name: 0 for name in params}
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in table:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # a tied checkpoint that also stored the head: the embedding is used
+            raise KeyError(f"unexpected tensor {name!r} in {where}: not a weight of this "
+                           f"{model.config.num_layers}-layer model")
+        param_name, start, end = table[name]
+        target = params[param_name].data[start:end]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        seen.add(name)
+        ours_total[param_name] += end - start
+    missing = sorted(set(table) - seen, key=list(table).index)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"missing tensor {missing[0]!r}{more} in {where}")
+    unfilled = [n for n, rows in ours_total.items() if rows != params[n].shape[0]]
+    assert not unfilled, f"weight table leaves rows of {unfilled} unfilled"  # a table bug
+
+
+def load_state_dict(model: LlamaModel, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load an in-memory HF state dict (e.g. ``LlamaForCausalLM.state_dict()``)."""
+    load_weights(model, state_dict.items())
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def load_hf_config(path: str | Path) -> Any:
+    """The checkpoint's config.json as a `transformers` config (never touches the hub)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: no config.json in {path}")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """model.safetensors, or the shards named by model.safetensors.index.json."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in dict.fromkeys(weight_map.values())]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"model.path: no model.safetensors or model.safetensors.index.json "
+                            f"in {path} (only safetensors checkpoints are supported)")
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu") -> LlamaModel:
+    """A model built from a local HF checkpoint directory, weights straight onto ``device``."""
+    config = ModelConfig.from_hf(load_hf_config(path))
+    with torch.device("meta"):
+        model = LlamaModel(config, dtype=parse_dtype(dtype))
+    model = model.to_empty(device=device)
+    load_weights(model, iter_safetensors(safetensors_files(path)), where=str(path))
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- random models
+def tiny_config(**overrides: Any) -> Any:
+    """A small `LlamaConfig` (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256) for tests and
+    CPU runs; no BOS/EOS, so generation never stops early."""
+    from transformers import LlamaConfig
+
+    settings = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=256,
+                    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                    tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=None)
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def config_from_model_group(model: Mapping[str, Any]) -> Any:
+    """A `LlamaConfig` from the project's ``model`` config group (conf/model/*.yaml) for a random
+    model (``model.path`` null). Optional keys: rope_theta, rms_norm_eps, tie_word_embeddings."""
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
+    return tiny_config(
+        num_hidden_layers=model["num_layers"], hidden_size=model["hidden_size"],
+        num_attention_heads=model["num_heads"], num_key_value_heads=model["num_kv_heads"],
+        head_dim=head_dim, intermediate_size=model["intermediate_size"],
+        vocab_size=model["vocab_size"], rope_theta=float(model.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(model.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(model.get("tie_word_embeddings", False)))
+
+
+def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
+    """A checkpoint must have the shapes the ``model`` group (and so the cost model) assumes."""
+    wrong = []
+    for key, hf_key in MODEL_GROUP_SHAPES.items():
+        want = model.get(key)
+        got = getattr(hf, hf_key, None)
+        if hf_key == "head_dim" and got is None:
+            got = hf.hidden_size // hf.num_attention_heads
+        if want is not None and got != want:
+            wrong.append(f"{key}={want} but the checkpoint has {got}")
+    if wrong:
+        raise ValueError(f"model={model.get('name')} does not match model.path={model.get('path')}: "
+                         + "; ".join(wrong) + " (pick the model group of this checkpoint)")
+
+
+def build_model(config: Any, seed: int = 0, dtype: torch.dtype | str = torch.float32,
+                device: torch.device | str = "cpu") -> LlamaModel:
+    """A random model (``config``: a `transformers` config or a `ModelConfig`). Initialised on the
+    CPU in fp32 from ``torch.manual_seed(seed)``, so the weights do not depend on the device."""
+    c = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    torch.manual_seed(seed)
+    model = LlamaModel(c)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.to(device=device, dtype=parse_dtype(dtype)).eval()
+
+
+def model_from_group(model: Mapping[str, Any], seed: int = 0,
+                     dtype: torch.dtype | str = torch.float32,
+                     device: torch.device | str = "cpu") -> LlamaModel:
+    """The engine's model for a ``model`` config group: the checkpoint at ``model.path`` (shapes
+    checked against the group), else a random model of the group's shape."""
+    path = model.get("path")
+    if path:
+        check_model_group(model, load_hf_config(path))
+        return load_model(path, dtype=dtype, device=device)
+    return build_model(config_from_model_group(model), seed=seed, dtype=dtype, device=device)
+
+
+def save_random_hf_model(path: str | Path, config: Any | None = None, seed: int = 0,
+                         max_shard_size: str | int | None = None) -> Any:
+    """Save a random HF ``*ForCausalLM`` (``LlamaForCausalLM`` for `tiny_config()`) with
+    ``save_pretrained`` (safetensors; sharded with ``max_shard_size``); returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config if config is not None else tiny_config())
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    hf.save_pretrained(str(path), **kwargs)
+    return hf.eval()

@@ -1,0 +1,471 @@
+"""The engine against HF transformers (fp32, CPU, tiny shapes): logits, prefix reuse, greedy
+generation through the real scheduler and radix cache, checkpoint loading, sampling."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+transformers = pytest.importorskip("transformers")
+
+from testbed.cache import BlockHashCache, RadixCache  # noqa: E402
+from testbed.cache.base import Lease  # noqa: E402
+from testbed.engine.attention import AttentionMetadata, TorchAttention  # noqa: E402
+from testbed.engine.executor import EngineExecutor, make_engine_executor  # noqa: E402
+from testbed.engine.kv_cache import KVCache  # noqa: E402
+from testbed.engine.loader import (build_model, check_model_group, config_from_model_group,  # noqa: E402
+                                   load_model, load_state_dict,
+                                   save_random_hf_model, tiny_config)
+from testbed.engine.model import LlamaModel, ModelConfig  # noqa: E402
+from testbed.engine.runner import ModelRunner  # noqa: E402
+from testbed.engine.sampler import Sampler, sample  # noqa: E402
+from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
+from testbed.scheduler.request_state import Req  # noqa: E402
+from testbed.sim.executor import StepOutcome, predetermined_tokens  # noqa: E402
+from testbed.sim.simulate import serve  # noqa: E402
+from testbed.workloads.request import OutputRef, Request  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-4
+
+
+def hf_model(config, seed: int = 0):
+    """A random HF causal LM with eager attention (the reference)."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def ours_from(hf) -> LlamaModel:
+    model = LlamaModel(ModelConfig.from_hf(hf.config))
+    load_state_dict(model, hf.state_dict())
+    return model.eval()
+
+
+def hf_last_logits(hf, prompt) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([list(prompt)])).logits[0, -1]
+
+
+def hf_greedy(hf, prompt, n: int) -> list[int]:
+    out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n,
+                      do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_req(rid: str, prompt, slots, out: int = 1) -> Req:
+    request = Request(rid, np.asarray(prompt, dtype=np.int32), np.zeros(out, dtype=np.int32))
+    req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=0)
+    req.lease = Lease(hit=0, slots=np.asarray(slots, dtype=np.int32))
+    return req
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: intra-op threads only add contention (several-fold slower on a busy host)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    return hf_model(tiny_config())
+
+
+@pytest.fixture(scope="module")
+def tiny_ours(tiny_hf):
+    return ours_from(tiny_hf)
+
+
+def prompts_sharing_prefixes(seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 256, 40).tolist()  # above the scheduler's 32-token deferral threshold
+    short = rng.integers(0, 256, 12).tolist()
+    return [system + rng.integers(0, 256, 9).tolist(),
+            system + rng.integers(0, 256, 5).tolist(),
+            short + rng.integers(0, 256, 7).tolist(),
+            system + rng.integers(0, 256, 14).tolist(),
+            short + rng.integers(0, 256, 3).tolist(),
+            rng.integers(0, 256, 17).tolist()]
+
+
+# ---------------------------------------------------------------------------- logits vs HF
+def test_full_prompts_in_one_batch_give_hfs_last_token_logits(tiny_hf, tiny_ours):
+    """Three prompts of different lengths in one flattened prefill step: each row equals HF."""
+    prompts = prompts_sharing_prefixes()[:3]
+    runner = ModelRunner(tiny_ours, num_slots=200)
+    slots = np.random.default_rng(0).permutation(np.arange(1, 201))
+    entries, used = [], 0
+    for i, p in enumerate(prompts):
+        req = make_req(f"r{i}", p, slots[used:used + len(p)])
+        used += len(p)
+        entries.append(BatchEntry(req, 0, len(p), produces_token=True))
+    logits = runner.run(Batch("prefill", entries))
+    assert logits.shape == (3, 256)
+    for row, p in zip(logits, prompts):
+        torch.testing.assert_close(row, hf_last_logits(tiny_hf, p), atol=TOL, rtol=0)
+
+
+def test_a_prompt_in_two_chunks_over_shuffled_slots_equals_one_full_pass(tiny_ours):
+    """The second chunk attends to the first chunk's KV as a cached prefix (lower-right causal
+    mask), with non-contiguous slot ids; decode steps after it stay equal too."""
+    prompt = prompts_sharing_prefixes()[0]
+    full = ModelRunner(tiny_ours, num_slots=64)
+    req = make_req("a", prompt, np.arange(1, len(prompt) + 1))
+    want = full.run(Batch("prefill", [BatchEntry(req, 0, len(prompt), True)]))
+
+    chunked = ModelRunner(tiny_ours, num_slots=64)
+    slots = np.random.default_rng(3).permutation(np.arange(1, 65))[:len(prompt)]
+    req = make_req("b", prompt, slots)
+    chunk = 17
+    first = chunked.run(Batch("prefill", [BatchEntry(req, 0, chunk, False)]))
+    got = chunked.run(Batch("prefill", [BatchEntry(req, chunk, len(prompt) - chunk, True)]))
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+    assert not torch.allclose(first, want, atol=1e-3)  # the first chunk's last token is another
+
+
+def test_mixed_prefix_lengths_in_one_batch_equal_separate_full_passes(tiny_hf, tiny_ours):
+    """One step with a fresh prompt, a long cached prefix + short tail, and a one-token tail."""
+    prompts = prompts_sharing_prefixes()[:3]
+    contexts = [0, 35, len(prompts[2]) - 1]
+    runner = ModelRunner(tiny_ours, num_slots=200)
+    slots = np.random.default_rng(5).permutation(np.arange(1, 201))
+    reqs, used = [], 0
+    for i, p in enumerate(prompts):
+        reqs.append(make_req(f"r{i}", p, slots[used:used + len(p)]))
+        used += len(p)
+    warm = [BatchEntry(r, 0, c, False) for r, c in zip(reqs, contexts) if c]
+    runner.run(Batch("prefill", warm))  # the cached prefixes
+    step = [BatchEntry(r, c, len(p) - c, True) for r, p, c in zip(reqs, prompts, contexts)]
+    logits = runner.run(Batch("prefill", step))
+    for row, p in zip(logits, prompts):
+        torch.testing.assert_close(row, hf_last_logits(tiny_hf, p), atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------------------- generation vs HF
+def engine(model, capacity: int) -> EngineExecutor:
+    return EngineExecutor(ModelRunner(model, num_slots=capacity))
+
+
+@pytest.mark.parametrize("capacity, scheduler, cache_kind", [
+    (400, {"name": "lpm"}, "radix"),                               # room for everything
+    (90, {"name": "lpm"}, "radix"),                                # eviction and retraction
+    (400, {"name": "fcfs", "chunked_prefill_size": 16}, "radix"),  # chunked prefill
+    (400, {"name": "fcfs"}, "block_hash"),                         # vLLM-style 4-token blocks
+])
+def test_greedy_generation_through_the_scheduler_equals_hf_generate(tiny_hf, tiny_ours, capacity,
+                                                                    scheduler, cache_kind):
+    prompts = prompts_sharing_prefixes()
+    n = 8
+    requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32), np.zeros(n, dtype=np.int32),
+                        arrival_s=0.0 if i < 3 else 100.0) for i, p in enumerate(prompts)]
+    cache = RadixCache(capacity) if cache_kind == "radix" else BlockHashCache(capacity, block_size=4)
+    scheduler_state, result = serve(requests, cache, scheduler, engine(tiny_ours, capacity))
+    by_id = {r.id: r for r in result.reqs}
+    for i, p in enumerate(prompts):
+        req = by_id[f"r{i}"]
+        assert not req.aborted
+        assert req.output == hf_greedy(tiny_hf, p, n), f"request r{i}"
+    assert sum(r.cached_tokens or 0 for r in result.reqs) >= 40  # prefixes were shared
+    if capacity < 100:
+        assert sum(r.evicted_tokens for r in result.reqs) + scheduler_state.preemptions > 0
+    cache.check_invariants()
+
+
+def test_a_second_turn_reuses_the_generated_first_turn_and_matches_hf(tiny_hf, tiny_ours):
+    """Generating mode: turn 2's prompt splices in turn 1's actual output (the driver rebuilds
+    it), hits it in the cache, and continues exactly as HF does on the same text."""
+    rng = np.random.default_rng(7)
+    p1, extra = rng.integers(0, 256, 20).astype(np.int32), rng.integers(0, 256, 6).astype(np.int32)
+    n = 6
+    turn1 = Request("t1", p1, np.zeros(n, dtype=np.int32), program="chat")
+    turn2 = Request("t2", np.concatenate([p1, np.zeros(n, np.int32), extra]),
+                    np.zeros(n, dtype=np.int32), program="chat", after=["t1"],
+                    segments=(p1, OutputRef("t1"), extra))
+    _, result = serve([turn1, turn2], RadixCache(300), {"name": "lpm"}, engine(tiny_ours, 300),
+                      generate=True)
+    r1, r2 = result.reqs
+    want1 = hf_greedy(tiny_hf, p1.tolist(), n)
+    assert r1.output == want1
+    prompt2 = p1.tolist() + want1 + extra.tolist()
+    assert r2.prompt.tolist() == prompt2
+    assert r2.cached_tokens >= len(p1) + n - 1  # turn 1's prompt and (all but one) output hit
+    assert r2.output == hf_greedy(tiny_hf, prompt2, n)
+
+
+class FixedTime:
+    """An executor's tokens with a fixed step time, so two runs' timelines coincide."""
+
+    def __init__(self, tokens_of) -> None:
+        self.tokens_of = tokens_of
+
+    def execute(self, batch):
+        return StepOutcome(duration_s=0.01, tokens=self.tokens_of(batch))
+
+
+def test_forced_mode_returns_the_workloads_tokens_and_matches_the_simulators_decisions(tiny_ours):
+    prompts = prompts_sharing_prefixes()
+    rng = np.random.default_rng(2)
+    requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32),
+                        rng.integers(0, 256, 5).astype(np.int32)) for i, p in enumerate(prompts)]
+    forced = EngineExecutor(ModelRunner(tiny_ours, num_slots=120), forced=True)
+    _, got = serve(requests, RadixCache(120), {"name": "lpm"},
+                   FixedTime(lambda b: forced.execute(b).tokens), record_steps=True)
+    _, want = serve(requests, RadixCache(120), {"name": "lpm"}, FixedTime(predetermined_tokens),
+                    record_steps=True)
+    assert got.steps == want.steps
+    for a, b, r in zip(got.reqs, want.reqs, requests):
+        assert a.output == b.output == r.output.tolist()
+        assert a.cached_tokens == b.cached_tokens
+    assert forced.forced_tokens == 5 * len(requests) and forced.busy_s > 0
+    assert forced.steps == len(got.steps)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_a_saved_checkpoint_loads_and_generates_like_the_in_memory_model(tmp_path, tiny_ours):
+    hf = save_random_hf_model(tmp_path / "one", tiny_config(), seed=0)
+    assert (tmp_path / "one" / "model.safetensors").is_file()
+    loaded = load_model(tmp_path / "one")
+    prompt = prompts_sharing_prefixes()[3]
+    want = hf_last_logits(hf, prompt)
+    for model in (loaded, ours_from(hf)):
+        r = make_req("a", prompt, np.arange(1, len(prompt) + 1))
+        got = ModelRunner(model, 100).run(Batch("prefill", [BatchEntry(r, 0, len(prompt), True)]))
+        torch.testing.assert_close(got[0], want, atol=TOL, rtol=0)
+    for a, b in zip(loaded.state_dict().values(), ours_from(hf).state_dict().values()):
+        assert torch.equal(a, b)
+
+    save_random_hf_model(tmp_path / "sharded", tiny_config(), seed=0, max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    sharded = load_model(tmp_path / "sharded")
+    for a, b in zip(sharded.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_tied_embeddings_load_without_an_lm_head_tensor(tmp_path):
+    hf = save_random_hf_model(tmp_path, tiny_config(tie_word_embeddings=True), seed=4)
+    model = load_model(tmp_path)
+    assert model.lm_head is None
+    prompt = list(range(30, 50))
+    r = make_req("a", prompt, np.arange(1, 21))
+    got = ModelRunner(model, 20).run(Batch("prefill", [BatchEntry(r, 0, 20, True)]))
+    torch.testing.assert_close(got[0], hf_last_logits(hf, prompt), atol=TOL, rtol=0)
+
+
+def test_a_missing_unexpected_or_misshapen_tensor_is_named(tmp_path, tiny_hf):
+    state = dict(tiny_hf.state_dict())
+    model = LlamaModel(ModelConfig.from_hf(tiny_hf.config))
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_state_dict(model, missing)
+    bad = state | {"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight'.*shape "
+                                         r"\(64, 64\), expected \(32, 64\)"):
+        load_state_dict(model, bad)
+    extra = state | {"model.layers.2.self_attn.q_proj.weight": torch.zeros(64, 64)}
+    with pytest.raises(KeyError, match=r"unexpected tensor 'model.layers.2.self_attn.q_proj.weight'"):
+        load_state_dict(model, extra)
+    # on disk: a checkpoint whose file lacks a tensor
+    from safetensors.torch import save_file
+    save_random_hf_model(tmp_path, tiny_config())
+    save_file({k: v.contiguous() for k, v in missing.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'.*"
+                                         + str(tmp_path.name)):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_the_tiny_model_group_maps_to_a_llama_config_and_a_checkpoint_must_match_its_group(tmp_path):
+    tiny = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/tiny.yaml"))
+    config = config_from_model_group(tiny)
+    c = ModelConfig.from_hf(config)
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size) == (2, 64, 4, 2, 16, 128, 256)
+    save_random_hf_model(tmp_path, config)
+    check_model_group(tiny, config)
+    llama = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/llama2_7b.yaml"))
+    with pytest.raises(ValueError, match=r"model=llama2_7b does not match.*num_layers=32 but the "
+                                         r"checkpoint has 2"):
+        check_model_group(llama | {"path": str(tmp_path)}, config)
+    ex = make_engine_executor(tiny | {"path": str(tmp_path)}, num_slots=50, device="cpu")
+    assert ex.runner.model.dtype == torch.float32 and ex.runner.attention.name == "torch"
+    assert ex.forced
+    random_ex = make_engine_executor(tiny, num_slots=50, device="cpu", seed=3)
+    again = build_model(config, seed=3)
+    for a, b in zip(random_ex.runner.model.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------- other Llama-likes
+def small_shape(**extra):
+    return dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=200, max_position_embeddings=4096,
+                tie_word_embeddings=False) | extra
+
+
+VARIANTS = {
+    "qwen2_bias": lambda: transformers.Qwen2Config(**small_shape()),
+    "mistral": lambda: transformers.MistralConfig(**small_shape(sliding_window=None)),
+    "llama_attention_and_mlp_bias": lambda: tiny_config(attention_bias=True, mlp_bias=True),
+    "llama3_rope": lambda: tiny_config(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}, rope_theta=500000.0),
+    "linear_rope": lambda: tiny_config(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mha_head_dim_32": lambda: tiny_config(num_attention_heads=2, num_key_value_heads=2, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_llama_family_variants_match_their_hf_classes(variant):
+    hf = hf_model(VARIANTS[variant](), seed=11)
+    model = ours_from(hf)
+    prompt = np.random.default_rng(0).integers(0, 200, 70).tolist()
+    runner = ModelRunner(model, 100)
+    r = make_req("a", prompt, np.random.default_rng(1).permutation(np.arange(1, 101))[:70])
+    runner.run(Batch("prefill", [BatchEntry(r, 0, 50, False)]))
+    got = runner.run(Batch("prefill", [BatchEntry(r, 50, 20, True)]))
+    torch.testing.assert_close(got[0], hf_last_logits(hf, prompt), atol=TOL, rtol=0)
+
+
+def test_unsupported_configs_are_refused_with_the_key():
+    with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, llama3"):
+        ModelConfig.from_hf(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0,
+                                                      "original_max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
+        ModelConfig.from_hf(tiny_config(hidden_act="gelu"))
+
+
+# ---------------------------------------------------------------------------- attention backends
+def reference_kernels():
+    try:
+        from radix_kernels import reference
+    except ImportError:
+        pytest.skip("radix_kernels.reference (torch references of the kernels) not available")
+    return reference
+
+
+def random_step(seed=0, qo=(5, 1, 9), prefix=(0, 7, 12), heads=4, kv_heads=2, dim=16, slots=64):
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = np.add(qo, prefix)
+    idx = np.random.default_rng(seed).permutation(np.arange(1, slots + 1))[:kv_lens.sum()]
+    meta = AttentionMetadata.build(np.array(qo), kv_lens, idx.astype(np.int32), "cpu")
+    t = sum(qo)
+    q = torch.randn(t, heads, dim, generator=g)
+    k, v = torch.randn(t, kv_heads, dim, generator=g), torch.randn(t, kv_heads, dim, generator=g)
+    bufs = [torch.randn(slots + 1, kv_heads, dim, generator=g) for _ in range(2)]
+    return meta, q, k, v, bufs
+
+
+def test_torch_attention_equals_the_kernels_torch_reference():
+    ref = reference_kernels()
+    for seed, qo, prefix in [(0, (5, 1, 9), (0, 7, 12)), (1, (1, 1, 1, 1), (3, 0, 20, 8))]:
+        meta, q, k, v, (kb, vb) = random_step(seed, qo, prefix)
+        backend = TorchAttention()
+        meta.plan = backend.plan(meta)
+        kb2, vb2 = kb.clone(), vb.clone()
+        got = backend.forward(q, k, v, kb, vb, meta, 0.25)
+        ref.store_kv(kb2, vb2, meta.out_slots, k, v)
+        want = ref.extend_attention(q, kb2, vb2, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, 0.25)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert torch.equal(kb, kb2) and torch.equal(vb, vb2)
+
+
+def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_ours):
+    """With the kernels' torch references standing in for radix_kernels, the triton backend gives
+    the torch backend's logits for prefill (extend) and decode steps."""
+    ref = reference_kernels()
+    calls = []
+
+    def spy(name):
+        def f(*args):
+            calls.append(name)
+            return getattr(ref, name)(*args)
+        return f
+
+    fake = SimpleNamespace(**{n: spy(n) for n in ("store_kv", "extend_attention", "decode_attention")})
+    monkeypatch.setitem(sys.modules, "radix_kernels", fake)
+    prompts = prompts_sharing_prefixes()[:2]
+    outs = {}
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(tiny_ours, 100, attention=backend)
+        reqs = [make_req("a", prompts[0] + [1], np.arange(1, 51)),
+                make_req("b", prompts[1] + [2], np.arange(51, 97))]
+        pre = runner.run(Batch("prefill", [BatchEntry(r, 0, r.fill_len - 1, True) for r in reqs]))
+        dec = runner.run(Batch("decode", [BatchEntry(r, r.fill_len - 1, 1, True) for r in reqs]))
+        outs[backend] = (pre, dec)
+    for a, b in zip(outs["torch"], outs["triton"]):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+    assert set(calls) == {"store_kv", "extend_attention", "decode_attention"}
+
+
+def test_the_real_triton_kernels_match_the_torch_backend(tiny_ours):
+    try:
+        import radix_kernels
+    except ImportError:
+        pytest.skip("radix_kernels is not importable")
+    missing = [f for f in ("store_kv", "extend_attention", "decode_attention")
+               if not hasattr(radix_kernels, f)]
+    if missing:
+        pytest.skip(f"radix_kernels does not provide {', '.join(missing)} yet")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU; run with TRITON_INTERPRET=1 set before import to use the interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = copy.deepcopy(tiny_ours).to(device)
+    prompt = prompts_sharing_prefixes()[3]
+    outs = []
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(model, 100, attention=backend)
+        r = make_req("a", prompt + [3], np.arange(1, len(prompt) + 2))
+        a = runner.run(Batch("prefill", [BatchEntry(r, 0, 20, False)]))
+        b = runner.run(Batch("prefill", [BatchEntry(r, 20, len(prompt) - 20, True)]))
+        c = runner.run(Batch("decode", [BatchEntry(r, len(prompt), 1, True)]))
+        outs.append((a, b, c))
+    for x, y in zip(*outs):
+        torch.testing.assert_close(x, y, atol=1e-3, rtol=0)
+
+
+def test_the_runner_refuses_slots_beyond_its_kv_buffers(tiny_ours):
+    runner = ModelRunner(tiny_ours, num_slots=8)
+    r = make_req("a", list(range(10)), np.arange(1, 11))
+    with pytest.raises(ValueError, match=r"KV slot ids must be in 1..8"):
+        runner.run(Batch("prefill", [BatchEntry(r, 0, 10, True)]))
+    assert KVCache.bytes_per_token(tiny_ours.config, torch.float32) == 2 * 2 * 2 * 16 * 4
+
+
+# ---------------------------------------------------------------------------- sampler
+def test_greedy_is_argmax_and_top_p_near_zero_is_greedy():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample(logits), greedy)
+    gen = torch.Generator().manual_seed(1)
+    assert torch.equal(sample(logits, temperature=1.5, top_p=1e-9, generator=gen), greedy)
+    mixed = sample(logits, temperature=torch.tensor([0.0, 1, 0, 1, 0, 1]), generator=gen)
+    assert torch.equal(mixed[::2], greedy[::2])
+
+
+def test_seeded_sampling_is_reproducible_and_top_p_keeps_to_the_nucleus():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
+    def draws(seed, top_p):
+        sampler = Sampler(1.0, top_p, seed=seed)
+        return torch.stack([sampler(logits) for _ in range(20)])
+
+    assert torch.equal(draws(7, 0.9), draws(7, 0.9))
+    assert torch.equal(draws(7, 1.0), draws(7, 1.0))
+    assert not torch.equal(draws(7, 1.0), draws(8, 1.0))
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    s = Sampler(1.0, 0.6, seed=0)
+    seen = {int(s(probs.log())) for _ in range(300)}
+    assert seen == {0, 1}  # 0.5 < 0.6, so the nucleus is the two most likely tokens
+    with pytest.raises(ValueError, match="top_p must be in"):
+        Sampler(1.0, 1.5)
