@@ -70,7 +70,8 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
     ttft = [r.first_token_s - r.arrival_s for r in timed if r.first_token_s is not None]
     tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
             for r in timed if r.first_token_s is not None and r.output_tokens > 1]
-    e2e = [r.finish_s - r.arrival_s for r in timed]
+    e2e = [r.finish_s - r.arrival_s for r in timed if r.output_tokens]  # prefill-only calls
+    # (a fork's shared-prompt prefill) produce no token: latency counts generating requests
     rate = (lambda x: x / makespan) if makespan else (lambda x: None)
     return {
         "num_requests": len(records),

@@ -90,9 +90,11 @@ def tree_of_thought(num_problems: int = 64, depth: int = 4, branching: int = 2,
     ``branching`` siblings share their prompt and differ in their sampled thoughts. With
     ``fork_prefill`` the siblings wait for a prefill-only call of their shared prompt (SGLang's
     fork), one per internal node. Calls are listed level by level within each problem."""
-    check_nonnegative(num_problems=num_problems, depth=depth, branching=branching,
+    check_nonnegative(num_problems=num_problems, branching=branching,
                       instruction_len=instruction_len, problem_len=problem_len,
                       step_prompt_len=step_prompt_len, thought_len=thought_len)
+    if depth < 1:
+        raise ValueError(f"workload.depth must be >= 1, got {depth}")
     tokens = TokenSource(np.random.default_rng(seed), vocab_size)
     instruction = tokens(instruction_len)
     calls = []

@@ -1,0 +1,129 @@
+"""The backends behind ``backend=``: assembling a run from config and serving the workload.
+
+- ``replay``: requests one at a time in arrival order, no time (hit-rate studies);
+- ``sim``: the shared scheduler and cache in SimPy, steps timed by a cost model;
+- ``engine``: the same scheduler and cache, steps run by the real model and timed.
+
+KV capacity for ``sim`` and ``engine`` is ``cache.capacity_tokens`` when given, else what the
+model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (for the
+engine, capped at the tokens the workload could ever hold, so a tiny model on a CPU does not
+allocate gigabytes of KV buffers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from testbed.cache import PrefixCache, make_cache, make_policy
+from testbed.metrics import RequestRecord
+from testbed.replay import replay
+from testbed.workloads import Request
+
+BACKENDS = ("sim", "engine", "replay")
+
+
+@dataclass
+class BackendResult:
+    records: list[RequestRecord]
+    preemptions: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
+
+
+def container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
+    backend = cfg.backend.name
+    if backend == "replay":
+        cache = build_cache(cfg, cfg.cache.get("capacity_tokens"), requests)
+        return BackendResult(replay(requests, cache, save_token_ids=cfg.save_token_ids,
+                                    progress=cfg.progress))
+    if backend in ("sim", "engine"):
+        return _serve(cfg, requests, engine=backend == "engine")
+    raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+
+def build_cache(cfg: DictConfig, capacity: int | None, requests: list[Request]) -> PrefixCache:
+    c = cfg.cache
+    policy = make_policy(container(cfg.eviction), requests, cost_fn=recompute_cost(cfg))
+    return make_cache(c.name, capacity_tokens=capacity, page_size=c.get("page_size", 1),
+                      block_size=c.get("block_size", 16), policy=policy)
+
+
+def recompute_cost(cfg: DictConfig):
+    """Seconds to recompute ``size`` tokens after ``start`` cached ones (the GDSF policy's cost):
+    the roofline floor of that prefill on the configured model and hardware."""
+    from testbed.sim.cost_model import RooflineCostModel, StepShape
+    from testbed.sim.specs import hardware_spec, model_spec
+
+    floor = RooflineCostModel(model_spec(container(cfg.model)),
+                              hardware_spec(container(cfg.hardware))).floor
+    return lambda start, size: floor(StepShape(new=(max(size, 1),), context=(start,)))
+
+
+def max_in_flight(cfg: DictConfig) -> int | None:
+    """Programs allowed at once: ``arrival.max_in_flight``, else the workload's own setting."""
+    value = cfg.arrival.get("max_in_flight")
+    return value if value is not None else cfg.workload.get("max_in_flight")
+
+
+def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendResult:
+    from testbed.sim.simulate import records_of, serve
+    from testbed.sim.specs import hardware_spec, kv_capacity_tokens, mem_fraction, model_spec
+
+    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
+    capacity = cfg.cache.get("capacity_tokens")
+    if capacity is None:
+        capacity = kv_capacity_tokens(model, hw, mem_fraction(container(cfg.hardware)))
+        if engine:
+            capacity = min(capacity, sum(len(r.prompt) + len(r.output) for r in requests) + 1)
+    executor = _engine_executor(cfg, capacity) if engine else _sim_executor(cfg, model, hw)
+    scheduler, result = serve(requests, build_cache(cfg, capacity, requests),
+                              container(cfg.scheduler), executor, seed=cfg.seed,
+                              max_in_flight=max_in_flight(cfg),
+                              generate=engine and not cfg.get("forced", True),
+                              progress=cfg.progress)
+    s = result.stats
+    extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
+             "kv_capacity_tokens": capacity, "prefill_steps": s.prefill_steps,
+             "decode_steps": s.decode_steps, "busy_s": s.busy_s,
+             "mean_decode_batch": s.decode_tokens / s.decode_steps if s.decode_steps else None}
+    if engine:
+        extra |= {"device": str(executor.runner.device), "attention": cfg.get("attention"),
+                  "forced": bool(cfg.get("forced", True))}
+        if executor.forced_tokens:
+            extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
+    return BackendResult(records_of(result.reqs, cfg.save_token_ids), scheduler.preemptions, extra)
+
+
+def _sim_executor(cfg: DictConfig, model, hw):
+    from testbed.sim.cost_model import make_cost_model
+    from testbed.sim.executor import SimExecutor
+
+    return SimExecutor(make_cost_model(container(cfg.cost_model), model, hw))
+
+
+def _engine_executor(cfg: DictConfig, capacity: int):
+    from testbed.engine import make_engine_executor
+
+    return make_engine_executor(container(cfg.model), num_slots=capacity,
+                                device=cfg.get("device"), dtype=cfg.get("dtype"),
+                                attention=cfg.get("attention"), seed=cfg.seed,
+                                forced=bool(cfg.get("forced", True)),
+                                temperature=float(cfg.get("temperature", 0.0)),
+                                top_p=float(cfg.get("top_p", 1.0)))
+
+
+def fit_vocabulary(cfg: DictConfig) -> str | None:
+    """On the engine, a generated workload's token ids must exist in the model's vocabulary:
+    shrink ``workload.vocab_size`` to the model's. Returns a note when it did."""
+    vocab = cfg.model.get("vocab_size")
+    wanted = cfg.workload.get("vocab_size")
+    if cfg.backend.name != "engine" or vocab is None or wanted is None or wanted <= vocab:
+        return None
+    OmegaConf.update(cfg, "workload.vocab_size", vocab, force_add=False)
+    return f"note: workload.vocab_size {wanted} > model vocabulary {vocab}; using {vocab}"

@@ -1,0 +1,211 @@
+"""Sweeps and their reports: `python -m testbed.run -m ...` runs every job, records failures and
+skips finished runs; `python -m testbed.report DIR` tabulates, plots and summarises them."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["workload=tree_of_thought", "workload.num_problems=2", "progress=false"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def sweep(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A multirun with Hydra's basic (in-process, one job at a time) launcher into ``out``."""
+    return subprocess.run([sys.executable, "-m", "testbed.run", "-m", "hydra/launcher=basic",
+                           *overrides, f"hydra.sweep.dir={out}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def report(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testbed.report", str(out), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def same(a, b) -> bool:
+    """Exact equality, with a missing figure (None in JSON, NaN in a table) equal to itself."""
+    missing = lambda v: v is None or (isinstance(v, float) and np.isnan(v))  # noqa: E731
+    return (missing(a) and missing(b)) or a == b
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """A real 2x2 sweep (cache x scheduler) and its report."""
+    out = tmp_path_factory.mktemp("sweep")
+    proc = sweep(out, "cache=none,radix", "scheduler=fcfs,lpm", *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    proc = report(out)
+    assert proc.returncode == 0, proc.stderr
+    return out, proc
+
+
+def test_table_copies_every_summary_figure_exactly(two_by_two):
+    out, _ = two_by_two
+    for table in (pd.read_parquet(out / "results.parquet"), pd.read_csv(out / "results.csv")):
+        assert len(table) == 4 and (table["status"] == "ok").all()
+        assert sorted(zip(table["cache"], table["scheduler"])) == \
+            [("none", "fcfs"), ("none", "lpm"), ("radix", "fcfs"), ("radix", "lpm")]
+        for row in table.to_dict("records"):
+            summary = json.loads((out / str(row["run"]) / "summary.json").read_text())
+            config = summary.pop("config")
+            assert row["workload"] == config["workload"]["name"] == "tree_of_thought"
+            assert row["model"] == "llama2_7b" and row["hardware"] == "a10g"
+            assert row["cache"] == config["cache"]["name"]
+            assert row["scheduler"] == config["scheduler"]["name"]
+            for key, value in summary.items():
+                assert same(row[key], value), (row["run"], key, row[key], value)
+
+
+def test_throughput_is_normalised_to_the_no_cache_fcfs_run(two_by_two):
+    out, _ = two_by_two
+    table = pd.read_parquet(out / "results.parquet")
+    runs = {(r["cache"], r["scheduler"]): json.loads((out / r["run"] / "summary.json").read_text())
+            for r in table.to_dict("records")}
+    base = runs["none", "fcfs"]["throughput_req_s"]
+    for r in table.to_dict("records"):
+        mine = runs[r["cache"], r["scheduler"]]["throughput_req_s"]
+        assert r["throughput_vs_nocache"] == mine / base
+        assert r["baseline"] == "none/fcfs"
+    radix = table[(table["cache"] == "radix") & (table["scheduler"] == "lpm")].iloc[0]
+    assert radix["throughput_vs_nocache"] > 1  # sharing the tree's prefixes pays off
+
+
+def test_figures_are_real_pngs_linked_from_the_report(two_by_two):
+    out, proc = two_by_two
+    text = (out / "report.md").read_text()
+    for name in ("throughput_vs_nocache", "hit_rate", "latency_cdf"):
+        png = out / "figures" / f"{name}.png"
+        data = png.read_bytes()
+        assert len(data) > 1000 and data.startswith(PNG_MAGIC)
+        image = matplotlib.image.imread(png)
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+        assert f"](figures/{name}.png)" in text
+    assert not (out / "figures" / "latency_vs_load.png").exists()  # one arrival rate only
+    assert "4 runs (0 failed)" in proc.stdout
+
+
+def test_findings_match_the_table(two_by_two):
+    out, _ = two_by_two
+    table = pd.read_parquet(out / "results.parquet").set_index("variant")
+    text = (out / "report.md").read_text()
+    found = re.findall(r"- \*\*(\S+)\*\*: best is `(\S+)`.* at ([\d.]+)× the throughput of "
+                       r"`(\S+)`; its hit rate ([\d.]+) is ([\d.]+)% of the ideal ([\d.]+)\.", text)
+    assert len(found) == 1
+    workload, variant, speedup, baseline, hit, share, ideal = found[0]
+    best = table.loc[variant]
+    assert workload == best["workload"] == "tree_of_thought" and baseline == "none/fcfs"
+    assert best["throughput_req_s"] == table["throughput_req_s"].max()
+    assert speedup == f"{best['throughput_vs_nocache']:.2f}"
+    assert hit == f"{best['hit_rate']:.3f}" and ideal == f"{best['ideal_hit_rate']:.3f}"
+    assert share == f"{100 * best['hit_rate'] / best['ideal_hit_rate']:.1f}"
+    assert f"| `{variant}` | {speedup} |" in text  # the same figure in the speedup table
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    proc = sweep(tmp_path, "cache.capacity_tokens=-1,null", *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    assert "error: cache.capacity_tokens must be >= 0 or null, got -1" in proc.stderr
+    failed = json.loads((tmp_path / "0" / "failed.json").read_text())
+    assert failed["error_type"] == "ValueError" and "Traceback" in failed["traceback"]
+    assert failed["message"] == "cache.capacity_tokens must be >= 0 or null, got -1"
+    assert "cache.capacity_tokens=-1" in failed["overrides"]
+    assert failed["config"]["cache"]["capacity_tokens"] == -1
+    assert (tmp_path / "1" / "summary.json").is_file()  # the next job still ran
+
+    assert report(tmp_path).returncode == 0
+    table = pd.read_csv(tmp_path / "results.csv").set_index("run")
+    assert table.loc[0, "status"] == "failed" and table.loc[1, "status"] == "ok"
+    assert table.loc[0, "error"] == "ValueError: cache.capacity_tokens must be >= 0 or null, got -1"
+    assert table.loc[0, "capacity_tokens"] == -1 and table.loc[0, "workload"] == "tree_of_thought"
+    assert np.isnan(table.loc[0, "hit_rate"]) and table.loc[1, "hit_rate"] > 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| failed |" in text and "1 of 2 runs failed" in text
+    assert (tmp_path / "figures" / "hit_rate.png").is_file()  # drawn from the ok run
+
+
+def test_rerunning_a_sweep_skips_finished_runs_and_retries_failed_ones(tmp_path):
+    args = ["cache.capacity_tokens=-1,null", *SMALL]
+    assert sweep(tmp_path, *args).returncode == 0
+    done = tmp_path / "1" / "summary.json"
+    stamp = done.stat().st_mtime_ns
+    proc = sweep(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert f"skip: {tmp_path / '1'} already has summary.json" in proc.stdout
+    assert "skip: " not in proc.stdout.split("#1")[0]  # the failed run ran again
+    assert "must be >= 0 or null" in proc.stderr
+    assert done.stat().st_mtime_ns == stamp
+
+    proc = sweep(tmp_path, "cache.capacity_tokens=null,-1", *SMALL)  # other configs, same dirs
+    assert proc.returncode == 0, proc.stderr
+    assert "skip: " not in proc.stdout and "rerun: " in proc.stdout
+    assert (tmp_path / "0" / "summary.json").is_file()
+    assert not (tmp_path / "0" / "failed.json").exists()
+    assert (tmp_path / "1" / "failed.json").is_file() and not done.exists()
+
+
+BOOM = """
+import runpy, sys
+import testbed.rundir
+def boom(*args, **kwargs):
+    raise RuntimeError("boom")
+testbed.rundir.write_run = boom  # the run fails where it would write its results
+sys.argv = ["testbed.run", *sys.argv[1:]]
+runpy.run_module("testbed.run", run_name="__main__")
+"""
+
+
+def test_an_unexpected_error_is_recorded_in_a_single_run_and_in_a_sweep(tmp_path):
+    single = tmp_path / "single"
+    proc = subprocess.run([sys.executable, "-c", BOOM, f"hydra.run.dir={single}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == \
+        f"error: run failed with RuntimeError: boom; see {single / 'failed.json'}"
+    assert json.loads((single / "failed.json").read_text())["error_type"] == "RuntimeError"
+    multi = tmp_path / "multi"
+    proc = subprocess.run([sys.executable, "-c", BOOM, "-m", "hydra/launcher=basic", "seed=0,1",
+                           f"hydra.sweep.dir={multi}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (multi / "0" / "failed.json").is_file() and (multi / "1" / "failed.json").is_file()
+
+
+def test_capacity_and_load_figures_appear_when_the_sweep_varies_them(tmp_path):
+    caps = tmp_path / "caps"
+    proc = sweep(caps, "backend=replay", "cache.capacity_tokens=300,1000,4000", *SMALL)
+    assert proc.returncode == 0, proc.stderr
+    assert report(caps).returncode == 0
+    assert matplotlib.image.imread(caps / "figures" / "hit_rate_vs_capacity.png").ndim == 3
+    assert not (caps / "figures" / "throughput_vs_nocache.png").exists()  # replay has no time
+    assert "best hit rate is" in (caps / "report.md").read_text()
+
+    load = tmp_path / "load"
+    proc = sweep(load, "workload=chat", "workload.num_sessions=4", "arrival.kind=poisson",
+                 "arrival.rate=0.5,4", "scheduler=fcfs,lpm", "progress=false")
+    assert proc.returncode == 0, proc.stderr
+    assert report(load).returncode == 0
+    assert matplotlib.image.imread(load / "figures" / "latency_vs_load.png").ndim == 3
+    assert "lowest median latency is" in (load / "report.md").read_text()
+
+
+def test_a_folder_without_runs_is_one_clear_line(tmp_path):
+    proc = report(tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == \
+        f"error: no runs under {tmp_path} (no summary.json or failed.json found)"
+
+
+@pytest.mark.parametrize("preset", ["ablation", "scheduling"])
+def test_presets_compose_to_the_documented_sweeps(preset):
+    proc = subprocess.run([sys.executable, "-m", "testbed.run", f"+experiment={preset}",
+                           "--cfg", "hydra"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "mode: MULTIRUN" in proc.stdout and f"dir: multirun/{preset}" in proc.stdout
+    assert "JoblibLauncher" in proc.stdout and "n_jobs: -1" in proc.stdout
