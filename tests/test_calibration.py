@@ -1,0 +1,106 @@
+"""Calibration and the simulator-vs-engine decision check (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from testbed.backends import build_cache, container
+from testbed.calibrate import calibrate, synthetic_batch
+from testbed.engine import make_engine_executor
+from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
+from testbed.sim.executor import SimExecutor
+from testbed.sim.fit import fit_coefficients, nnls
+from testbed.sim.simulate import serve
+from testbed.sim.specs import hardware_spec, model_spec
+from testbed.workloads import build_workload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(name: str = "config", *overrides: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        return compose(name, overrides=["model=tiny", "hardware=cpu", "progress=false", *overrides])
+
+
+def test_nnls_recovers_non_negative_coefficients_and_clips_negative_ones():
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 5))
+    assert np.allclose(nnls(a, a @ np.array([1.0, 0.0, 2.0, 0.0, 0.5])), [1, 0, 2, 0, 0.5])
+    assert (nnls(a, a @ np.array([1.0, -3.0, 2.0, 0.0, 0.5])) >= 0).all()
+
+
+def test_fit_recovers_a_known_step_time_law_per_kind():
+    # Decode steps have new == 1, so Σnew and batch (and Σ new·context and Σcontext) coincide:
+    # coefficients are not unique there, predictions are. Compare predictions on unseen shapes.
+    law = {"prefill": (1e-3, 2e-5, 1e-8, 0.0, 3e-7), "decode": (5e-4, 0.0, 0.0, 1e-5, 2e-8)}
+
+    def true_time(step: StepShape) -> float:
+        a, b, c, d, e = law[step.kind]
+        return (a + b * step.num_new + c * step.new_times_context + d * step.batch
+                + e * step.num_context)
+
+    shapes = [StepShape((new,) * batch, (ctx,) * batch) for batch in (1, 2, 8)
+              for new in (16, 64, 200) for ctx in (0, 100, 1000)]
+    shapes += [StepShape.decode((ctx + 1,) * batch) for batch in (1, 2, 8) for ctx in (0, 100, 1000)]
+    coeffs = fit_coefficients([(s, true_time(s)) for s in shapes])
+    for step in (StepShape((50, 7), (300, 20)), StepShape.decode((77, 512, 4))):
+        a, b, c, d, e = (coeffs[step.kind][k] for k in "abcde")
+        predicted = (a + b * step.num_new + c * step.new_times_context + d * step.batch
+                     + e * step.num_context)
+        assert predicted == pytest.approx(true_time(step), rel=1e-6)
+
+
+def test_synthetic_batches_have_the_requested_shape_and_distinct_slots():
+    step = StepShape(new=(5, 1, 3), context=(0, 9, 4))
+    batch = synthetic_batch(step, vocab=256, rng=np.random.default_rng(0))
+    assert batch.shape() == (step.new, step.context)
+    slots = np.concatenate([e.kv_slots() for e in batch.entries])
+    assert len(set(slots.tolist())) == len(slots) == 5 + 10 + 7
+
+
+def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
+    cfg = config("calibrate", "calibrate.repeats=1", "calibrate.prefill_batch=[1,2]",
+                 "calibrate.prefill_new=[8,32]", "calibrate.prefill_context=[0,16]",
+                 "calibrate.decode_batch=[1,4]", "calibrate.decode_context=[8,64]")
+    result = calibrate(cfg, tmp_path)
+    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
+    floor = RooflineCostModel(model, hw)
+    fitted = load_fitted(tmp_path / "cost_model.yaml", floor_model=floor)
+    for sample in result["samples"]:
+        step = StepShape(tuple(sample["new"]), tuple(sample["context"]))
+        assert fitted.step_time(step) >= floor.floor(step)
+    saved = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 12
+    assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offline_batch_makes_identical_decisions_on_the_engine_and_the_simulator():
+    cfg = config("config", "workload=few_shot", "workload.num_tasks=3", "workload.questions_per_task=4",
+                 "workload.vocab_size=256", "workload.example_len=20", "workload.question_len=9")
+    requests = build_workload(container(cfg.workload), seed=0, arrival=container(cfg.arrival))
+    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
+    runs = []
+    for executor in (make_engine_executor(container(cfg.model), num_slots=300, forced=True),
+                     SimExecutor(RooflineCostModel(model, hw))):
+        _, result = serve(requests, build_cache(cfg, 300, requests), {"name": "lpm"}, executor,
+                          record_steps=True)
+        runs.append(result)
+    engine, sim = runs
+    assert [(s.kind, s.ids, s.new, s.context) for s in engine.steps] == \
+        [(s.kind, s.ids, s.new, s.context) for s in sim.steps]
+    assert [r.cached_tokens for r in engine.reqs] == [r.cached_tokens for r in sim.reqs]
+    assert sum(r.cached_tokens for r in sim.reqs) > 0
