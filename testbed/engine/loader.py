@@ -195,11 +195,16 @@ def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
 
 def build_model(config: Any, seed: int = 0, dtype: torch.dtype | str = torch.float32,
                 device: torch.device | str = "cpu") -> LlamaModel:
-    """A random model (``config``: a `transformers` config or a `ModelConfig`). Initialised on the
-    CPU in fp32 from ``torch.manual_seed(seed)``, so the weights do not depend on the device."""
+    """A random model (``config``: a `transformers` config or a `ModelConfig`). Small models are
+    initialised on the CPU in fp32 from ``torch.manual_seed(seed)``, so their weights do not depend
+    on the device; a large one on an accelerator is built there directly (a 7B model would need
+    27 GB of host memory and a minute of CPU time otherwise)."""
     c = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
     torch.manual_seed(seed)
-    model = LlamaModel(c)
+    large = c.num_layers * c.hidden_size * c.hidden_size > 2**28  # ~ a billion parameters or more
+    build_on = torch.device(device) if large and torch.device(device).type != "cpu" else "cpu"
+    with torch.device(build_on):
+        model = LlamaModel(c)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
