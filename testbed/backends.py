@@ -38,6 +38,8 @@ def container(node: Any) -> Any:
 
 def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
     backend = cfg.backend.name
+    if backend == "replay" and cfg.get("replicas", 1) != 1:
+        raise ValueError("replicas > 1 needs backend=sim (replay serves one cache)")
     if backend == "replay":
         cache = build_cache(cfg, cfg.cache.get("capacity_tokens"), requests)
         return BackendResult(replay(requests, cache, save_token_ids=cfg.save_token_ids,
@@ -82,6 +84,11 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
         if engine:
             capacity = min(capacity, sum(len(r.prompt) + len(r.output) for r in requests) + 1)
     executor = _engine_executor(cfg, capacity) if engine else _sim_executor(cfg, model, hw)
+    replicas = cfg.get("replicas", 1)
+    if replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
+        if engine:
+            raise ValueError(f"replicas={replicas} needs backend=sim; the engine serves one replica")
+        return _serve_cluster(cfg, requests, executor, capacity, replicas, model, hw)
     scheduler, result = serve(requests, build_cache(cfg, capacity, requests),
                               container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
@@ -98,6 +105,28 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
         if executor.forced_tokens:
             extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
     return BackendResult(records_of(result.reqs, cfg.save_token_ids), scheduler.preemptions, extra)
+
+
+def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity: int,
+                   replicas: int, model, hw) -> BackendResult:
+    """``replicas`` simulated replicas, each with its own cache and scheduler, behind the
+    ``router`` group's policy; the summary gains ``replicas``, ``imbalance``, ``router_decisions``."""
+    from testbed.router import cluster_delays, make_router
+    from testbed.sim.cluster import cluster_records, cluster_summary, simulate_cluster
+
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    router_cfg = container(cfg.router)
+    network_delay_s, transfer_s_per_token = cluster_delays(router_cfg)
+    result = simulate_cluster(
+        requests, lambda: build_cache(cfg, capacity, requests), container(cfg.scheduler),
+        executor, make_router(router_cfg, seed=cfg.seed, kv_capacity=capacity),
+        replicas=replicas, seed=cfg.seed, max_in_flight=max_in_flight(cfg),
+        network_delay_s=network_delay_s, transfer_s_per_token=transfer_s_per_token,
+        progress=cfg.progress)
+    extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
+             "kv_capacity_tokens": capacity, "router": cfg.router.name, **cluster_summary(result)}
+    return BackendResult(cluster_records(result, cfg.save_token_ids), result.preemptions, extra)
 
 
 def _sim_executor(cfg: DictConfig, model, hw):

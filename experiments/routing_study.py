@@ -1,0 +1,272 @@
+"""The routing study: every router policy on N data-parallel replicas, two workloads.
+
+(a) ``chat``: multi-tenant chat built here: 16 tenants with their own 2,048-token system prompts
+    (tenant popularity Zipf-skewed, so cache affinity alone would pile the hot tenant onto one
+    replica), 1,024 sessions of 6 turns whose prompts carry the whole history (questions of
+    128-512 tokens, answers of 64-256), sessions arriving as a Poisson process (16/s), 5 s of
+    think time between turns;
+(b) ``mooncake``: the Mooncake conversation trace beside the repository at its own timestamps
+    (12,031 requests over an hour), optionally truncated (``--trace-limit``) or time-scaled
+    (``--time-scale``).
+
+Each run is `testbed.sim.cluster.simulate_cluster`: Llama-3-8B on H100s by default (roofline
+cost model, a radix cache of the KV capacity one H100 holds per replica, LPM scheduler). The
+policies are the five routers at their config defaults plus two variants of cache_aware's
+imbalance rule (a tighter token threshold; SGLang's own units, 32 requests). Prints a table per
+workload (hit rate, throughput, TTFT, imbalance, router decisions, wall time), checks the
+acceptance conditions (cache_aware >= 1.2x round_robin's hit rate; its imbalance at most N/2 or
+round_robin's; oracle at or above cache_aware), writes ``routing.csv`` into ``--out`` and the
+plot (hit rate and imbalance per policy) to ``--plot``. About 1 minute for chat and 7 for the
+whole Mooncake trace on a 2-core machine.
+
+    python experiments/routing_study.py                        # both workloads, 8 replicas
+    python experiments/routing_study.py --workloads chat --replicas 4 --policies round_robin \
+        cache_aware cache_aware:cache_threshold=0.3
+The Hydra preset ``+experiment=routing`` sweeps router x replicas x workload as separate runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+import yaml  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from testbed.cache import RadixCache  # noqa: E402
+from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
+from testbed.router import ROUTERS, make_router  # noqa: E402
+from testbed.sim.cluster import cluster_records, simulate_cluster  # noqa: E402
+from testbed.sim.cost_model import make_cost_model  # noqa: E402
+from testbed.sim.executor import SimExecutor  # noqa: E402
+from testbed.sim.specs import (hardware_spec, kv_capacity_tokens, mem_fraction,  # noqa: E402
+                               model_spec)
+from testbed.workloads.arrivals import apply_arrivals  # noqa: E402
+from testbed.workloads.program import ProgramBuilder, TokenSource  # noqa: E402
+from testbed.workloads.request import OutputRef, Request, arrival_order  # noqa: E402
+from testbed.workloads.traces import load_trace  # noqa: E402
+
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# The five policies at their config defaults, then cache_aware's imbalance rule two other ways:
+# a tighter token threshold, and SGLang's own units (requests, 32), with the oracle under the same.
+POLICIES = [*ROUTERS, "cache_aware:balance_abs_threshold=8192",
+            "cache_aware:load=requests,balance_abs_threshold=32",
+            "oracle:load=requests,balance_abs_threshold=32"]
+
+
+def multi_tenant_chat(num_tenants: int = 16, num_sessions: int = 256, turns: int = 6,
+                      system_prompt_len: int = 2048, question_len: tuple[int, int] = (128, 512),
+                      output_len: tuple[int, int] = (64, 256), think_time_s: float = 5.0,
+                      zipf: float = 1.0, vocab_size: int = 128256, seed: int = 0) -> list[Request]:
+    """Sessions of ``turns`` turns, each belonging to a tenant drawn with probability ∝
+    1/rank^zipf; a turn's prompt is the tenant's system prompt, every earlier question and
+    answer of the session, and a new question. Turn t waits for turn t-1 plus ``think_time_s``."""
+    tokens = TokenSource(np.random.default_rng(seed), vocab_size)
+    systems = [tokens(system_prompt_len) for _ in range(num_tenants)]
+    weights = 1.0 / np.arange(1, num_tenants + 1) ** zipf
+    tenant_of = tokens.rng.choice(num_tenants, size=num_sessions, p=weights / weights.sum())
+    sessions = [(ProgramBuilder(f"tenant{t}/chat{s}", tokens), [systems[t]])
+                for s, t in enumerate(tenant_of)]
+    calls = []
+    for program, segments in sessions:  # program order = session arrival order
+        for t in range(turns):
+            segments.append(tokens(tokens.length(*question_len)))
+            after = [program.calls[-1].id] if t else []
+            call = program.call(f"turn{t}", segments, tokens.length(*output_len), after=after,
+                                think_time_s=think_time_s if t else 0.0)
+            segments.append(OutputRef(call.id))
+            calls.append(call)
+    return calls
+
+
+def setup(model: str, hardware: str):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose("config", overrides=[f"model={model}", f"hardware={hardware}"])
+    m = model_spec(OmegaConf.to_container(cfg.model))
+    hw = hardware_spec(OmegaConf.to_container(cfg.hardware))
+    capacity = kv_capacity_tokens(m, hw, mem_fraction(OmegaConf.to_container(cfg.hardware)))
+    executor = SimExecutor(make_cost_model(OmegaConf.to_container(cfg.cost_model), m, hw))
+    return executor, capacity, OmegaConf.to_container(cfg.scheduler)
+
+
+def parse_policy(spec: str) -> dict:
+    """``name`` or ``name:key=value,key=value`` (values as YAML) -> a router config."""
+    name, _, rest = spec.partition(":")
+    cfg = {"name": name}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: policy {spec!r}: {item!r} is not key=value")
+        cfg[key] = yaml.safe_load(value)
+    return cfg
+
+
+def run_policy(requests, policy, replicas, executor, capacity, scheduler_cfg, seed=0):
+    router = make_router(parse_policy(policy), seed=seed, kv_capacity=capacity)
+    started = time.perf_counter()
+    result = simulate_cluster(requests, lambda: RadixCache(capacity), scheduler_cfg, executor,
+                              router, replicas=replicas, seed=seed, progress=False)
+    wall = time.perf_counter() - started
+    s = summarize(cluster_records(result), ideal=float("nan"), wall_s=wall,
+                  preemptions=result.preemptions)
+    per_hit = []
+    for rep in result.replicas:
+        p = sum(len(r.prompt) for r in rep.reqs)
+        per_hit.append(sum(r.cached_tokens or 0 for r in rep.reqs) / p if p else 0.0)
+    d = result.decisions
+    return {"policy": policy, "replicas": replicas, "hit_rate": s["hit_rate"],
+            "throughput_req_s": s["throughput_req_s"], "throughput_tok_s": s["throughput_tok_s"],
+            "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
+            "e2e_p50_s": s["e2e_p50_s"], "makespan_s": s["makespan_s"],
+            "imbalance": result.imbalance, "imbalance_unweighted": result.imbalance_unweighted,
+            "requests_max_share": max(len(r.reqs) for r in result.replicas) / len(result.reqs),
+            "replica_hit_min": min(per_hit), "replica_hit_max": max(per_hit),
+            "preemptions": result.preemptions,
+            "decisions": " ".join(f"{k}={v}" for k, v in d.items()), "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=["chat", "mooncake"])
+    ap.add_argument("--policies", nargs="+", default=POLICIES,
+                    help="router names, or name:key=value,... for a variant")
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--model", default="llama3_8b")
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--chat-sessions", type=int, default=1024)
+    ap.add_argument("--chat-rate", type=float, default=16.0, help="sessions per second (Poisson)")
+    ap.add_argument("--chat-zipf", type=float, default=1.0, help="tenant popularity skew")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace-limit", type=int, default=None, help="first N requests of the trace")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace timestamps")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing")
+    ap.add_argument("--plot", type=Path, default=REPO / "docs" / "routing.png")
+    ap.add_argument("--from-csv", type=Path, help="report and plot a saved routing.csv, no runs")
+    args = ap.parse_args()
+    if args.from_csv:
+        df = pd.read_csv(args.from_csv)
+        report(df, int(df["replicas"].iloc[0]))
+        plot(df, args.plot, int(df["replicas"].iloc[0]))
+        return
+
+    executor, capacity, scheduler_cfg = setup(args.model, args.hardware)
+    print(f"{args.replicas} replicas of {args.model} on {args.hardware}: KV capacity "
+          f"{capacity:,} tokens each; scheduler {scheduler_cfg['name']}")
+    rows = []
+    for workload in args.workloads:
+        requests, label = load(workload, args)
+        ideal = ideal_hit_rate(requests)
+        print(f"\n{label}: {len(requests):,} requests, {sum(len(r.prompt) for r in requests):,} "
+              f"prompt tokens, ideal hit rate {ideal:.3f}")
+        for policy in args.policies:
+            row = run_policy(requests, policy, args.replicas, executor, capacity, scheduler_cfg,
+                             seed=args.seed)
+            rows.append({"workload": workload, "label": label, "ideal_hit_rate": ideal, **row})
+            print(f"  {policy:<50} hit {row['hit_rate']:.3f}  {row['throughput_req_s']:.2f} req/s  "
+                  f"ttft p50 {row['ttft_p50_s']:.3f}s  imbalance {row['imbalance']:.2f}  "
+                  f"({row['wall_s']:.1f} s)", flush=True)
+    df = pd.DataFrame(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(args.out / "routing.csv", index=False)
+    report(df, args.replicas)
+    plot(df, args.plot, args.replicas)
+    print(f"\nwrote {args.out / 'routing.csv'} and {args.plot}")
+
+
+def load(workload: str, args) -> tuple[list[Request], str]:
+    if workload == "chat":
+        calls = multi_tenant_chat(num_sessions=args.chat_sessions, zipf=args.chat_zipf,
+                                  seed=args.seed)
+        requests = arrival_order(apply_arrivals(calls, "poisson", is_trace=False,
+                                                rate=args.chat_rate, seed=args.seed))
+        return requests, (f"multi-tenant chat (16 tenants, Zipf {args.chat_zipf:g}; "
+                          f"{args.chat_sessions} sessions x 6 turns, "
+                          f"{args.chat_rate:g} sessions/s)")
+    if workload == "mooncake":
+        requests = load_trace(args.trace, "mooncake")
+        if args.trace_limit:
+            requests = requests[: args.trace_limit]
+        requests = arrival_order(apply_arrivals(requests, "trace", is_trace=True,
+                                                time_scale=args.time_scale))
+        scale = f", time x{args.time_scale:g}" if args.time_scale != 1 else ""
+        return requests, f"Mooncake conversation trace ({len(requests):,} requests{scale})"
+    raise SystemExit(f"error: --workloads takes chat and mooncake; got {workload!r}")
+
+
+def report(df: pd.DataFrame, replicas: int) -> None:
+    cols = ["policy", "hit_rate", "throughput_req_s", "ttft_p50_s", "ttft_p99_s", "e2e_p50_s",
+            "imbalance", "requests_max_share", "decisions", "wall_s"]
+    for label, g in df.groupby("label", sort=False):
+        print(f"\n{label} (ideal hit rate {g['ideal_hit_rate'].iloc[0]:.3f})")
+        print(g[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        by = g.set_index("policy")
+        if not {"round_robin", "cache_aware", "oracle"} <= set(by.index):
+            continue
+        rr, ca, orc = by.loc["round_robin"], by.loc["cache_aware"], by.loc["oracle"]
+        higher = ca.hit_rate >= 1.2 * rr.hit_rate
+        bounded = ca.imbalance <= max(replicas / 2, rr.imbalance)
+        print(f"  check: cache_aware hit {ca.hit_rate:.3f} = {ca.hit_rate / rr.hit_rate:.2f}x "
+              f"round_robin's {rr.hit_rate:.3f} -> {'ok' if higher else 'NOT clearly higher'}")
+        print(f"  check: cache_aware imbalance {ca.imbalance:.2f} <= max(N/2 = {replicas / 2:g}, "
+              f"round_robin's {rr.imbalance:.2f}) -> {'ok' if bounded else 'NOT bounded'}")
+        print(f"  check: oracle hit {orc.hit_rate:.3f} >= cache_aware {ca.hit_rate:.3f} -> "
+              f"{'ok' if orc.hit_rate >= ca.hit_rate else 'NO'}")
+
+
+def short(policy: str) -> str:
+    """A plot label: variants on two lines, long keys abbreviated."""
+    name, _, rest = policy.partition(":")
+    rest = rest.replace("balance_abs_threshold", "abs").replace("load=", "")
+    return f"{name}\n{rest}" if rest else name
+
+
+def plot(df: pd.DataFrame, path: Path, replicas: int) -> None:
+    labels = list(dict.fromkeys(df["label"]))
+    fig, axes = plt.subplots(2, len(labels), figsize=(6 * len(labels), 7), squeeze=False)
+    for j, label in enumerate(labels):
+        g = df[df["label"] == label]
+        x = np.arange(len(g))
+        colors = ["tab:gray" if p.startswith("oracle") else "tab:green" if p.startswith("cache_aware")
+                  else "tab:blue" for p in g["policy"]]
+        ax = axes[0][j]
+        ax.bar(x, g["hit_rate"], color=colors)
+        ax.axhline(g["ideal_hit_rate"].iloc[0], color="black", linestyle=":",
+                   label=f"one unlimited cache ({g['ideal_hit_rate'].iloc[0]:.2f})")
+        for xi, v in zip(x, g["hit_rate"]):
+            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, [short(p) for p in g["policy"]], fontsize=7, rotation=30)
+        ax.set_ylim(0, 1.2 * max(g["hit_rate"].max(), g["ideal_hit_rate"].iloc[0]))
+        ax.set_ylabel("hit rate (cached / prompt tokens)")
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
+        ax = axes[1][j]
+        ax.bar(x, g["imbalance"], color=colors)
+        for xi, v in zip(x, g["imbalance"]):
+            ax.text(xi, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(x, [short(p) for p in g["policy"]], fontsize=7, rotation=30)
+        ax.set_ylim(0, 1.15 * g["imbalance"].max())
+        ax.set_ylabel(f"load imbalance (max/mean outstanding tokens; {replicas} = all on one)")
+        ax.yaxis.label.set_size(8)
+    fig.suptitle(f"Routing across {replicas} data-parallel replicas (simulated)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

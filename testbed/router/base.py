@@ -1,0 +1,93 @@
+"""The router seam: a policy picks a data-parallel replica (worker) for each request.
+
+The cluster driver calls `Router.route` when a request is ready to be served, with the prompt and
+every worker's current load, and `Router.on_complete` when a worker reports a finished request
+(after the router's ``update_delay_s``). Routers never look at the clock except through ``now``,
+so the simulator drives them in virtual time.
+
+**Load** is what a worker still has to do for the requests routed to it: with ``load=tokens`` (the
+default here) its *outstanding tokens*, prompt tokens not yet prefilled (a queued request counts
+its whole prompt, its cache hit being unknown until admission) plus output tokens not yet
+generated (the request's output length, as a client's ``max_tokens`` would say); with
+``load=requests`` the number of routed, unfinished requests (SGLang's router counts these).
+Requests on their way to a worker count towards its load from the moment they are routed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from testbed.cache.base import PrefixCache
+
+LOAD_UNITS = ("tokens", "requests")
+
+
+@dataclass(frozen=True)
+class Loads:
+    """Every worker's load, in both units (see the module docstring)."""
+
+    tokens: Sequence[float]
+    requests: Sequence[int]
+
+    def of(self, unit: str) -> Sequence[float]:
+        return self.tokens if unit == "tokens" else self.requests
+
+
+def least_loaded(load: Sequence[float], among: Sequence[int] | None = None) -> int:
+    """The worker with the smallest load (ties: the lowest index)."""
+    candidates = range(len(load)) if among is None else among
+    return min(candidates, key=lambda w: (load[w], w))
+
+
+def is_imbalanced(load: Sequence[float], abs_threshold: float, rel_threshold: float) -> bool:
+    """SGLang's rule: imbalanced when ``max - min > abs_threshold`` and ``max > min ×
+    rel_threshold`` (both)."""
+    hi, lo = max(load), min(load)
+    return hi - lo > abs_threshold and hi > lo * rel_threshold
+
+
+class Router(ABC):
+    """A routing policy. ``decisions`` counts why each request went where it went."""
+
+    #: the config name (``router=NAME``)
+    name: str = ""
+    #: seconds between a worker finishing a request and `on_complete` being called
+    update_delay_s: float = 0.0
+    #: whether `on_complete` does anything (the driver skips the calls otherwise)
+    wants_completions: bool = False
+
+    def __init__(self) -> None:
+        self.num_workers = 0
+        self.decisions: Counter[str] = Counter()
+
+    def bind(self, num_workers: int, caches: Sequence[PrefixCache] = ()) -> None:
+        """Attach the router to ``num_workers`` workers (and their real caches, which only the
+        oracle reads). Resets any state from an earlier run."""
+        if num_workers < 1:
+            raise ValueError(f"replicas must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        self.decisions = Counter()
+
+    def route(self, tokens: np.ndarray, loads: Loads, now: float) -> int:
+        """The worker that serves a request with prompt ``tokens``."""
+        worker, why = self._choose(tokens, loads, now)
+        self.decisions[why] += 1
+        return worker
+
+    @abstractmethod
+    def _choose(self, tokens: np.ndarray, loads: Loads, now: float) -> tuple[int, str]:
+        """(worker, reason) for one request."""
+
+    def on_complete(self, worker: int, prompt: np.ndarray, output: np.ndarray | None,
+                    now: float) -> None:
+        """``worker`` finished the request routed with ``prompt`` (the same array `route` got);
+        ``output`` is what it generated, None if it was aborted (never served)."""
+
+    def info(self) -> dict[str, Any]:
+        """Router state worth reporting at the end of a run."""
+        return {}
