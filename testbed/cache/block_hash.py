@@ -159,8 +159,9 @@ class BlockHashCache(PrefixCache):
                 if block in self._key_of:
                     self._protected_tokens -= self.block_size
                     self._clock += 1
-                    stats = self._stats[block]
-                    stats.last_access = self._clock
+                    stats = self._stats.get(block)
+                    if stats is not None:
+                        stats.last_access = self._clock
                     self._free.push_keyed(block, stats)
                 else:
                     self._free.push_unkeyed(block, head=True)
@@ -204,6 +205,8 @@ class BlockHashCache(PrefixCache):
             self._free.remove_keyed(block)
             self._protected_tokens += self.block_size
         self._ref[block] = self._ref.get(block, 0) + 1
+        if self._free.fifo:  # plain LRU needs no statistics
+            return
         stats = self._stats[block]
         stats.access_count += 1
         if requester is not None:
@@ -217,6 +220,8 @@ class BlockHashCache(PrefixCache):
         self._cached_tokens += self.block_size
         self._protected_tokens += self.block_size  # registered while the request still holds it
         self._clock += 1
+        if self._free.fifo:
+            return
         stats = BlockStats(id=block, created=self._clock, last_access=self._clock, start=start,
                            size=self.block_size,
                            priority=requester.priority if requester else 0,
@@ -225,9 +230,9 @@ class BlockHashCache(PrefixCache):
         self.policy.on_create(stats)
 
     def _forget(self, block: int, evict_key: Any = None) -> None:
-        if evict_key is not None:
-            self.policy.on_evict(self._stats[block], evict_key)
-        del self._stats[block]
+        stats = self._stats.pop(block, None)
+        if evict_key is not None and stats is not None:
+            self.policy.on_evict(stats, evict_key)
         key = self._key_of.pop(block)
         holders = self._blocks_of[key]
         del holders[block]

@@ -9,12 +9,12 @@ vLLM's FIFO free queue. Keyed entries are invalidated lazily, as in the radix ca
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
-from testbed.cache.eviction import EvictionPolicy
+from testbed.cache.eviction import LRU, EvictionPolicy
 
 
 @dataclass(slots=True)
@@ -34,20 +34,23 @@ class BlockStats:
 class FreeBlockQueue:
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
+        # Plain LRU keys (free times) only grow: the heap would be a FIFO queue, so keep one.
+        self.fifo = type(policy) is LRU
+        self._fifo: OrderedDict[int, None] = OrderedDict()
         self._unkeyed: deque[int] = deque()
         self._heap: list[tuple[Any, int, int]] = []
         self._keyed: dict[int, int] = {}  # free keyed block -> version of its live heap entry
         self._versions = count()
 
     def __len__(self) -> int:
-        return len(self._unkeyed) + len(self._keyed)
+        return len(self._unkeyed) + len(self._keyed) + len(self._fifo)
 
     def blocks(self) -> list[int]:
-        return [*self._unkeyed, *self._keyed]
+        return [*self._unkeyed, *self._keyed, *self._fifo]
 
     def head_is_keyed(self) -> bool:
         """Whether the next block to reuse still holds cached KV (reusing it evicts)."""
-        return not self._unkeyed and bool(self._keyed)
+        return not self._unkeyed and bool(self._keyed or self._fifo)
 
     def push_unkeyed(self, block: int, head: bool = True) -> None:
         if head:
@@ -55,7 +58,11 @@ class FreeBlockQueue:
         else:
             self._unkeyed.append(block)
 
-    def push_keyed(self, block: int, stats: BlockStats) -> None:
+    def push_keyed(self, block: int, stats: BlockStats | None) -> None:
+        """A cached block is freed (``stats`` may be None in FIFO mode)."""
+        if self.fifo:
+            self._fifo[block] = None
+            return
         version = next(self._versions)
         self._keyed[block] = version
         heapq.heappush(self._heap, (self.policy.priority(stats), version, block))
@@ -65,7 +72,10 @@ class FreeBlockQueue:
 
     def remove_keyed(self, block: int) -> None:
         """A cached free block is hit: it leaves the queue (its heap entry goes stale)."""
-        del self._keyed[block]
+        if self.fifo:
+            del self._fifo[block]
+        else:
+            del self._keyed[block]
 
     def pop(self) -> tuple[int, Any]:
         """The next block to reuse and, if it still holds cached KV, its eviction key (else None)."""
@@ -77,6 +87,8 @@ class FreeBlockQueue:
         return popped
 
     def pop_keyed(self) -> tuple[int, Any] | None:
+        if self.fifo:  # the key of a FIFO entry is its position: report 0, never None
+            return (self._fifo.popitem(last=False)[0], 0) if self._fifo else None
         while self._heap:
             key, version, block = heapq.heappop(self._heap)
             if self._keyed.get(block) == version:
