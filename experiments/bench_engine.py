@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from testbed.run import execute  # noqa: E402
@@ -31,11 +32,16 @@ MODEL = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num
          "model.vocab_size=1024", "hardware=cpu", "backend=engine", "progress=false"]
 
 
-def run(overrides: list[str]) -> dict:
+def run_once(overrides: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         cfg = compose("config", overrides=MODEL + overrides)
     with tempfile.TemporaryDirectory() as tmp:
         return execute(cfg, tmp)
+
+
+def run(overrides: list[str], repeats: int) -> dict:
+    """The run with the least engine time of ``repeats`` (timing noise only ever adds time)."""
+    return min((run_once(overrides) for _ in range(repeats)), key=lambda s: s["busy_s"])
 
 
 def main() -> None:
@@ -43,9 +49,12 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=8, help="tree-of-thought problems")
     ap.add_argument("--questions", type=int, default=8, help="few-shot questions per task")
     ap.add_argument("--unshared", type=int, default=96, help="requests without sharing")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per variant; the fastest counts")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     workloads = {
-        "tree_of_thought": [f"workload=tree_of_thought", f"workload.num_problems={args.problems}"],
+        "tree_of_thought": ["workload=tree_of_thought", f"workload.num_problems={args.problems}"],
         "few_shot": ["workload=few_shot", f"workload.questions_per_task={args.questions}",
                      "workload.num_tasks=4"],
     }
@@ -55,7 +64,7 @@ def main() -> None:
         res = {}
         for variant, extra in (("radix+lpm", ["cache=radix", "scheduler=lpm"]),
                                ("none+fcfs", ["cache=none", "scheduler=fcfs"])):
-            s = res[variant] = run(wl + extra)
+            s = res[variant] = run(wl + extra, args.repeats)
             print(f"{name:<17}{variant:<12}{s['hit_rate']:>9.3f}{s['throughput_req_s']:>9.1f}"
                   f"{s['busy_s']:>10.2f}{s['wall_s']:>8.2f}", flush=True)
         ratios[name] = res["radix+lpm"]["throughput_req_s"] / res["none+fcfs"]["throughput_req_s"]
@@ -65,7 +74,7 @@ def main() -> None:
     res = {}
     for variant, extra in (("radix+lpm", ["cache=radix", "scheduler=lpm"]),
                            ("none+fcfs", ["cache=none", "scheduler=fcfs"])):
-        s = res[variant] = run(unshared + extra)
+        s = res[variant] = run(unshared + extra, args.repeats)
         print(f"{'no sharing':<17}{variant:<12}{s['hit_rate']:>9.3f}{s['throughput_req_s']:>9.1f}"
               f"{s['busy_s']:>10.2f}{s['wall_s']:>8.2f}", flush=True)
     print()

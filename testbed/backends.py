@@ -18,7 +18,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from testbed.cache import PrefixCache, make_cache, make_policy
-from testbed.metrics import RequestRecord
+from testbed.cache.tiers import make_tiered_cache
+from testbed.metrics import RequestRecord, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
 
@@ -43,17 +44,31 @@ def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
     if backend == "replay":
         cache = build_cache(cfg, cfg.cache.get("capacity_tokens"), requests)
         return BackendResult(replay(requests, cache, save_token_ids=cfg.save_token_ids,
-                                    progress=cfg.progress))
+                                    progress=cfg.progress), extra=tier_extra(cache))
     if backend in ("sim", "engine"):
         return _serve(cfg, requests, engine=backend == "engine")
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
 
 
-def build_cache(cfg: DictConfig, capacity: int | None, requests: list[Request]) -> PrefixCache:
+def build_cache(cfg: DictConfig, capacity: int | None, requests: list[Request],
+                planner=None, record_transfers: bool = False) -> PrefixCache:
     c = cfg.cache
     policy = make_policy(container(cfg.eviction), requests, cost_fn=recompute_cost(cfg))
+    tiered = make_tiered_cache(container(c), capacity, policy, planner=planner,
+                               record_transfers=record_transfers)  # cache.host/disk_tokens > 0
+    if tiered is not None:
+        return tiered
     return make_cache(c.name, capacity_tokens=capacity, page_size=c.get("page_size", 1),
                       block_size=c.get("block_size", 16), policy=policy)
+
+
+def tier_extra(cache: PrefixCache) -> dict[str, Any]:
+    """Summary figures of the lower cache tiers (none without them)."""
+    return cache.tier_summary() if cache.lower_tiers else {}
+
+
+def has_lower_tiers(cfg: DictConfig) -> bool:
+    return bool(cfg.cache.get("host_tokens") or cfg.cache.get("disk_tokens"))
 
 
 def recompute_cost(cfg: DictConfig):
@@ -88,9 +103,18 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     if replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
         if engine:
             raise ValueError(f"replicas={replicas} needs backend=sim; the engine serves one replica")
+        if has_lower_tiers(cfg):
+            raise ValueError("cache.host_tokens / cache.disk_tokens need replicas=1")
         return _serve_cluster(cfg, requests, executor, capacity, replicas, model, hw)
-    scheduler, result = serve(requests, build_cache(cfg, capacity, requests),
-                              container(cfg.scheduler), executor, seed=cfg.seed,
+    planner = None
+    if has_lower_tiers(cfg):
+        from testbed.sim.transfer import make_planner
+        planner = make_planner(container(cfg.cache), model, hw)
+    cache = build_cache(cfg, capacity, requests, planner=planner, record_transfers=engine)
+    if engine and cache.lower_tiers:
+        from testbed.engine.host_kv import TieredEngineExecutor
+        executor = TieredEngineExecutor(executor, cache)
+    scheduler, result = serve(requests, cache, container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
                               generate=engine and not cfg.get("forced", True),
                               progress=cfg.progress)
@@ -104,7 +128,11 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
                   "forced": bool(cfg.get("forced", True))}
         if executor.forced_tokens:
             extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
-    return BackendResult(records_of(result.reqs, cfg.save_token_ids), scheduler.preemptions, extra)
+    records = records_of(result.reqs, cfg.save_token_ids)
+    if cache.lower_tiers:
+        add_tier_fields(records, scheduler.tier_hits)
+    extra |= tier_extra(cache)
+    return BackendResult(records, scheduler.preemptions, extra)
 
 
 def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity: int,

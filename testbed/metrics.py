@@ -9,7 +9,7 @@ has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -33,12 +33,44 @@ class RequestRecord:
     aborted: bool = False  # could never fit in the KV cache: not served (sim, engine)
     prompt_ids: list[int] | None = None
     output_ids: list[int] | None = None
+    # with lower cache tiers: of cached_tokens, how many were on the GPU and how many were loaded
+    # back from host memory and from disk; load_s is the wait for that load (sim, engine)
+    gpu_hit_tokens: int | None = None
+    host_hit_tokens: int | None = None
+    disk_hit_tokens: int | None = None
+    load_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         row = asdict(self)
         if self.prompt_ids is None:
             del row["prompt_ids"], row["output_ids"]
+        if self.gpu_hit_tokens is None:
+            for key in TIER_FIELDS:
+                del row[key]
         return row
+
+
+TIER_FIELDS = ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "load_s")
+
+
+def tier_fields(hit: int, loaded: Mapping[str, int] | None,
+                load_s: float | None = None) -> dict[str, Any]:
+    """A record's tier fields: ``hit`` prompt tokens not recomputed, ``loaded`` of them loaded
+    back from each lower tier (None: all found on the GPU)."""
+    loaded = loaded or {}
+    host, disk = loaded.get("host", 0), loaded.get("disk", 0)
+    return {"gpu_hit_tokens": hit - host - disk, "host_hit_tokens": host, "disk_hit_tokens": disk,
+            "load_s": load_s}
+
+
+def add_tier_fields(records: list[RequestRecord],
+                    hits: Mapping[str, tuple[int, Mapping[str, int] | None, float | None]]) -> None:
+    """Fill in the tier fields of served records from ``hits``: request id to (tokens hit,
+    loaded per tier, load wait) at its first admission (`Scheduler.tier_hits`)."""
+    for r in records:
+        hit, loaded, load_s = hits.get(r.id, (r.cached_tokens, None, None))
+        for key, value in tier_fields(hit, loaded, load_s).items():
+            setattr(r, key, value)
 
 
 def ideal_hit_rate(requests: Iterable[Request]) -> float:
@@ -93,4 +125,22 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "e2e_p50_s": _percentile(e2e, 50),
         "e2e_p99_s": _percentile(e2e, 99),
         "wall_s": wall_s,
-    }
+    } | tier_summary(records, prompt)
+
+
+def tier_summary(records: list[RequestRecord], prompt: int) -> dict[str, Any]:
+    """With lower tiers: the hit rate split by where the hit tokens were (they add up to
+    ``hit_rate``), tokens loaded back per tier and the time requests waited for loads."""
+    if not records or records[0].gpu_hit_tokens is None:
+        return {}
+    waits = [r.load_s for r in records if r.load_s is not None]
+    out: dict[str, Any] = {}
+    for tier in ("gpu", "host", "disk"):
+        tokens = sum(getattr(r, f"{tier}_hit_tokens") or 0 for r in records)
+        out[f"hit_rate_{tier}"] = tokens / prompt if prompt else 0.0
+        if tier != "gpu":
+            out[f"hit_tokens_{tier}"] = tokens
+    loads = sum(1 for r in records if (r.host_hit_tokens or 0) + (r.disk_hit_tokens or 0))
+    out |= {"loads": loads, "load_s_total": sum(waits) if waits else None,
+            "load_s_p50": _percentile(waits, 50), "load_s_p99": _percentile(waits, 99)}
+    return out

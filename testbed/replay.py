@@ -4,6 +4,10 @@ For each request: match its prompt and protect the hit, make room for the rest o
 (evicting as needed), insert prompt+output, give duplicates back, unprotect. A request whose
 sequence could never fit in the cache is served uncached: no hit, nothing evicted, nothing inserted
 (the same rule for every cache, so their records stay comparable).
+
+With lower tiers (host, disk), the part of the match below the GPU is loaded back right after the
+match (there is no time here, so loading always wins unless the GPU cannot hold it); it counts as
+hit, and the record says how many hit tokens came from each tier.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from tqdm import tqdm
 
 from testbed.cache.base import PrefixCache
 from testbed.cache.eviction import Requester
-from testbed.metrics import RequestRecord
+from testbed.metrics import RequestRecord, tier_fields
 from testbed.workloads.request import Request
 
 
@@ -23,11 +27,16 @@ def replay(requests: list[Request], cache: PrefixCache, save_token_ids: bool = F
         seq = r.sequence()
         hit = evicted = 0
         inserted = False
+        loaded = None
         if cache.fits(len(seq)):
             lease = cache.acquire(r.prompt, requester=Requester(r.id, r.priority, r.category))
-            evicted = cache.extend(lease, len(seq) - lease.hit)
-            if evicted is None:  # fits() promised room with nothing else protected
+            if lease.lower:
+                evicted = cache.load_back(lease) or 0
+                loaded = lease.loaded
+            more = cache.extend(lease, len(seq) - lease.hit)
+            if more is None:  # fits() promised room with nothing else protected
                 raise RuntimeError(f"request {r.id}: cache could not make room for {len(seq)} tokens")
+            evicted += more
             inserted = cache.release(lease, seq).inserted
             hit = lease.hit
         records.append(RequestRecord(
@@ -36,5 +45,6 @@ def replay(requests: list[Request], cache: PrefixCache, save_token_ids: bool = F
             evicted_tokens=evicted, inserted=inserted,
             prompt_ids=r.prompt.tolist() if save_token_ids else None,
             output_ids=r.output.tolist() if save_token_ids else None,
+            **(tier_fields(hit, loaded) if cache.lower_tiers else {}),
         ))
     return records

@@ -36,9 +36,13 @@ class Lease:
     which the first ``cached`` belong to the cache (protected while the lease lives) and the rest
     to the request; ``handle`` is the cache's own marker of what it protects (a tree node, blocks).
     Slots grow geometrically, so a decode step's one-slot `append` costs O(1) amortised.
+
+    With lower tiers (`testbed.cache.tiers`), ``lower`` more tokens of the prompt continue the hit
+    in host memory or on disk: `PrefixCache.load_back` brings them to the GPU (then ``hit`` grows
+    by them and ``loaded`` says how many came from each tier) or gives them up (recompute).
     """
 
-    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n")
+    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "lower", "loaded")
 
     def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
                  cached: int | None = None, requester: Requester | None = None) -> None:
@@ -48,6 +52,8 @@ class Lease:
         self.cached = hit if cached is None else cached
         self._buf = np.array(slots, dtype=SLOT_DTYPE)
         self._n = len(slots)
+        self.lower = 0  # matched tokens below the GPU, not loaded yet
+        self.loaded: dict[str, int] | None = None  # tokens loaded back, per lower tier
 
     @property
     def slots(self) -> np.ndarray:
@@ -91,6 +97,13 @@ class PrefixCache(ABC):
 
     #: the config name (``cache=NAME``)
     name: str = ""
+    #: tiers below the GPU that keep evicted KV, fastest first (``("host", "disk")``); none here
+    lower_tiers: tuple[str, ...] = ()
+
+    def load_back(self, lease: Lease) -> int | None:
+        """Bring the lease's ``lower`` tokens back to the GPU. Returns the tokens evicted to make
+        room, or None when they are recomputed instead (or there is nothing to load)."""
+        return None
 
     @abstractmethod
     def fits(self, num_tokens: int) -> bool:

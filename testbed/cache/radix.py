@@ -32,7 +32,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "parent", "children", "key", "slots", "lock_ref", "last_access", "access_count",
-        "created", "start", "priority", "category", "offer", "alive",
+        "created", "start", "priority", "category", "offer", "alive", "tier",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", key: np.ndarray, slots: np.ndarray,
@@ -51,6 +51,7 @@ class TreeNode:
         self.category = requester.category if requester else None
         self.offer = 0  # version of the node's latest heap entry
         self.alive = True
+        self.tier = None  # where lower tiers hold copies (testbed.cache.tiers); None without them
 
     @property
     def size(self) -> int:
@@ -242,9 +243,8 @@ class RadixCache(PrefixCache):
         """Remove unlocked leaves in policy order until ``num_tokens`` are freed (whole nodes, so
         possibly more) or nothing unlocked is left. Returns tokens freed."""
         freed = 0
-        heap = self._heap
-        while freed < num_tokens and heap:
-            key, _, offer, node = heapq.heappop(heap)
+        while freed < num_tokens and self._heap:  # (a rebuild may replace the list meanwhile)
+            key, _, offer, node = heapq.heappop(self._heap)
             if offer != node.offer or not node.alive or node.children or node.lock_ref:
                 continue  # a stale entry: the node changed since this offer
             freed += len(node.key)

@@ -17,6 +17,12 @@ Each step is either a prefill batch or a decode batch, prefill first whenever on
 
 The scheduler never looks at time: the driver passes ``now`` in, so the simulator and the engine
 make the same decisions whenever their step durations do not change the order of events.
+
+With lower cache tiers (host, disk), a request whose match continues below the GPU has that run
+loaded back when it is considered for admission, unless the cache's planner finds recomputing it
+faster: it leaves the queue, its lease protecting the run, until the driver reports the copy done
+(`load_done`); then it rejoins the queue, its prefix now a GPU hit (most recently used, so the last
+to be evicted again), and is admitted as usual.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class Scheduler:
         self.new_token_ratio = c.init_new_token_ratio
         self.preemptions = 0
         self._seq = 0
+        self.loading: list[Req] = []  # load-back from a lower tier in flight; they hold leases
+        self._new_loads: list[Req] = []  # issued since the driver last took them
+        # with lower tiers, per request id at first admission: (hit, loaded per tier, load wait)
+        self.tier_hits: dict[str, tuple[int, dict[str, int] | None, float | None]] = {}
+        self._loaded: dict[str, tuple[dict[str, int], float]] = {}  # before first admission
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request, now: float, prompt: np.ndarray | None = None) -> Req:
@@ -73,7 +84,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.loading)
 
     # ------------------------------------------------------------------ the next step
     def next_batch(self) -> Batch | None:
@@ -126,6 +137,8 @@ class Scheduler:
                 continue
             fill = req.fill()
             lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
+            if lease.lower and self._load_back(req, lease):
+                continue  # it waits for the copy; the loaded slots already count against the KV
             extend = len(fill) - lease.hit
             reserve = min(req.remaining_new_tokens, c.clip_max_new_tokens)
             budget = rem_total()
@@ -137,6 +150,8 @@ class Scheduler:
             req.lease, req.computed = lease, lease.hit
             if req.cached_tokens is None:
                 req.cached_tokens = min(lease.hit, len(req.prompt))
+                if self.cache.lower_tiers:
+                    self._record_tier_hit(req)
             if extend <= rem_chunk:
                 admitted.append(BatchEntry(req, lease.hit, extend, produces_token=True))
                 offset += extend + reserve
@@ -159,6 +174,52 @@ class Scheduler:
             entry.req.evicted_tokens += evicted
             entries.append(entry)
         return Batch("prefill", entries) if entries else None
+
+    def _load_back(self, req: Req, lease) -> bool:
+        """Start loading the lease's lower-tier run back to the GPU; False when the cache gives it
+        up instead (recomputing is faster, or no room): the lease then covers the GPU part."""
+        evicted = self.cache.load_back(lease)
+        if evicted is None:
+            return False
+        req.evicted_tokens += evicted
+        req.lease = lease
+        self.waiting.remove(req)
+        self.loading.append(req)
+        self._new_loads.append(req)
+        if req.cached_tokens is None:
+            loads, waited = self._loaded.get(req.id, ({}, 0.0))
+            self._loaded[req.id] = ({k: loads.get(k, 0) + v for k, v in lease.loaded.items()},
+                                    waited)
+        return True
+
+    def _record_tier_hit(self, req: Req) -> None:
+        """At first admission: how much of the hit was loaded from each tier (what was loaded for
+        it, capped by the hit: a loaded run evicted again before admission is not counted)."""
+        loads, waited = self._loaded.pop(req.id, (None, None))
+        left = req.cached_tokens
+        if loads:
+            loads = dict(loads)
+            for tier in loads:
+                loads[tier] = min(loads[tier], left)
+                left -= loads[tier]
+        self.tier_hits[req.id] = (req.cached_tokens, loads, waited)
+
+    def take_loads(self) -> list[Req]:
+        """Requests whose load-back was started since the last call (their leases say how many
+        tokens come from each tier: ``req.lease.loaded``)."""
+        out, self._new_loads = self._new_loads, []
+        return out
+
+    def load_done(self, req: Req, waited_s: float = 0.0) -> None:
+        """The load-back of ``req`` finished after ``waited_s``: its prefix is on the GPU now; it
+        rejoins the queue (and gives its lease up: nothing holds KV while waiting)."""
+        self.loading.remove(req)
+        self.cache.release(req.lease, req.fill(), insert=False)
+        req.lease = None
+        if req.id in self._loaded:
+            loads, waited = self._loaded[req.id]
+            self._loaded[req.id] = (loads, waited + waited_s)
+        bisect.insort(self.waiting, req, key=lambda r: r.seq)
 
     def _decode_batch(self) -> Batch:
         if self.cache.available_size < self._decode_cost(self.running):
@@ -242,6 +303,6 @@ class Scheduler:
 
     def leases(self):
         """Leases of every request holding KV, the batch in flight included (invariant checks)."""
-        holders = self.running + ([self.chunked] if self.chunked else [])
+        holders = self.running + ([self.chunked] if self.chunked else []) + self.loading
         holders += [e.req for e in self._in_flight.entries] if self._in_flight else []
         return list({id(r.lease): r.lease for r in holders if r.lease is not None}.values())

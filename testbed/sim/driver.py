@@ -5,6 +5,10 @@ step). A call is submitted at its arrival time or, if later, ``think_time_s`` af
 dependencies finished; with ``max_in_flight`` at most that many programs run at once (a closed
 loop), the next starting when one finishes. A request that can never fit in the KV cache is
 aborted at submission and counts as finished for its dependents.
+
+With lower cache tiers, each load-back the scheduler starts runs as its own process on copy-engine
+resources (one per link: the SSD, PCIe), so it overlaps compute and queues behind other loads; the
+request rejoins the queue when its copy is done. The cache's planner says how long each stage takes.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class Driver:
         self._in_flight = 0
         self._wake: simpy.Event | None = None
         self._slot_free: simpy.Event | None = None
+        self._links: dict[str, simpy.Resource] = {}  # copy engines for load-backs, by link
         self._bar = tqdm(total=len(requests), desc="simulate", unit="req",
                          disable=None if progress else True)
         self._index()
@@ -143,6 +148,8 @@ class Driver:
         total = len(self.requests)
         while True:
             batch = self.scheduler.next_batch()
+            for req in self.scheduler.take_loads():
+                self.env.process(self._load_back(req))
             if batch is None:
                 if len(self._finish_s) == total:
                     return
@@ -158,6 +165,21 @@ class Driver:
             self.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
             for req in self.scheduler.complete(batch, outcome.tokens, self.env.now):
                 self._on_finish(req)
+
+    def _load_back(self, req: Req):
+        """Copy a request's lower-tier KV to the GPU, stage by stage, then let it be admitted."""
+        issued = self.env.now
+        planner = getattr(self.scheduler.cache, "planner", None)
+        for link, seconds in planner.stages(req.lease.loaded) if planner is not None else ():
+            if link not in self._links:
+                self._links[link] = simpy.Resource(self.env, capacity=1)
+            with self._links[link].request() as turn:
+                yield turn
+                yield self.env.timeout(seconds)
+        yield self.env.timeout(0)
+        self.scheduler.load_done(req, self.env.now - issued)
+        if self._wake is not None and not self._wake.triggered:
+            self._wake.succeed()
 
     def _on_finish(self, req: Req) -> None:
         call = req.request
