@@ -50,7 +50,7 @@ def test_fit_recovers_a_known_step_time_law_per_kind():
 
     def true_time(step: StepShape) -> float:
         a, b, c, d, e = law[step.kind]
-        return (a + b * step.num_new + c * step.new_times_context + d * step.batch
+        return (a + b * step.num_new + c * step.attended_pairs + d * step.batch
                 + e * step.num_context)
 
     shapes = [StepShape((new,) * batch, (ctx,) * batch) for batch in (1, 2, 8)
@@ -59,7 +59,7 @@ def test_fit_recovers_a_known_step_time_law_per_kind():
     coeffs = fit_coefficients([(s, true_time(s)) for s in shapes])
     for step in (StepShape((50, 7), (300, 20)), StepShape.decode((77, 512, 4))):
         a, b, c, d, e = (coeffs[step.kind][k] for k in "abcde")
-        predicted = (a + b * step.num_new + c * step.new_times_context + d * step.batch
+        predicted = (a + b * step.num_new + c * step.attended_pairs + d * step.batch
                      + e * step.num_context)
         assert predicted == pytest.approx(true_time(step), rel=1e-6)
 

@@ -223,7 +223,8 @@ def test_fitted_form_and_all_zero():
               "prefill": {"a": 10.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0}}
     fitted = FittedCostModel(coeffs, floor)
     step = StepShape.decode([10, 20])
-    assert fitted.step_time(step) == 1 + 2 * 2 + 3 * 30 + 4 * 2 + 5 * 30
+    # c multiplies every attended query-key pair: Σ new·(context + (new+1)/2) = 30 + 2 for decode
+    assert fitted.step_time(step) == 1 + 2 * 2 + 3 * 32 + 4 * 2 + 5 * 30
     assert fitted.step_time(StepShape(new=(1, 5), context=(3, 0))) == 10.0  # mixed → prefill
     zero = FittedCostModel(zero_coeffs(), floor)
     assert zero.step_time(step) == floor.floor(step) > 0

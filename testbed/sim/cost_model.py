@@ -226,7 +226,7 @@ class FittedCostModel:
     def predict(self, step: StepShape) -> float:
         """The fitted form alone, without the floor."""
         k = self.coeffs[step.kind]
-        return (k["a"] + k["b"] * step.num_new + k["c"] * step.new_times_context
+        return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
                 + k["d"] * step.batch + k["e"] * step.num_context)
 
     def step_time(self, step: StepShape) -> float:
@@ -244,7 +244,8 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
     meta = {"date": _dt.date.today().isoformat(), **meta}
     doc = {"meta": dict(meta), "coeffs": checked}
     header = ("# Fitted step-time coefficients (testbed.sim.cost_model.FittedCostModel), seconds:\n"
-              "# t = a + b*sum(new) + c*sum(new*context) + d*batch + e*sum(context)\n")
+              "# t = a + b*sum(new) + c*sum(attended pairs) + d*batch + e*sum(context), where\n"
+              "# attended pairs = sum new*(context + (new+1)/2)\n")
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -315,4 +316,7 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
     if not path:
         raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
                          "by testbed.sim.cost_model.save_fitted)")
-    return load_fitted(path, floor_model=roofline)
+    resolved = Path(path)
+    if not resolved.is_absolute() and not resolved.exists():  # shipped files: relative to the repo
+        resolved = Path(__file__).resolve().parents[2] / path
+    return load_fitted(resolved, floor_model=roofline)

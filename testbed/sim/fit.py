@@ -2,6 +2,9 @@
 
 The fitted form (DESIGN.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
 kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
+The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
+its own chunk included (`StepShape.attended_pairs`): without it a long prefill's quadratic
+attention would have no term to land on.
 `nnls` is the Lawson–Hanson active-set method, small enough to keep here (five unknowns).
 """
 
@@ -16,7 +19,7 @@ from testbed.sim.cost_model import COEFFS, KINDS, StepShape
 
 def features(step: StepShape) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``."""
-    return np.array([1.0, step.num_new, step.new_times_context, step.batch, step.num_context])
+    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.num_context])
 
 
 def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
@@ -43,9 +46,11 @@ def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
     return x
 
 
-def fit_coefficients(samples: Iterable[tuple[StepShape, float]]) -> dict[str, dict[str, float]]:
-    """Coefficients per step kind from (step, measured seconds) pairs, fitted on relative error
-    (each row weighted by 1/measured) so short decode steps count as much as long prefills."""
+def fit_coefficients(samples: Iterable[tuple[StepShape, float]],
+                     relative: bool = True) -> dict[str, dict[str, float]]:
+    """Coefficients per step kind from (step, measured seconds) pairs: least squares on relative
+    error by default (each row weighted by 1/measured, so short decode steps count as much as long
+    prefills), or on absolute time (``relative=False``: a makespan is a sum of step times)."""
     by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
     for step, seconds in samples:
         by_kind[step.kind].append((features(step), seconds))
@@ -56,7 +61,7 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]]) -> dict[str, di
         x = np.array([r[0] for r in rows])
         y = np.array([r[1] for r in rows])
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # conditioning: columns of similar size
-        weights = 1.0 / np.maximum(y, 1e-9)
+        weights = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
         solution = nnls((x / scale) * weights[:, None], y * weights) / scale
         coeffs[kind] = {name: float(v) for name, v in zip(COEFFS, solution)}
     return coeffs
