@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from testbed.cache.eviction import Requester
-from testbed.cache.pool import SLOT_DTYPE
+from testbed.cache.pool import SLOT_DTYPE, KVSlotPool
 
 EMPTY_SLOTS = np.zeros(0, dtype=SLOT_DTYPE)
 
@@ -97,6 +97,8 @@ class PrefixCache(ABC):
 
     #: the config name (``cache=NAME``)
     name: str = ""
+    #: the KV-slot pool of a token-granular cache (None for block-granular ones)
+    pool: KVSlotPool | None = None
     #: tiers below the GPU that keep evicted KV, fastest first (``("host", "disk")``); none here
     lower_tiers: tuple[str, ...] = ()
 
@@ -136,7 +138,14 @@ class PrefixCache(ABC):
 
     def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
         """`extend` every lease by ``num_tokens`` in turn (a decode step); returns the tokens
-        evicted for each. The caller has checked that the room exists."""
+        evicted for each. The caller has checked that the room exists. A slot-pool cache with
+        enough free slots takes them in one allocation (nothing to evict, nothing to attribute)."""
+        total = num_tokens * len(leases)
+        if self.pool is not None and self.pool.can_alloc(total):
+            slots = self.pool.alloc(total)
+            for i, lease in enumerate(leases):
+                lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
+            return [0] * len(leases)
         out = []
         for lease in leases:
             evicted = self.extend(lease, num_tokens)

@@ -47,15 +47,6 @@ class NoCache(PrefixCache):
         lease.append(self.pool.alloc(num_tokens))
         return 0
 
-    def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
-        total = num_tokens * len(leases)
-        if not self.pool.can_alloc(total):
-            return super().extend_each(leases, num_tokens)  # evictions: attribute them one by one
-        slots = self.pool.alloc(total)
-        for i, lease in enumerate(leases):
-            lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
-        return [0] * len(leases)
-
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         self.pool.free(lease.slots)
         lease.reset(EMPTY_SLOTS, 0)

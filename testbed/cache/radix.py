@@ -280,15 +280,6 @@ class RadixCache(PrefixCache):
         lease.append(self.pool.alloc(num_tokens))
         return evicted
 
-    def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
-        total = num_tokens * len(leases)
-        if not self.pool.can_alloc(total):
-            return super().extend_each(leases, num_tokens)  # evictions: attribute them one by one
-        slots = self.pool.alloc(total)
-        for i, lease in enumerate(leases):
-            lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
-        return [0] * len(leases)
-
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         if insert and len(tokens) != lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
