@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
@@ -142,14 +143,14 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         qp = q.new_zeros((b, max_qo, num_heads, head_dim), dtype=torch.float32)
         qp[layout.q_rows, layout.q_cols] = q.float()
-        qp = qp.view(b, max_qo, num_kv_heads, group, head_dim)  # head h reads KV head h // group
-        kp = k_buf[layout.kv_slots].float()  # [B, max_kv, KH, D]
-        vp = v_buf[layout.kv_slots].float()
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", qp, kp) * sm_scale
-        scores = scores.masked_fill(~layout.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vp).reshape(b, max_qo, num_heads, head_dim)
-        return o[layout.q_rows, layout.q_cols].to(q.dtype)
+        # head h reads KV head h // group; SDPA's fused kernels keep long prefills from
+        # materialising [B, H, q, k] score tensors (hundreds of MB for 2k-token chunks)
+        kp = k_buf[layout.kv_slots].float().repeat_interleave(group, dim=2)  # [B, max_kv, H, D]
+        vp = v_buf[layout.kv_slots].float().repeat_interleave(group, dim=2)
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+            attn_mask=layout.mask[:, 0, 0][:, None], scale=sm_scale)  # [B, H, max_qo, D]
+        return o.transpose(1, 2)[layout.q_rows, layout.q_cols].to(q.dtype)
 
 
 KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
