@@ -107,6 +107,9 @@ class DenseLayout:
     mask: torch.Tensor  # [B, 1, 1, max_qo, max_kv] bool: key visible to query
 
 
+SDPA_MIN_QUERIES = 64  # torch backend: padded query length from which fused SDPA is used
+
+
 class TorchAttention:
     """Reference attention in plain PyTorch, fp32 inside, vectorised over the batch."""
 
@@ -143,14 +146,21 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         qp = q.new_zeros((b, max_qo, num_heads, head_dim), dtype=torch.float32)
         qp[layout.q_rows, layout.q_cols] = q.float()
-        # head h reads KV head h // group; SDPA's fused kernels keep long prefills from
-        # materialising [B, H, q, k] score tensors (hundreds of MB for 2k-token chunks)
-        kp = k_buf[layout.kv_slots].float().repeat_interleave(group, dim=2)  # [B, max_kv, H, D]
-        vp = v_buf[layout.kv_slots].float().repeat_interleave(group, dim=2)
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=layout.mask[:, 0, 0][:, None], scale=sm_scale)  # [B, H, max_qo, D]
-        return o.transpose(1, 2)[layout.q_rows, layout.q_cols].to(q.dtype)
+        kp = k_buf[layout.kv_slots].float()  # [B, max_kv, KH, D]; head h reads KV head h // group
+        vp = v_buf[layout.kv_slots].float()
+        if max_qo >= SDPA_MIN_QUERIES:
+            # Long chunks: fused SDPA never materialises the [B, H, q, k] scores (hundreds of MB
+            # for 2k-token prefills). Short ones (decode) are faster as two small einsums.
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), kp.repeat_interleave(group, dim=2).transpose(1, 2),
+                vp.repeat_interleave(group, dim=2).transpose(1, 2),
+                attn_mask=layout.mask[:, 0, 0][:, None], scale=sm_scale).transpose(1, 2)
+        else:
+            qg = qp.view(b, max_qo, num_kv_heads, group, head_dim)
+            scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, kp) * sm_scale
+            probs = torch.softmax(scores.masked_fill(~layout.mask, float("-inf")), dim=-1)
+            o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vp).reshape(b, max_qo, num_heads, head_dim)
+        return o[layout.q_rows, layout.q_cols].to(q.dtype)
 
 
 KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
