@@ -11,8 +11,8 @@
 
 Each run is `testbed.sim.cluster.simulate_cluster`: Llama-3-8B on H100s by default (roofline
 cost model, a radix cache of the KV capacity one H100 holds per replica, LPM scheduler). The
-policies are the five routers at their config defaults plus two variants of cache_aware's
-imbalance rule (a tighter token threshold; SGLang's own units, 32 requests). Prints a table per
+policies are the five routers at their config defaults (imbalance in SGLang's units, 32 requests)
+plus cache_aware's imbalance rule on outstanding tokens at two thresholds. Prints a table per
 workload (hit rate, throughput, TTFT, imbalance, router decisions, wall time), checks the
 acceptance conditions (cache_aware >= 1.2x round_robin's hit rate; its imbalance at most N/2 or
 round_robin's; oracle at or above cache_aware), writes ``routing.csv`` into ``--out`` and the
@@ -59,11 +59,11 @@ from testbed.workloads.request import OutputRef, Request, arrival_order  # noqa:
 from testbed.workloads.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-# The five policies at their config defaults, then cache_aware's imbalance rule two other ways:
-# a tighter token threshold, and SGLang's own units (requests, 32), with the oracle under the same.
-POLICIES = [*ROUTERS, "cache_aware:balance_abs_threshold=8192",
-            "cache_aware:load=requests,balance_abs_threshold=32",
-            "oracle:load=requests,balance_abs_threshold=32"]
+# The five policies at their config defaults (the imbalance rule in SGLang's units: 32 requests),
+# then cache_aware's rule on outstanding tokens at two thresholds, with the oracle under the same.
+POLICIES = [*ROUTERS, "cache_aware:load=tokens,balance_abs_threshold=32768",
+            "cache_aware:load=tokens,balance_abs_threshold=8192",
+            "oracle:load=tokens,balance_abs_threshold=32768"]
 
 
 def multi_tenant_chat(num_tenants: int = 16, num_sessions: int = 256, turns: int = 6,

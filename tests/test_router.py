@@ -113,7 +113,7 @@ def test_imbalance_needs_both_the_absolute_and_the_relative_gap():
 
 # ---------------------------------------------------------------------- cache aware
 def cache_aware(n: int = 3, **kw) -> CacheAware:
-    kw = {"balance_abs_threshold": 32, "max_tree_size": None} | kw
+    kw = {"balance_abs_threshold": 32, "load": "tokens", "max_tree_size": None} | kw
     r = CacheAware(**kw)
     r.bind(n)
     return r
@@ -218,7 +218,7 @@ def test_peek_match_reads_the_real_cache_without_touching_it():
 
 def test_oracle_follows_the_real_caches_and_in_flight_prompts():
     caches = [filled_radix(), filled_radix(toks(1, 2, 3)), filled_radix(toks(1, 2, 3, 4, 5))]
-    r = Oracle(balance_abs_threshold=32)
+    r = Oracle(balance_abs_threshold=32, load="tokens")
     r.bind(3, caches)
     assert r.route(toks(1, 2, 3, 4, 5, 6), loads(0, 0, 10), 0.0) == 2
     assert r.route(toks(8, 8, 8, 8), loads(0, 5, 10), 0.0) == 0  # no hit anywhere: least loaded

@@ -106,8 +106,8 @@ class CacheAware(Router):
     name = "cache_aware"
     wants_completions = True
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: float = 32768,
-                 balance_rel_threshold: float = 1.0001, load: str = "tokens",
+    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
+                 balance_rel_threshold: float = 1.0001, load: str = "requests",
                  fallback: str = "least_load", max_tree_size: int | None = None,
                  eviction_interval_s: float = 60.0, update_on_complete: bool = True,
                  update_delay_s: float = 0.0) -> None:
@@ -228,8 +228,8 @@ class Oracle(Router):
     name = "oracle"
     wants_completions = True
 
-    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 32768,
-                 balance_rel_threshold: float = 1.0001, load: str = "tokens",
+    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 32,
+                 balance_rel_threshold: float = 1.0001, load: str = "requests",
                  in_flight: bool = True) -> None:
         super().__init__()
         _check_threshold(cache_threshold)
