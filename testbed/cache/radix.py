@@ -217,27 +217,27 @@ class RadixCache(PrefixCache):
         return present
 
     def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (ref-counted)."""
+        """Protect ``node`` and its ancestors from eviction (ref-counted). Counts the tokens whose
+        KV is on the device (``slots``: all of them here; a tiered subclass keeps some below)."""
         while node is not self.root:
             if node.lock_ref == 0:
-                self._evictable -= len(node.key)
-                self._protected += len(node.key)
+                self._evictable -= len(node.slots)
+                self._protected += len(node.slots)
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        """Undo one `lock` of ``node``."""
-        start = node
+        """Undo one `lock` of ``node``; a node left unlocked is offered as a candidate again
+        (`_offer` passes over those with children)."""
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node!r}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._evictable += len(node.key)
-                self._protected -= len(node.key)
+                self._evictable += len(node.slots)
+                self._protected -= len(node.slots)
+                self._offer(node)
             node = node.parent
-        if start is not self.root:
-            self._offer(start)
 
     def evict(self, num_tokens: int) -> int:
         """Remove unlocked leaves in policy order until ``num_tokens`` are freed (whole nodes, so

@@ -212,25 +212,6 @@ class TieredRadixCache(RadixCache):
                 self._offer(x)
             x = x.parent
 
-    def lock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable -= len(node.slots)
-                self._protected += len(node.slots)
-            node.lock_ref += 1
-            node = node.parent
-
-    def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"unlock of an unlocked node {node!r}")
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable += len(node.slots)
-                self._protected -= len(node.slots)
-                self._offer(node)
-            node = node.parent
-
     # ---------------------------------------------------------------- the request lifecycle
     def acquire(self, prompt: np.ndarray, limit: int | None = None,
                 requester: Requester | None = None) -> Lease:
