@@ -44,6 +44,17 @@ def run(overrides: list[str], repeats: int) -> dict:
     return min((run_once(overrides) for _ in range(repeats)), key=lambda s: s["busy_s"])
 
 
+def compare(name: str, workload: list[str], repeats: int) -> dict[str, dict]:
+    """radix+lpm and none+fcfs on one workload, each row printed as it finishes."""
+    res = {}
+    for variant, extra in (("radix+lpm", ["cache=radix", "scheduler=lpm"]),
+                           ("none+fcfs", ["cache=none", "scheduler=fcfs"])):
+        s = res[variant] = run(workload + extra, repeats)
+        print(f"{name:<17}{variant:<12}{s['hit_rate']:>9.3f}{s['throughput_req_s']:>9.1f}"
+              f"{s['busy_s']:>10.2f}{s['wall_s']:>8.2f}", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--problems", type=int, default=8, help="tree-of-thought problems")
@@ -58,25 +69,15 @@ def main() -> None:
         "few_shot": ["workload=few_shot", f"workload.questions_per_task={args.questions}",
                      "workload.num_tasks=4"],
     }
-    print(f"{'workload':<17}{'variant':<12}{'hit rate':>9}{'req/s':>9}{'engine s':>10}{'wall s':>8}")
-    ratios = {}
-    for name, wl in workloads.items():
-        res = {}
-        for variant, extra in (("radix+lpm", ["cache=radix", "scheduler=lpm"]),
-                               ("none+fcfs", ["cache=none", "scheduler=fcfs"])):
-            s = res[variant] = run(wl + extra, args.repeats)
-            print(f"{name:<17}{variant:<12}{s['hit_rate']:>9.3f}{s['throughput_req_s']:>9.1f}"
-                  f"{s['busy_s']:>10.2f}{s['wall_s']:>8.2f}", flush=True)
-        ratios[name] = res["radix+lpm"]["throughput_req_s"] / res["none+fcfs"]["throughput_req_s"]
     unshared = ["workload=shared_prefix", f"workload.num_groups={args.unshared}",
                 "workload.prompts_per_group=1", "workload.system_prompt_len=0",
                 "workload.question_len=256", "workload.output_len=32"]
-    res = {}
-    for variant, extra in (("radix+lpm", ["cache=radix", "scheduler=lpm"]),
-                           ("none+fcfs", ["cache=none", "scheduler=fcfs"])):
-        s = res[variant] = run(unshared + extra, args.repeats)
-        print(f"{'no sharing':<17}{variant:<12}{s['hit_rate']:>9.3f}{s['throughput_req_s']:>9.1f}"
-              f"{s['busy_s']:>10.2f}{s['wall_s']:>8.2f}", flush=True)
+    print(f"{'workload':<17}{'variant':<12}{'hit rate':>9}{'req/s':>9}{'engine s':>10}{'wall s':>8}")
+    results = {name: compare(name, wl, args.repeats)
+               for name, wl in (*workloads.items(), ("no sharing", unshared))}
+    res = results.pop("no sharing")
+    ratios = {name: r["radix+lpm"]["throughput_req_s"] / r["none+fcfs"]["throughput_req_s"]
+              for name, r in results.items()}
     print()
     for name, ratio in ratios.items():
         print(f"{name}: radix+lpm / none+fcfs throughput = {ratio:.2f}x")
