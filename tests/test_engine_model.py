@@ -371,7 +371,7 @@ def test_torch_attention_equals_the_kernels_torch_reference():
     ref = reference_kernels()
     for seed, qo, prefix in [(0, (5, 1, 9), (0, 7, 12)), (1, (1, 1, 1, 1), (3, 0, 20, 8))]:
         meta, q, k, v, (kb, vb) = random_step(seed, qo, prefix)
-        backend = TorchAttention()
+        backend = TorchAttention(num_kv_heads=2)
         meta.plan = backend.plan(meta)
         kb2, vb2 = kb.clone(), vb.clone()
         got = backend.forward(q, k, v, kb, vb, meta, 0.25)

@@ -3,8 +3,8 @@
 One idea per module: `model` (the decoder over a flattened batch), `kv_cache` (per-layer KV
 buffers indexed by cache slot), `attention` (per-step metadata; torch and Triton backends),
 `loader` (HF checkpoints, random and tiny models, the ``model`` config group), `sampler`,
-`runner` (`ModelRunner`: a `Batch` in, logits out) and `executor` (`EngineExecutor`: the
-simulator's `Executor` seam with measured step times).
+`runner` (`ModelRunner`: a `Batch` in, logits out), `executor` (`EngineExecutor`: the
+simulator's `Executor` seam with measured step times) and `host_memory` (steady CPU allocation).
 """
 
 from testbed.engine.attention import ATTENTION_BACKENDS, AttentionMetadata, make_attention

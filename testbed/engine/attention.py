@@ -10,8 +10,8 @@ aligned, which is wrong once a prefix is cached).
 
 Backends (``attention=``):
 
-- ``torch``: gathers each request's KV into a padded batch and computes masked attention in fp32;
-  the reference and the CPU default.
+- ``torch``: gathers each request's KV into a padded head-major batch and runs fused SDPA (fp32,
+  GQA without repeating K/V) under the lower-right mask; the reference and the CPU default.
 - ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
   token, ``decode_attention``. Imported only when chosen.
 """
@@ -101,23 +101,31 @@ class AttentionBackend(Protocol):
 class DenseLayout:
     """The torch backend's plan: the step as a padded ``[B, L]`` batch."""
 
-    kv_slots: torch.Tensor  # [B, max_kv] int64 slot ids, 0 (the padding slot) past each kv_len
+    kv_rows: torch.Tensor  # [B * KH * max_kv] int64 rows of a ``[-1, head_dim]`` view of a KV
+    #                        buffer: request b's KV head h at its key j (padding slot 0 past kv_len)
     q_rows: torch.Tensor  # [T] request of each new token
     q_cols: torch.Tensor  # [T] its index among the request's new tokens
-    mask: torch.Tensor  # [B, 1, 1, max_qo, max_kv] bool: key visible to query
-
-
-SDPA_MIN_QUERIES = 64  # torch backend: padded query length from which fused SDPA is used
+    mask: torch.Tensor  # [B, 1, max_qo, max_kv] bool: key visible to query
 
 
 class TorchAttention:
-    """Reference attention in plain PyTorch, fp32 inside, vectorised over the batch."""
+    """Reference attention in plain PyTorch, fp32 inside, vectorised over the batch.
+
+    Each layer gathers every request's K and V straight into head-major ``[B, KH, max_kv, D]``
+    (one ``index_select`` each, no transposing copy), so query head ``h`` reads KV head
+    ``h // group`` without repeating K/V: fused SDPA with ``enable_gqa`` for prefill chunks, two
+    batched matmuls for decode steps. Gathering the paged KV is most of a CPU decode step, hence
+    the single pass.
+    """
 
     name = "torch"
 
+    def __init__(self, num_kv_heads: int) -> None:
+        self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
+
     def plan(self, meta: AttentionMetadata) -> DenseLayout:
         qo, kv = meta.qo_lens, meta.kv_lens
-        b, max_qo, max_kv = len(qo), int(qo.max()), int(kv.max())
+        b, max_qo, max_kv, heads = len(qo), int(qo.max()), int(kv.max()), self.num_kv_heads
         device = meta.kv_indices.device
         kv_valid = np.arange(max_kv)[None, :] < kv[:, None]
         q_rows = np.repeat(np.arange(b), qo)
@@ -127,12 +135,14 @@ class TorchAttention:
         valid = valid.view(b, max_kv).bool()
         kv_slots = torch.zeros((b, max_kv), dtype=torch.int64, device=device)
         kv_slots[valid] = meta.kv_indices.long()  # row-major order = concatenation order
+        head = torch.arange(heads, device=device)
+        kv_rows = (kv_slots[:, None, :] * heads + head[None, :, None]).reshape(-1)
         key = torch.arange(max_kv, device=device)
         query = torch.arange(max_qo, device=device)
         last_visible = meta.prefix_lens.long()[:, None] + query[None, :]  # [B, max_qo]
         mask = (key[None, None, :] <= last_visible[:, :, None]) & valid[:, None, :]
         # padded query rows (j >= qo_len) see some valid key too, so no row is all -inf
-        return DenseLayout(kv_slots=kv_slots, q_rows=rows, q_cols=cols, mask=mask[:, None, None])
+        return DenseLayout(kv_rows=kv_rows, q_rows=rows, q_cols=cols, mask=mask[:, None])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
@@ -140,27 +150,24 @@ class TorchAttention:
         slots = meta.out_slots.long()
         k_buf[slots] = k.to(k_buf.dtype)
         v_buf[slots] = v.to(v_buf.dtype)
-        b, max_qo, max_kv = layout.mask.shape[0], layout.mask.shape[3], layout.mask.shape[4]
+        b, max_qo, max_kv = layout.mask.shape[0], layout.mask.shape[2], layout.mask.shape[3]
         num_heads, head_dim = q.shape[1], q.shape[2]
-        num_kv_heads = k_buf.shape[1]
-        group = num_heads // num_kv_heads
+        shape = (b, self.num_kv_heads, max_kv, head_dim)
+        kp = k_buf.view(-1, head_dim).index_select(0, layout.kv_rows).view(shape).float()
+        vp = v_buf.view(-1, head_dim).index_select(0, layout.kv_rows).view(shape).float()
+        if max_qo == 1:
+            # Decode: each KV head's query group is one [group, D] block against its keys (the
+            # Triton decode kernel's grouping), two batched matmuls; faster here than SDPA,
+            # whose CPU kernel tiles over queries and has one.
+            qg = q.float().view(b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
+            scores = torch.matmul(qg, kp.transpose(-1, -2)).mul_(sm_scale)
+            probs = torch.softmax(scores.masked_fill_(~layout.mask, float("-inf")), dim=-1)
+            return torch.matmul(probs, vp).view(b, num_heads, head_dim).to(q.dtype)
         qp = q.new_zeros((b, max_qo, num_heads, head_dim), dtype=torch.float32)
         qp[layout.q_rows, layout.q_cols] = q.float()
-        kp = k_buf[layout.kv_slots].float()  # [B, max_kv, KH, D]; head h reads KV head h // group
-        vp = v_buf[layout.kv_slots].float()
-        if max_qo >= SDPA_MIN_QUERIES:
-            # Long chunks: fused SDPA never materialises the [B, H, q, k] scores (hundreds of MB
-            # for 2k-token prefills). Short ones (decode) are faster as two small einsums.
-            o = F.scaled_dot_product_attention(
-                qp.transpose(1, 2), kp.repeat_interleave(group, dim=2).transpose(1, 2),
-                vp.repeat_interleave(group, dim=2).transpose(1, 2),
-                attn_mask=layout.mask[:, 0, 0][:, None], scale=sm_scale).transpose(1, 2)
-        else:
-            qg = qp.view(b, max_qo, num_kv_heads, group, head_dim)
-            scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, kp) * sm_scale
-            probs = torch.softmax(scores.masked_fill(~layout.mask, float("-inf")), dim=-1)
-            o = torch.einsum("bhgqk,bkhd->bqhgd", probs, vp).reshape(b, max_qo, num_heads, head_dim)
-        return o[layout.q_rows, layout.q_cols].to(q.dtype)
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=layout.mask,
+                                           scale=sm_scale, enable_gqa=True)  # [B, H, max_qo, D]
+        return o.transpose(1, 2)[layout.q_rows, layout.q_cols].to(q.dtype)
 
 
 KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
@@ -196,9 +203,10 @@ class TritonAttention:
                                    meta.kv_indices, sm_scale)
 
 
-def make_attention(name: str) -> AttentionBackend:
+def make_attention(name: str, num_kv_heads: int) -> AttentionBackend:
+    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads."""
     if name == "torch":
-        return TorchAttention()
+        return TorchAttention(num_kv_heads)
     if name == "triton":
         return TritonAttention()
     raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")

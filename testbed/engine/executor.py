@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from testbed.engine.attention import ATTENTION_BACKENDS
+from testbed.engine.host_memory import keep_freed_memory
 from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
@@ -78,6 +79,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: st
     if dtype is None:
         dtype = "bfloat16" if device != "cpu" and model.get("dtype_bytes") == 2 else "float32"
     attention = attention or ("triton" if device != "cpu" else "torch")
+    if device == "cpu":
+        keep_freed_memory()  # step times then do not depend on the process's allocation history
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)

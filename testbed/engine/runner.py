@@ -32,7 +32,8 @@ class ModelRunner:
                  attention: str | AttentionBackend = "torch") -> None:
         self.model = model
         self.device = model.device
-        self.attention = make_attention(attention) if isinstance(attention, str) else attention
+        self.attention = (make_attention(attention, model.config.num_kv_heads)
+                          if isinstance(attention, str) else attention)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
 
     @property
