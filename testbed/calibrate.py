@@ -70,16 +70,29 @@ def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator) -> Ba
     return Batch(kind, entries)
 
 
+def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) -> list[float]:
+    """Run every batch once, in a random order, and return the step times in the batches' order.
+
+    A served workload never repeats the step before it, so timing a shape back to back (caches,
+    allocator and kernel choice all hot) would measure it faster than the engine ever runs it.
+    """
+    times = [0.0] * len(batches)
+    for i in rng.permutation(len(batches)):
+        times[i] = executor.execute(batches[i]).duration_s
+    return times
+
+
 def measure(executor: Any, steps: list[StepShape], repeats: int, vocab: int,
             seed: int = 0, progress: bool = False) -> list[tuple[StepShape, float]]:
+    """The median of ``repeats`` timed passes over the steps, after one warm-up pass
+    (allocator, kernels)."""
     rng = np.random.default_rng(seed)
-    samples = []
-    for step in tqdm(steps, desc="calibrate", unit="shape", disable=None if progress else True):
-        batch = synthetic_batch(step, vocab, rng)
-        executor.execute(batch)  # warm-up: allocator, kernels
-        times = [executor.execute(batch).duration_s for _ in range(repeats)]
-        samples.append((step, float(np.median(times))))
-    return samples
+    batches = [synthetic_batch(step, vocab, rng) for step in steps]
+    timed_pass(executor, batches, rng)
+    passes = [timed_pass(executor, batches, rng)
+              for _ in tqdm(range(repeats), desc="calibrate", unit="pass",
+                            disable=None if progress else True)]
+    return [(step, float(np.median(t))) for step, t in zip(steps, zip(*passes))]
 
 
 def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: Path,
@@ -104,24 +117,25 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
     plt.close(fig)
 
 
-def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    from testbed.engine import make_engine_executor
+def grid_slots(steps: list[StepShape]) -> int:
+    """KV slots the largest synthetic batch of ``steps`` needs."""
+    return max(sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps)
 
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-    model, hw = model_spec(model_cfg), hardware_spec(OmegaConf.to_container(cfg.hardware))
-    c = cfg.calibrate
-    steps = grid(c)
-    slots = max(sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps)
-    executor = make_engine_executor(model_cfg, num_slots=slots, device=cfg.get("device"),
-                                    dtype=cfg.get("dtype"), attention=cfg.get("attention"),
-                                    seed=cfg.seed, forced=True)
-    samples = measure(executor, steps, c.repeats, model.vocab_size, cfg.seed, cfg.progress)
-    coeffs = fit_coefficients(samples)
-    fitted = FittedCostModel(coeffs, floor_model=RooflineCostModel(model, hw))
-    device = str(executor.runner.device)
-    meta = {"model": model.name, "device": device, "hardware": hw.name,
+
+def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
+    """What a calibration was measured on (saved with the coefficients)."""
+    return {"model": model.name, "device": str(executor.runner.device), "hardware": hw.name,
             "dtype": str(next(executor.runner.model.parameters()).dtype).replace("torch.", ""),
-            "attention": type(executor.runner.attention).__name__, "steps_measured": len(samples)}
+            "attention": type(executor.runner.attention).__name__}
+
+
+def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
+                  floor: RooflineCostModel, run_dir: Path) -> dict[str, Any]:
+    """Fit the `fitted` cost model to ``samples`` and write ``cost_model.yaml``,
+    ``calibration.json`` and ``calibration.png`` into ``run_dir``; returns the report."""
+    coeffs = fit_coefficients(samples)
+    fitted = FittedCostModel(coeffs, floor_model=floor)
+    meta = meta | {"steps_measured": len(samples)}
     run_dir.mkdir(parents=True, exist_ok=True)
     save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
     errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],
@@ -132,9 +146,24 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                    "measured_s": t, "predicted_s": fitted.step_time(s)} for s, t in samples]}
     (run_dir / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(samples, fitted, run_dir / "calibration.png",
-         f"Fitted step time: {model.name} on {device}\n"
+         f"Fitted step time: {meta['model']} on {meta['device']}\n"
          f"MAPE prefill {errors['prefill']:.1%}, decode {errors['decode']:.1%}")
     return result
+
+
+def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    from testbed.engine import make_engine_executor
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model, hw = model_spec(model_cfg), hardware_spec(OmegaConf.to_container(cfg.hardware))
+    c = cfg.calibrate
+    steps = grid(c)
+    executor = make_engine_executor(model_cfg, num_slots=grid_slots(steps),
+                                    device=cfg.get("device"), dtype=cfg.get("dtype"),
+                                    attention=cfg.get("attention"), seed=cfg.seed, forced=True)
+    samples = measure(executor, steps, c.repeats, model.vocab_size, cfg.seed, cfg.progress)
+    return fit_and_write(samples, engine_meta(executor, model, hw), RooflineCostModel(model, hw),
+                         run_dir)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")

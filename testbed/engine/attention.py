@@ -10,8 +10,9 @@ aligned, which is wrong once a prefix is cached).
 
 Backends (``attention=``):
 
-- ``torch``: gathers each request's KV into a padded head-major batch and runs fused SDPA (fp32,
-  GQA without repeating K/V) under the lower-right mask; the reference and the CPU default.
+- ``torch``: gathers KV head-major, fp32 inside, GQA without repeating K/V: decode steps padded to
+  the longest KV (two batched matmuls), prefill steps per request with fused SDPA under the
+  lower-right mask; the reference and the CPU default.
 - ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
   token, ``decode_attention``. Imported only when chosen.
 """
@@ -98,24 +99,44 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class DenseLayout:
-    """The torch backend's plan: the step as a padded ``[B, L]`` batch."""
+class DecodeLayout:
+    """The torch backend's plan for a decode step: the batch padded to its longest KV."""
 
     kv_rows: torch.Tensor  # [B * KH * max_kv] int64 rows of a ``[-1, head_dim]`` view of a KV
-    #                        buffer: request b's KV head h at its key j (padding slot 0 past kv_len)
-    q_rows: torch.Tensor  # [T] request of each new token
-    q_cols: torch.Tensor  # [T] its index among the request's new tokens
-    mask: torch.Tensor  # [B, 1, max_qo, max_kv] bool: key visible to query
+    #                        buffer: request b's KV head h at key j (padding slot 0 past kv_len)
+    mask: torch.Tensor  # [B, 1, 1, max_kv] bool: key j < kv_len
+
+
+@dataclass
+class ExtendLayout:
+    """The torch backend's plan for a prefill (extend) step: each request on its own, unpadded."""
+
+    kv_rows: list[torch.Tensor]  # per request [KH * kv_len] rows, head-major (see DecodeLayout)
+    q_splits: list[int]  # qo_lens
+    blocks: list[list[tuple[int, int, int, torch.Tensor | None]]]  # per request, see `plan`
+
+
+EXTEND_QUERY_BLOCK = 256  # torch backend: query rows per SDPA call behind a cached prefix
+
+
+def head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows of a ``[-1, head_dim]`` view of a ``[slots, KH, D]`` buffer that gather ``slots``
+    (any shape ``[..., L]``) as ``[..., KH, L, D]``: slot s, head h is row ``s * KH + h``."""
+    head = torch.arange(num_kv_heads, device=slots.device)
+    return (slots.long()[..., None, :] * num_kv_heads + head[:, None]).reshape(-1)
 
 
 class TorchAttention:
-    """Reference attention in plain PyTorch, fp32 inside, vectorised over the batch.
+    """Reference attention in plain PyTorch, fp32 inside.
 
-    Each layer gathers every request's K and V straight into head-major ``[B, KH, max_kv, D]``
-    (one ``index_select`` each, no transposing copy), so query head ``h`` reads KV head
-    ``h // group`` without repeating K/V: fused SDPA with ``enable_gqa`` for prefill chunks, two
-    batched matmuls for decode steps. Gathering the paged KV is most of a CPU decode step, hence
-    the single pass.
+    K and V are gathered straight into head-major ``[B, KH, L, D]`` (one ``index_select`` each,
+    no transposing copy), so query head ``h`` reads KV head ``h // group`` without repeating K/V.
+    A decode step pads the batch to its longest KV and runs two batched matmuls (each KV head's
+    query group as one ``[group, D]`` block, the Triton decode kernel's grouping). A prefill step
+    runs fused SDPA per request, unpadded: requests of one prefill batch differ a lot in length,
+    and padding them to the longest made the attention cost the padded area instead of the
+    attended pairs, which is neither what ragged kernels (FlashInfer, ours in Triton) do nor what
+    the simulator's cost model counts.
     """
 
     name = "torch"
@@ -123,51 +144,75 @@ class TorchAttention:
     def __init__(self, num_kv_heads: int) -> None:
         self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
 
-    def plan(self, meta: AttentionMetadata) -> DenseLayout:
-        qo, kv = meta.qo_lens, meta.kv_lens
-        b, max_qo, max_kv, heads = len(qo), int(qo.max()), int(kv.max()), self.num_kv_heads
-        device = meta.kv_indices.device
-        kv_valid = np.arange(max_kv)[None, :] < kv[:, None]
-        q_rows = np.repeat(np.arange(b), qo)
-        q_cols = np.arange(len(q_rows)) - np.repeat(np.cumsum(qo) - qo, qo)
-        packed = torch.from_numpy(np.concatenate([kv_valid.ravel(), q_rows, q_cols])).to(device)
-        valid, rows, cols = torch.split(packed, [b * max_kv, len(q_rows), len(q_rows)])
-        valid = valid.view(b, max_kv).bool()
-        kv_slots = torch.zeros((b, max_kv), dtype=torch.int64, device=device)
-        kv_slots[valid] = meta.kv_indices.long()  # row-major order = concatenation order
-        head = torch.arange(heads, device=device)
-        kv_rows = (kv_slots[:, None, :] * heads + head[None, :, None]).reshape(-1)
-        key = torch.arange(max_kv, device=device)
-        query = torch.arange(max_qo, device=device)
-        last_visible = meta.prefix_lens.long()[:, None] + query[None, :]  # [B, max_qo]
-        mask = (key[None, None, :] <= last_visible[:, :, None]) & valid[:, None, :]
-        # padded query rows (j >= qo_len) see some valid key too, so no row is all -inf
-        return DenseLayout(kv_rows=kv_rows, q_rows=rows, q_cols=cols, mask=mask[:, None])
+    def plan(self, meta: AttentionMetadata) -> DecodeLayout | ExtendLayout:
+        heads, device = self.num_kv_heads, meta.kv_indices.device
+        kv = meta.kv_lens
+        if meta.is_decode:
+            b, max_kv = len(kv), int(kv.max())
+            valid = torch.from_numpy(np.arange(max_kv)[None, :] < kv[:, None]).to(device)
+            kv_slots = torch.zeros((b, max_kv), dtype=torch.int64, device=device)
+            kv_slots[valid] = meta.kv_indices.long()  # row-major order = concatenation order
+            return DecodeLayout(kv_rows=head_major_rows(kv_slots, heads),
+                                mask=valid[:, None, None, :])
+        slots = torch.split(meta.kv_indices, kv.tolist())
+        blocks = [self.query_blocks(q_len, kv_len, device)
+                  for q_len, kv_len in zip(meta.qo_lens.tolist(), kv.tolist())]
+        return ExtendLayout(kv_rows=[head_major_rows(s, heads) for s in slots],
+                            q_splits=meta.qo_lens.tolist(), blocks=blocks)
+
+    @staticmethod
+    def query_blocks(q_len: int, kv_len: int, device: torch.device
+                     ) -> list[tuple[int, int, int, torch.Tensor | None]]:
+        """One request's SDPA calls: ``(q_start, q_end, keys, mask)``, queries ``q_start..q_end-1``
+        against keys ``0..keys-1`` under ``mask`` (None: SDPA's own causal mask).
+
+        Without a prefix the chunk is plainly causal. Behind a prefix the mask is causal from the
+        lower right, which SDPA's ``is_causal`` is not, and an explicit mask makes it compute
+        every query-key pair: query blocks that each stop at their last visible key skip most of
+        the masked triangle, so the step costs the attended pairs (as ragged kernels and the cost
+        model count them), not the rectangle.
+        """
+        if q_len == kv_len:
+            return [(0, q_len, kv_len, None)]
+        prefix, out = kv_len - q_len, []
+        for start in range(0, q_len, EXTEND_QUERY_BLOCK):
+            end = min(start + EXTEND_QUERY_BLOCK, q_len)
+            keys = prefix + end
+            query = torch.arange(start, end, device=device)
+            mask = torch.arange(keys, device=device)[None, :] <= prefix + query[:, None]
+            out.append((start, end, keys, mask))
+        return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-        layout: DenseLayout = meta.plan
         slots = meta.out_slots.long()
         k_buf[slots] = k.to(k_buf.dtype)
         v_buf[slots] = v.to(v_buf.dtype)
-        b, max_qo, max_kv = layout.mask.shape[0], layout.mask.shape[2], layout.mask.shape[3]
         num_heads, head_dim = q.shape[1], q.shape[2]
-        shape = (b, self.num_kv_heads, max_kv, head_dim)
-        kp = k_buf.view(-1, head_dim).index_select(0, layout.kv_rows).view(shape).float()
-        vp = v_buf.view(-1, head_dim).index_select(0, layout.kv_rows).view(shape).float()
-        if max_qo == 1:
-            # Decode: each KV head's query group is one [group, D] block against its keys (the
-            # Triton decode kernel's grouping), two batched matmuls; faster here than SDPA,
-            # whose CPU kernel tiles over queries and has one.
+        k_rows, v_rows = k_buf.view(-1, head_dim), v_buf.view(-1, head_dim)
+        if isinstance(meta.plan, DecodeLayout):
+            layout = meta.plan
+            b = layout.mask.shape[0]
+            shape = (b, self.num_kv_heads, layout.mask.shape[3], head_dim)
+            kp = k_rows.index_select(0, layout.kv_rows).view(shape).float()
+            vp = v_rows.index_select(0, layout.kv_rows).view(shape).float()
             qg = q.float().view(b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
             scores = torch.matmul(qg, kp.transpose(-1, -2)).mul_(sm_scale)
             probs = torch.softmax(scores.masked_fill_(~layout.mask, float("-inf")), dim=-1)
             return torch.matmul(probs, vp).view(b, num_heads, head_dim).to(q.dtype)
-        qp = q.new_zeros((b, max_qo, num_heads, head_dim), dtype=torch.float32)
-        qp[layout.q_rows, layout.q_cols] = q.float()
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kp, vp, attn_mask=layout.mask,
-                                           scale=sm_scale, enable_gqa=True)  # [B, H, max_qo, D]
-        return o.transpose(1, 2)[layout.q_rows, layout.q_cols].to(q.dtype)
+        layout: ExtendLayout = meta.plan
+        outs = []
+        for qi, rows, blocks in zip(q.split(layout.q_splits), layout.kv_rows, layout.blocks):
+            shape = (1, self.num_kv_heads, len(rows) // self.num_kv_heads, head_dim)
+            ki = k_rows.index_select(0, rows).view(shape).float()
+            vi = v_rows.index_select(0, rows).view(shape).float()
+            qh = qi.float().transpose(0, 1)[None]  # [1, H, qo_len, D]
+            for start, end, keys, mask in blocks:
+                o = F.scaled_dot_product_attention(
+                    qh[:, :, start:end], ki[:, :, :keys], vi[:, :, :keys], attn_mask=mask,
+                    is_causal=mask is None, scale=sm_scale, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1))  # [end - start, H, D]
+        return torch.cat(outs).to(q.dtype)
 
 
 KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
