@@ -94,8 +94,8 @@ def main() -> None:
     floor = RooflineCostModel(model, hw)
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
     steps = [] if args.fitted else grid(config([], "calibrate").calibrate)
-    engine = make_engine_executor(container(cfg.model), num_slots=max([CAPACITY] + [
-        grid_slots(steps)] * bool(steps)), seed=cfg.seed, forced=True)
+    engine = make_engine_executor(container(cfg.model), num_slots=max(CAPACITY, grid_slots(steps)),
+                                  seed=cfg.seed, forced=True)
     rng = np.random.default_rng(cfg.seed)
     batches = [synthetic_batch(step, model.vocab_size, rng) for step in steps]
 

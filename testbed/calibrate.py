@@ -118,8 +118,8 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
 
 
 def grid_slots(steps: list[StepShape]) -> int:
-    """KV slots the largest synthetic batch of ``steps`` needs."""
-    return max(sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps)
+    """KV slots the largest synthetic batch of ``steps`` needs (0 for no steps)."""
+    return max((sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps), default=0)
 
 
 def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
