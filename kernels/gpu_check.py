@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -131,6 +132,10 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter check)")
     args = p.parse_args(argv)
     dev, small = args.device, args.small
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device (use --device cpu --small "
+              "under TRITON_INTERPRET=1 for the interpreter check)", file=sys.stderr)
+        return 2
     dtypes = ["float32", "float16"] + ([] if dev == "cpu" else ["bfloat16"])
     s = 16 if small else 1
     cases = [("extend_ragged", [0, 100 // s, 1000 // s, 3000 // s],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from testbed.backends import build_cache, container
-from testbed.calibrate import calibrate, synthetic_batch
+from testbed.calibrate import calibrate, grid_slots, synthetic_batch, timed_pass
 from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
 from testbed.sim.executor import SimExecutor
@@ -70,6 +71,36 @@ def test_synthetic_batches_have_the_requested_shape_and_distinct_slots():
     assert batch.shape() == (step.new, step.context)
     slots = np.concatenate([e.kv_slots() for e in batch.entries])
     assert len(set(slots.tolist())) == len(slots) == 5 + 10 + 7
+
+
+class RecordingExecutor:
+    """Stands in for the engine: a batch's step time is its first request's number."""
+
+    def __init__(self):
+        self.order = []
+
+    def execute(self, batch):
+        index = int(batch.entries[0].req.id.removeprefix("cal"))
+        self.order.append(index)
+        return SimpleNamespace(duration_s=float(index))
+
+
+def test_a_timed_pass_runs_each_batch_once_in_random_order_and_returns_times_in_batch_order():
+    rng = np.random.default_rng(0)
+    batches = [synthetic_batch(StepShape.decode((4,) * (i + 1)), 256, rng) for i in range(6)]
+    for b, i in zip(batches, range(6)):  # name each batch's first request by its position
+        b.entries[0].req.request.id = f"cal{i}"
+    executor = RecordingExecutor()
+    first = timed_pass(executor, batches, rng)
+    second = timed_pass(executor, batches, rng)
+    assert first == second == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert sorted(executor.order[:6]) == sorted(executor.order[6:]) == list(range(6))
+    assert executor.order[:6] != executor.order[6:]  # each pass has its own order
+
+
+def test_grid_slots_is_the_largest_batchs_tokens():
+    steps = [StepShape((16, 16), (0, 256)), StepShape.decode((2048,) * 4)]
+    assert grid_slots(steps) == 4 * 2049 and grid_slots([]) == 0
 
 
 def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):

@@ -471,3 +471,34 @@ def test_seeded_sampling_is_reproducible_and_top_p_keeps_to_the_nucleus():
     assert seen == {0, 1}  # 0.5 < 0.6, so the nucleus is the two most likely tokens
     with pytest.raises(ValueError, match="top_p must be in"):
         Sampler(1.0, 1.5)
+
+
+def test_a_cpu_engine_fixes_glibcs_malloc_thresholds_once_per_process(monkeypatch):
+    from testbed.engine import host_memory
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(host_memory, "_done", False)
+    monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: FakeLibc())
+    monkeypatch.setattr(host_memory.sys, "platform", "linux")
+    assert host_memory.keep_freed_memory() and host_memory.keep_freed_memory()
+    assert calls == [(host_memory.M_MMAP_THRESHOLD, 32 << 20),
+                     (host_memory.M_TRIM_THRESHOLD, 1 << 30)]
+    monkeypatch.setattr(host_memory, "_done", False)
+    monkeypatch.setattr(host_memory.sys, "platform", "darwin")
+    assert not host_memory.keep_freed_memory() and len(calls) == 2
+
+
+def test_a_chunk_behind_a_prefix_is_attended_in_query_blocks_that_stop_at_their_last_visible_key():
+    assert TorchAttention.query_blocks(40, 40, "cpu") == [(0, 40, 40, None)]  # SDPA's own causal
+    blocks = TorchAttention.query_blocks(600, 900, "cpu")
+    assert [b[:3] for b in blocks] == [(0, 256, 556), (256, 512, 812), (512, 600, 900)]
+    for start, end, keys, mask in blocks:
+        assert mask.shape == (end - start, keys)
+        visible = mask.sum(dim=1)  # query j (of the whole chunk) sees keys 0 .. 300 + j
+        assert visible.tolist() == [300 + j + 1 for j in range(start, end)]
