@@ -6,8 +6,9 @@
 #   2. the kernel test grid compiled (TRITON_INTERPRET=0);
 #   3. the engine on a Llama-2-7B-shaped random model in bf16 with Triton attention on
 #      tree-of-thought, radix+lpm against no cache (throughput ratio, hit rate);
-#   4. calibration of the fitted cost model on the same model and device, then the simulator's
-#      error against the engine on held-back work is measured by experiments/sim_vs_engine.py.
+#   4. experiments/sim_vs_engine.py on the same model and device: calibration of the fitted cost
+#      model (cost_model.yaml) interleaved with engine runs of held-back work, and the simulator's
+#      error against them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
@@ -26,16 +27,16 @@ for cache in radix none; do
       attention=triton workload=tree_of_thought workload.num_problems=16 cache=$cache \
       scheduler=$sched progress=false hydra.run.dir="$OUT/engine_$cache"
 done
-step "calibration: llama2_7b-shaped bf16 on this GPU" 150 \
-  $PY -m testbed.calibrate model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 \
-    attention=triton calibrate.repeats=3 progress=false hydra.run.dir="$OUT/calibration"
+step "calibration and simulator-vs-engine: llama2_7b-shaped bf16 on this GPU" 200 \
+  $PY experiments/sim_vs_engine.py --out "$OUT/sim_vs_engine" --rounds 3 model=llama2_7b \
+    hardware=h200 device=cuda dtype=bfloat16 attention=triton workload.vocab_size=32000
 
 $PY - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 doc = {}
 for name in ("kernels.json", "engine_radix/summary.json", "engine_none/summary.json",
-             "calibration/calibration.json"):
+             "sim_vs_engine/calibration/calibration.json", "sim_vs_engine/sim_vs_engine.json"):
     p = out / name
     doc[name] = json.loads(p.read_text()) if p.is_file() else None
 r, n = doc["engine_radix/summary.json"], doc["engine_none/summary.json"]

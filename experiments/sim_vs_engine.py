@@ -13,7 +13,8 @@ drift, and the engine's own spread over rounds (printed) is the noise floor of e
 Offline batch check: on a workload without dependencies (few-shot, all at t=0), timing cannot
 change decisions, so both backends must make identical steps and identical hits.
 
-    python experiments/sim_vs_engine.py [--out DIR] [--rounds 5] [--fitted cost_model.yaml]
+    python experiments/sim_vs_engine.py [--out DIR] [--rounds 5] [--fitted cost_model.yaml] \
+        [overrides, e.g. model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
 from testbed.workloads import build_workload  # noqa: E402
 
 BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256"]
+EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)
 HELD_BACK = {
     "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=8"],
     "chat": ["workload=chat", "workload.num_sessions=12"],
@@ -55,7 +57,7 @@ METRICS = ("makespan_s", "throughput_req_s", "ttft_p50_s", "e2e_p50_s")
 
 def config(overrides: list[str], name: str = "config"):
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(name, overrides=BASE + overrides)
+        return compose(name, overrides=BASE + overrides + EXTRA)
 
 
 class Workload:
@@ -86,7 +88,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="grid passes and engine runs, in turn")
     ap.add_argument("--fitted", type=Path, help="a cost_model.yaml (skips calibration)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. "
+                    "model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton")
     args = ap.parse_args()
+    EXTRA.extend(args.overrides)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cfg = config([])
@@ -95,7 +100,8 @@ def main() -> None:
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
     steps = [] if args.fitted else grid(config([], "calibrate").calibrate)
     engine = make_engine_executor(container(cfg.model), num_slots=max(CAPACITY, grid_slots(steps)),
-                                  seed=cfg.seed, forced=True)
+                                  device=cfg.get("device"), dtype=cfg.get("dtype"),
+                                  attention=cfg.get("attention"), seed=cfg.seed, forced=True)
     rng = np.random.default_rng(cfg.seed)
     batches = [synthetic_batch(step, model.vocab_size, rng) for step in steps]
 
