@@ -6,7 +6,8 @@ order) and one run of each held-back workload (tree-of-thought and chat by defau
 the grid). The cost model is fitted to the grid's median step times (``testbed.calibrate``; or
 ``--fitted FILE`` is used and the grid skipped), the simulator runs each workload with it, and the
 simulator's errors are reported against the engine's median over rounds: makespan, throughput,
-p50 TTFT and e2e, plus the per-step MAPE over every engine step. Interleaving matters on a shared
+p50 TTFT and e2e, plus the per-step MAPE over every engine step (each step, measured and
+predicted, in ``steps_<workload>.csv``). Interleaving matters on a shared
 machine whose speed drifts by 10-30% over seconds: calibration and validation then see the same
 drift, and the engine's own spread over rounds (printed) is the noise floor of every figure.
 
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -37,9 +39,10 @@ from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,  # 
                                synthetic_batch, timed_pass)
 from testbed.engine import make_engine_executor  # noqa: E402
 from testbed.metrics import summarize  # noqa: E402
-from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted  # noqa: E402
+from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
+                                    load_fitted)
 from testbed.sim.executor import SimExecutor  # noqa: E402
-from testbed.sim.fit import mape  # noqa: E402
+from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
 from testbed.sim.simulate import records_of, serve  # noqa: E402
 from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
 from testbed.workloads import build_workload  # noqa: E402
@@ -122,10 +125,19 @@ def main() -> None:
         args.fitted = args.out / "calibration" / "cost_model.yaml"
     fitted = load_fitted(args.fitted, floor_model=floor)
 
+    # Paired rounds: each round's grid pass fitted on its own and judged against that round's
+    # engine runs, seconds apart, so the machine's slower drift cancels out of the comparison.
+    paired = {name: [] for name in workloads}
+    for r, times in enumerate(grid_times):
+        fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times))), floor_model=floor)
+        for name, w in workloads.items():
+            paired[name].append(error(w.serve(SimExecutor(fitted_r))[1]["makespan_s"],
+                                      runs[name][r][1]["makespan_s"]))
+
     report = {"fitted": str(args.fitted), "rounds": args.rounds, "held_back": {}}
-    print(f"\n{'workload':<17}{'steps':>6}{'step MAPE':>10}{'makespan':>10}{'req/s':>8}"
-          f"{'TTFT p50':>10}{'e2e p50':>9}   simulator's error against the engine's median;"
-          f" engine makespan spread")
+    print(f"\n{'workload':<17}{'steps':>6}{'step MAPE':>10}{'makespan':>10}{'paired':>9}"
+          f"{'req/s':>8}{'TTFT p50':>10}{'e2e p50':>9}")
+    notes = []
     for name, w in workloads.items():
         _, sim = w.serve(SimExecutor(fitted))
         engine_runs = runs[name]
@@ -133,17 +145,39 @@ def main() -> None:
         makespans = [s["makespan_s"] for _, s in engine_runs]
         steps_run = [(StepShape(s.new, s.context), s.duration_s)
                      for result, _ in engine_runs for s in result.steps]
+        by_kind = {kind: error(sum(fitted.step_time(s) for s, _ in steps_run if s.kind == kind),
+                               sum(t for s, t in steps_run if s.kind == kind))
+                   for kind in ("prefill", "decode")}  # the fitted model's error on each kind's total
         row = {"steps": len(engine_runs[0][0].steps),
                "step_mape": mape([fitted.step_time(s) for s, _ in steps_run],
                                  [t for _, t in steps_run]),
+               "prefill_time": by_kind["prefill"], "decode_time": by_kind["decode"],
                **{m.removesuffix("_s"): error(sim[m], median[m]) for m in METRICS},
+               "paired_makespan": float(np.median(paired[name])) if paired[name] else None,
+               "paired_makespans": paired[name],
                "engine_makespan_s": median["makespan_s"], "sim_makespan_s": sim["makespan_s"],
                "engine_makespans_s": makespans}
         report["held_back"][name] = row
-        spread = f"{min(makespans) / median['makespan_s'] - 1:+.0%}..{max(makespans) / median['makespan_s'] - 1:+.0%}"
+        pd.DataFrame([{"round": i, "kind": s.kind, "batch": len(s.new), "new": sum(s.new),
+                       "context": sum(s.context), "max_kv": max(np.add(s.new, s.context)),
+                       "measured_s": s.duration_s,
+                       "predicted_s": fitted.step_time(StepShape(s.new, s.context))}
+                      for i, (result, _) in enumerate(engine_runs) for s in result.steps]
+                     ).to_csv(args.out / f"steps_{name}.csv", index=False)
+        paired_col = "" if row["paired_makespan"] is None else f"{row['paired_makespan']:+.1%}"
         print(f"{name:<17}{row['steps']:>6}{row['step_mape']:>10.1%}{row['makespan']:>+10.1%}"
-              f"{row['throughput_req']:>+8.1%}{row['ttft_p50']:>+10.1%}{row['e2e_p50']:>+9.1%}"
-              f"   engine {median['makespan_s']:.3f} s, {spread}")
+              f"{paired_col:>9}{row['throughput_req']:>+8.1%}{row['ttft_p50']:>+10.1%}"
+              f"{row['e2e_p50']:>+9.1%}")
+        spread = lambda xs, ref: f"{min(xs) / ref - 1:+.0%}..{max(xs) / ref - 1:+.0%}"  # noqa: E731
+        notes.append(f"  {name}: engine makespan {median['makespan_s']:.3f} s "
+                     f"({spread(makespans, median['makespan_s'])} over rounds)"
+                     + (f"; paired errors {min(paired[name]):+.1%}..{max(paired[name]):+.1%}"
+                        if paired[name] else "")
+                     + f"; fitted model on the engine's steps: prefill time "
+                     f"{by_kind['prefill']:+.1%}, decode time {by_kind['decode']:+.1%}")
+    print("(the simulator's errors against the engine's median over rounds; paired: the median "
+          "of each round's own fit against that round's run)")
+    print("\n".join(notes))
 
     offline = Workload(OFFLINE)
     (eng, _), (sim, _) = offline.serve(engine), offline.serve(SimExecutor(fitted))
