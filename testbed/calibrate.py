@@ -1,8 +1,9 @@
 """``python -m testbed.calibrate [overrides]``: measure engine steps, fit the simulator's cost model.
 
 Runs a grid of real engine steps on the configured ``model``/``device``/``dtype``/``attention`` —
-prefills (new tokens × cached context × batch size) and decodes (batch size × context) — each
-``calibrate.repeats`` times (the median counts), fits the ``fitted`` cost model per step kind
+prefills (new tokens × cached context × batch size) and decodes (batch size × context) — in
+``calibrate.repeats`` passes over the grid, each shape once per pass in a shuffled order (the
+median counts), fits the ``fitted`` cost model per step kind
 (non-negative least squares on relative error; predictions are floored at the roofline of the
 configured ``hardware``), and writes into the run directory:
 
