@@ -86,6 +86,36 @@ def error(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else (a - b) / b
 
 
+def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[float]) -> dict:
+    """The simulator (with ``fitted``) against the engine's runs of one workload."""
+    _, sim = workload.serve(SimExecutor(fitted))
+    median = {m: float(np.median([s[m] for _, s in engine_runs])) for m in METRICS}
+    steps_run = [(StepShape(s.new, s.context), s.duration_s)
+                 for result, _ in engine_runs for s in result.steps]
+    by_kind = {kind: error(sum(fitted.step_time(s) for s, _ in steps_run if s.kind == kind),
+                           sum(t for s, t in steps_run if s.kind == kind))
+               for kind in ("prefill", "decode")}  # the fitted model's error on each kind's total
+    return {"steps": len(engine_runs[0][0].steps),
+            "step_mape": mape([fitted.step_time(s) for s, _ in steps_run],
+                              [t for _, t in steps_run]),
+            "prefill_time": by_kind["prefill"], "decode_time": by_kind["decode"],
+            **{m.removesuffix("_s"): error(sim[m], median[m]) for m in METRICS},
+            "paired_makespan": float(np.median(paired)) if paired else None,
+            "paired_makespans": paired,
+            "engine_makespan_s": median["makespan_s"], "sim_makespan_s": sim["makespan_s"],
+            "engine_makespans_s": [s["makespan_s"] for _, s in engine_runs]}
+
+
+def write_steps(engine_runs: list, fitted, path: Path) -> None:
+    """Every engine step of every round, measured and predicted, as CSV."""
+    pd.DataFrame([{"round": i, "kind": s.kind, "batch": len(s.new), "new": sum(s.new),
+                   "context": sum(s.context), "max_kv": max(np.add(s.new, s.context)),
+                   "measured_s": s.duration_s,
+                   "predicted_s": fitted.step_time(StepShape(s.new, s.context))}
+                  for i, (result, _) in enumerate(engine_runs) for s in result.steps]
+                 ).to_csv(path, index=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "sim_vs_engine")
@@ -140,42 +170,20 @@ def main() -> None:
           f"{'req/s':>8}{'TTFT p50':>10}{'e2e p50':>9}")
     notes = []
     for name, w in workloads.items():
-        _, sim = w.serve(SimExecutor(fitted))
-        engine_runs = runs[name]
-        median = {m: float(np.median([s[m] for _, s in engine_runs])) for m in METRICS}
-        makespans = [s["makespan_s"] for _, s in engine_runs]
-        steps_run = [(StepShape(s.new, s.context), s.duration_s)
-                     for result, _ in engine_runs for s in result.steps]
-        by_kind = {kind: error(sum(fitted.step_time(s) for s, _ in steps_run if s.kind == kind),
-                               sum(t for s, t in steps_run if s.kind == kind))
-                   for kind in ("prefill", "decode")}  # the fitted model's error on each kind's total
-        row = {"steps": len(engine_runs[0][0].steps),
-               "step_mape": mape([fitted.step_time(s) for s, _ in steps_run],
-                                 [t for _, t in steps_run]),
-               "prefill_time": by_kind["prefill"], "decode_time": by_kind["decode"],
-               **{m.removesuffix("_s"): error(sim[m], median[m]) for m in METRICS},
-               "paired_makespan": float(np.median(paired[name])) if paired[name] else None,
-               "paired_makespans": paired[name],
-               "engine_makespan_s": median["makespan_s"], "sim_makespan_s": sim["makespan_s"],
-               "engine_makespans_s": makespans}
+        row = held_back_row(w, runs[name], fitted, paired[name])
         report["held_back"][name] = row
-        pd.DataFrame([{"round": i, "kind": s.kind, "batch": len(s.new), "new": sum(s.new),
-                       "context": sum(s.context), "max_kv": max(np.add(s.new, s.context)),
-                       "measured_s": s.duration_s,
-                       "predicted_s": fitted.step_time(StepShape(s.new, s.context))}
-                      for i, (result, _) in enumerate(engine_runs) for s in result.steps]
-                     ).to_csv(args.out / f"steps_{name}.csv", index=False)
+        write_steps(runs[name], fitted, args.out / f"steps_{name}.csv")
         paired_col = "" if row["paired_makespan"] is None else f"{row['paired_makespan']:+.1%}"
         print(f"{name:<17}{row['steps']:>6}{row['step_mape']:>10.1%}{row['makespan']:>+10.1%}"
               f"{paired_col:>9}{row['throughput_req']:>+8.1%}{row['ttft_p50']:>+10.1%}"
               f"{row['e2e_p50']:>+9.1%}")
-        spread = lambda xs, ref: f"{min(xs) / ref - 1:+.0%}..{max(xs) / ref - 1:+.0%}"  # noqa: E731
-        notes.append(f"  {name}: engine makespan {median['makespan_s']:.3f} s "
-                     f"({spread(makespans, median['makespan_s'])} over rounds)"
+        makespans, median = row["engine_makespans_s"], row["engine_makespan_s"]
+        notes.append(f"  {name}: engine makespan {median:.3f} s ({min(makespans) / median - 1:+.0%}"
+                     f"..{max(makespans) / median - 1:+.0%} over rounds)"
                      + (f"; paired errors {min(paired[name]):+.1%}..{max(paired[name]):+.1%}"
                         if paired[name] else "")
                      + f"; fitted model on the engine's steps: prefill time "
-                     f"{by_kind['prefill']:+.1%}, decode time {by_kind['decode']:+.1%}")
+                     f"{row['prefill_time']:+.1%}, decode time {row['decode_time']:+.1%}")
     print("(the simulator's errors against the engine's median over rounds; paired: the median "
           "of each round's own fit against that round's run)")
     print("\n".join(notes))
