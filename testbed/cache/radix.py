@@ -206,15 +206,26 @@ class RadixCache(PrefixCache):
         key = key[:n]
         node, present, _ = self._walk(key, requester, hit=False)
         if present < n:
-            self._clock += 1
-            leaf = TreeNode(next(self._ids), node, key[present:].copy(), slots[present:n].copy(),
-                            self._clock, start=present, requester=requester)
-            node.children[self._child_key(leaf.key, 0)] = leaf
-            self._num_nodes += 1
-            self._evictable += len(leaf.key)
-            self.policy.on_create(leaf)
-            self._offer(leaf)
+            self._add_leaf(node, key[present:], slots[present:n], present, requester)
         return present
+
+    def _add_leaf(self, parent: TreeNode, key: np.ndarray, slots: np.ndarray, start: int,
+                  requester: Requester | None) -> TreeNode:
+        """A new leaf under ``parent`` holding copies of ``key`` and its ``slots``, newest in the
+        eviction order and offered as a victim."""
+        self._clock += 1
+        leaf = TreeNode(next(self._ids), parent, key.copy(), slots.copy(), self._clock,
+                        start=start, requester=requester)
+        self._new_leaf(leaf)
+        parent.children[self._child_key(leaf.key, 0)] = leaf
+        self._num_nodes += 1
+        self._evictable += len(leaf.key)
+        self.policy.on_create(leaf)
+        self._offer(leaf)
+        return leaf
+
+    def _new_leaf(self, leaf: TreeNode) -> None:
+        """Hook for subclasses: per-node state a new leaf needs before it is offered."""
 
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and its ancestors from eviction (ref-counted). Counts the tokens whose

@@ -128,6 +128,10 @@ class TieredRadixCache(RadixCache):
         return out
 
     # ---------------------------------------------------------------- the tree, tier-aware
+    def _new_leaf(self, leaf: TreeNode) -> None:
+        leaf.tier = TierState(self.ntiers)
+        leaf.parent.tier.kids[GPU] += 1
+
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         head = super()._split(node, at)
         state = TierState(self.ntiers)
@@ -163,17 +167,7 @@ class TieredRadixCache(RadixCache):
         node, present, _ = self._walk(key, requester, hit=False)
         on_gpu, new = self._adopt(node, slots)
         if present < n:
-            self._clock += 1
-            leaf = TreeNode(next(self._ids), node, key[present:].copy(), slots[present:n].copy(),
-                            self._clock, start=present, requester=requester)
-            leaf.tier = TierState(self.ntiers)
-            node.children[self._child_key(leaf.key, 0)] = leaf
-            node.tier.kids[GPU] += 1
-            self._num_nodes += 1
-            self._evictable += len(leaf.key)
-            self.policy.on_create(leaf)
-            self._offer(leaf)
-            new.append(leaf)
+            new.append(self._add_leaf(node, key[present:], slots[present:n], present, requester))
         if self.write_policy == "write_through":  # once the whole path is on the GPU
             for x in new:
                 self._backup(x)
