@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 from testbed.backends import build_cache, container  # noqa: E402
 from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,  # noqa: E402
-                               synthetic_batch, timed_pass)
+                               median_times, synthetic_batch, timed_pass)
 from testbed.engine import make_engine_executor  # noqa: E402
 from testbed.metrics import summarize  # noqa: E402
 from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
@@ -149,8 +149,8 @@ def main() -> None:
         for name, w in workloads.items():
             runs[name].append(w.serve(engine))
     if steps:
-        samples = [(step, float(np.median(t))) for step, t in zip(steps, zip(*grid_times))]
-        cal = fit_and_write(samples, engine_meta(engine, model, hw), floor, args.out / "calibration")
+        cal = fit_and_write(median_times(steps, grid_times), engine_meta(engine, model, hw), floor,
+                            args.out / "calibration")
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"

@@ -93,6 +93,12 @@ def measure(executor: Any, steps: list[StepShape], repeats: int, vocab: int,
     passes = [timed_pass(executor, batches, rng)
               for _ in tqdm(range(repeats), desc="calibrate", unit="pass",
                             disable=None if progress else True)]
+    return median_times(steps, passes)
+
+
+def median_times(steps: list[StepShape],
+                 passes: list[list[float]]) -> list[tuple[StepShape, float]]:
+    """Each step with the median of its times over ``passes`` (each from `timed_pass`)."""
     return [(step, float(np.median(t))) for step, t in zip(steps, zip(*passes))]
 
 
