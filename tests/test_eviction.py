@@ -19,6 +19,12 @@ def serve(cache, seq, requester=None):
     cache.release(lease, toks(*seq))
 
 
+def use(cache, seq):
+    """A request hits ``seq`` and leaves without adding anything (a use, unlike a look-up)."""
+    lease = cache.acquire(toks(*seq))
+    cache.release(lease, toks(*seq), insert=False)
+
+
 def leaves(cache: RadixCache) -> set[tuple[int, ...]]:
     return {tuple(n.key.tolist()) for n in cache.nodes() if not n.children}
 
@@ -32,9 +38,9 @@ def build(policy: str, **params) -> RadixCache:
     serve(cache, [1, 2], Requester("a", priority=2))
     serve(cache, [3, 4], Requester("b", priority=1))
     serve(cache, [5, 6, 7, 8], Requester("c", priority=-1))
-    cache.match(toks(5, 6, 7, 8))
-    cache.match(toks(1, 2))
-    cache.match(toks(1, 2))
+    use(cache, [5, 6, 7, 8])
+    use(cache, [1, 2])
+    use(cache, [1, 2])
     return cache
 
 
@@ -63,15 +69,15 @@ def test_lfu_breaks_frequency_ties_by_recency():
     cache = RadixCache(100, policy=make_policy("lfu"))
     for seq in ([1], [2], [3]):
         serve(cache, seq)
-    cache.match(toks(2))
-    cache.match(toks(1))  # 1 and 2 hit once each; 1 more recently
+    use(cache, [2])
+    use(cache, [1])  # 1 and 2 hit once each; 1 more recently
     assert victims(cache) == [(3,), (2,), (1,)]
 
 
 def test_slru_evicts_probation_before_protected_even_if_more_recent():
     cache = RadixCache(100, policy=make_policy("slru"))
     serve(cache, [1, 1])
-    cache.match(toks(1, 1))  # protected
+    use(cache, [1, 1])  # protected
     serve(cache, [2, 2])     # probation, newer
     assert victims(cache) == [(2, 2), (1, 1)]
 
@@ -92,13 +98,13 @@ def test_workload_aware_evicts_the_category_that_is_rarely_reused():
     cache = RadixCache(100, policy=make_policy({"name": "workload_aware", "tau": 1e9}))
     for i in range(4):  # "chat" entries get reused, "search" entries never
         serve(cache, [10 + i, 10 + i], Requester(f"c{i}", category="chat"))
-        cache.match(toks(10 + i, 10 + i))
+        use(cache, [10 + i, 10 + i])
         serve(cache, [50 + i, 50 + i], Requester(f"s{i}", category="search"))
     assert cache.policy.reuse_probability("chat") > cache.policy.reuse_probability("search")
     serve(cache, [7, 7], Requester("late", category="chat"))
     serve(cache, [8, 8], Requester("late2", category="search"))
-    cache.match(toks(7, 7))  # refresh offers under the learned estimate
-    cache.match(toks(8, 8))
+    use(cache, [7, 7])  # refresh offers under the learned estimate
+    use(cache, [8, 8])
     order = victims(cache)
     assert order.index((8, 8)) < order.index((7, 7))
 
@@ -171,3 +177,33 @@ def test_oracle_hit_rate_is_at_least_every_online_policys(seed):
             cache = RadixCache(capacity, policy=make_policy(policy, requests))
             rates[policy] = sum(r.cached_tokens for r in replay(requests, cache)) / prompt
         assert all(rates["oracle"] >= rate for rate in rates.values()), (capacity, rates)
+
+
+@pytest.mark.parametrize("policy", ["lfu", "slru"])
+def test_look_ups_count_no_hits_for_frequency_policies(policy):
+    cache = RadixCache(100, policy=make_policy(policy))
+    serve(cache, [1, 1])
+    serve(cache, [2, 2])
+    use(cache, [2, 2])  # one real hit
+    for _ in range(5):  # a scheduler ordering its queue: look-ups, not uses
+        assert cache.match(toks(1, 1, 9)) == 2
+    assert sorted(n.access_count for n in cache.nodes()) == [1, 2]
+    assert victims(cache) == [(1, 1), (2, 2)]  # [1,1] is more recent but was never hit
+
+
+def test_look_ups_refresh_recency_as_sglangs_match_prefix_does():
+    cache = RadixCache(100, policy=make_policy("lru"))
+    serve(cache, [1, 1])
+    serve(cache, [2, 2])
+    cache.match(toks(1, 1, 9))
+    assert victims(cache) == [(2, 2), (1, 1)]
+
+
+def test_look_ups_do_not_move_the_oracles_now():
+    reqs = [Request(id=f"r{i}", prompt=toks(*p), output=toks(0)) for i, p in
+            enumerate([[1, 1], [2, 2], [1, 1, 3], [2, 2, 3]])]
+    cache = RadixCache(100, policy=Oracle(reqs))
+    cache.acquire(toks(1, 1), requester=Requester("r0"))
+    assert cache.policy.now == 0
+    cache.match(toks(2, 2, 3), requester=Requester("r3"))
+    assert cache.policy.now == 0

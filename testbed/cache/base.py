@@ -115,7 +115,9 @@ class PrefixCache(ABC):
     def match(self, tokens: np.ndarray, limit: int | None = None,
               requester: Requester | None = None) -> int:
         """Length of the longest cached prefix of ``tokens`` usable as a hit (at most ``limit``),
-        without protecting it. Like SGLang's ``match_prefix`` this counts as an access."""
+        without protecting it: a look-up (a scheduler ordering its queue), not a use. It counts
+        no hit or frequency for eviction policies and does not move the oracle's "now"; a radix
+        tree refreshes the recency of the nodes it passes, as SGLang's ``match_prefix`` does."""
 
     @property
     @abstractmethod

@@ -105,7 +105,7 @@ class BlockHashCache(PrefixCache):
     # ---------------------------------------------------------------- lifecycle
     def match(self, tokens: np.ndarray, limit: int | None = None,
               requester: Requester | None = None) -> int:
-        self.policy.on_access(requester)
+        # A look-up (as vLLM's scheduler computes a hit): no statistics change, no policy access.
         return len(self._lookup(self.block_keys(tokens), len(tokens), limit)) * self.block_size
 
     @property

@@ -158,7 +158,7 @@ class RadixCache(PrefixCache):
               hit: bool) -> tuple[TreeNode, int, list[np.ndarray]]:
         """Follow ``key`` from the root, touching every node on the way (as hits for a match) and
         splitting the edge the walk stops inside. Returns (last node, matched length, slot runs of
-        the matched path)."""
+        the matched path). ``requester`` None: a look-up, which refreshes recency only."""
         node = self.root
         self._touch(node, requester)
         matched = 0
@@ -184,13 +184,17 @@ class RadixCache(PrefixCache):
         return node, matched, runs
 
     # ---------------------------------------------------------------- core API (SGLang's names)
-    def match_prefix(self, key: np.ndarray,
-                     requester: Requester | None = None) -> tuple[int, TreeNode, np.ndarray]:
-        """Longest cached prefix of ``key`` (page-aligned): (length, deepest node, its slots)."""
+    def match_prefix(self, key: np.ndarray, requester: Requester | None = None,
+                     lookup: bool = False) -> tuple[int, TreeNode, np.ndarray]:
+        """Longest cached prefix of ``key`` (page-aligned): (length, deepest node, its slots).
+
+        ``lookup=True`` is a scheduler's look-up, not a use: like SGLang's ``match_prefix`` it
+        refreshes the recency of every node it passes (and splits the edge it stops inside), but it
+        counts no hit and leaves the requester's priority out of the nodes' statistics."""
         key = key[: self._aligned(len(key))]
         if len(key) == 0:
             return 0, self.root, EMPTY_SLOTS
-        node, matched, runs = self._walk(key, requester, hit=True)
+        node, matched, runs = self._walk(key, None if lookup else requester, hit=not lookup)
         slots = np.concatenate(runs) if runs else EMPTY_SLOTS
         return matched, node, slots
 
@@ -266,8 +270,9 @@ class RadixCache(PrefixCache):
     # ---------------------------------------------------------------- PrefixCache lifecycle
     def match(self, tokens: np.ndarray, limit: int | None = None,
               requester: Requester | None = None) -> int:
-        self.policy.on_access(requester)
-        return self.match_prefix(tokens if limit is None else tokens[:limit], requester)[0]
+        # A look-up: recency refreshed as SGLang's match_prefix does; no hit, no policy access.
+        return self.match_prefix(tokens if limit is None else tokens[:limit], requester,
+                                 lookup=True)[0]
 
     @property
     def available_size(self) -> float:

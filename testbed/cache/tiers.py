@@ -143,10 +143,10 @@ class TieredRadixCache(RadixCache):
         head.tier = state
         return head
 
-    def match_prefix(self, key: np.ndarray,
-                     requester: Requester | None = None) -> tuple[int, TreeNode, np.ndarray]:
+    def match_prefix(self, key: np.ndarray, requester: Requester | None = None,
+                     lookup: bool = False) -> tuple[int, TreeNode, np.ndarray]:
         """Longest cached prefix in any tier: (length, deepest node, slots of its GPU part)."""
-        matched, node, slots = super().match_prefix(key, requester)
+        matched, node, slots = super().match_prefix(key, requester, lookup)
         if matched and self.write_policy == "write_through_selective":
             self.lock(node)  # backups make room in the host: not at the expense of this path
             self._after_walk(node)
