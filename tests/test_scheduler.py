@@ -77,18 +77,34 @@ def test_dfs_weight_order_on_an_empty_tree_keeps_fcfs():
     assert dfs_weight_order(cache.root, reqs, [cache.root, cache.root]) == reqs
 
 
-def test_in_batch_prefix_caching_defers_a_request_whose_prefix_another_will_compute():
+def test_lpm_sorts_a_request_whose_prefix_another_will_compute_last_and_still_admits_it():
     s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm"))
     shared = list(range(500, 540))  # 40 tokens: above the 32-token thresholds
     reqs = waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
     ordering = s.policy.order(s.waiting)
-    assert ordering.deferred == {id(reqs[1])}
+    assert ordering.deferred == {id(reqs[1])} and not ordering.held
+    batch = s.next_batch()  # SGLang 0.4.10: deprioritized = sorted last, not skipped
+    assert [(e.req.id, e.context, e.new) for e in batch.entries] == [
+        ("r0", 0, 42), ("r2", 0, 3), ("r1", 0, 42)]
+
+
+def test_in_batch_hold_holds_the_deprioritized_request_until_it_hits_the_shared_prefix():
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm", in_batch_hold=True))
+    shared = list(range(500, 540))
+    waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
     batch = s.next_batch()
     assert [e.req.id for e in batch.entries] == ["r0", "r2"]
-    s.complete(batch, [1000, 1000], now=1.0)
-    # Next step: r1 now hits the shared prefix computed by r0.
+    s.complete(batch, [1000, 1000], now=1.0)  # out=1: both finish in their prefill
     batch = s.next_batch()
     assert [(e.req.id, e.context) for e in batch.entries] == [("r1", 40)]
+
+
+def test_dfs_weight_defers_nothing():
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="dfs_weight"))
+    shared = list(range(500, 540))
+    waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
+    assert s.policy.order(s.waiting).deferred == set()
+    assert len(s.next_batch().entries) == 3
 
 
 def test_short_shared_prefixes_are_not_deferred():
@@ -154,7 +170,7 @@ def drive(scheduler: Scheduler, max_steps: int = 10_000) -> int:
 def test_retraction_requeues_and_every_request_finishes_with_its_tokens(make_cache):
     cache = make_cache()
     s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0,
-                                         min_new_token_ratio_factor=0.0))
+                                         min_new_token_ratio_factor=0.0, clip_max_new_tokens=1))
     reqs = [s.submit(request(f"r{i}", [i, *range(10, 18)], out=12), 0.0) for i in range(5)]
     drive(s)
     assert s.preemptions > 0

@@ -162,13 +162,14 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
-        """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence, whose
-        length must equal ``lease.num_tokens``); otherwise the slots the lease added are freed
+        """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence: at most
+        ``lease.num_tokens``; slots past it, taken for a step still in flight, are freed); otherwise the slots the lease added are freed
         (the matched prefix stays cached) and ``tokens`` is ignored."""
 
     @abstractmethod
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
-        """Cache the lease's sequence so far (``tokens``, one per slot) while the request goes on:
+        """Cache the lease's sequence so far (``tokens``, one per slot from the first; slots past
+        them stay the lease's) while the request goes on:
         other requests can hit it from now on, and the lease protects it (chunked prefill)."""
 
     @abstractmethod

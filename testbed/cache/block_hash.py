@@ -149,7 +149,7 @@ class BlockHashCache(PrefixCache):
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle
-        if insert and len(tokens) != lease.num_tokens:
+        if insert and len(tokens) > lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         if insert:
             self._register_full_blocks(handle, tokens, lease.requester)
@@ -169,7 +169,7 @@ class BlockHashCache(PrefixCache):
         return Released(inserted=insert, already_cached=lease.hit)
 
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
-        if len(tokens) != lease.num_tokens:
+        if len(tokens) > lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         self._register_full_blocks(lease.handle, tokens, lease.requester)
         lease.cached = lease.handle.registered * self.block_size

@@ -297,12 +297,12 @@ class RadixCache(PrefixCache):
         return evicted
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
-        if insert and len(tokens) != lease.num_tokens:
+        if insert and len(tokens) > lease.num_tokens:
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         present = lease.cached
         slots = lease.slots
         if insert:
-            present = self.insert(tokens, slots, lease.requester)
+            present = self.insert(tokens, slots[: len(tokens)], lease.requester)
             # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
             # meanwhile; the unaligned tail (page_size > 1) was not inserted.
             self.pool.free(slots[lease.cached : present])
@@ -314,12 +314,13 @@ class RadixCache(PrefixCache):
         return Released(inserted=insert, already_cached=present)
 
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
-        if len(tokens) != lease.num_tokens:
+        if len(tokens) > lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         slots = lease.slots
-        present = self.insert(tokens, slots, lease.requester)
+        present = self.insert(tokens, slots[: len(tokens)], lease.requester)
         self.pool.free(slots[lease.cached : present])
-        n, node, cached_slots = self.match_prefix(tokens, lease.requester)  # now all cached
+        # now all cached; re-matched as SGLang's cache_unfinished_req does (a look-up, not a hit)
+        n, node, cached_slots = self.match_prefix(tokens, lease.requester, lookup=True)
         self.lock(node)
         self.unlock(lease.handle)
         lease.handle = node

@@ -22,6 +22,14 @@ class BatchEntry:
     context: int  # tokens with KV before this step
     new: int  # tokens computed in this step
     produces_token: bool  # False for a chunk that does not reach the end of the fill
+    gen: int = 0  # the request's retraction count when formed: a stale entry's token is dropped
+    slots: np.ndarray | None = None  # KV slots when formed (the lease may end before it runs)
+
+    def bind(self) -> "BatchEntry":
+        """Fix the entry to the request's state now, once its KV room is allocated."""
+        self.gen = self.req.preemptions
+        self.slots = self.req.lease.slots
+        return self
 
     def input_ids(self) -> np.ndarray:
         """Token ids fed in this step (positions context .. context+new-1)."""
@@ -31,7 +39,8 @@ class BatchEntry:
 
     def kv_slots(self) -> np.ndarray:
         """KV slots of positions 0 .. context+new-1: read for attention, the last ``new`` written."""
-        return self.req.lease.slots[: self.context + self.new]
+        slots = self.slots if self.slots is not None else self.req.lease.slots
+        return slots[: self.context + self.new]
 
 
 @dataclass

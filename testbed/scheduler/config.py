@@ -20,6 +20,9 @@ class SchedulerConfig:
     in_batch_prefix_caching: bool = True
     in_batch_check_threshold: int = 32
     in_batch_deprioritize_threshold: int = 32
+    in_batch_hold: bool = False  # beyond SGLang: deprioritized requests sit the step out
+    lpm_aging: float = 0.0  # beyond SGLang: LPM key tokens gained per second of waiting
+    overlap: bool = False  # SGLang's overlap schedule: results applied after the next batch forms
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
@@ -51,6 +54,11 @@ class SchedulerConfig:
             value = getattr(self, key)
             if (value is not None or key in positive) and (value is None or value < 1):
                 raise ValueError(f"scheduler.{key} must be >= 1{' or null' if key in optional_positive else ''}, got {value}")
+        if self.lpm_aging < 0:
+            raise ValueError(f"scheduler.lpm_aging must be >= 0, got {self.lpm_aging}")
+        for key in ["in_batch_prefix_caching", "in_batch_hold", "overlap"]:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"scheduler.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ["init_new_token_ratio", "min_new_token_ratio_factor"]:
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"scheduler.{key} must be in [0, 1], got {getattr(self, key)}")

@@ -7,15 +7,27 @@
   subtrees holding more waiting requests first, then the requests whose match ends at the node;
 - ``random``: a seeded shuffle; ``lof``: longest output first.
 
-Cache-aware policies (lpm, dfs_weight) also apply SGLang's in-batch prefix caching: a request with
-at most ``check_threshold`` tokens cached whose prefix shares at least ``deprioritize_threshold``
-tokens with an earlier waiting request is deferred for this step, so the shared prefix is computed
-once and then hit. A policy that needs a capability the cache lacks degrades to FCFS (lpm with
-``cache=none``; dfs_weight without a radix tree).
+The order is applied to the queue in place and persists, as in SGLang, where
+``SchedulePolicy.calc_priority`` sorts ``waiting_queue`` itself (a stable sort): ties keep the
+order of the previous step, new and retracted requests join at the end, and when LPM falls back
+to FCFS the queue is simply not re-sorted.
+
+LPM also applies SGLang's in-batch prefix caching (``_compute_prefix_matches`` in SGLang 0.4.10's
+``managers/schedule_policy.py``): a request with at most ``check_threshold`` tokens cached whose
+prefix shares at least ``deprioritize_threshold`` tokens with an earlier waiting request is
+deprioritized: sorted to the end of this step's order (``_sort_by_longest_prefix`` gives it key
++inf), not skipped. DFS-weight computes the same set in SGLang but never uses it, so it defers
+nothing here. ``in_batch_hold=True`` (beyond SGLang) holds deprioritized requests out of the step
+instead, so that they hit the shared prefix in the next one, which is what SGLang's code comment
+says the rule intends. ``lpm_aging`` (beyond SGLang; 0 = SGLang) adds that many tokens to a
+request's LPM key per second it has waited, so cache-cold requests are not starved under load.
+A policy that needs a capability the cache lacks degrades to FCFS (lpm with ``cache=none``;
+dfs_weight without a radix tree).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,14 +42,16 @@ POLICIES = ("fcfs", "lpm", "dfs_weight", "random", "lof")
 
 @dataclass
 class Ordering:
-    queue: list[Req]  # in the order to try
-    deferred: set[int]  # ids (id()) of requests that sit this step out
+    queue: list[Req]  # in the order to try (deprioritized requests last)
+    deferred: set[int]  # ids (id()) of the deprioritized requests (in-batch prefix caching)
+    held: bool = False  # whether the deferred sit this step out (``in_batch_hold``)
 
 
 class QueuePolicy:
     def __init__(self, name: str, cache: PrefixCache, rng: np.random.Generator,
                  lpm_fallback_threshold: int = 128, in_batch_prefix_caching: bool = True,
-                 check_threshold: int = 32, deprioritize_threshold: int = 32) -> None:
+                 check_threshold: int = 32, deprioritize_threshold: int = 32,
+                 in_batch_hold: bool = False, lpm_aging: float = 0.0) -> None:
         if name not in POLICIES:
             raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}; got {name!r}")
         self.name = name
@@ -47,6 +61,8 @@ class QueuePolicy:
         self.in_batch = in_batch_prefix_caching and cache.name != "none"
         self.check_threshold = check_threshold
         self.deprioritize_threshold = deprioritize_threshold
+        self.in_batch_hold = in_batch_hold
+        self.lpm_aging = lpm_aging
 
     def effective(self, num_waiting: int) -> str:
         """The policy actually applied with this many requests waiting."""
@@ -56,27 +72,34 @@ class QueuePolicy:
             return "fcfs"
         return self.name
 
-    def order(self, waiting: list[Req]) -> Ordering:
-        """``waiting`` must be in submission (``seq``) order, which is FCFS."""
-        fcfs = list(waiting)
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        """The order in which to try ``waiting`` (the queue as it stands, ties kept in its order);
+        ``now`` only matters for ``lpm_aging``."""
+        queue = list(waiting)
         name = self.effective(len(waiting))
         if name == "fcfs":
-            return Ordering(fcfs, set())
+            return Ordering(queue, set())
         if name == "random":
-            return Ordering([fcfs[i] for i in self.rng.permutation(len(fcfs))], set())
-        if name == "lof":
-            return Ordering(sorted(fcfs, key=lambda r: -r.remaining_new_tokens), set())
-        # Cache-aware: match every waiting request (as SGLang does, this counts as an access).
-        keys = [r.fill()[: r.fill_len - 1] for r in fcfs]
+            return Ordering([queue[i] for i in self.rng.permutation(len(queue))], set())
+        if name == "lof":  # SGLang sorts by max_new_tokens, however many are already out
+            return Ordering(sorted(queue, key=lambda r: -r.max_new_tokens), set())
+        # Cache-aware: a look-up of every waiting request (recency only; see PrefixCache.match).
+        keys = [r.fill()[: r.fill_len - 1] for r in queue]
         if name == "lpm":
             hits = [self.cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester)
-                    for r in fcfs]
-            deferred = self._in_batch_deferrals(fcfs, keys, hits)
-            order = sorted(range(len(fcfs)), key=lambda i: -hits[i])
-            return Ordering([fcfs[i] for i in order], deferred)
-        matches = [self.cache.match_prefix(k, r.requester) for k, r in zip(keys, fcfs)]  # radix
-        deferred = self._in_batch_deferrals(fcfs, keys, [m[0] for m in matches])
-        return Ordering(dfs_weight_order(self.cache.root, fcfs, [m[1] for m in matches]), deferred)
+                    for r in queue]
+            deferred = self._in_batch_deferrals(queue, keys, hits)
+            aging = self.lpm_aging
+
+            def key(i: int) -> float:
+                if id(queue[i]) in deferred:
+                    return math.inf
+                return -(hits[i] + aging * (now - queue[i].submitted_s)) if aging else -hits[i]
+
+            order = sorted(range(len(queue)), key=key)
+            return Ordering([queue[i] for i in order], deferred, held=self.in_batch_hold)
+        last_nodes = [self.cache.match_prefix(k, lookup=True)[1] for k in keys]  # radix
+        return Ordering(dfs_weight_order(self.cache.root, queue, last_nodes), set())
 
     def _in_batch_deferrals(self, reqs: list[Req], keys: list[np.ndarray], hits: list[int]) -> set[int]:
         if not self.in_batch:

@@ -1,22 +1,40 @@
-"""The scheduler shared by the simulator and the engine (SGLang's policy, step by step).
+"""The scheduler shared by the simulator and the engine: SGLang 0.4.10's, step by step.
 
-Each step is either a prefill batch or a decode batch, prefill first whenever one can be formed:
+Each step is a prefill batch or a decode batch, prefill first whenever one can be formed
+(``Scheduler.get_next_batch_to_run``); each rule below names the SGLang function it follows.
 
-- **Prefill.** A request being chunked continues first; then waiting requests in the queue
-  policy's order are admitted while the batch has room (``max_running_requests``), the step's
-  token budget (``max_prefill_tokens``) and the KV budget allow. The KV budget is what the cache
-  could free plus hold, minus reservations for future output: ``min(remaining, clip) ×
-  new_token_ratio`` for each running request and ``min(max_new, clip)`` for each admitted one. A
-  request longer than what is left of ``chunked_prefill_size`` is cut into chunks; each chunk's KV
-  is committed to the cache so others can share it. Admission stops at the first request that
-  does not fit (no skipping ahead), except deferred ones (in-batch prefix caching).
-- **Decode.** One token for every running request. When the KV pool cannot hold one more token
-  for each, requests are retracted (SGLang's order: fewest outputs, then longest prompt), their
-  KV beyond the cached prefix freed, and re-queued; they later re-prefill prompt + outputs so far.
-  ``new_token_ratio`` is then re-estimated, and otherwise decays by one step towards its minimum.
+- **Prefill** (``get_new_batch_prefill``, `PrefillAdder`). A request being chunked continues first
+  (``add_chunked_req``); then waiting requests in the queue policy's order are admitted
+  (``add_one_req``) until one does not fit: ``extend + min(max_new, clip) >= rem_total`` stops
+  admission and marks the batch full (``NO_TOKEN``); an extend of at least the remaining
+  ``max_prefill_tokens`` stops it when the batch has a request already (``OTHER``); a request
+  longer than what is left of ``chunked_prefill_size`` is cut there and becomes the chunked one.
+  Admission also stops, batch full, when the running batch plus the admitted reach
+  ``max_running_requests``. A full batch tries no prefill until the running batch shrinks (a
+  request finishes or is retracted). The running batch keeps requests that finished in a decode
+  step until the next decode step filters them out, so they count toward
+  ``max_running_requests`` until then, as in SGLang.
+- **Insert after prefill.** Once a request's prefill is done its sequence enters the cache
+  (``cache_unfinished_req``) and its lock moves to the new deepest node: requests admitted later
+  hit it while it decodes. Each chunk of a chunked prefill enters the cache before the next batch
+  forms. Decoded tokens enter at finish (``cache_finished_req``).
+- **Decode** (``update_running_batch``). One token for every running request. When the KV pool
+  cannot hold the step, requests are retracted (``retract_decode``: fewest outputs first, then
+  longest prompt), their KV beyond the cached prefix freed, and appended to the queue, until the
+  rest have room for ``retract_decode_steps`` tokens each (the tree is evicted to make that room
+  at once); ``new_token_ratio`` is then re-estimated, and otherwise decays by one step.
+- **Overlap** (``scheduler.overlap``, SGLang's default ``event_loop_overlap``): a batch's results
+  (tokens, finishes, the insert after prefill) are applied only after the next batch is formed,
+  so that batch decodes requests whose last token is still in flight, and one step more for a
+  request that has just finished (its extra token is dropped, as SGLang frees it).
 
-The scheduler never looks at time: the driver passes ``now`` in, so the simulator and the engine
-make the same decisions whenever their step durations do not change the order of events.
+Beyond SGLang: when nothing runs and the first request's reservation does not fit, it is admitted
+anyway (SGLang clips ``max_new_tokens`` at submission so that this cannot happen; without the
+exception such a run would never end).
+
+The scheduler never reads a clock: the driver passes ``now`` in (used for records and
+``lpm_aging``), so the simulator and the engine make the same decisions whenever their step
+durations do not change the order of events.
 
 With lower cache tiers (host, disk), a request whose match continues below the GPU has that run
 loaded back when it is considered for admission, unless the cache's planner finds recomputing it
@@ -27,17 +45,19 @@ to be evicted again), and is admitted as usual.
 
 from __future__ import annotations
 
-import bisect
 import math
 
 import numpy as np
 
-from testbed.cache.base import PrefixCache
+from testbed.cache.base import Lease, PrefixCache
+from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.policy import QueuePolicy
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import Request
+
+_LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
 
 
 class Scheduler:
@@ -50,14 +70,20 @@ class Scheduler:
                                   lpm_fallback_threshold=c.lpm_fallback_threshold,
                                   in_batch_prefix_caching=c.in_batch_prefix_caching,
                                   check_threshold=c.in_batch_check_threshold,
-                                  deprioritize_threshold=c.in_batch_deprioritize_threshold)
+                                  deprioritize_threshold=c.in_batch_deprioritize_threshold,
+                                  in_batch_hold=c.in_batch_hold, lpm_aging=c.lpm_aging)
         capacity = cache.available_size
         self.max_running = c.max_running_requests or (
             4096 if math.isinf(capacity) else max(1, min(int(capacity) // 2, 4096)))
-        self.waiting: list[Req] = []  # in submission order
-        self.running: list[Req] = []
+        self.page_size = getattr(cache, "page_size", 1)  # SGLang's pages (radix); 1 otherwise
+        self.waiting: list[Req] = []  # SGLang's waiting_queue: the policy re-sorts it in place
+        self.running: list[Req] = []  # the running batch; finished ones stay until a decode step
         self.chunked: Req | None = None
+        self.batch_is_full = False
+        self._last_prefill: Batch | None = None  # merged into the running batch at the next step
         self._in_flight: Batch | None = None
+        self._pending: tuple[Batch, list[int | None]] | None = None  # overlap: results to apply
+        self._finished_out: list[Req] = []  # finished while applying pending results
         self.min_new_token_ratio = c.init_new_token_ratio * c.min_new_token_ratio_factor
         self.new_token_ratio_decay = (c.init_new_token_ratio - self.min_new_token_ratio) / c.new_token_ratio_decay_steps
         self.new_token_ratio = c.init_new_token_ratio
@@ -84,96 +110,157 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.loading)
+        return bool(self.waiting or self.chunked or self.loading or self._pending
+                    or any(not r.finished for r in self.running)
+                    or (self._last_prefill and any(not e.req.finished
+                                                   for e in self._last_prefill.entries)))
 
     # ------------------------------------------------------------------ the next step
-    def next_batch(self) -> Batch | None:
-        batch = self._prefill_batch() if (self.waiting or self.chunked) else None
-        if batch is None and self.running:
+    def next_batch(self, now: float = 0.0) -> Batch | None:
+        """Form the next step (``get_next_batch_to_run``). With ``overlap``, the previous step's
+        results are applied right after it is formed; `take_finished` returns what they finished."""
+        if self.chunked is not None and self.config.overlap:
+            self._commit_chunk(self.chunked)
+        self._merge_last_prefill()
+        batch = self._prefill_batch(now)
+        if batch is None:
+            before = len(self.running)
             batch = self._decode_batch()
-            if not batch.entries:  # everything was retracted: start over with prefill
-                batch = self._prefill_batch()
-        if batch is None and not self.has_work:
-            self.new_token_ratio = self.config.init_new_token_ratio
+            if batch is None:
+                self.new_token_ratio = self.config.init_new_token_ratio  # idle: SGLang resets it
+                if before:  # the running batch emptied: the next loop iteration tries prefill
+                    batch = self._prefill_batch(now)
+        if batch is not None and batch.kind == "prefill":
+            self._last_prefill = batch
+        if self._pending is not None:
+            done, tokens = self._pending
+            self._pending = None
+            self._finished_out += self._apply(done, tokens, now)
         self._in_flight = batch
         return batch
 
-    def _reserved(self) -> float:
-        clip = self.config.clip_max_new_tokens
-        return sum(min(r.remaining_new_tokens, clip) for r in self.running) * self.new_token_ratio
+    def take_finished(self) -> list[Req]:
+        """Requests finished while `next_batch` applied the previous step's results (overlap)."""
+        out, self._finished_out = self._finished_out, []
+        return out
 
-    def _prefill_batch(self) -> Batch | None:
+    def _merge_last_prefill(self) -> None:
+        """The last prefill batch joins the running batch, less its finished requests and its
+        chunked one; a smaller batch, or a new running batch, is not full (SGLang's
+        ``filter_batch`` and ``merge_batch`` in ``get_next_batch_to_run``)."""
+        last, self._last_prefill = self._last_prefill, None
+        if last is None:
+            return
+        keep = [e.req for e in last.entries
+                if e.produces_token and not e.req.finished and e.gen == e.req.preemptions]
+        if len(keep) < len(last.entries) or (keep and not self.running):
+            self.batch_is_full = False
+        self.running += keep
+
+    def _prefill_batch(self, now: float) -> Batch | None:
         c = self.config
-        if len(self.running) >= self.max_running and self.chunked is None:
+        if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
-        offset = self._reserved()
-        if self.chunked is None and self.cache.available_size - offset <= 0:
-            return None  # no KV budget: not worth ordering the queue
-        rem_input = c.max_prefill_tokens
-        rem_chunk = c.chunked_prefill_size if c.chunked_prefill_size is not None else math.inf
+        running_bs = len(self.running)
+        if self.max_running - running_bs <= 0 and self.chunked is None:
+            self.batch_is_full = True
+            return None
+        held: set[int] = set()
+        if self.waiting:
+            ordering = self.policy.order(self.waiting, now)
+            self.waiting[:] = ordering.queue
+            held = ordering.deferred if ordering.held else set()
+        adder = PrefillAdder.for_step(self.cache, self.running, self.new_token_ratio,
+                                      c.clip_max_new_tokens, c.max_prefill_tokens,
+                                      c.chunked_prefill_size, self.page_size)
         admitted: list[BatchEntry] = []
-
-        def rem_total() -> float:
-            return self.cache.available_size - offset
-
-        if self.chunked is not None:  # the request being chunked continues first
+        if self.chunked is not None:  # add_chunked_req: no KV check, as in SGLang
             req = self.chunked
             todo = req.fill_len - req.computed
-            new = int(min(todo, rem_chunk, max(rem_total(), 1)))
-            last = new == todo
+            last = todo <= adder.rem_chunk
+            new = int(min(todo, adder.rem_chunk))
             admitted.append(BatchEntry(req, req.computed, new, produces_token=last))
-            offset += new + (min(req.remaining_new_tokens, c.clip_max_new_tokens) if last else 0)
-            rem_input -= new
-            rem_chunk -= new
+            adder.take(new, min(req.max_new_tokens, c.clip_max_new_tokens) if last else 0)
             self.chunked = None if last else req
 
-        ordering = self.policy.order(self.waiting) if self.waiting else None
-        for req in ordering.queue if ordering else []:
-            if rem_total() <= 0 or rem_input <= 0 or rem_chunk <= 0:
+        for req in list(self.waiting):
+            if len(admitted) >= self.max_running - running_bs:
+                self.batch_is_full = True
                 break
-            if len(self.running) + len(admitted) >= self.max_running:
-                break
-            if id(req) in ordering.deferred:
+            if id(req) in held:
                 continue
-            fill = req.fill()
-            lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
-            if lease.lower and self._load_back(req, lease):
-                continue  # it waits for the copy; the loaded slots already count against the KV
-            extend = len(fill) - lease.hit
-            reserve = min(req.remaining_new_tokens, c.clip_max_new_tokens)
-            budget = rem_total()
-            alone = not self.running and not admitted  # nothing else could make progress
-            over_budget = (min(extend, rem_chunk) > budget) if alone else (extend + reserve >= budget)
-            if over_budget or (extend > rem_input and admitted):
-                self.cache.release(lease, fill, insert=False)
+            result = self._add_one(req, adder, admitted)
+            if result == _LOADING:
+                continue
+            if result is not AddResult.CONTINUE:
+                if result is AddResult.NO_TOKEN:
+                    self.batch_is_full = True
                 break
-            req.lease, req.computed = lease, lease.hit
-            if req.cached_tokens is None:
-                req.cached_tokens = min(lease.hit, len(req.prompt))
-                if self.cache.lower_tiers:
-                    self._record_tier_hit(req)
-            if extend <= rem_chunk:
-                admitted.append(BatchEntry(req, lease.hit, extend, produces_token=True))
-                offset += extend + reserve
-            else:
-                new = int(rem_chunk)
-                admitted.append(BatchEntry(req, lease.hit, new, produces_token=False))
-                offset += new
-                self.chunked = req
-                extend = new
-            rem_input -= extend
-            rem_chunk -= extend
-            self.waiting.remove(req)
+        if not admitted:
+            return None
+        chosen = {id(e.req) for e in admitted}
+        self.waiting = [r for r in self.waiting if id(r) not in chosen]
 
         entries = []
         for entry in admitted:
-            evicted = self.cache.extend(entry.req.lease, entry.new)
-            if evicted is None:  # reservations are estimates: put it back for a later step
-                self._requeue(entry.req)
+            req = entry.req
+            evicted = self.cache.extend(req.lease, entry.new)
+            if evicted is None:  # SGLang would run out of memory here; put it back instead
+                self._requeue(req)
                 continue
-            entry.req.evicted_tokens += evicted
-            entries.append(entry)
+            req.evicted_tokens += evicted
+            req.computed = entry.context + entry.new
+            entries.append(entry.bind())
         return Batch("prefill", entries) if entries else None
+
+    def _add_one(self, req: Req, adder: PrefillAdder, admitted: list[BatchEntry]):
+        """SGLang's ``add_one_req`` for one waiting request: admit it (whole or its first chunk)
+        or say why not."""
+        c = self.config
+        fill = req.fill()
+        available_before = self.cache.available_size
+        lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
+        if lease.lower and self._load_back(req, lease):
+            return _LOADING  # it waits for the copy; the loaded slots already count against the KV
+        extend = len(fill) - lease.hit
+        reserve = min(req.max_new_tokens, c.clip_max_new_tokens)
+        total = extend + reserve
+        input_tokens = adder.ceil_paged(extend)
+        locked = available_before - self.cache.available_size  # what the lock took
+        result = None
+        if total >= adder.rem_total + locked:  # SGLang checks once before locking ...
+            result = AddResult.NO_TOKEN
+        elif input_tokens >= adder.rem_input and admitted:
+            result = AddResult.OTHER
+        elif total >= adder.rem_total:  # ... and again after
+            result = AddResult.NO_TOKEN
+        if result is AddResult.NO_TOKEN and self._alone(admitted):
+            first = extend if adder.rem_chunk is None else min(extend, adder.rem_chunk)
+            if first <= self.cache.available_size:
+                result = None  # nothing else can run: admit it whatever its reservation
+        if result is None and not (adder.rem_chunk is None or input_tokens <= adder.rem_chunk):
+            new = int(adder.rem_chunk) - self.page_size + 1  # a chunk: at least a page left
+            if new <= 0:
+                result = AddResult.OTHER
+        if result is not None:
+            self.cache.release(lease, fill, insert=False)
+            return result
+        req.lease, req.computed = lease, lease.hit
+        if req.cached_tokens is None:
+            req.cached_tokens = min(lease.hit, len(req.prompt))
+            if self.cache.lower_tiers:
+                self._record_tier_hit(req)
+        if adder.rem_chunk is None or input_tokens <= adder.rem_chunk:
+            admitted.append(BatchEntry(req, lease.hit, extend, produces_token=True))
+            adder.take(extend, reserve)
+        else:
+            admitted.append(BatchEntry(req, lease.hit, new, produces_token=False))
+            adder.take(new, 0)
+            self.chunked = req
+        return adder.budget_state()
+
+    def _alone(self, admitted: list[BatchEntry]) -> bool:
+        return not admitted and self.chunked is None and all(r.finished for r in self.running)
 
     def _load_back(self, req: Req, lease) -> bool:
         """Start loading the lease's lower-tier run back to the GPU; False when the cache gives it
@@ -219,31 +306,51 @@ class Scheduler:
         if req.id in self._loaded:
             loads, waited = self._loaded[req.id]
             self._loaded[req.id] = (loads, waited + waited_s)
-        bisect.insort(self.waiting, req, key=lambda r: r.seq)
+        self._insert_by_seq(req)
 
-    def _decode_batch(self) -> Batch:
+    def _insert_by_seq(self, req: Req) -> None:
+        """Back into the queue where its submission order puts it (before the first request
+        submitted after it): a load-back only delayed it."""
+        at = next((i for i, r in enumerate(self.waiting) if r.seq > req.seq), len(self.waiting))
+        self.waiting.insert(at, req)
+
+    def _decode_batch(self) -> Batch | None:
+        """SGLang's ``update_running_batch``: filter out the finished, retract if the step does
+        not fit, then one token each."""
+        initial = len(self.running)
+        self.running = [r for r in self.running if not r.finished]
+        if not self.running:
+            self.batch_is_full = False
+            return None
         if self.cache.available_size < self._decode_cost(self.running):
             self._retract()
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                        self.min_new_token_ratio)
+        if len(self.running) < initial:
+            self.batch_is_full = False
         leases = [req.lease for req in self.running]
+        entries = []
         for req, evicted in zip(self.running, self.cache.extend_each(leases, 1)):
             req.evicted_tokens += evicted
-        return Batch("decode", [BatchEntry(req, req.computed, 1, produces_token=True)
-                                for req in self.running])
+            entries.append(BatchEntry(req, req.computed, 1, produces_token=True).bind())
+            req.computed += 1
+        return Batch("decode", entries)
 
     def _retract(self) -> None:
-        """Free KV by sending requests back to the queue until one token each fits."""
+        """SGLang's ``retract_decode``: retract one request, then more until the rest have room
+        for ``retract_decode_steps`` tokens each (evicting the tree for it at once); one is
+        always kept. Then ``new_token_ratio`` is re-estimated from the requests left."""
         order = {
             "newest": lambda r: (len(r.output), -len(r.prompt)),
             "longest_prompt": lambda r: (-len(r.prompt), r.seq),
             "most_remaining": lambda r: (-r.remaining_new_tokens, r.seq),
         }[self.config.retract_order]
         candidates = sorted(self.running, key=order, reverse=True)
+        steps = self.config.retract_decode_steps
         first = True
-        while candidates and (first or self.cache.available_size < self._decode_cost(candidates)):
-            if len(candidates) == 1 and self.cache.available_size >= self._decode_cost(candidates):
+        while first or self.cache.available_size < steps * len(candidates):
+            if len(candidates) == 1:
                 break
             first = False
             req = candidates.pop()
@@ -251,58 +358,82 @@ class Scheduler:
             self._requeue(req)
             req.preemptions += 1
             self.preemptions += 1
+            self._evict_to_free(steps * len(candidates))
         decoded = sum(len(r.output) for r in self.running)
         budget = sum(r.max_new_tokens for r in self.running)
         if budget:
-            steps = self.config.retract_decode_steps
             self.new_token_ratio = min(1.0, (decoded + steps * len(self.running)) / budget)
+
+    def _evict_to_free(self, num_tokens: int) -> None:
+        """Evict so that ``num_tokens`` slots are free (SGLang's ``_evict_tree_cache_if_needed``,
+        which retraction calls to use the freed room at once); slot-pool caches only."""
+        pool = self.cache.pool
+        if pool is not None and not pool.unbounded and pool.num_free < num_tokens:
+            self.cache.evict(num_tokens - pool.num_free)
 
     def _decode_cost(self, reqs: list[Req]) -> int:
         """KV capacity one more decode step of ``reqs`` takes."""
         return sum(self.cache.extension_cost(r.lease, 1) for r in reqs)
 
     def _requeue(self, req: Req) -> None:
+        """Free the request's KV beyond its cached prefix and append it to the queue (SGLang's
+        ``_extend_requests_to_queue``); it will re-prefill prompt and outputs so far."""
         self.cache.release(req.lease, req.fill(), insert=False)
         req.lease, req.computed = None, 0
         if self.chunked is req:
             self.chunked = None
-        bisect.insort(self.waiting, req, key=lambda r: r.seq)  # the queue stays in FCFS order
+        self.waiting.append(req)
 
     # ------------------------------------------------------------------ results in
     def complete(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
-        """Apply a step's outcome (the token each entry produced, or None); returns the requests
-        that finished in it."""
+        """Report a step's outcome (the token each entry produced, or None); returns the requests
+        that finished in it. With ``overlap`` the outcome is applied when the next batch has been
+        formed, and the finished requests come from `take_finished` then."""
         self._in_flight = None
+        if self.config.overlap:
+            self._pending = (batch, list(tokens))
+            return []
+        return self._apply(batch, tokens, now)
+
+    def _apply(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
+        """SGLang's ``process_batch_result_prefill/decode``."""
         finished = []
         for entry, token in zip(batch.entries, tokens):
             req = entry.req
-            req.computed = entry.context + entry.new
-            if entry.produces_token and req.remaining_new_tokens > 0:
+            if req.finished or entry.gen != req.preemptions:
+                continue  # overlap: finished or retracted since; the token is dropped
+            if not entry.produces_token:
+                if not self.config.overlap:
+                    self._commit_chunk(req)  # (with overlap: when the next batch forms)
+                continue
+            if req.remaining_new_tokens > 0:  # (a prefill-only call, max_new 0, makes none)
                 if token is None:
                     raise ValueError(f"request {req.id}: the executor produced no token")
                 req.output.append(int(token))
                 if req.first_token_s is None:
                     req.first_token_s = now
-            elif not entry.produces_token:
-                self.cache.commit(req.lease, req.kv_tokens())  # a chunk: share it right away
-                continue
             if req.remaining_new_tokens == 0:
                 self._finish(req, now)
                 finished.append(req)
-            elif batch.kind == "prefill":
-                self.running.append(req)
+            elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on
+                self.cache.commit(req.lease, req.fill()[: entry.context + entry.new])
         return finished
 
+    def _commit_chunk(self, req: Req) -> None:
+        self.cache.commit(req.lease, req.fill()[: req.computed])
+
     def _finish(self, req: Req, now: float) -> None:
-        released = self.cache.release(req.lease, req.kv_tokens(), insert=True)
+        """cache_finished_req: every token with KV (all but the last output) enters the cache; a
+        slot taken for a step still in flight (overlap) is freed."""
+        released = self.cache.release(req.lease, req.fill()[: req.fill_len - 1], insert=True)
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now
-        if req in self.running:
-            self.running.remove(req)
 
-    def leases(self):
-        """Leases of every request holding KV, the batch in flight included (invariant checks)."""
+    def leases(self) -> list[Lease]:
+        """Leases of every request holding KV, batches in flight included (invariant checks)."""
         holders = self.running + ([self.chunked] if self.chunked else []) + self.loading
-        holders += [e.req for e in self._in_flight.entries] if self._in_flight else []
+        for batch in (self._last_prefill, self._in_flight,
+                      self._pending[0] if self._pending else None):
+            holders += [e.req for e in batch.entries] if batch else []
         return list({id(r.lease): r.lease for r in holders if r.lease is not None}.values())

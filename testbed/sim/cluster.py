@@ -203,7 +203,9 @@ class ClusterDriver(Driver):
         total = len(self.requests)
         scheduler = rep.scheduler
         while True:
-            batch = scheduler.next_batch()
+            batch = scheduler.next_batch(self.env.now)
+            for req in scheduler.take_finished():
+                self._on_finish(req)
             if batch is None:
                 if len(self._finish_s) == total:
                     return

@@ -147,7 +147,9 @@ class Driver:
     def _step_loop(self):
         total = len(self.requests)
         while True:
-            batch = self.scheduler.next_batch()
+            batch = self.scheduler.next_batch(self.env.now)
+            for req in self.scheduler.take_finished():
+                self._on_finish(req)
             for req in self.scheduler.take_loads():
                 self.env.process(self._load_back(req))
             if batch is None:
