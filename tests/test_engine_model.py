@@ -502,3 +502,41 @@ def test_a_chunk_behind_a_prefix_is_attended_in_query_blocks_that_stop_at_their_
         assert mask.shape == (end - start, keys)
         visible = mask.sum(dim=1)  # query j (of the whole chunk) sees keys 0 .. 300 + j
         assert visible.tolist() == [300 + j + 1 for j in range(start, end)]
+
+
+# ---------------------------------------------------------------------------- SGLang's schedule
+def engine_burst(tiny_ours, **scheduler):
+    """8 requests sharing a 64-token prefix, arriving together, 4 greedy tokens each."""
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(0, 256, 64).astype(np.int32)
+    requests = [Request(f"b{i}", np.concatenate([prefix, rng.integers(0, 256, n).astype(np.int32)]),
+                        np.zeros(4, dtype=np.int32)) for i, n in enumerate(range(4, 12))]
+    cfg = {"name": "lpm", "chunked_prefill_size": 500, **scheduler}
+    _, result = serve(requests, RadixCache(2000), cfg, engine(tiny_ours, 2000), record_steps=True)
+    return requests, result
+
+
+def test_the_engine_runs_the_burst_as_sglang_and_each_request_equals_hf(tiny_hf, tiny_ours):
+    requests, result = engine_burst(tiny_ours)
+    prefills = [s for s in result.steps if s.kind == "prefill"]
+    # sorted with the deprioritized last, 7 whole requests (68..74 tokens, 497) and 3 tokens of b7
+    assert [s.new for s in prefills] == [(68, 69, 70, 71, 72, 73, 74, 3), (72,)]
+    assert [r.cached_tokens for r in result.reqs] == [0] * 8
+    for req, r in zip(result.reqs, requests):
+        assert req.output == hf_greedy(tiny_hf, r.prompt.tolist(), 4)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_engine_with_in_batch_hold_computes_the_prefix_once_and_equals_hf(tiny_hf, tiny_ours,
+                                                                              overlap):
+    requests, result = engine_burst(tiny_ours, in_batch_hold=True, overlap=overlap)
+    prefills = [s for s in result.steps if s.kind == "prefill"]
+    # with overlap, b0's prompt reaches the tree only after the second batch has formed: b1,
+    # first of the held, runs alone then without a hit
+    cold = 2 if overlap else 1
+    assert [s.ids for s in prefills[:cold]] == [("b0",), ("b1",)][:cold]
+    assert len(prefills) == cold + 1 and set(prefills[-1].context) == {64}
+    assert sorted(r.cached_tokens for r in result.reqs) == [0] * cold + [64] * (8 - cold)
+    assert sum(sum(s.new) for s in prefills) == 64 * cold + sum(range(4, 12))
+    for req, r in zip(result.reqs, requests):
+        assert req.output == hf_greedy(tiny_hf, r.prompt.tolist(), 4)
