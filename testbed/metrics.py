@@ -4,10 +4,10 @@ Definitions (DESIGN.md §3): ``hit_rate`` is cached prompt tokens over all promp
 ``ideal_hit_rate`` is the same ratio with unlimited cache and perfect reuse (each prompt's longest
 prefix shared with any earlier request's prompt+output). Timing figures are None where the backend
 has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per second of makespan.
-A request is cache-cold when its ``cached_tokens`` (hit at first admission) is under half its prompt,
-cache-warm otherwise; ``cold_requests`` counts the cold ones served and ``ttft_p50_cold_s``,
-``ttft_p99_cold_s``, ``ttft_p99_warm_s`` split TTFT between the two (LPM starves the cold ones under
-load, SGLang issue 31954).
+A request is cache-cold when its ``cached_tokens`` (hit at first admission) is under half its
+prompt, cache-warm otherwise; ``cold_requests`` counts the cold ones served and ``ttft_p50_cold_s``,
+``ttft_p99_cold_s``, ``ttft_p99_warm_s`` split TTFT between the two (LPM starves the cold ones
+under load, SGLang issue 31954).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _ttfts(records: list[RequestRecord]) -> list[float]:
 
 
 def is_cold(record: RequestRecord) -> bool:
-    """Cache-cold: fewer than half its prompt tokens hit at first admission (exactly half is warm)."""
+    """Cache-cold: under half its prompt tokens hit at first admission (exactly half is warm)."""
     return 2 * record.cached_tokens < record.prompt_tokens
 
 
