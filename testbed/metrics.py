@@ -4,6 +4,10 @@ Definitions (DESIGN.md §3): ``hit_rate`` is cached prompt tokens over all promp
 ``ideal_hit_rate`` is the same ratio with unlimited cache and perfect reuse (each prompt's longest
 prefix shared with any earlier request's prompt+output). Timing figures are None where the backend
 has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per second of makespan.
+A request is cache-cold when its ``cached_tokens`` (hit at first admission) is under half its
+prompt, cache-warm otherwise; ``cold_requests`` counts the cold ones served and ``ttft_p50_cold_s``,
+``ttft_p99_cold_s``, ``ttft_p99_warm_s`` split TTFT between the two (LPM starves the cold ones
+under load, SGLang issue 31954).
 """
 
 from __future__ import annotations
@@ -91,15 +95,42 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _timed(records: list[RequestRecord]) -> list[RequestRecord]:
+    """Requests that were served and finished: those the latency figures count."""
+    return [r for r in records if r.finish_s is not None and not r.aborted]
+
+
+def _ttfts(records: list[RequestRecord]) -> list[float]:
+    """Time to first token of the timed requests that produced one."""
+    return [r.first_token_s - r.arrival_s for r in _timed(records) if r.first_token_s is not None]
+
+
+def is_cold(record: RequestRecord) -> bool:
+    """Cache-cold: under half its prompt tokens hit at first admission (exactly half is warm)."""
+    return 2 * record.cached_tokens < record.prompt_tokens
+
+
+def cold_warm_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """TTFT of cache-cold requests against cache-warm ones; aborted requests are left out, as in
+    the other latency figures. Percentiles are None where a group has no TTFT (replay)."""
+    served = [r for r in records if not r.aborted]
+    cold = [r for r in served if is_cold(r)]
+    warm = [r for r in served if not is_cold(r)]
+    return {"cold_requests": len(cold),
+            "ttft_p50_cold_s": _percentile(_ttfts(cold), 50),
+            "ttft_p99_cold_s": _percentile(_ttfts(cold), 99),
+            "ttft_p99_warm_s": _percentile(_ttfts(warm), 99)}
+
+
 def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
               preemptions: int = 0) -> dict[str, Any]:
     """The summary.json figures for one run."""
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
     output = sum(r.output_tokens for r in records)
-    timed = [r for r in records if r.finish_s is not None and not r.aborted]
+    timed = _timed(records)
     makespan = (max(r.finish_s for r in timed) - min(r.arrival_s for r in timed)) if timed else None
-    ttft = [r.first_token_s - r.arrival_s for r in timed if r.first_token_s is not None]
+    ttft = _ttfts(records)
     tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
             for r in timed if r.first_token_s is not None and r.output_tokens > 1]
     e2e = [r.finish_s - r.arrival_s for r in timed if r.output_tokens]  # prefill-only calls
@@ -121,6 +152,7 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "throughput_tok_s": rate(prompt + output),
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
+        **cold_warm_summary(records),
         "tpot_p50_s": _percentile(tpot, 50),
         "e2e_p50_s": _percentile(e2e, 50),
         "e2e_p99_s": _percentile(e2e, 99),

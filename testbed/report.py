@@ -8,7 +8,8 @@ included with status ``failed`` and their error. Writes into DIR (or OUT):
 - ``results.csv`` and ``results.parquet``: the whole table;
 - ``report.md``: tables, findings computed from the table, and the figures of ``report_figures``
   (PNGs in ``figures/``): throughput normalised to no cache, hit rate against the ideal, hit rate vs
-  capacity, latency CDFs, latency vs load (each where the data has what it needs).
+  capacity, latency CDFs, latency vs load, TTFT p99 of cache-cold vs cache-warm requests (each
+  where the data has what it needs).
 
 The table's columns (and the no-cache normalisation) are described in ``report_table``; the
 findings and tables in ``report_markdown``; the figures in ``report_figures``.

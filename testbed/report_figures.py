@@ -15,6 +15,7 @@ import pandas as pd
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter
 
 from testbed.report_table import (
@@ -76,6 +77,11 @@ def _grouped_bars(ok: pd.DataFrame, value: str, ax, marker: Callable | None = No
                 top = g[value].max()
                 ax.annotate(f"{top:.2f}×", (i - 0.4 + width * (j + 0.5), top), ha="center",
                             va="bottom", fontsize="small")
+    _setting_axis(ok, ax, groups)
+
+
+def _setting_axis(ok: pd.DataFrame, ax, groups: list[str]) -> None:
+    """The x axis of bars grouped by setting: one tick per setting, named by what varies."""
     only_workload = setting_keys(ok) in ([], ["workload"])
     ax.set_xlabel("workload" if only_workload else "setting")
     ax.set_xticks(range(len(groups)), groups, rotation=20 if len(groups) > 4 else 0,
@@ -116,6 +122,43 @@ def hit_rate_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ax.set_ylabel("hit rate (cached / prompt tokens)")
     ax.set_title("Prefix-cache hit rate against the ideal")
     fig.legend(loc="outside right upper", title="/".join(variant_parts(ok)), fontsize="small")
+    return _save(fig, path)
+
+
+def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
+    """TTFT p99 of cache-cold requests (solid bars) beside that of cache-warm ones (hatched), per
+    setting and variant: LPM serves warm requests first and can starve cold ones under load."""
+    ok = ok[ok["ttft_p99_cold_s"].notna() | ok["ttft_p99_warm_s"].notna()]
+    if ok.empty:
+        return None
+    names, groups = variants(ok), settings(ok)
+    col = colors(names)
+    fig, axes = _figure(1, 1, (max(7, 1.0 + 0.44 * len(ok)), 4.8))
+    ax = axes[0][0]
+    width = 0.8 / len(names)
+    for j, v in enumerate(names):
+        rows = ok[ok["variant"] == v].set_index("setting")
+        for k, metric in enumerate(("ttft_p99_cold_s", "ttft_p99_warm_s")):
+            got = rows[metric].dropna()
+            xs = [i for i, s in enumerate(groups) if s in got.index]
+            warm = k == 1  # hatched in the variant's colour, so dark colours still show it
+            ax.bar([x - 0.4 + width * (j + 0.25 + 0.5 * k) for x in xs],
+                   [got[groups[x]] for x in xs], width / 2, label=None if warm else v,
+                   color="white" if warm else col[v], hatch="//" if warm else None,
+                   edgecolor=col[v] if warm else "black", linewidth=0.8 if warm else 0.3)
+    values = ok[["ttft_p99_cold_s", "ttft_p99_warm_s"]].to_numpy(dtype=float)
+    pos = values[values > 0]
+    if len(pos) and pos.max() / pos.min() > 100:  # a starved cold p99 dwarfs the warm one
+        ax.set_yscale("log")
+    _setting_axis(ok, ax, groups)
+    ax.set_ylabel("TTFT p99 (s)")
+    ax.set_title("TTFT p99: cache-cold vs cache-warm requests")
+    handles, labels = ax.get_legend_handles_labels()
+    handles += [Patch(facecolor="grey", edgecolor="black", linewidth=0.3),
+                Patch(facecolor="white", edgecolor="grey", hatch="//")]
+    labels += ["cold: hit < half the prompt", "warm: the rest"]
+    fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
+               fontsize="small")
     return _save(fig, path)
 
 
@@ -242,5 +285,7 @@ def make_figures(df: pd.DataFrame, root: Path, figdir: Path) -> list[tuple[Path,
          else None, "Latency CDFs"),
         (load_figure(ok, figdir / "latency_vs_load.png") if "e2e_p50_s" in ok else None,
          "Latency vs load"),
+        (cold_warm_figure(ok, figdir / "ttft_cold_vs_warm.png") if "ttft_p99_cold_s" in ok
+         else None, "TTFT p99: cache-cold vs cache-warm requests"),
     ]
     return [(p, t) for p, t in made if p is not None]

@@ -64,8 +64,8 @@ def findings(df: pd.DataFrame) -> list[str]:
 
 FORMATS = {"hit_rate": ".3f", "ideal_hit_rate": ".3f", "hit_vs_ideal": ".1%",
            "throughput_vs_nocache": ".2f", "throughput_req_s": ".4g", "throughput_tok_s": ".4g",
-           "makespan_s": ".4g", "ttft_p50_s": ".3g", "ttft_p99_s": ".3g", "e2e_p50_s": ".3g",
-           "e2e_p99_s": ".3g", "arrival_rate": "g"}
+           "makespan_s": ".4g", "ttft_p50_s": ".3g", "ttft_p99_s": ".3g", "ttft_p99_cold_s": ".3g",
+           "ttft_p99_warm_s": ".3g", "e2e_p50_s": ".3g", "e2e_p99_s": ".3g", "arrival_rate": "g"}
 
 
 def _cell(v: Any, fmt: str | None = None) -> str:
@@ -123,8 +123,8 @@ def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[st
                             key=lambda c: c if c.dtype != object else c.astype(str))
     shown = [*keys, "variant", "status"]
     nums = ["hit_rate", "ideal_hit_rate", "hit_vs_ideal", "throughput_req_s",
-            "throughput_vs_nocache", "ttft_p50_s", "e2e_p50_s", "e2e_p99_s", "preemptions",
-            "error"]
+            "throughput_vs_nocache", "ttft_p50_s", "ttft_p99_cold_s", "ttft_p99_warm_s",
+            "e2e_p50_s", "e2e_p99_s", "preemptions", "error"]
     names = {"hit_vs_ideal": "hit / ideal", "throughput_vs_nocache": "× no cache",
              "throughput_req_s": "req/s", "ideal_hit_rate": "ideal"}
     timed = "throughput_req_s" in df and df["throughput_req_s"].notna().any()

@@ -80,7 +80,7 @@ def test_throughput_is_normalised_to_the_no_cache_fcfs_run(two_by_two):
 def test_figures_are_real_pngs_linked_from_the_report(two_by_two):
     out, proc = two_by_two
     text = (out / "report.md").read_text()
-    for name in ("throughput_vs_nocache", "hit_rate", "latency_cdf"):
+    for name in ("throughput_vs_nocache", "hit_rate", "latency_cdf", "ttft_cold_vs_warm"):
         png = out / "figures" / f"{name}.png"
         data = png.read_bytes()
         assert len(data) > 1000 and data.startswith(PNG_MAGIC)
@@ -89,6 +89,27 @@ def test_figures_are_real_pngs_linked_from_the_report(two_by_two):
         assert f"](figures/{name}.png)" in text
     assert not (out / "figures" / "latency_vs_load.png").exists()  # one arrival rate only
     assert "4 runs (0 failed)" in proc.stdout
+
+
+def test_table_and_report_show_ttft_of_cache_cold_and_cache_warm_requests(two_by_two):
+    out, _ = two_by_two
+    for table in (pd.read_parquet(out / "results.parquet"), pd.read_csv(out / "results.csv")):
+        for row in table.to_dict("records"):
+            if row["cache"] == "none":  # nothing is ever cached: every request is cold
+                assert row["cold_requests"] == row["num_requests"] == 44
+                assert row["ttft_p50_cold_s"] == row["ttft_p50_s"]
+                assert row["ttft_p99_cold_s"] == row["ttft_p99_s"]
+                assert np.isnan(row["ttft_p99_warm_s"])
+            else:  # each problem's root call is cold, the thoughts below it reuse its prompt
+                assert row["cold_requests"] == 2
+                assert row["ttft_p99_warm_s"] < row["ttft_p99_cold_s"]
+    text = (out / "report.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| variant | status"))
+    assert "| ttft_p50_s | ttft_p99_cold_s | ttft_p99_warm_s |" in header
+    table = pd.read_parquet(out / "results.parquet").set_index("variant")
+    cold, warm = table.loc["radix/lpm", ["ttft_p99_cold_s", "ttft_p99_warm_s"]]
+    assert f"| {cold:.3g} | {warm:.3g} |" in text
+    assert f"| {table.loc['none/fcfs', 'ttft_p99_cold_s']:.3g} | – |" in text
 
 
 def test_findings_match_the_table(two_by_two):
@@ -184,6 +205,7 @@ def test_capacity_and_load_figures_appear_when_the_sweep_varies_them(tmp_path):
     assert report(caps).returncode == 0
     assert matplotlib.image.imread(caps / "figures" / "hit_rate_vs_capacity.png").ndim == 3
     assert not (caps / "figures" / "throughput_vs_nocache.png").exists()  # replay has no time
+    assert not (caps / "figures" / "ttft_cold_vs_warm.png").exists()
     assert "best hit rate is" in (caps / "report.md").read_text()
 
     load = tmp_path / "load"
