@@ -201,14 +201,17 @@ class Scheduler:
         chosen = {id(e.req) for e in admitted}
         self.waiting = [r for r in self.waiting if id(r) not in chosen]
 
+        news = [e.new for e in admitted]
+        paged = self.page_size * len(admitted) if self.page_size > 1 else 0
+        early = self._attribute(self._evict_for(sum(news) + paged), news)  # prepare_for_extend
         entries = []
-        for entry in admitted:
+        for entry, evicted_early in zip(admitted, early):
             req = entry.req
             evicted = self.cache.extend(req.lease, entry.new)
             if evicted is None:  # SGLang would run out of memory here; put it back instead
                 self._requeue(req)
                 continue
-            req.evicted_tokens += evicted
+            req.evicted_tokens += evicted + evicted_early
             req.computed = entry.context + entry.new
             entries.append(entry.bind())
         return Batch("prefill", entries) if entries else None
@@ -322,7 +325,9 @@ class Scheduler:
         if not self.running:
             self.batch_is_full = False
             return None
-        if self.cache.available_size < self._decode_cost(self.running):
+        need = self._decode_cost(self.running)
+        early = self._evict_for(need)  # check_decode_mem
+        if self.cache.available_size < need:
             self._retract()
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
@@ -330,9 +335,10 @@ class Scheduler:
         if len(self.running) < initial:
             self.batch_is_full = False
         leases = [req.lease for req in self.running]
+        early = self._attribute(early, [1] * len(self.running))
         entries = []
-        for req, evicted in zip(self.running, self.cache.extend_each(leases, 1)):
-            req.evicted_tokens += evicted
+        for req, evicted, evicted_early in zip(self.running, self.cache.extend_each(leases, 1), early):
+            req.evicted_tokens += evicted + evicted_early
             entries.append(BatchEntry(req, req.computed, 1, produces_token=True).bind())
             req.computed += 1
         return Batch("decode", entries)
@@ -358,18 +364,32 @@ class Scheduler:
             self._requeue(req)
             req.preemptions += 1
             self.preemptions += 1
-            self._evict_to_free(steps * len(candidates))
+            self._evict_for(steps * len(candidates))  # to use the freed room at once
         decoded = sum(len(r.output) for r in self.running)
         budget = sum(r.max_new_tokens for r in self.running)
         if budget:
             self.new_token_ratio = min(1.0, (decoded + steps * len(self.running)) / budget)
 
-    def _evict_to_free(self, num_tokens: int) -> None:
-        """Evict so that ``num_tokens`` slots are free (SGLang's ``_evict_tree_cache_if_needed``,
-        which retraction calls to use the freed room at once); slot-pool caches only."""
+    def _evict_for(self, num_tokens: int) -> int:
+        """SGLang's ``_evict_tree_cache_if_needed``: when fewer than ``num_tokens`` slots are
+        free, evict ``num_tokens`` (all of it, not the shortfall: SGLang asks the tree for that
+        many). Slot-pool caches only; returns the tokens evicted."""
         pool = self.cache.pool
         if pool is not None and not pool.unbounded and pool.num_free < num_tokens:
-            self.cache.evict(num_tokens - pool.num_free)
+            return self.cache.evict(num_tokens)
+        return 0
+
+    @staticmethod
+    def _attribute(evicted: int, needs: list[int]) -> list[int]:
+        """Split tokens evicted for a whole step among its requests, in order, each up to its
+        need; the rest (whole nodes overshoot) goes to the last."""
+        out = []
+        for need in needs:
+            out.append(min(need, evicted))
+            evicted -= out[-1]
+        if out:
+            out[-1] += evicted
+        return out
 
     def _decode_cost(self, reqs: list[Req]) -> int:
         """KV capacity one more decode step of ``reqs`` takes."""
