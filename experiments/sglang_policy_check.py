@@ -1,0 +1,339 @@
+"""A differential check of our scheduler against SGLang 0.4.10's own scheduling code.
+
+SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy.py``
+(SchedulePolicy, PrefillAdder) and ``radix_cache.py`` (RadixCache) are imported from it
+(`sglang_mirror` says how, and what gets a stand-in). Two comparisons, page_size 1 throughout:
+
+(a) **Queue order.** Random radix trees (random token runs branching off each other, inserted in
+    the same order into SGLang's RadixCache and ours, so child order and DFS-weight ties match) and
+    random waiting queues (1-40 requests, some 129-160 to cross LPM's FCFS fallback at 128) sharing
+    prefixes with the tree and with each other. SGLang's ``SchedulePolicy.calc_priority`` order
+    (``lpm`` and ``dfs-weight``, in-batch thresholds 32/32) must equal our
+    ``QueuePolicy.order(...).queue``, with nothing held back ("strict"). ``--in-batch-hold``
+    instead accepts held requests when they are exactly SGLang's deprioritized ones (LPM only;
+    dfs-weight deprioritizes nothing): ours then counts as the queue without them, followed by
+    them in queue order, where SGLang's stable sort puts them ("held-as-deprioritized"). Both
+    readings are printed, and whether our queue alone equals SGLang's order.
+(b) **Whole offline batches.** Small workloads from ``testbed.workloads`` (dependencies ignored, all
+    requests submitted at once, outputs forced: each request produces its predetermined tokens and
+    stops after the last), run step by step through SGLang's non-overlap event loop around its own
+    SchedulePolicy, PrefillAdder and RadixCache (`sglang_mirror.SglangLoop`), and through our
+    `Scheduler` with a radix cache of the same capacity. Compared: each request's cache hit at its
+    first admission, and the list of (kind, request ids) per step; retractions are counted.
+
+Not isolated, hence re-implemented in `sglang_mirror` (each function cites SGLang's): the
+``Scheduler`` loop, ``ScheduleBatch`` bookkeeping, ``Req``, the KV allocator (a free list) and the
+req-to-token pool (a dict of rows). Capacities keep every request under SGLang's ``max_req_len``
+so that its ``max_new_tokens`` clipping never applies. Exit code 0 unless the wheel cannot be had.
+
+    python experiments/sglang_policy_check.py [--cache-dir DIR]   # ~20 s on 2 cores
+    python experiments/sglang_policy_check.py --quick             # ~8 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import sglang_mirror  # noqa: E402  (beside this script)
+from sglang_mirror import SglangLoop, SglReq  # noqa: E402
+from testbed.cache import make_cache  # noqa: E402
+from testbed.cache.radix import RadixCache  # noqa: E402
+from testbed.scheduler.config import SchedulerConfig  # noqa: E402
+from testbed.scheduler.policy import QueuePolicy  # noqa: E402
+from testbed.scheduler.request_state import Req  # noqa: E402
+from testbed.scheduler.scheduler import Scheduler  # noqa: E402
+from testbed.workloads import generate  # noqa: E402
+from testbed.workloads.request import TOKEN_DTYPE, Request  # noqa: E402
+
+DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"sglang-{sglang_mirror.VERSION}"
+SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs"}
+# Small instances of the project's generators (names and parameters as in conf/workload/).
+WORKLOADS = {
+    "few_shot": dict(num_tasks=3, questions_per_task=6, num_shots=2, example_len=48,
+                     question_len=24, output_len=4),
+    "tree_of_thought": dict(num_problems=2, depth=3, branching=2, instruction_len=32,
+                            problem_len=48, step_prompt_len=16, thought_len=24),
+    "chat": dict(num_sessions=6, turns=3, system_prompt_len=32, min_question_len=40,
+                 max_question_len=80, min_output_len=4, max_output_len=8),
+    "shared_prefix": dict(num_groups=4, prompts_per_group=6, system_prompt_len=256,
+                          question_len=32, output_len=24),
+    "chat_long": dict(num_sessions=4, turns=2, system_prompt_len=32, min_question_len=64,
+                      max_question_len=128, min_output_len=256, max_output_len=512),
+}
+# (capacity, max_running_requests, chunked_prefill_size, max_prefill_tokens); capacity "ample"
+# never evicts, "evict" must, "tight" also retracts (sizes from the workload, see `capacities`).
+CONFIGS = [("ample", 64, None, 16384), ("ample", 4, 64, 16384), ("ample", 16, 8192, 128),
+           ("evict", 16, None, 16384), ("evict", 8, 64, 256), ("tight", 64, None, 16384),
+           ("tight", 8, 64, 16384), ("tight", 16, 256, 512)]
+QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
+
+
+# ---------------------------------------------------------------- (a) queue order
+def random_instance(rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]]]:
+    """Token runs for the tree and prompts for the queue, each branching off an earlier run or
+    prompt at a random point (a small vocabulary adds accidental partial matches)."""
+    vocab = int(rng.choice([8, 64, 1000]))
+
+    def grow(pool: list[list[int]]) -> list[int]:
+        if pool and rng.random() < 0.8:
+            base = pool[int(rng.integers(len(pool)))]
+            seq = base[: int(rng.integers(0, len(base) + 1))]
+        else:
+            seq = []
+        return seq + rng.integers(0, vocab, int(rng.integers(1, 80))).tolist()
+
+    tree: list[list[int]] = []
+    for _ in range(int(rng.integers(0, 25))):
+        tree.append(grow(tree))
+    size = int(rng.integers(129, 161)) if rng.random() < 0.1 else int(rng.integers(1, 41))
+    queue: list[list[int]] = []
+    for _ in range(size):
+        queue.append(grow(tree + queue))
+    return tree, queue
+
+
+def held_ids(ordering, reqs: list[Req]) -> set[str]:
+    """The ids of the requests an `Ordering` holds back, whatever its field is called and
+    whether it stores requests, ids or id()s."""
+    by_pyid = {id(r): r.id for r in reqs}
+    out: set[str] = set()
+    for f in fields(ordering):
+        if f.name != "queue":
+            for x in getattr(ordering, f.name) or ():
+                out.add(x.id if isinstance(x, Req) else by_pyid.get(x, x))
+    return out
+
+
+def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]]):
+    """One queue through both policies. Returns which comparisons agree (``strict``: our queue is
+    SGLang's order and nothing is held; ``hold``: we hold exactly SGLang's deprioritized requests
+    and the rest of our queue, then them in queue order, is SGLang's order; ``queue``: our queue
+    alone is SGLang's order), whether the trees agree on every hit, and the two orders."""
+    theirs = sgl.radix.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=None,
+                                  page_size=1, disable=False)
+    ours = RadixCache(capacity=None)
+    for seq in tree:
+        theirs.insert(seq, torch.arange(len(seq)))
+        arr = np.asarray(seq, dtype=TOKEN_DTYPE)
+        lease = ours.acquire(arr)
+        ours.extend(lease, len(arr) - lease.hit)
+        ours.release(lease, arr, insert=True)
+    sgl_policy = sgl.policy.SchedulePolicy(SGL_NAME[policy], theirs, False)
+    deprioritized: set[str] = set()
+    compute = sgl_policy._compute_prefix_matches  # wrapped to note its result, not changed
+
+    def noting(queue, p):
+        out = compute(queue, p)
+        deprioritized.update(out if p.value == "lpm" else ())  # dfs-weight ignores the set
+        return out
+    sgl_policy._compute_prefix_matches = noting
+    sgl_queue = [SglReq(f"r{i}", p, [0]) for i, p in enumerate(prompts)]
+    sgl_policy.calc_priority(sgl_queue)
+    expected = [r.rid for r in sgl_queue]
+
+    reqs = [Req(request=Request(f"r{i}", np.asarray(p, dtype=TOKEN_DTYPE),
+                                np.zeros(1, dtype=TOKEN_DTYPE)),
+                prompt=np.asarray(p, dtype=TOKEN_DTYPE), submitted_s=0.0, seq=i)
+            for i, p in enumerate(prompts)]
+    ordering = QueuePolicy(policy, ours, np.random.default_rng(0)).order(reqs)
+    got, held = [r.id for r in ordering.queue], held_ids(ordering, reqs)
+    held_last = [i for i in got if i not in held] + [r.id for r in reqs if r.id in held]
+    hits = {r.rid: len(r.prefix_indices) for r in sgl_queue}
+    trees = all(ours.match(r.prompt, limit=len(r.prompt) - 1) == hits[r.id] for r in reqs
+                if len(prompts) <= 128 or policy == "dfs_weight")  # LPM's FCFS fallback: no match
+    agree = {"strict": not held and got == expected, "queue": got == expected,
+             "hold": held == deprioritized and held_last == expected}
+    return agree, bool(held), trees, (expected, got, sorted(held))
+
+
+def check_order(sgl, trials: int, hold: bool, seed: int, show: int) -> dict[str, Counter]:
+    rng = np.random.default_rng(seed)
+    stats = {p: Counter() for p in ("lpm", "dfs_weight")}
+    shown = 0
+    for _ in range(trials):
+        tree, prompts = random_instance(rng)
+        big = len(prompts) > 128
+        for policy, c in stats.items():
+            agree, held, trees, detail = order_once(sgl, policy, tree, prompts)
+            ok = agree["hold" if hold else "strict"]
+            c.update(queues=1, agree=ok, held=held, tree_mismatch=not trees, big=big,
+                     big_agree=big and ok, **{f"{k}_agree": v for k, v in agree.items()})
+            if not ok and shown < show:
+                shown += 1
+                print(f"  {policy}, {len(prompts)} waiting\n    SGLang {' '.join(detail[0])}\n"
+                      f"    ours   {' '.join(detail[1])}\n    held   {' '.join(detail[2])}")
+    return stats
+
+
+# ---------------------------------------------------------------- (b) whole batches
+def workload(name: str) -> list[Request]:
+    return generate({"name": name, **WORKLOADS[name]}, seed=1)
+
+
+def capacities(requests: list[Request]) -> dict[str, int]:
+    """KV capacities for a workload: all of it, a third of it, or barely more than the longest
+    request (and always above SGLang's max_req_len = capacity - 1 for every request)."""
+    lengths = [len(r.prompt) + len(r.output) for r in requests]
+    longest, total = max(lengths), sum(lengths)
+    return {"ample": total + 64, "evict": max(longest + 64, total // 3),
+            "tight": max(longest + 16, total // 8)}
+
+
+def run_ours(requests, policy, cap, max_running, chunk, max_prefill):
+    cache = make_cache("radix", capacity_tokens=cap, page_size=1, policy="lru")
+    sched = Scheduler(cache, SchedulerConfig(name=policy, max_running_requests=max_running,
+                                             max_prefill_tokens=max_prefill,
+                                             chunked_prefill_size=chunk))
+    reqs = [sched.submit(r, 0.0) for r in requests]
+    steps = []
+    while len(steps) < 200_000:
+        batch = sched.next_batch()
+        if batch is None:
+            break
+        steps.append((batch.kind, frozenset(e.req.id for e in batch.entries)))
+        tokens = [int(e.req.request.output[len(e.req.output)])
+                  if e.produces_token and e.req.remaining_new_tokens > 0 else None
+                  for e in batch.entries]
+        sched.complete(batch, tokens, float(len(steps)))
+    return steps, {r.id: r.cached_tokens for r in reqs}, sched.preemptions, sched.has_work
+
+
+def run_sglang(sgl, requests, policy, cap, max_running, chunk, max_prefill):
+    max_req_len = cap - 1  # TpModelWorker: min(context_len - 1, max_total_num_tokens - 1)
+    for r in requests:  # handle_generate_request would abort it or clip its max_new_tokens
+        if len(r.prompt) >= max_req_len - 5 or len(r.prompt) + len(r.output) + 1 > max_req_len:
+            raise ValueError(f"{r.id} does not fit SGLang's max_req_len {max_req_len}")
+    width = max(len(r.prompt) + len(r.output) for r in requests) + 2
+    loop = SglangLoop(sgl, SGL_NAME[policy], cap, max_running, max_prefill, chunk, width)
+    reqs = [SglReq(r.id, r.prompt.tolist(), r.output.tolist()) for r in requests]
+    loop.waiting.extend(reqs)
+    loop.run()
+    return loop.steps, {r.rid: r.first_hit for r in reqs}, loop.retractions, loop.stuck
+
+
+def first_difference(a: list, b: list) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def describe(steps: list, i: int) -> str:
+    return f"{steps[i][0]} {' '.join(sorted(steps[i][1]))}" if i < len(steps) else "(ended)"
+
+
+def check_batches(sgl, quick: bool, show: int) -> list[dict]:
+    rows = []
+    for name in WORKLOADS:
+        requests = workload(name)
+        caps = capacities(requests)
+        for policy in ("lpm", "dfs_weight") + (() if quick else ("fcfs",)):
+            for level, max_running, chunk, max_prefill in (QUICK_CONFIGS if quick else CONFIGS):
+                args = (requests, policy, caps[level], max_running, chunk, max_prefill)
+                row = {"case": f"{name}/{policy}/{level}={caps[level]}/run={max_running}/"
+                               f"chunk={chunk}/pf={max_prefill}", "reqs": len(requests)}
+                try:
+                    ours = run_ours(*args)
+                except Exception as e:  # a report, not a test: say what failed and go on
+                    ours = None
+                    row["error"] = f"ours: {type(e).__name__}: {e}"
+                try:
+                    theirs = run_sglang(sgl, *args)
+                except Exception as e:
+                    theirs = None
+                    row["error"] = f"SGLang: {type(e).__name__}: {e}"
+                rows.append(row)
+                if ours is None or theirs is None:
+                    continue
+                kinds = [Counter(k for k, _ in s) for s in (ours[0], theirs[0])]
+                row.update(hits=sum(ours[1][r.id] == theirs[1][r.id] for r in requests),
+                           prefill=(kinds[0]["prefill"], kinds[1]["prefill"]),
+                           decode=(kinds[0]["decode"], kinds[1]["decode"]),
+                           retract=(ours[2], theirs[2]), stuck=(ours[3], theirs[3]),
+                           diff=first_difference(ours[0], theirs[0]))
+                if row["diff"] is not None and show > 0:
+                    show -= 1
+                    i = row["diff"]
+                    print(f"  {row['case']}: step {i}\n    ours   {describe(ours[0], i)}\n"
+                          f"    SGLang {describe(theirs[0], i)}")
+    return rows
+
+
+def print_batches(rows: list[dict]) -> None:
+    width = max(len(r["case"]) for r in rows)
+    print(f"{'case':<{width}}  reqs  hits=  prefill o/s  decode o/s  retract o/s  steps")
+    for r in rows:
+        if "hits" not in r:
+            print(f"{r['case']:<{width}}  {r['reqs']:>4}  {r['error']}")
+            continue
+        steps = "same" if r["diff"] is None else f"differ from step {r['diff']}"
+        stuck = "; stuck: " + " and ".join(w for w, s in zip(("ours", "SGLang"), r["stuck"]) if s)
+        print(f"{r['case']:<{width}}  {r['reqs']:>4}  {r['hits']:>5}  {'%d/%d' % r['prefill']:>11}"
+              f"  {'%d/%d' % r['decode']:>10}  {'%d/%d' % r['retract']:>11}  {steps}"
+              f"{stuck if any(r['stuck']) else ''}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
+                    help=f"where the wheel is kept (default {DEFAULT_CACHE})")
+    ap.add_argument("--quick", action="store_true", help="300 queues, 30 of the 120 cases (~8 s)")
+    ap.add_argument("--queues", type=int, help="random queues in (a) (default 1000; 300 quick)")
+    ap.add_argument("--in-batch-hold", action="store_true",
+                    help="(a): accept held requests equal to SGLang's deprioritized set")
+    ap.add_argument("--show", type=int, default=3, help="disagreements to print in detail")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    try:
+        sgl = sglang_mirror.load(sglang_mirror.fetch(args.cache_dir.expanduser()))
+    except Exception as e:
+        print(f"cannot get SGLang {sglang_mirror.VERSION} into {args.cache_dir}: {e}",
+              file=sys.stderr)
+        return 2
+    print(f"SGLang {sglang_mirror.VERSION} from {sgl.root}: schedule_policy.py, radix_cache.py, "
+          "global_config.py imported; stand-ins for "
+          + "; ".join(f"{m} ({why})" for m, _, why in sglang_mirror.STAND_INS))
+    print("re-implemented (not isolable): Scheduler loop, ScheduleBatch bookkeeping, Req, "
+          "KV allocator, req-to-token pool; see experiments/sglang_mirror.py\n")
+
+    start = time.time()
+    trials = args.queues or (300 if args.quick else 1000)
+    print(f"(a) queue order, {trials} random queues per policy"
+          f"{' (held = deprioritized accepted)' if args.in_batch_hold else ''}")
+    stats = check_order(sgl, trials, args.in_batch_hold, args.seed, args.show)
+    for policy, c in stats.items():
+        print(f"  {policy:<10} agree {c['agree']}/{c['queues']} (over 128 waiting: "
+              f"{c['big_agree']}/{c['big']}); held something in {c['held']}; strict "
+              f"{c['strict_agree']}, held-as-deprioritized {c['hold_agree']}, queue alone "
+              f"{c['queue_agree']}; trees disagreeing on a hit: {c['tree_mismatch']}")
+
+    print(f"\n(b) whole offline batches ({'quick' if args.quick else 'full'} grid). hits=: "
+          "requests whose first-admission hit agrees; o/s: ours/SGLang; steps: 'same' or the "
+          "first step whose (kind, request ids) differ; stuck: work left that could never be "
+          "scheduled (SGLang would idle forever)")
+    rows = check_batches(sgl, args.quick, args.show)
+    print()
+    print_batches(rows)
+    done = [r for r in rows if "hits" in r]
+    same = sum(r["diff"] is None for r in done)
+    hits = sum(r["hits"] for r in done), sum(r["reqs"] for r in done)
+    print(f"\nagreement: (a) lpm {stats['lpm']['agree']}/{trials}, dfs_weight "
+          f"{stats['dfs_weight']['agree']}/{trials} queues; (b) identical steps in {same}/"
+          f"{len(rows)} cases, first-admission hits {hits[0]}/{hits[1]} requests, "
+          f"{len(rows) - len(done)} cases failed to run ({time.time() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
