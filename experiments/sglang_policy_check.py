@@ -9,11 +9,12 @@ SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy
     random waiting queues (1-40 requests, some 129-160 to cross LPM's FCFS fallback at 128) sharing
     prefixes with the tree and with each other. SGLang's ``SchedulePolicy.calc_priority`` order
     (``lpm`` and ``dfs-weight``, in-batch thresholds 32/32) must equal our
-    ``QueuePolicy.order(...).queue``, with nothing held back ("strict"). ``--in-batch-hold``
-    instead accepts held requests when they are exactly SGLang's deprioritized ones (LPM only;
-    dfs-weight deprioritizes nothing): ours then counts as the queue without them, followed by
-    them in queue order, where SGLang's stable sort puts them ("held-as-deprioritized"). Both
-    readings are printed, and whether our queue alone equals SGLang's order.
+    ``QueuePolicy.order(...).queue``, our deprioritized set (``Ordering.deferred``) SGLang's, with
+    nothing held out of the step ("strict"). ``--in-batch-hold`` runs our policy with
+    ``in_batch_hold`` and checks that it holds exactly SGLang's deprioritized requests (LPM only;
+    dfs-weight deprioritizes nothing) and that the rest, then them in queue order, is SGLang's
+    order ("held-as-deprioritized"). Both readings are printed, and whether our queue alone equals
+    SGLang's order.
 (b) **Whole offline batches.** Small workloads from ``testbed.workloads`` (dependencies ignored, all
     requests submitted at once, outputs forced: each request produces its predetermined tokens and
     stops after the last), run step by step through SGLang's non-overlap event loop around its own
@@ -104,18 +105,17 @@ def random_instance(rng: np.random.Generator) -> tuple[list[list[int]], list[lis
 
 
 def held_ids(ordering, reqs: list[Req]) -> set[str]:
-    """The ids of the requests an `Ordering` holds back, whatever its field is called and
-    whether it stores requests, ids or id()s."""
-    by_pyid = {id(r): r.id for r in reqs}
-    out: set[str] = set()
-    for f in fields(ordering):
-        if f.name != "queue":
-            for x in getattr(ordering, f.name) or ():
-                out.add(x.id if isinstance(x, Req) else by_pyid.get(x, x))
-    return out
+    """The ids of the requests an `Ordering` holds out of the step (``in_batch_hold``)."""
+    return deprioritized_ids(ordering, reqs) if ordering.held else set()
 
 
-def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]]):
+def deprioritized_ids(ordering, reqs: list[Req]) -> set[str]:
+    """The ids of the requests an `Ordering` marks as deprioritized (in-batch prefix caching)."""
+    return {r.id for r in reqs if id(r) in ordering.deferred}
+
+
+def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]],
+               hold: bool = False):
     """One queue through both policies. Returns which comparisons agree (``strict``: our queue is
     SGLang's order and nothing is held; ``hold``: we hold exactly SGLang's deprioritized requests
     and the rest of our queue, then them in queue order, is SGLang's order; ``queue``: our queue
@@ -146,13 +146,14 @@ def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]]
                                 np.zeros(1, dtype=TOKEN_DTYPE)),
                 prompt=np.asarray(p, dtype=TOKEN_DTYPE), submitted_s=0.0, seq=i)
             for i, p in enumerate(prompts)]
-    ordering = QueuePolicy(policy, ours, np.random.default_rng(0)).order(reqs)
+    ordering = QueuePolicy(policy, ours, np.random.default_rng(0), in_batch_hold=hold).order(reqs)
     got, held = [r.id for r in ordering.queue], held_ids(ordering, reqs)
     held_last = [i for i in got if i not in held] + [r.id for r in reqs if r.id in held]
     hits = {r.rid: len(r.prefix_indices) for r in sgl_queue}
     trees = all(ours.match(r.prompt, limit=len(r.prompt) - 1) == hits[r.id] for r in reqs
                 if len(prompts) <= 128 or policy == "dfs_weight")  # LPM's FCFS fallback: no match
-    agree = {"strict": not held and got == expected, "queue": got == expected,
+    same_set = deprioritized_ids(ordering, reqs) == deprioritized
+    agree = {"strict": not held and got == expected and same_set, "queue": got == expected,
              "hold": held == deprioritized and held_last == expected}
     return agree, bool(held), trees, (expected, got, sorted(held))
 
@@ -165,7 +166,7 @@ def check_order(sgl, trials: int, hold: bool, seed: int, show: int) -> dict[str,
         tree, prompts = random_instance(rng)
         big = len(prompts) > 128
         for policy, c in stats.items():
-            agree, held, trees, detail = order_once(sgl, policy, tree, prompts)
+            agree, held, trees, detail = order_once(sgl, policy, tree, prompts, hold)
             ok = agree["hold" if hold else "strict"]
             c.update(queues=1, agree=ok, held=held, tree_mismatch=not trees, big=big,
                      big_agree=big and ok, **{f"{k}_agree": v for k, v in agree.items()})
@@ -261,7 +262,8 @@ def check_batches(sgl, quick: bool, show: int) -> list[dict]:
                            prefill=(kinds[0]["prefill"], kinds[1]["prefill"]),
                            decode=(kinds[0]["decode"], kinds[1]["decode"]),
                            retract=(ours[2], theirs[2]), stuck=(ours[3], theirs[3]),
-                           diff=first_difference(ours[0], theirs[0]))
+                           diff=first_difference(ours[0], theirs[0]),
+                           sglang_steps=len(theirs[0]))
                 if row["diff"] is not None and show > 0:
                     show -= 1
                     i = row["diff"]
@@ -327,10 +329,14 @@ def main() -> int:
     print_batches(rows)
     done = [r for r in rows if "hits" in r]
     same = sum(r["diff"] is None for r in done)
+    # SGLang stalls for good (work left it never schedules) and ours goes on: same until then
+    stalled = [r for r in done if r["diff"] == r["sglang_steps"] and r["stuck"][1]]
     hits = sum(r["hits"] for r in done), sum(r["reqs"] for r in done)
     print(f"\nagreement: (a) lpm {stats['lpm']['agree']}/{trials}, dfs_weight "
           f"{stats['dfs_weight']['agree']}/{trials} queues; (b) identical steps in {same}/"
-          f"{len(rows)} cases, first-admission hits {hits[0]}/{hits[1]} requests, "
+          f"{len(rows)} cases, and in {len(stalled)} more up to where SGLang stalls for good; "
+          f"first-admission hits {hits[0]}/{hits[1]} requests (of which "
+          f"{sum(r['reqs'] - r['hits'] for r in stalled)} never admitted by the stalled SGLang), "
           f"{len(rows) - len(done)} cases failed to run ({time.time() - start:.0f} s)")
     return 0
 

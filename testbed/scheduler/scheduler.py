@@ -443,9 +443,11 @@ class Scheduler:
         self.cache.commit(req.lease, req.fill()[: req.computed])
 
     def _finish(self, req: Req, now: float) -> None:
-        """cache_finished_req: every token with KV (all but the last output) enters the cache; a
-        slot taken for a step still in flight (overlap) is freed."""
-        released = self.cache.release(req.lease, req.fill()[: req.fill_len - 1], insert=True)
+        """cache_finished_req: every token with KV (all but the last output; the whole prompt of a
+        prefill-only call) enters the cache; a slot taken for a step still in flight (overlap) is
+        freed."""
+        with_kv = req.fill_len - 1 if req.output else req.fill_len
+        released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now
