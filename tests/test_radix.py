@@ -8,12 +8,12 @@ from tests.conftest import toks
 
 
 def put(cache: RadixCache, *ids: int) -> int:
-    """Insert a sequence with freshly allocated slots, freeing duplicates like a request would."""
+    """Insert a sequence with freshly allocated pages, freeing duplicates like a request would."""
     key = toks(*ids)
-    slots = cache.pool.alloc(len(key))
-    present = cache.insert(key, slots)
+    slots = cache.pool.alloc(cache.pool.round_up(len(key)))
+    present = cache.insert(key, slots[: len(key)])
     cache.pool.free(slots[:present])
-    cache.pool.free(slots[len(key) - len(key) % cache.page_size :])  # unaligned tail: not cached
+    cache.pool.free(slots[len(key) - len(key) % cache.page_size :])  # the last page: not cached
     return present
 
 
