@@ -162,6 +162,8 @@ def engine(model, capacity: int) -> EngineExecutor:
     (90, {"name": "lpm"}, "radix"),                                # eviction and retraction
     (400, {"name": "fcfs", "chunked_prefill_size": 16}, "radix"),  # chunked prefill
     (400, {"name": "fcfs"}, "block_hash"),                         # vLLM-style 4-token blocks
+    (90, {"name": "lpm"}, "radix_paged"),                          # whole pages of 4, evicted
+    (400, {"name": "fcfs", "chunked_prefill_size": 7}, "radix_paged"),  # chunks end mid-page
 ])
 def test_greedy_generation_through_the_scheduler_equals_hf_generate(tiny_hf, tiny_ours, capacity,
                                                                     scheduler, cache_kind):
@@ -169,7 +171,9 @@ def test_greedy_generation_through_the_scheduler_equals_hf_generate(tiny_hf, tin
     n = 8
     requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32), np.zeros(n, dtype=np.int32),
                         arrival_s=0.0 if i < 3 else 100.0) for i, p in enumerate(prompts)]
-    cache = RadixCache(capacity) if cache_kind == "radix" else BlockHashCache(capacity, block_size=4)
+    cache = {"radix": lambda: RadixCache(capacity),
+             "radix_paged": lambda: RadixCache(capacity, page_size=4),
+             "block_hash": lambda: BlockHashCache(capacity, block_size=4)}[cache_kind]()
     scheduler_state, result = serve(requests, cache, scheduler, engine(tiny_ours, capacity))
     by_id = {r.id: r for r in result.reqs}
     for i, p in enumerate(prompts):

@@ -48,3 +48,65 @@ def test_check_ownership_catches_a_slot_owned_twice():
         pool.check_ownership([a, a[:1]])
     pool.check_ownership([a])
     assert np.array_equal(np.sort(pool.free_slots()), [3])
+
+
+# ---------------------------------------------------------------------------- pages
+def test_paged_pool_rounds_capacity_down_to_whole_pages():
+    pool = KVSlotPool(40, page_size=16)
+    assert pool.capacity == 32 and pool.num_free == 32 and pool.num_minted == 32
+
+
+def test_paged_pool_hands_out_whole_pages_starting_after_slot_zero():
+    pool = KVSlotPool(48, page_size=16)
+    assert pool.alloc(16).tolist() == list(range(1, 17))
+    assert pool.alloc(32).tolist() == list(range(17, 49))
+    assert pool.num_free == 0 and not pool.can_alloc(1)
+
+
+def test_paged_pool_rejects_an_allocation_of_part_of_a_page():
+    pool = KVSlotPool(32, page_size=16)
+    with pytest.raises(ValueError, match="whole pages of 16"):
+        pool.alloc(20)
+    assert pool.num_free == 32
+
+
+def test_round_up_counts_the_slots_of_the_pages_a_sequence_occupies():
+    pool = KVSlotPool(64, page_size=16)
+    assert [pool.round_up(n) for n in (0, 1, 16, 17, 20, 33)] == [0, 16, 16, 32, 32, 48]
+    assert KVSlotPool(8).round_up(5) == 5
+
+
+def test_paged_pool_takes_back_whole_pages_and_reuses_them():
+    pool = KVSlotPool(48, page_size=16)
+    a = pool.alloc(48)
+    pool.free(a[16:32])
+    assert pool.num_free == 16
+    assert pool.free_slots().tolist() == list(range(17, 33))
+    assert pool.alloc(16).tolist() == list(range(17, 33))
+
+
+def test_paged_pool_asserts_that_freed_slots_are_whole_pages():
+    pool = KVSlotPool(48, page_size=16)
+    a = pool.alloc(48)
+    with pytest.raises(AssertionError, match="not whole pages"):
+        pool.free(a[:20])  # a page and a part of the next
+    with pytest.raises(AssertionError, match="page boundary"):
+        pool.free(a[4:20])  # 16 slots straddling two pages
+    with pytest.raises(AssertionError, match="contiguous"):
+        pool.free(np.concatenate([a[:1], a[2:16], a[1:2]]))  # a page out of order
+    assert pool.num_free == 0
+
+
+def test_unbounded_paged_pool_mints_whole_pages_after_reusing_freed_ones():
+    pool = KVSlotPool(None, page_size=4)
+    a = pool.alloc(8)
+    pool.free(a[:4])
+    b = pool.alloc(8)
+    assert b.tolist() == [1, 2, 3, 4, 9, 10, 11, 12]
+    assert pool.num_minted == 12
+    pool.check_ownership([a[4:], b])
+
+
+def test_page_size_below_one_is_rejected_naming_the_config_key():
+    with pytest.raises(ValueError, match="cache.page_size"):
+        KVSlotPool(16, page_size=0)

@@ -3,17 +3,20 @@
 import numpy as np
 import pytest
 
+from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, common_prefix_length
+from testbed.replay import replay
+from testbed.workloads.request import Request
 from tests.conftest import toks
 
 
 def put(cache: RadixCache, *ids: int) -> int:
-    """Insert a sequence with freshly allocated slots, freeing duplicates like a request would."""
+    """Insert a sequence with freshly allocated pages, freeing duplicates like a request would."""
     key = toks(*ids)
-    slots = cache.pool.alloc(len(key))
-    present = cache.insert(key, slots)
+    slots = cache.pool.alloc(cache.pool.round_up(len(key)))
+    present = cache.insert(key, slots[: len(key)])
     cache.pool.free(slots[:present])
-    cache.pool.free(slots[len(key) - len(key) % cache.page_size :])  # unaligned tail: not cached
+    cache.pool.free(slots[len(key) - len(key) % cache.page_size :])  # the last page: not cached
     return present
 
 
@@ -234,4 +237,164 @@ def test_release_gives_back_duplicate_slots_of_tokens_cached_meanwhile():
     released = cache.release(b, toks(1, 2, 3))
     assert released.already_cached == 3
     assert cache.total_size == 3 and cache.pool.num_free == 17
+    cache.check_invariants()
+
+
+# ---------------------------------------------------------------------------- page-granular KV
+def running(cache: RadixCache, prompt: np.ndarray):
+    """A request whose prompt has been prefilled: acquired and extended to its length."""
+    lease = cache.acquire(prompt)
+    assert cache.extend(lease, len(prompt) - lease.hit) is not None
+    return lease
+
+
+def test_a_running_request_of_20_tokens_holds_two_pages_of_16():
+    cache = RadixCache(64, page_size=16)
+    lease = running(cache, np.arange(20, dtype=np.int32))
+    assert cache.available_size == 64 - 32
+    assert lease.slots.tolist() == list(range(1, 21))
+    assert lease.spare.tolist() == list(range(21, 33))  # the rest of page 1 is held, unused
+    cache.check_invariants([lease])
+
+
+def test_decode_tokens_fill_the_last_page_before_the_33rd_takes_a_new_one():
+    cache = RadixCache(64, page_size=16)
+    lease = running(cache, np.arange(20, dtype=np.int32))
+    assert cache.extension_cost(lease, 1) == 0
+    assert cache.extend(lease, 1) == 0 and cache.available_size == 32
+    assert lease.slots[-1] == 21
+    assert cache.extension_cost(lease, 11) == 0  # up to 32 tokens: still two pages
+    cache.extend(lease, 11)
+    assert cache.available_size == 32 and len(lease.spare) == 0
+    assert cache.extension_cost(lease, 1) == 16  # the 33rd token
+    cache.extend(lease, 1)
+    assert cache.available_size == 16
+    assert lease.slots[-1] == 33 and lease.spare.tolist() == list(range(34, 49))
+    cache.check_invariants([lease])
+
+
+def test_an_extension_past_the_spare_slots_takes_whole_new_pages_only_for_the_rest():
+    cache = RadixCache(96, page_size=16)
+    lease = running(cache, np.arange(20, dtype=np.int32))  # 12 spare
+    assert cache.extension_cost(lease, 30) == 32  # 18 beyond the spare: two new pages
+    cache.extend(lease, 30)
+    assert lease.num_tokens == 50 and len(lease.spare) == 14
+    assert cache.available_size == 96 - 64
+    cache.check_invariants([lease])
+
+
+def test_a_finished_20_token_request_leaves_16_tokens_cached_and_frees_the_rest():
+    cache = RadixCache(64, page_size=16)
+    key = np.arange(20, dtype=np.int32)
+    lease = running(cache, key)
+    released = cache.release(lease, key)
+    assert released.inserted and released.already_cached == 0
+    assert cache.total_size == 16 and cache.evictable_size == 16
+    assert cache.pool.num_free == 48 and cache.available_size == 64
+    assert [n.slots.tolist() for n in cache.nodes()] == [list(range(1, 17))]
+    assert cache.acquire(np.arange(30, dtype=np.int32)).hit == 16
+    assert cache.acquire(np.arange(15, dtype=np.int32)).hit == 0
+
+
+def test_eviction_returns_whole_pages_to_the_pool():
+    cache = RadixCache(96, page_size=16)
+    for start in (0, 100):
+        key = np.arange(start, start + 40, dtype=np.int32)
+        cache.release(running(cache, key), key)  # 32 tokens cached each, the third page freed
+    assert cache.total_size == 64 and cache.pool.num_free == 32
+    assert cache.evict(1) == 32  # the older leaf: two whole pages
+    assert cache.pool.num_free == 64
+    assert sorted(cache.pool.free_slots().tolist()) == list(range(1, 33)) + list(range(65, 97))
+    cache.check_invariants()
+
+
+def test_extend_evicts_whole_pages_when_the_pool_is_short_of_pages():
+    cache = RadixCache(48, page_size=16)
+    key = np.arange(20, dtype=np.int32)
+    cache.release(running(cache, key), key)  # 16 cached, 32 free
+    lease = cache.acquire(np.arange(100, 140, dtype=np.int32))
+    assert cache.extension_cost(lease, 40) == 48
+    assert cache.extend(lease, 40) == 16
+    assert cache.total_size == 0 and cache.available_size == 0
+    assert cache.extend(lease, 9) is None  # the spare 8 do not cover it and nothing is left
+    assert cache.extend(lease, 8) == 0 and len(lease.spare) == 0
+    cache.check_invariants([lease])
+
+
+def test_releasing_without_insert_returns_the_spare_slots_too():
+    cache = RadixCache(64, page_size=16)
+    key = np.arange(20, dtype=np.int32)
+    cache.release(running(cache, key), key)
+    lease = running(cache, np.arange(37, dtype=np.int32))  # 16 hit, 21 more: two new pages
+    assert lease.hit == 16 and cache.available_size == 64 - 16 - 32
+    cache.release(lease, np.arange(37, dtype=np.int32), insert=False)
+    assert cache.total_size == 16 and cache.pool.num_free == 48
+    cache.check_invariants()
+
+
+def test_duplicate_pages_cached_meanwhile_go_back_to_the_pool_at_release():
+    cache = RadixCache(128, page_size=16)
+    key = np.arange(40, dtype=np.int32)
+    a, b = running(cache, key), running(cache, key)
+    cache.release(a, key)
+    assert cache.release(b, key).already_cached == 32
+    assert cache.total_size == 32 and cache.pool.num_free == 96
+    cache.check_invariants()
+
+
+def test_commit_caches_the_whole_pages_and_keeps_the_tail_and_spare_with_the_request():
+    cache = RadixCache(64, page_size=16)
+    key = np.arange(20, dtype=np.int32)
+    lease = running(cache, key)
+    cache.commit(lease, key)
+    assert lease.cached == 16 and cache.protected_size == 16
+    assert lease.slots[16:].tolist() == [17, 18, 19, 20]
+    assert lease.spare.tolist() == list(range(21, 33))
+    assert cache.available_size == 32
+    assert cache.match(np.arange(30, dtype=np.int32)) == 16  # others can hit the whole page
+    cache.check_invariants([lease])
+    cache.extend(lease, 5)  # the next chunk fills the spare first
+    assert cache.available_size == 32 and lease.slots[-1] == 25
+
+
+def test_a_decode_step_batches_the_new_pages_of_the_leases_whose_spare_is_used_up():
+    cache = RadixCache(64, page_size=16)
+    a = running(cache, np.arange(20, dtype=np.int32))
+    b = running(cache, np.arange(100, 116, dtype=np.int32))  # exactly one page: no spare
+    assert [cache.extension_cost(x, 1) for x in (a, b)] == [0, 16]
+    assert cache.extend_each([a, b], 1) == [0, 0]
+    assert (a.slots[-1], b.slots[-1]) == (21, 49)
+    assert b.spare.tolist() == list(range(50, 65))
+    assert cache.available_size == 0
+    cache.check_invariants([a, b])
+
+
+def test_a_decode_step_that_must_evict_extends_lease_by_lease_in_whole_pages():
+    cache = RadixCache(64, page_size=16)
+    key = np.arange(200, 216, dtype=np.int32)
+    cache.release(running(cache, key), key)  # one evictable page
+    a = running(cache, np.arange(16, dtype=np.int32))
+    b = running(cache, np.arange(100, 116, dtype=np.int32))
+    assert cache.pool.num_free == 16 and cache.available_size == 32
+    assert cache.extend_each([a, b], 1) == [0, 16]
+    assert cache.total_size == 0 and cache.available_size == 0
+    cache.check_invariants([a, b])
+
+
+def test_paged_capacity_and_fits_count_whole_pages():
+    cache = RadixCache(40, page_size=16)
+    assert cache.pool.capacity == 32 and cache.available_size == 32
+    assert cache.fits(32) and not cache.fits(33)
+    with pytest.raises(ValueError, match="cache.page_size"):
+        RadixCache(64, page_size=16, pool=KVSlotPool(64))
+
+
+def test_paged_replay_hits_whole_pages_and_evicts_whole_pages():
+    cache = RadixCache(48, page_size=16)
+    requests = [Request("a", np.arange(18, dtype=np.int32), np.arange(90, 94, dtype=np.int32)),
+                Request("b", np.arange(20, dtype=np.int32), np.zeros(0, dtype=np.int32)),
+                Request("c", np.arange(100, 140, dtype=np.int32), np.zeros(0, dtype=np.int32))]
+    records = replay(requests, cache)
+    assert [(r.cached_tokens, r.evicted_tokens) for r in records] == [(0, 0), (16, 0), (0, 16)]
+    assert cache.total_size == 32 and cache.pool.num_free == 16
     cache.check_invariants()

@@ -81,13 +81,23 @@ op = st.one_of(
     st.tuples(st.just("drop"), st.integers(0, 3), st.booleans()),
     st.tuples(st.just("match"), seqs),
     st.tuples(st.just("evict"), st.integers(0, 12)),
+    st.tuples(st.just("grow"), st.integers(0, 3), seqs),
+    st.tuples(st.just("decode"), st.integers(0, 3)),
+    st.tuples(st.just("commit"), st.integers(0, 3)),
 )
 
 
+def held_by_leases(leases: list) -> int:
+    """Slots the running requests own: beyond their cached prefix, spare slots included."""
+    return sum(len(lease.owned) for lease in leases)
+
+
 @SETTINGS
-@given(st.sampled_from([1, 2]), st.integers(4, 24), st.lists(op, min_size=40, max_size=60))
+@given(st.sampled_from([1, 2, 4]), st.integers(4, 24), st.lists(op, min_size=40, max_size=60))
 def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(page, capacity, ops):
     cache = RadixCache(capacity, page_size=page)
+    capacity -= capacity % page  # whole pages only
+    assert cache.pool.capacity == capacity
     held = []  # (lease, tokens of its sequence)
     for step in ops:
         kind = step[0]
@@ -112,8 +122,39 @@ def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(pag
             removed = ids_before - {n.id for n in cache.nodes()}
             assert removed == set(expected), "victims differ from the brute-force LRU scan"
             assert cache.total_size == size_before - freed
-        cache.check_invariants([lease for lease, _ in held])
+            assert freed % page == 0, "eviction freed part of a page"
+        elif kind == "grow" and held:
+            i = step[1] % len(held)
+            lease, key = held[i]
+            more = np.asarray(step[2], dtype=np.int32)
+            cost = cache.extension_cost(lease, len(more))
+            assert cost == -(-max(0, len(more) - len(lease.spare)) // page) * page
+            before = cache.available_size
+            if cache.extend(lease, len(more)) is not None:
+                assert cache.available_size == before - cost, "extend took other than its cost"
+                held[i] = (lease, np.concatenate([key, more]))
+            else:
+                assert cost > before and cache.available_size == before
+        elif kind == "decode" and held:
+            leases = [lease for lease, _ in held]
+            cost = sum(cache.extension_cost(lease, 1) for lease in leases)
+            if cost <= cache.available_size:  # the scheduler's check before a decode step
+                before = cache.available_size
+                cache.extend_each(leases, 1)
+                assert cache.available_size == before - cost
+                held = [(lease, np.append(key, np.int32(step[1]))) for lease, key in held]
+        elif kind == "commit" and held:
+            lease, key = held[step[1] % len(held)]
+            spare, tail = lease.spare.copy(), lease.slots[len(key) - len(key) % page :].copy()
+            cache.commit(lease, key)
+            assert lease.cached == len(key) - len(key) % page
+            assert np.array_equal(lease.spare, spare), "commit took the spare slots"
+            assert np.array_equal(lease.slots[lease.cached :], tail), "commit took the tail"
+        leases = [lease for lease, _ in held]
+        cache.check_invariants(leases)
+        assert cache.pool.num_free + cache.total_size + held_by_leases(leases) == capacity
         for lease, key in held:
+            assert lease.num_tokens == len(key)
             assert peek(cache, key.tolist()) >= lease.hit, "a locked prefix was evicted"
     for lease, key in held:
         cache.release(lease, key)

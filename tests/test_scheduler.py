@@ -197,3 +197,18 @@ def test_retracted_requests_keep_their_tokens_and_re_prefill_them():
     assert (a.preemptions, b.preemptions) == (0, 1)  # same outputs and prompt: the later one goes
     assert a.output == b.output == list(range(1000, 1020))
     assert b.first_token_s < a.finish_s  # b had started decoding before it was retracted
+
+
+@pytest.mark.parametrize("page", [4, 16])
+def test_a_paged_cache_serves_chunks_decode_and_retraction_without_leaking_a_page(page):
+    cache = RadixCache(64, page_size=page)
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0,
+                                         min_new_token_ratio_factor=0.0, chunked_prefill_size=7))
+    reqs = [s.submit(request(f"r{i}", [i, *range(10, 18 + 3 * i)], out=12), 0.0) for i in range(5)]
+    drive(s)  # checks the cache's invariants (pages, spare slots) at every step
+    assert s.preemptions > 0
+    for r in reqs:
+        assert r.finished and r.output == list(range(1000, 1012))
+    cache.check_invariants()
+    assert cache.protected_size == 0
+    assert cache.pool.num_free + cache.total_size == 64

@@ -37,12 +37,16 @@ class Lease:
     to the request; ``handle`` is the cache's own marker of what it protects (a tree node, blocks).
     Slots grow geometrically, so a decode step's one-slot `append` costs O(1) amortised.
 
+    With a paged pool (``page_size`` P > 1) the request holds whole pages: ``spare`` are the slots
+    of its last page beyond its sequence (held capacity, owned by the request), which `grow` uses
+    before any new page. Token ``i`` of the sequence sits at offset ``i % P`` of its page.
+
     With lower tiers (`testbed.cache.tiers`), ``lower`` more tokens of the prompt continue the hit
     in host memory or on disk: `PrefixCache.load_back` brings them to the GPU (then ``hit`` grows
     by them and ``loaded`` says how many came from each tier) or gives them up (recompute).
     """
 
-    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "lower", "loaded")
+    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "spare", "lower", "loaded")
 
     def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
                  cached: int | None = None, requester: Requester | None = None) -> None:
@@ -52,6 +56,7 @@ class Lease:
         self.cached = hit if cached is None else cached
         self._buf = np.array(slots, dtype=SLOT_DTYPE)
         self._n = len(slots)
+        self.spare = EMPTY_SLOTS  # the unused tail of the last page
         self.lower = 0  # matched tokens below the GPU, not loaded yet
         self.loaded: dict[str, int] | None = None  # tokens loaded back, per lower tier
 
@@ -73,14 +78,37 @@ class Lease:
         self._buf[self._n : end] = slots
         self._n = end
 
-    def reset(self, slots: np.ndarray, cached: int) -> None:
-        """Replace the slots (after the cache took over ``cached`` of them)."""
+    @property
+    def owned(self) -> np.ndarray:
+        """The slots the request owns (not the cache): its sequence's beyond the cached prefix,
+        then the spare tail of its last page (whole pages when the pool is paged)."""
+        return np.concatenate([self.slots[self.cached :], self.spare])
+
+    def grow(self, num_tokens: int, fresh: np.ndarray) -> None:
+        """Extend the sequence by ``num_tokens`` slots: the spare ones first, then ``fresh`` ones
+        (newly allocated whole pages), whose unused rest becomes the new spare."""
+        take = min(num_tokens, len(self.spare))
+        need = num_tokens - take
+        if len(fresh) < need or (len(fresh) and take < len(self.spare)):
+            raise ValueError(f"grow by {num_tokens}: {len(self.spare)} spare and {len(fresh)} "
+                             f"fresh slots do not make exactly the room")
+        if take:
+            self.append(self.spare[:take])
+            self.spare = self.spare[take:]
+        if len(fresh):
+            self.append(fresh[:need])
+            self.spare = fresh[need:]
+
+    def reset(self, slots: np.ndarray, cached: int, spare: np.ndarray = EMPTY_SLOTS) -> None:
+        """Replace the slots (after the cache took over ``cached`` of them) and the spare ones."""
         self._buf = np.array(slots, dtype=SLOT_DTYPE)
         self._n = len(slots)
         self.cached = cached
+        self.spare = spare
 
     def __repr__(self) -> str:
-        return f"Lease(hit={self.hit}, cached={self.cached}, tokens={self._n})"
+        return (f"Lease(hit={self.hit}, cached={self.cached}, tokens={self._n}, "
+                f"spare={len(self.spare)})")
 
 
 @dataclass(frozen=True)
@@ -141,13 +169,17 @@ class PrefixCache(ABC):
     def extend_each(self, leases: list[Lease], num_tokens: int) -> list[int]:
         """`extend` every lease by ``num_tokens`` in turn (a decode step); returns the tokens
         evicted for each. The caller has checked that the room exists. A slot-pool cache with
-        enough free slots takes them in one allocation (nothing to evict, nothing to attribute)."""
-        total = num_tokens * len(leases)
-        if self.pool is not None and self.pool.can_alloc(total):
-            slots = self.pool.alloc(total)
-            for i, lease in enumerate(leases):
-                lease.append(slots[i * num_tokens : (i + 1) * num_tokens])
-            return [0] * len(leases)
+        enough free pages takes them all in one allocation (nothing to evict, nothing to
+        attribute); each lease uses its spare slots first, then its share of the new pages."""
+        if self.pool is not None:
+            costs = [self.extension_cost(lease, num_tokens) for lease in leases]
+            if self.pool.can_alloc(sum(costs)):
+                fresh = self.pool.alloc(sum(costs))
+                at = 0
+                for lease, cost in zip(leases, costs):
+                    lease.grow(num_tokens, fresh[at : at + cost])
+                    at += cost
+                return [0] * len(leases)
         out = []
         for lease in leases:
             evicted = self.extend(lease, num_tokens)
@@ -157,8 +189,11 @@ class PrefixCache(ABC):
         return out
 
     def extension_cost(self, lease: Lease, num_tokens: int) -> int:
-        """Capacity (in tokens) that `extend(lease, num_tokens)` takes from `available_size`."""
-        return num_tokens
+        """Capacity (in tokens) that `extend(lease, num_tokens)` takes from `available_size`: with
+        a slot pool, the whole new pages beyond the lease's spare slots (0 when they suffice)."""
+        if self.pool is None:
+            return num_tokens
+        return self.pool.round_up(max(0, num_tokens - len(lease.spare)))
 
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:

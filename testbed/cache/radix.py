@@ -4,6 +4,11 @@ Every cached token's KV slot lives in exactly one tree node; edges hold token ru
 compared vectorised, so long system prompts cost one comparison per edge, not one per token).
 Children are keyed by their first token (first page when ``page_size > 1``).
 
+With ``page_size`` P > 1 the KV pool hands out whole pages (SGLang's paged allocator): the tree holds
+page-aligned runs whose slots are whole pages; a running request holds ``ceil(len/P)`` pages, its
+last page's unused slots as ``lease.spare``, which `extend` fills before taking a new page; `release`
+caches the whole pages of a finished sequence and returns its unaligned tail page to the pool.
+
 Access times are a logical clock that ticks on every access, so recency is a strict total order and
 runs are deterministic. Eviction candidates (unlocked leaves) sit in a heap ordered by the eviction
 policy's priority; entries are invalidated lazily: a node is re-offered whenever its statistics or
@@ -75,8 +80,8 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
 class RadixCache(PrefixCache):
     """Radix tree over token sequences with ref-counted locks and policy-ordered leaf eviction.
 
-    ``capacity`` is the KV pool size in tokens (None: unbounded). ``page_size > 1`` matches, splits
-    and inserts only whole pages.
+    ``capacity`` is the KV pool size in tokens (None: unbounded), rounded down to whole pages.
+    ``page_size > 1`` matches, splits, inserts, allocates and evicts only whole pages.
     """
 
     name = "radix"
@@ -85,7 +90,10 @@ class RadixCache(PrefixCache):
                  policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
-        self.pool = pool if pool is not None else KVSlotPool(capacity)
+        if pool is not None and pool.page_size != page_size:
+            raise ValueError(f"cache.page_size is {page_size} but the KV pool's pages are "
+                             f"{pool.page_size} slots")
+        self.pool = pool if pool is not None else KVSlotPool(capacity, page_size)
         self.page_size = page_size
         self.policy: EvictionPolicy = policy if policy is not None else LRU()
         self._clock = 0
@@ -112,7 +120,7 @@ class RadixCache(PrefixCache):
         return self._num_nodes
 
     def fits(self, num_tokens: int) -> bool:
-        return self.pool.capacity is None or num_tokens <= self.pool.capacity
+        return self.pool.capacity is None or self.pool.round_up(num_tokens) <= self.pool.capacity
 
     # ---------------------------------------------------------------- walking
     def _child_key(self, key: np.ndarray, at: int) -> object:
@@ -286,14 +294,16 @@ class RadixCache(PrefixCache):
         return Lease(hit=hit, handle=node, slots=slots, requester=requester)
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
+        """Add ``num_tokens`` slots: the lease's spare ones first, then whole new pages."""
+        cost = self.extension_cost(lease, num_tokens)
         evicted = 0
-        if not self.pool.can_alloc(num_tokens):
+        if not self.pool.can_alloc(cost):
             # Every unlocked token can go (locks cover whole root paths, so no unlocked node sits
             # above a locked one): decide before evicting anything.
-            if self.pool.num_free + self._evictable < num_tokens:
+            if self.pool.num_free + self._evictable < cost:
                 return None
-            evicted = self.evict(num_tokens - self.pool.num_free)
-        lease.append(self.pool.alloc(num_tokens))
+            evicted = self.evict(cost - self.pool.num_free)
+        lease.grow(num_tokens, self.pool.alloc(cost))
         return evicted
 
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
@@ -304,11 +314,12 @@ class RadixCache(PrefixCache):
         if insert:
             present = self.insert(tokens, slots[: len(tokens)], lease.requester)
             # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
-            # meanwhile; the unaligned tail (page_size > 1) was not inserted.
+            # meanwhile (whole pages: both ends are aligned); the unaligned tail (page_size > 1)
+            # was not inserted, and with the spare slots it makes up the last page.
             self.pool.free(slots[lease.cached : present])
-            self.pool.free(slots[self._aligned(len(tokens)) :])
+            self.pool.free(np.concatenate([slots[self._aligned(len(tokens)) :], lease.spare]))
         else:
-            self.pool.free(slots[lease.cached :])
+            self.pool.free(lease.owned)
         self.unlock(lease.handle)
         lease.reset(EMPTY_SLOTS, 0)
         return Released(inserted=insert, already_cached=present)
@@ -324,7 +335,8 @@ class RadixCache(PrefixCache):
         self.lock(node)
         self.unlock(lease.handle)
         lease.handle = node
-        lease.reset(np.concatenate([cached_slots, slots[n:]]), cached=n)
+        # The unaligned tail (n is page-aligned) and the spare slots stay the request's.
+        lease.reset(np.concatenate([cached_slots, slots[n:]]), cached=n, spare=lease.spare)
 
     # ---------------------------------------------------------------- eviction bookkeeping
     def _offer(self, node: TreeNode) -> None:
@@ -361,8 +373,10 @@ class RadixCache(PrefixCache):
             stack.extend(node.children.values())
 
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
+        """Besides the counts and heap: every slot is free xor owned by one node or one lease
+        (its spare slots included), and node slots and lease-owned slots are whole pages."""
         evictable = protected = 0
-        owned = [lease.slots[lease.cached :] for lease in leases]
+        owned = [self._check_lease(lease) for lease in leases]
         candidates = {}
         for e in self._heap:
             node = e[3]
@@ -372,6 +386,7 @@ class RadixCache(PrefixCache):
             assert node.alive, f"dead node in tree: {node!r}"
             assert len(node.key) > 0 and len(node.key) == len(node.slots), node
             assert len(node.key) % self.page_size == 0, f"unaligned node {node!r}"
+            self.pool.assert_whole_pages(node.slots)
             assert node.lock_ref >= 0, f"negative lock: {node!r}"
             assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref, node
             assert node.start == node.parent.start + len(node.parent.key), f"bad start: {node!r}"
@@ -389,3 +404,11 @@ class RadixCache(PrefixCache):
         assert self._num_nodes == 1 + sum(1 for _ in self.nodes())
         self.pool.check_ownership(owned)
 
+    def _check_lease(self, lease: Lease) -> np.ndarray:
+        """Assert the lease's page layout; returns the slots it owns."""
+        assert lease.cached % self.page_size == 0, f"cached prefix not page-aligned: {lease!r}"
+        assert len(lease.spare) == -lease.num_tokens % self.page_size, \
+            f"spare slots do not fill the last page: {lease!r}"
+        owned = lease.owned
+        self.pool.assert_whole_pages(owned)
+        return owned

@@ -43,11 +43,12 @@ class TierState:
 
 
 class LowerTier:
-    """A tier below the GPU: its slot pool, eviction policy and candidate heap."""
+    """A tier below the GPU: its slot pool (in the GPU's pages, as SGLang's host pool), eviction
+    policy and candidate heap."""
 
-    def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+    def __init__(self, name: str, capacity: int, policy: EvictionPolicy, page_size: int = 1) -> None:
         self.name = name
-        self.pool = KVSlotPool(capacity)
+        self.pool = KVSlotPool(capacity, page_size)
         self.policy = policy
         self.heap: list[tuple[object, int, int, "TreeNode"]] = []
 
@@ -57,7 +58,7 @@ def check_tiered(cache: TieredRadixCache, leases: Iterable[Lease] = ()) -> None:
     tokens only), plus every node held by some tier, GPU residency prefix-closed, each copy as long
     as its node, each tier's slots owned once, children counts and every tier's heap current."""
     evictable = protected = 0
-    owned = [lease.slots[lease.cached :] for lease in leases]
+    owned = [cache._check_lease(lease) for lease in leases]
     lower_owned: list[list[np.ndarray]] = [[] for _ in range(cache.ntiers)]
     heaps = [cache._heap] + [tier.heap for tier in cache.tiers[1:]]
     policies = [cache.policy] + [tier.policy for tier in cache.tiers[1:]]
@@ -75,6 +76,7 @@ def check_tiered(cache: TieredRadixCache, leases: Iterable[Lease] = ()) -> None:
         size = len(node.key)
         assert size > 0 and size % cache.page_size == 0, f"bad node size {node!r}"
         assert len(node.slots) in (0, size), f"partly on the GPU: {node!r}"
+        cache.pool.assert_whole_pages(node.slots)
         assert node.lock_ref >= 0, f"negative lock: {node!r}"
         assert node.parent is cache.root or node.parent.lock_ref >= node.lock_ref, node
         assert node.start == node.parent.start + len(node.parent.key), f"bad start: {node!r}"
@@ -85,6 +87,7 @@ def check_tiered(cache: TieredRadixCache, leases: Iterable[Lease] = ()) -> None:
             copy = node.tier.copies[t]
             if copy is not None:
                 assert len(copy) == size, f"{cache.tiers[t].name} copy of {len(copy)}: {node!r}"
+                cache.tiers[t].pool.assert_whole_pages(copy)
                 lower_owned[t].append(copy)
         top = cache.top(node)
         assert top >= 0, f"held by no tier: {node!r}"

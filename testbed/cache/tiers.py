@@ -28,6 +28,9 @@ tier is the fastest one holding it. The rules:
 - With ``record_transfers=True`` every copy is logged in order as a `Transfer`; applying the log in
   order before the next forward pass moves the real KV (the engine does; tests check the data path).
 
+With ``page_size`` P > 1 every tier's pool hands out whole pages (capacities round down to them):
+nodes are page-aligned, so GPU slots, copies and transfers are whole pages too.
+
 `insert` returns how many leading tokens were already on the GPU (their fresh slots are duplicates),
 so `release` and `commit` work unchanged. Without lower tiers use `RadixCache` (exact, DESIGN.md §4).
 """
@@ -76,7 +79,8 @@ class TieredRadixCache(RadixCache):
         for name, size, tier_policy in (("host", host_tokens, host_policy),
                                         ("disk", disk_tokens, disk_policy)):
             if size:
-                self.tiers.append(LowerTier(name, size, tier_policy or make_eviction_policy("lru")))
+                self.tiers.append(LowerTier(name, size, tier_policy or make_eviction_policy("lru"),
+                                            page_size))
         self.ntiers = len(self.tiers)
         self.lower_tiers = tuple(t.name for t in self.tiers[1:])
         self.write_policy, self.write_threshold = write_policy, write_threshold
