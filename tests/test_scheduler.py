@@ -203,7 +203,9 @@ def test_retracted_requests_keep_their_tokens_and_re_prefill_them():
 def test_a_paged_cache_serves_chunks_decode_and_retraction_without_leaking_a_page(page):
     cache = RadixCache(64, page_size=page)
     s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0,
-                                         min_new_token_ratio_factor=0.0, chunked_prefill_size=7))
+                                         min_new_token_ratio_factor=0.0,
+                                         chunked_prefill_size=2 * page - 1,  # ends mid-page
+                                         clip_max_new_tokens=1))
     reqs = [s.submit(request(f"r{i}", [i, *range(10, 18 + 3 * i)], out=12), 0.0) for i in range(5)]
     drive(s)  # checks the cache's invariants (pages, spare slots) at every step
     assert s.preemptions > 0
@@ -212,3 +214,9 @@ def test_a_paged_cache_serves_chunks_decode_and_retraction_without_leaking_a_pag
     cache.check_invariants()
     assert cache.protected_size == 0
     assert cache.pool.num_free + cache.total_size == 64
+
+
+def test_a_chunk_budget_below_one_page_is_refused_with_both_keys():
+    with pytest.raises(ValueError, match="scheduler.chunked_prefill_size=8 must be at least "
+                                         "cache.page_size=16"):
+        Scheduler(RadixCache(64, page_size=16), SchedulerConfig(chunked_prefill_size=8))

@@ -76,6 +76,10 @@ class Scheduler:
         self.max_running = c.max_running_requests or (
             4096 if math.isinf(capacity) else max(1, min(int(capacity) // 2, 4096)))
         self.page_size = getattr(cache, "page_size", 1)  # SGLang's pages (radix); 1 otherwise
+        if c.chunked_prefill_size is not None and c.chunked_prefill_size < self.page_size:
+            raise ValueError(f"scheduler.chunked_prefill_size={c.chunked_prefill_size} must be at "
+                             f"least cache.page_size={self.page_size} (a chunk is cut at whole "
+                             "pages)")
         self.waiting: list[Req] = []  # SGLang's waiting_queue: the policy re-sorts it in place
         self.running: list[Req] = []  # the running batch; finished ones stay until a decode step
         self.chunked: Req | None = None
