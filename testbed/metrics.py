@@ -1,6 +1,6 @@
 """Per-request records and the run summary (the `summary.json` / `requests.jsonl` contract).
 
-Definitions (DESIGN.md §3): ``hit_rate`` is cached prompt tokens over all prompt tokens;
+Definitions (docs/design.md §3): ``hit_rate`` is cached prompt tokens over all prompt tokens;
 ``ideal_hit_rate`` is the same ratio with unlimited cache and perfect reuse (each prompt's longest
 prefix shared with any earlier request's prompt+output). Timing figures are None where the backend
 has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per second of makespan.

@@ -1,4 +1,4 @@
-"""The replay backend: requests served one at a time in arrival order, no time (DESIGN.md §4).
+"""The replay backend: requests served one at a time in arrival order, no time (docs/design.md §4).
 
 For each request: match its prompt and protect the hit, make room for the rest of prompt+output
 (evicting as needed), insert prompt+output, give duplicates back, unprotect. A request whose

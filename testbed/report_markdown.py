@@ -132,7 +132,7 @@ def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[st
             f"{len(df)} runs ({int(ok.sum())} ok, {int((~ok).sum())} failed), made by "
             f"`python -m testbed.report {root}`; every figure here is in `results.csv`. "
             "Hit rate is cached over prompt tokens; the ideal is an unlimited cache with perfect "
-            "reuse (DESIGN.md §3)."
+            "reuse (docs/design.md §3)."
             + (" Throughput is requests per second of (simulated) time; `× no cache` divides it "
                "by the `none/fcfs` run of the same setting (else the slowest `none` run)."
                if timed else ""), "",

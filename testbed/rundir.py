@@ -1,4 +1,4 @@
-"""Writing a run's results: ``summary.json`` and ``requests.jsonl`` (DESIGN.md §3)."""
+"""Writing a run's results: ``summary.json`` and ``requests.jsonl`` (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block-hash prefix cache: vLLM V1's automatic prefix caching, exact to DESIGN.md §4.
+"""Block-hash prefix cache: vLLM V1's automatic prefix caching, exact to docs/design.md §4.
 
 KV is held in blocks of ``block_size`` tokens. A full block's key chains the previous block's key
 with its own tokens, so equal keys mean equal prefixes; a partial last block has no key and is never

@@ -1,4 +1,4 @@
-"""The radix-tree prefix cache: SGLang's RadixCache, exact to DESIGN.md §4.
+"""The radix-tree prefix cache: SGLang's RadixCache, exact to docs/design.md §4.
 
 Every cached token's KV slot lives in exactly one tree node; edges hold token runs (numpy arrays,
 compared vectorised, so long system prompts cost one comparison per edge, not one per token).

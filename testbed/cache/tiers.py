@@ -32,7 +32,7 @@ With ``page_size`` P > 1 every tier's pool hands out whole pages (capacities rou
 nodes are page-aligned, so GPU slots, copies and transfers are whole pages too.
 
 `insert` returns how many leading tokens were already on the GPU (their fresh slots are duplicates),
-so `release` and `commit` work unchanged. Without lower tiers use `RadixCache` (exact, DESIGN.md §4).
+so `release` and `commit` work unchanged. Without lower tiers use `RadixCache` (exact, docs/design.md §4).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (DESIGN.md §6)."""
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (docs/design.md §6)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
 

@@ -29,7 +29,7 @@ these figures (measured time / roofline floor, per layer and per rank):
   0.93–1.01 for those prefill chunks.
 
 The floor is never above any measured operator. Pure roofline models miss real step times by
-30–50 % (DESIGN.md §6); `FittedCostModel` is the accurate one once a device has been measured.
+30–50 % (docs/design.md §6); `FittedCostModel` is the accurate one once a device has been measured.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fitting the simulator's step-time model to measured steps.
 
-The fitted form (DESIGN.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
+The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
 kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
 The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
 its own chunk included (`StepShape.attended_pairs`): without it a long prefill's quadratic

@@ -15,7 +15,7 @@ from testbed.workloads.request import Request
 
 
 def describe(requests: list[Request]) -> dict[str, Any]:
-    """Figures of a workload in arrival order. The ideal hit rate is DESIGN.md §3's: an unlimited
+    """Figures of a workload in arrival order. The ideal hit rate is docs/design.md §3's: an unlimited
     radix cache replaying it reaches exactly that, so one replay gives the tree too."""
     tree = RadixCache(capacity=None)
     records = replay(requests, tree)

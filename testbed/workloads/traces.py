@@ -1,4 +1,4 @@
-"""Trace loaders and the token-trace writer (DESIGN.md §3 formats).
+"""Trace loaders and the token-trace writer (docs/design.md §3 formats).
 
 - ``tokens``: JSONL ``{"prompt": [ints], "output": [ints]}`` with optional ``id``, ``arrival_s``,
   ``program``, ``after``, ``think_time_s``, ``priority``; read and written, so any workload can be
@@ -78,7 +78,7 @@ def _seconds(record: dict, name: str, where: str, default: float | None = None) 
 
 
 def load_tokens(path: str | Path) -> list[Request]:
-    """Read a token trace (DESIGN.md §3)."""
+    """Read a token trace (docs/design.md §3)."""
     path = Path(path)
     requests = []
     for lineno, rec in _json_lines(path):
