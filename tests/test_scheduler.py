@@ -13,7 +13,7 @@ from testbed.workloads.request import Request
 from tests.conftest import toks
 
 
-def request(rid: str, prompt, out: int = 1) -> Request:
+def request(rid: str, prompt, out: int = 4) -> Request:
     return Request(rid, toks(*prompt), np.arange(1000, 1000 + out, dtype=np.int32))
 
 
@@ -94,7 +94,7 @@ def test_in_batch_hold_holds_the_deprioritized_request_until_it_hits_the_shared_
     waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
     batch = s.next_batch()
     assert [e.req.id for e in batch.entries] == ["r0", "r2"]
-    s.complete(batch, [1000, 1000], now=1.0)  # out=1: both finish in their prefill
+    s.complete(batch, [1000, 1000], now=1.0)  # r0 decodes on; its prompt is in the tree now
     batch = s.next_batch()
     assert [(e.req.id, e.context) for e in batch.entries] == [("r1", 40)]
 
@@ -122,16 +122,22 @@ def test_unknown_policy_and_bad_settings_name_the_key():
         SchedulerConfig.from_mapping({"chunk": 3})
 
 
-def test_admission_stops_at_the_first_request_over_the_kv_budget():
-    cache = RadixCache(100)
-    s = Scheduler(cache, SchedulerConfig(name="fcfs", init_new_token_ratio=0.0))
-    waiting(s, list(range(40)), list(range(100, 150)), [7, 7])
-    # r0: 40 + 1 reserved; r1: 50 + 1 would leave 100 - 41 - 51 = 8 > 0: admitted; r2 then fits too.
-    batch = s.next_batch()
-    assert [e.req.id for e in batch.entries] == ["r0", "r1", "r2"]
-    s2 = Scheduler(RadixCache(80), SchedulerConfig(name="fcfs"))
-    waiting(s2, list(range(40)), list(range(100, 150)), [7, 7])
-    assert [e.req.id for e in s2.next_batch().entries] == ["r0"]  # r1 does not fit; r2 waits behind
+@pytest.mark.parametrize("second, admitted", [(51, ["r0", "r1"]), (52, ["r0"])])
+def test_admission_refuses_a_request_whose_tokens_reach_the_kv_budget(second, admitted):
+    # SGLang's add_one_req refuses when extend + min(max_new, clip) >= rem_total: r0 takes
+    # 40 + 4 of 100; r1 needs second + 4 against the 56 left.
+    s = Scheduler(RadixCache(100), SchedulerConfig(name="fcfs", init_new_token_ratio=0.0))
+    waiting(s, list(range(40)), list(range(100, 100 + second)), [7, 7])
+    assert [e.req.id for e in s.next_batch().entries] == admitted
+    assert s.batch_is_full  # (r2, or r1) refused for KV: no prefill until the batch shrinks
+
+
+@pytest.mark.parametrize("second, admitted", [(49, ["r0", "r1"]), (50, ["r0"])])
+def test_the_prefill_token_budget_refuses_an_extend_equal_to_what_is_left(second, admitted):
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="fcfs", max_prefill_tokens=90))
+    waiting(s, list(range(40)), list(range(100, 100 + second)))
+    assert [e.req.id for e in s.next_batch().entries] == admitted
+    assert not s.batch_is_full  # a step budget, not KV: the next step tries again
 
 
 def test_a_long_prompt_is_chunked_and_each_chunk_is_shared_at_once():
@@ -147,7 +153,8 @@ def test_a_long_prompt_is_chunked_and_each_chunk_is_shared_at_once():
         if s.chunked:
             assert cache.match(toks(*range(40))) == r.computed  # committed: others can hit it
     assert contexts == [[(0, 16, False)], [(16, 16, False)], [(32, 8, True)]]
-    assert r.finished and r.output == [1000]
+    assert r.output == [1000] and not r.finished
+    assert cache.match(toks(*range(40), 5)) == 40  # the whole prompt, while it decodes
 
 
 def drive(scheduler: Scheduler, max_steps: int = 10_000) -> int:
@@ -220,3 +227,19 @@ def test_a_chunk_budget_below_one_page_is_refused_with_both_keys():
     with pytest.raises(ValueError, match="scheduler.chunked_prefill_size=8 must be at least "
                                          "cache.page_size=16"):
         Scheduler(RadixCache(64, page_size=16), SchedulerConfig(chunked_prefill_size=8))
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs_weight"])
+def test_ordering_the_queue_counts_no_hits_for_frequency_policies(policy):
+    from testbed.cache import make_policy
+    cache = RadixCache(1000, policy=make_policy("lfu"))
+    for seq in (range(100, 150), range(200, 210)):
+        lease = cache.acquire(toks(*seq))
+        cache.extend(lease, len(seq))
+        cache.release(lease, toks(*seq))
+    counts = sorted(n.access_count for n in cache.nodes())
+    s = Scheduler(cache, SchedulerConfig(name=policy))
+    waiting(s, [*range(100, 150), 1], [*range(200, 210), 2], [*range(100, 150), 3])
+    for _ in range(5):
+        s.policy.order(s.waiting)
+    assert sorted(n.access_count for n in cache.nodes()) == counts
