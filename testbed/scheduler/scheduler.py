@@ -38,9 +38,8 @@ durations do not change the order of events.
 
 With lower cache tiers (host, disk), a request whose match continues below the GPU has that run
 loaded back when it is considered for admission, unless the cache's planner finds recomputing it
-faster: it leaves the queue, its lease protecting the run, until the driver reports the copy done
-(`load_done`); then it rejoins the queue, its prefix now a GPU hit (most recently used, so the last
-to be evicted again), and is admitted as usual.
+faster (`testbed.scheduler.loadback`); it rejoins the queue, in its submission place, when the
+driver reports the copy done (`load_done`).
 """
 
 from __future__ import annotations
@@ -53,6 +52,7 @@ from testbed.cache.base import Lease, PrefixCache
 from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import QueuePolicy
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import Request
@@ -93,11 +93,7 @@ class Scheduler:
         self.new_token_ratio = c.init_new_token_ratio
         self.preemptions = 0
         self._seq = 0
-        self.loading: list[Req] = []  # load-back from a lower tier in flight; they hold leases
-        self._new_loads: list[Req] = []  # issued since the driver last took them
-        # with lower tiers, per request id at first admission: (hit, loaded per tier, load wait)
-        self.tier_hits: dict[str, tuple[int, dict[str, int] | None, float | None]] = {}
-        self._loaded: dict[str, tuple[dict[str, int], float]] = {}  # before first admission
+        self.loads = LoadBacks(cache)  # lower-tier load-backs in flight
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request, now: float, prompt: np.ndarray | None = None) -> Req:
@@ -227,7 +223,8 @@ class Scheduler:
         fill = req.fill()
         available_before = self.cache.available_size
         lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
-        if lease.lower and self._load_back(req, lease):
+        if lease.lower and self.loads.start(req, lease):
+            self.waiting.remove(req)
             return _LOADING  # it waits for the copy; the loaded slots already count against the KV
         extend = len(fill) - lease.hit
         reserve = min(req.max_new_tokens, c.clip_max_new_tokens)
@@ -256,7 +253,7 @@ class Scheduler:
         if req.cached_tokens is None:
             req.cached_tokens = min(lease.hit, len(req.prompt))
             if self.cache.lower_tiers:
-                self._record_tier_hit(req)
+                self.loads.record_first_admission(req)
         if adder.rem_chunk is None or input_tokens <= adder.rem_chunk:
             admitted.append(BatchEntry(req, lease.hit, extend, produces_token=True))
             adder.take(extend, reserve)
@@ -269,50 +266,25 @@ class Scheduler:
     def _alone(self, admitted: list[BatchEntry]) -> bool:
         return not admitted and self.chunked is None and all(r.finished for r in self.running)
 
-    def _load_back(self, req: Req, lease) -> bool:
-        """Start loading the lease's lower-tier run back to the GPU; False when the cache gives it
-        up instead (recomputing is faster, or no room): the lease then covers the GPU part."""
-        evicted = self.cache.load_back(lease)
-        if evicted is None:
-            return False
-        req.evicted_tokens += evicted
-        req.lease = lease
-        self.waiting.remove(req)
-        self.loading.append(req)
-        self._new_loads.append(req)
-        if req.cached_tokens is None:
-            loads, waited = self._loaded.get(req.id, ({}, 0.0))
-            self._loaded[req.id] = ({k: loads.get(k, 0) + v for k, v in lease.loaded.items()},
-                                    waited)
-        return True
+    # ------------------------------------------------------------------ lower-tier load-backs
+    @property
+    def loading(self) -> list[Req]:
+        return self.loads.loading
 
-    def _record_tier_hit(self, req: Req) -> None:
-        """At first admission: how much of the hit was loaded from each tier (what was loaded for
-        it, capped by the hit: a loaded run evicted again before admission is not counted)."""
-        loads, waited = self._loaded.pop(req.id, (None, None))
-        left = req.cached_tokens
-        if loads:
-            loads = dict(loads)
-            for tier in loads:
-                loads[tier] = min(loads[tier], left)
-                left -= loads[tier]
-        self.tier_hits[req.id] = (req.cached_tokens, loads, waited)
+    @property
+    def tier_hits(self) -> dict[str, tuple[int, dict[str, int] | None, float | None]]:
+        """Per request id at first admission: (hit, loaded per tier, load wait)."""
+        return self.loads.tier_hits
 
     def take_loads(self) -> list[Req]:
         """Requests whose load-back was started since the last call (their leases say how many
         tokens come from each tier: ``req.lease.loaded``)."""
-        out, self._new_loads = self._new_loads, []
-        return out
+        return self.loads.take_new()
 
     def load_done(self, req: Req, waited_s: float = 0.0) -> None:
         """The load-back of ``req`` finished after ``waited_s``: its prefix is on the GPU now; it
-        rejoins the queue (and gives its lease up: nothing holds KV while waiting)."""
-        self.loading.remove(req)
-        self.cache.release(req.lease, req.fill(), insert=False)
-        req.lease = None
-        if req.id in self._loaded:
-            loads, waited = self._loaded[req.id]
-            self._loaded[req.id] = (loads, waited + waited_s)
+        rejoins the queue."""
+        self.loads.done(req, waited_s)
         self._insert_by_seq(req)
 
     def _insert_by_seq(self, req: Req) -> None:
