@@ -2,7 +2,7 @@
 
 SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy.py``
 (SchedulePolicy, PrefillAdder) and ``radix_cache.py`` (RadixCache) are imported from it
-(`sglang_mirror` says how, and what gets a stand-in). Two comparisons, page_size 1 throughout:
+(`sglang_mirror` says how, and what gets a stand-in). Three comparisons, (a) and (b) at page_size 1:
 
 (a) **Queue order.** Random radix trees (random token runs branching off each other, inserted in
     the same order into SGLang's RadixCache and ours, so child order and DFS-weight ties match) and
@@ -21,14 +21,29 @@ SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy
     SchedulePolicy, PrefillAdder and RadixCache (`sglang_mirror.SglangLoop`), and through our
     `Scheduler` with a radix cache of the same capacity. Compared: each request's cache hit at its
     first admission, and the list of (kind, request ids) per step; retractions are counted.
+(c) **Replay with pages** (`sglang_replay`). Our replay backend (`testbed.replay`, one request at a
+    time: acquire, extend, release with insert) over ``RadixCache(capacity, page_size=P)`` against
+    SGLang's RadixCache serving the same requests one at a time with its own ``match_prefix``,
+    ``evict`` and ``cache_finished_req`` and the eviction rule of
+    ``ScheduleBatch._evict_tree_cache_if_needed`` (a numpy stand-in for the paged allocator), for P
+    in 1, 4, 16 and unlimited, evicting and tight capacities, on small ``random_tree``, ``chat``
+    and ``few_shot`` workloads, random token runs and, when ``../shared/traces`` holds it, the
+    first 2,000 requests of the Mooncake conversation trace. Compared per request: hit and tokens
+    evicted; and the tokens left in the tree. Three of SGLang's rules are not replay.py's (the
+    match leaves the prompt's last token out; the last output token is never cached; eviction
+    asks for the whole allocation, plus a page, not the shortfall); our cache is also driven with
+    all of them switched to SGLang's (which isolates the tree and its LRU order), with all but one
+    (what that rule alone changes), and, as a control, with all of them and FIFO eviction (the
+    cases it disagrees in are those that test the LRU order).
 
 Not isolated, hence re-implemented in `sglang_mirror` (each function cites SGLang's): the
 ``Scheduler`` loop, ``ScheduleBatch`` bookkeeping, ``Req``, the KV allocator (a free list) and the
-req-to-token pool (a dict of rows). Capacities keep every request under SGLang's ``max_req_len``
-so that its ``max_new_tokens`` clipping never applies. Exit code 0 unless the wheel cannot be had.
+req-to-token pool (a dict of rows); in (c) `sglang_replay.PagedSlots` and `OneRow` instead.
+Capacities keep every request under SGLang's ``max_req_len`` so that its ``max_new_tokens``
+clipping never applies. Exit code 0 unless the wheel cannot be had.
 
-    python experiments/sglang_policy_check.py [--cache-dir DIR]   # ~20 s on 2 cores
-    python experiments/sglang_policy_check.py --quick             # ~8 s
+    python experiments/sglang_policy_check.py [--cache-dir DIR]   # ~2.5 min on 2 cores, (c) 2 min
+    python experiments/sglang_policy_check.py --quick             # ~20 s
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import sglang_mirror  # noqa: E402  (beside this script)
+import sglang_replay  # noqa: E402
 from sglang_mirror import SglangLoop, SglReq  # noqa: E402
 from testbed.cache import make_cache  # noqa: E402
 from testbed.cache.radix import RadixCache  # noqa: E402
@@ -290,7 +306,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
                     help=f"where the wheel is kept (default {DEFAULT_CACHE})")
-    ap.add_argument("--quick", action="store_true", help="300 queues, 30 of the 120 cases (~8 s)")
+    ap.add_argument("--quick", action="store_true",
+                    help="300 queues, 30 of the 120 cases, a smaller (c) (~20 s)")
     ap.add_argument("--queues", type=int, help="random queues in (a) (default 1000; 300 quick)")
     ap.add_argument("--in-batch-hold", action="store_true",
                     help="(a): accept held requests equal to SGLang's deprioritized set")
@@ -327,6 +344,15 @@ def main() -> int:
     rows = check_batches(sgl, args.quick, args.show)
     print()
     print_batches(rows)
+
+    print(f"\n(c) replay with pages, one request at a time ({'quick' if args.quick else 'full'}): "
+          "hits=, evicted=: requests whose hit, tokens evicted agree; both=: requests where both "
+          "agree; tree o/s: tokens left in the tree, ours/SGLang. SGLang's rules that replay.py "
+          "does not follow:")
+    sglang_replay.print_rules()
+    replay_rows = sglang_replay.check_replay(sgl, args.quick, args.show)
+    print()
+    sglang_replay.print_replay(replay_rows)
     done = [r for r in rows if "hits" in r]
     same = sum(r["diff"] is None for r in done)
     # SGLang stalls for good (work left it never schedules) and ours goes on: same until then
@@ -337,7 +363,8 @@ def main() -> int:
           f"{len(rows)} cases, and in {len(stalled)} more up to where SGLang stalls for good; "
           f"first-admission hits {hits[0]}/{hits[1]} requests (of which "
           f"{sum(r['reqs'] - r['hits'] for r in stalled)} never admitted by the stalled SGLang), "
-          f"{len(rows) - len(done)} cases failed to run ({time.time() - start:.0f} s)")
+          f"{len(rows) - len(done)} cases failed to run;")
+    print(f"           {sglang_replay.summary(replay_rows)} ({time.time() - start:.0f} s)")
     return 0
 
 
