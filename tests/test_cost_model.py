@@ -104,6 +104,7 @@ def test_hardware_configs_load(path):
     cfg = yaml.safe_load(path.read_text())
     h = hardware_spec(cfg)
     assert h.name == path.stem and mem_fraction(cfg) == 0.9
+    assert h.interconnect_bw == cfg["interconnect_bw"] > 0 and h.step_overhead_s > 0
     assert kv_capacity_tokens(model("tiny"), h, mem_fraction(cfg)) > 0
 
 
@@ -124,6 +125,10 @@ def test_bad_model_config(key, value, message):
 
 @pytest.mark.parametrize("key, value, message", [
     ("flops", -1.0, "hardware.flops must be > 0, got -1"),
+    ("interconnect_bw", None, r"hardware.interconnect_bw is required: per-direction bytes/s"),
+    ("interconnect_bw", 0.0, "hardware.interconnect_bw must be > 0, got 0"),
+    ("step_overhead_s", None, r"hardware.step_overhead_s is required: the host's CPU"),
+    ("step_overhead_s", -1e-3, "hardware.step_overhead_s must be >= 0, got -0.001"),
     ("mem_bw", "2e12", r"hardware.mem_bw must be a number, got '2e12' \(YAML reads"),
     ("memory_bytes", 0, "hardware.memory_bytes must be >= 1, got 0"),
     ("mem_fraction", 1.5, r"hardware.mem_fraction must be in \(0, 1\], got 1.5"),
