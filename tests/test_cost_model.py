@@ -37,9 +37,11 @@ def zero_coeffs() -> dict:
 
 # ---- specs ----
 
-@pytest.mark.parametrize("name, kib", [("llama2_7b", 512), ("llama3_8b", 128), ("llama3_70b", 320)])
+@pytest.mark.parametrize("name, kib", [("llama2_7b", 512), ("llama3_8b", 128), ("llama3_70b", 320),
+                                       ("codellama_34b", 192)])
 def test_kv_bytes_per_token(name, kib):
-    """2 · layers · kv_heads · head_dim · 2 bytes: 512 / 128 / 320 KiB (DESIGN.md §6)."""
+    """2 · layers · kv_heads · head_dim · 2 bytes: 512 / 128 / 320 KiB (DESIGN.md §6), 192 KiB
+    for CodeLlama-34B (48 layers, 8 KV heads)."""
     m = model(name)
     assert m.kv_bytes_per_token == kib * KiB
     assert m.kv_bytes_per_token_per_gpu == kib * KiB // m.tp
@@ -49,6 +51,7 @@ def test_kv_bytes_per_token(name, kib):
     ("llama2_7b", 6.74e9, 6_738_415_616),  # published: 6.74B, 8.03B, 70.6B (model cards)
     ("llama3_8b", 8.03e9, 8_030_261_248),
     ("llama3_70b", 70.6e9, 70_553_706_496),
+    ("codellama_34b", 34e9, 33_743_970_304),  # model card: "34B"
 ])
 def test_param_counts(name, published, exact):
     """Matmuls + untied embedding and LM head + RMSNorm weights = the checkpoints' counts."""
@@ -268,7 +271,7 @@ def test_make_cost_model_from_configs():
     assert isinstance(r, RooflineCostModel) and (r.mfu, r.mbu, r.overhead_s) == (0.6, 0.7, 2e-3)
     with pytest.raises(ValueError, match="cost_model.path is required"):
         make_cost_model(conf("cost_model", "fitted"), m, h)
-    with pytest.raises(ValueError, match="cost_model.name must be one of roofline, fitted; got"):
+    with pytest.raises(ValueError, match="cost_model.name must be one of roofline, fitted, vidur; got"):
         make_cost_model({"name": "x"}, m, h)
     with pytest.raises(ValueError, match=r"cost_model.mfu must be in \(0, 1\], got 1.5"):
         make_cost_model({"name": "roofline", "mfu": 1.5}, m, h)

@@ -2,7 +2,8 @@
 
 The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for
 each request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a
-decode) on top of ``context`` tokens already in its KV. Two models implement `CostModel`:
+decode) on top of ``context`` tokens already in its KV. Three models implement `CostModel`
+(`make_cost_model` builds the one ``cost_model=`` names):
 
 - `RooflineCostModel` — FLOPs and HBM bytes per GPU from the model's shape, each divided by the
   device's peak times an efficiency factor; the slower one wins, plus a per-step overhead and, with
@@ -11,6 +12,8 @@ decode) on top of ``context`` tokens already in its KV. Two models implement `Co
 - `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per kind of step
   (decode / prefill), with coefficients fitted to measured step times (YAML files written by
   `save_fitted`), clamped from below by the roofline floor.
+- `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
+  operator by operator.
 
 Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
 only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
@@ -289,7 +292,7 @@ def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
     return out
 
 
-COST_MODELS = ("roofline", "fitted")
+COST_MODELS = ("roofline", "fitted", "vidur")
 
 
 def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> CostModel:
@@ -306,6 +309,17 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
             raise ValueError(f"cost_model.{key} must be a number, got {value!r}")
         return float(value)
 
+    if name == "vidur":
+        from testbed.sim.vidur_cost import VidurCostModel
+        from testbed.sim.vidur_profile import load_vidur_profile
+
+        directory = cfg.get("profile_dir")
+        if not directory:
+            raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a "
+                             "directory of Vidur's profiling CSVs: mlp.csv, attention.csv, "
+                             "all_reduce.csv)")
+        return VidurCostModel(load_vidur_profile(_resolve(directory), model), model,
+                              overhead_s=num("overhead_s", hw.step_overhead_s))
     roofline = RooflineCostModel(
         model, hw, mfu=num("mfu", DEFAULT_MFU), mbu=num("mbu", DEFAULT_MBU),
         overhead_s=num("overhead_s", DEFAULT_OVERHEAD_S),
@@ -316,7 +330,12 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
     if not path:
         raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
                          "by testbed.sim.cost_model.save_fitted)")
+    return load_fitted(_resolve(path), floor_model=roofline)
+
+
+def _resolve(path: str | Path) -> Path:
+    """``path`` as given, or relative to the repository when it names a shipped file."""
     resolved = Path(path)
-    if not resolved.is_absolute() and not resolved.exists():  # shipped files: relative to the repo
+    if not resolved.is_absolute() and not resolved.exists():
         resolved = Path(__file__).resolve().parents[2] / path
-    return load_fitted(resolved, floor_model=roofline)
+    return resolved
