@@ -53,7 +53,9 @@ def roofline(model, hw, x) -> RooflineCostModel:
 
 
 def main(profile_dir: Path) -> None:
-    conf = lambda group, name: yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())  # noqa: E731
+    def conf(group: str, name: str) -> dict:
+        return yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())
+
     model, hw = model_spec(conf("model", "codellama_34b")), hardware_spec(conf("hardware", "a100"))
     vidur = VidurCostModel(load_vidur_profile(profile_dir, model), model, overhead_s=0.0)
     kinds = shapes()

@@ -297,7 +297,7 @@ def test_monotone_in_tokens_and_kv(tmp_path_factory, pairs, which, grow, by):
 def test_made_from_config_with_the_hardware_overhead(profile_dir):
     hw = hardware_spec(yaml.safe_load((REPO / "conf/hardware/a100.yaml").read_text()))
     cfg = yaml.safe_load((REPO / "conf/cost_model/vidur.yaml").read_text())
-    with pytest.raises(ValueError, match="cost_model.profile_dir is required with cost_model=vidur"):
+    with pytest.raises(ValueError, match="cost_model.profile_dir is required with cost_model="):
         make_cost_model(cfg, MODEL, hw)
     made = make_cost_model(cfg | {"profile_dir": str(profile_dir)}, MODEL, hw)
     assert isinstance(made, VidurCostModel) and made.overhead_s == hw.step_overhead_s == 2e-3
@@ -347,7 +347,8 @@ def test_real_profile_close_to_every_measurement(real):
     p = real.profile
     measured = real.model.num_layers * p.layer_s() + p.ops["emb"]
     fitted = np.array([real.token_ops.at(t) for t in p.tokens])
-    assert np.mean(np.isclose(fitted, measured, rtol=1e-9, atol=0)) > 0.25 and np.abs(fitted / measured - 1).max() < 0.05
+    assert np.mean(np.isclose(fitted, measured, rtol=1e-9, atol=0)) > 0.25
+    assert np.abs(fitted / measured - 1).max() < 0.05
     seen = np.isfinite(p.prefill.values)
     grid = np.array([[real.prefill.at(n, c) for c in p.prefill.cols] for n in p.prefill.rows])
     assert np.mean(np.isclose(grid[seen], p.prefill.values[seen], rtol=1e-9, atol=0)) > 0.25

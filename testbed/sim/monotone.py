@@ -9,10 +9,10 @@ between a ~10 µs floor and ~60 µs stalls from one message size to the next.
 sequence closest to the measurements in least squares. It equals them wherever they are already in
 order and replaces each run that is out of order by its mean, so it has no bias; a running maximum
 (the other common clamp) lifts everything after one slow outlier (to 6.5× the measurement on
-those all-reduces). Between points, `Curve` and `Surface` interpolate linearly (bilinearly), which is
-exact at the points and keeps the order; beyond the last point they continue at the slope of the
-largest measured points (`tail_slope`). Both read in pure Python (a bisection and a few products),
-since a simulation asks hundreds of thousands of times.
+those all-reduces). Between points, `Curve` and `Surface` interpolate linearly (bilinearly),
+which is exact at the points and keeps the order; beyond the last point they continue at the
+slope of the largest measured points (`tail_slope`). Both read in pure Python (a bisection and a
+few products), since a simulation asks hundreds of thousands of times.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`VidurCostModel`: step times from measured operator times (a Vidur profile), operator by operator.
+"""`VidurCostModel`: step times from measured operator times (a Vidur profile), operator by
+operator.
 
 A step (`StepShape`: request i computes ``new[i]`` tokens over ``context[i]`` cached ones) costs,
 the way Vidur decomposes an iteration:
