@@ -2,15 +2,18 @@
 
 The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for
 each request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a
-decode) on top of ``context`` tokens already in its KV. Two models implement `CostModel`:
+decode) on top of ``context`` tokens already in its KV. Three models implement `CostModel`
+(`make_cost_model` builds the one ``cost_model=`` names):
 
 - `RooflineCostModel` — FLOPs and HBM bytes per GPU from the model's shape, each divided by the
-  device's peak times an efficiency factor; the slower one wins, plus a per-step overhead and, with
-  tensor parallelism, the all-reduces. ``floor(step)`` is the same with perfect efficiency and no
-  overhead: a physical lower bound.
+  device's peak times an efficiency factor (matmuls and attention each their own); the slower one
+  wins, plus the hardware's per-step overhead and, with tensor parallelism, the all-reduces.
+  ``floor(step)`` is the same with perfect efficiency and no overhead: a physical lower bound.
 - `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per kind of step
   (decode / prefill), with coefficients fitted to measured step times (YAML files written by
   `save_fitted`), clamped from below by the roofline floor.
+- `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
+  operator by operator.
 
 Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
 only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
@@ -18,18 +21,25 @@ these figures (measured time / roofline floor, per layer and per rank):
 
 - matmuls (q, k, v, o, gate/up, down) at 1–64 tokens, memory-bound: 1.28–1.38 (72–78 % of HBM
   bandwidth); at 512–4096 tokens, compute-bound: 1.29–1.64, median 1.39 (~72 % of peak FLOP/s);
-- prefill attention (chunks 64–4096 over 0–4032 cached tokens): ≥ 2.45, median 4.3 (the profiled
-  kernel reaches ~23 % of peak on large chunks);
+- prefill attention (chunks 64–4096 over 0–4032 cached tokens): ≥ 2.45, median 4.3; its FLOPs
+  over all 4,206 profiled points' time are 23 % of peak (1 % for a 64-token chunk alone, 40 %
+  at best), while the matmuls reach ~72 %;
 - decode attention with batch × context ≥ 32k tokens: 1.14–2.24, median 1.44; smaller ones are
   launch-bound (9–31 µs per call whatever the size);
-- all-reduce at TP2: 7–10 µs per call up to 64 KiB, ~186 GB/s at large sizes (vs 300 GB/s NVLink);
-- a whole layer (all of the above, elementwise ops and two all-reduces): decode (batch 1–128,
-  context 256–4032) 1.51–1.96, prefill chunks of 512–4096 tokens 1.54–1.68. With the defaults below
-  (mfu 0.6, mbu 0.7, no overhead) measured / predicted is 1.03–1.33 for those decode steps and
-  0.93–1.01 for those prefill chunks.
+- all-reduce at TP2: 7–10 µs per call up to 64 KiB, ~186 GB/s at large sizes (vs 300 GB/s NVLink).
 
-The floor is never above any measured operator. Pure roofline models miss real step times by
-30–50 % (docs/design.md §6); `FittedCostModel` is the accurate one once a device has been measured.
+The floor is never above any measured operator. The defaults below are fitted to whole steps of
+`VidurCostModel` on that profile (GPU time, no overhead; ``python
+experiments/roofline_vs_vidur_profile.py`` prints the fit and these ratios): roofline / measured
+is 0.82–1.10 (median 1.02) for decode steps of 1–128 requests at 128–4,032 tokens of context
+(lowest for 128 short requests, whose attention and elementwise kernels the bytes do not see),
+0.82–1.05 (median 0.95) for prefill chunks of 64–4,096 tokens with nothing cached, and 0.89–1.11
+(median 0.97) for chunks over 512–4,032 cached tokens. Past the profile (Vidur's side
+extrapolated), decode at 16k–64k tokens of context is 1.07–1.23× slow, and prefill chunks over
+8k–100k cached tokens 1.12–2.35× slow: the profile's kernel attends to a long cache at up to
+~65 % of peak, while one ``attn_mfu`` has to cover chunks' own causal triangles at ~20 %. Pure
+roofline models miss real step times by 30–50 % (docs/design.md §6); `FittedCostModel` is the
+accurate one once a device has been measured.
 """
 
 from __future__ import annotations
@@ -45,21 +55,17 @@ import yaml
 
 from testbed.sim.specs import HardwareSpec, ModelSpec
 
-#: Defaults of the roofline model, set from the Vidur comparison above (A100, 34B, TP2).
-#: MFU 0.6: a whole prefill layer (matmuls ~72 % of peak, attention, elementwise ops) runs at
-#: ~0.62 of the A100's 312 TFLOP/s. Smaller models and newer GPUs usually reach less.
-DEFAULT_MFU = 0.6
-#: MBU 0.7: a whole decode layer streams its weights and KV at ~0.5–0.66 of 2.0 TB/s, the matmuls
-#: alone at ~0.75; 0.7 errs fast for large decode batches. `RooflineCostModel.step_time` applies it
-#: to the interconnect bandwidth too (Vidur's TP2 all-reduce reaches ~0.62 of NVLink's 300 GB/s).
-DEFAULT_MBU = 0.7
-#: Per-step CPU and launch overhead (scheduling, input prep, sampling, kernel launch gaps): a stated
-#: guess, not a measurement (Vidur's CPU-overhead profile is not in ``shared/vidur``). Python
-#: serving loops spend milliseconds per step without CUDA graphs, well under one with them.
-DEFAULT_OVERHEAD_S = 2e-3
-#: Per-direction NVLink bandwidth per GPU: A100 NVLink 3 is 600 GB/s bidirectional, 300 each way
-#: (H100 NVLink 4: 450 GB/s each way).
-DEFAULT_INTERCONNECT_BW = 300e9
+#: Defaults of the roofline model, fitted to Vidur's A100 profile (CodeLlama-34B, TP2; above).
+#: MFU 0.65: the matmul FLOPs' share of peak that the token-level operators reach (matmuls alone
+#: ~72 %; norms, rope, activation and adds take the rest). Smaller models and newer GPUs usually
+#: reach less.
+DEFAULT_MFU = 0.65
+#: ATTN_MFU 0.23: attention FLOPs over the time of every profiled prefill attention point.
+DEFAULT_ATTN_MFU = 0.23
+#: MBU 0.63: a whole decode step streams its weights and KV at ~0.63 of 2.0 TB/s (the matmuls alone
+#: at ~0.75). `RooflineCostModel.step_time` applies it to the interconnect bandwidth too (Vidur's
+#: TP2 all-reduce reaches ~0.62 of NVLink's 300 GB/s at large sizes).
+DEFAULT_MBU = 0.63
 #: Fixed cost of one all-reduce call (not in the floor): Vidur's TP2 A100 all-reduce takes 7–10 µs
 #: at 2–64 KiB.
 ALLREDUCE_LATENCY_S = 8e-6
@@ -140,11 +146,15 @@ class CostModel(Protocol):
 
 
 class RooflineCostModel:
-    """``max(FLOPs / (peak·mfu), bytes / (bandwidth·mbu)) + overhead_s + all-reduces``, per GPU.
+    """``max(compute, bytes / (bandwidth·mbu)) + overhead_s + all-reduces``, per GPU, where
+    ``compute = matmul FLOPs / (peak·mfu) + attention FLOPs / (peak·attn_mfu)``.
 
-    - FLOPs: ``2·linear_params·Σnew / tp`` for the matmuls (LM head included, computed for every
-      new token) plus ``4·layers·heads·head_dim·Σ new·(context + (new+1)/2) / tp`` for QKᵀ and PV
-      (causal within the chunk).
+    - Matmul FLOPs: ``2·layers·layer_linear_params·Σnew / tp`` for the layers' matmuls, plus the
+      LM head ``2·vocab·hidden / tp`` once per request (only its last position reaches the LM
+      head, as in the engine, whether the chunk is a prompt's last or not).
+    - Attention FLOPs: ``4·layers·heads·head_dim·Σ new·(context + (new+1)/2) / tp`` for QKᵀ and
+      PV (causal within the chunk), at their own efficiency ``attn_mfu``: attention kernels run
+      far below the matmuls on the same GPU (module docstring).
     - Bytes: the matmul weights of one rank read once per step, the KV read
       (``Σ(context+new)``) and written (``Σnew``) at ``kv_bytes_per_token_per_gpu``. Activations
       (~10·hidden + 5·intermediate elements per token per layer, unfused) are left out: in decode
@@ -152,34 +162,50 @@ class RooflineCostModel:
       per activation byte, far on the compute side of the ridge.
     - With ``tp > 1``, two ring all-reduces per layer of ``Σnew·hidden·dtype_bytes`` bytes, each
       ``ALLREDUCE_LATENCY_S + 2·(tp−1)/tp · bytes / (interconnect_bw·mbu)``, not overlapped with
-      compute. ``interconnect_bw`` is the per-direction NVLink bandwidth of one GPU.
-    - ``overhead_s`` per step stands for the CPU side (scheduling, input prep, sampling) and kernel
-      launch gaps, which FLOPs and bytes do not see.
+      compute. ``interconnect_bw`` (per direction, per GPU) and ``overhead_s`` (the CPU side:
+      scheduling, input prep, sampling, launch gaps, which FLOPs and bytes do not see) default to
+      the hardware preset's ``interconnect_bw`` and ``step_overhead_s``.
     """
 
     def __init__(self, model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
-                 mbu: float = DEFAULT_MBU, overhead_s: float = DEFAULT_OVERHEAD_S,
-                 interconnect_bw: float = DEFAULT_INTERCONNECT_BW) -> None:
-        for key, value in (("mfu", mfu), ("mbu", mbu)):
+                 mbu: float = DEFAULT_MBU, overhead_s: float | None = None,
+                 interconnect_bw: float | None = None,
+                 attn_mfu: float = DEFAULT_ATTN_MFU) -> None:
+        for key, value in (("mfu", mfu), ("mbu", mbu), ("attn_mfu", attn_mfu)):
             if not 0 < value <= 1:
                 raise ValueError(f"cost_model.{key} must be in (0, 1], got {value}")
+        overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s
         if overhead_s < 0:
             raise ValueError(f"cost_model.overhead_s must be >= 0, got {overhead_s}")
-        if interconnect_bw <= 0:
+        interconnect_bw = hw.interconnect_bw if interconnect_bw is None else interconnect_bw
+        if interconnect_bw is None and model.tp > 1:
+            raise ValueError(f"model.tp={model.tp} needs hardware.interconnect_bw (or "
+                             f"cost_model.interconnect_bw): the bandwidth between the GPUs")
+        if interconnect_bw is not None and interconnect_bw <= 0:
             raise ValueError(f"cost_model.interconnect_bw must be > 0, got {interconnect_bw}")
         self.model, self.hw = model, hw
-        self.mfu, self.mbu, self.overhead_s = mfu, mbu, overhead_s
+        self.mfu, self.mbu, self.attn_mfu, self.overhead_s = mfu, mbu, attn_mfu, overhead_s
         self.interconnect_bw = interconnect_bw
         m = model
-        self._linear_flops_per_token = 2 * m.linear_params / m.tp
+        self._layer_flops_per_token = 2 * m.num_layers * m.layer_linear_params / m.tp
+        self._lm_head_flops_per_request = 2 * m.vocab_size * m.hidden_size / m.tp
         self._attn_flops_per_pair = 4 * m.num_layers * m.num_heads * m.head_dim / m.tp
         self._weight_bytes = m.linear_params * m.dtype_bytes / m.tp
         self._ar_bytes_per_token = m.hidden_size * m.dtype_bytes
 
+    def matmul_flops(self, step: StepShape) -> float:
+        """Matmul FLOPs one GPU executes: every layer for every new token, the LM head once per
+        request."""
+        return (self._layer_flops_per_token * step.num_new
+                + self._lm_head_flops_per_request * step.batch)
+
+    def attention_flops(self, step: StepShape) -> float:
+        """Attention FLOPs (QKᵀ and PV) one GPU executes."""
+        return self._attn_flops_per_pair * step.attended_pairs
+
     def flops(self, step: StepShape) -> float:
         """FLOPs one GPU executes in the step (matmuls and attention)."""
-        return (self._linear_flops_per_token * step.num_new
-                + self._attn_flops_per_pair * step.attended_pairs)
+        return self.matmul_flops(step) + self.attention_flops(step)
 
     def bytes(self, step: StepShape) -> float:
         """HBM bytes one GPU moves in the step: weights once, KV read and written."""
@@ -197,7 +223,9 @@ class RooflineCostModel:
         return 2 * self.model.num_layers * one
 
     def step_time(self, step: StepShape) -> float:
-        compute = self.flops(step) / (self.hw.flops * self.mfu)
+        peak = self.hw.flops
+        compute = (self.matmul_flops(step) / (peak * self.mfu)
+                   + self.attention_flops(step) / (peak * self.attn_mfu))
         memory = self.bytes(step) / (self.hw.mem_bw * self.mbu)
         return (max(compute, memory) + self.overhead_s
                 + self.allreduce_time(step, efficiency=self.mbu))
@@ -210,7 +238,7 @@ class RooflineCostModel:
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.model.name}, {self.hw.name}, mfu={self.mfu}, "
-                f"mbu={self.mbu}, overhead_s={self.overhead_s})")
+                f"attn_mfu={self.attn_mfu}, mbu={self.mbu}, overhead_s={self.overhead_s})")
 
 
 class FittedCostModel:
@@ -289,7 +317,7 @@ def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
     return out
 
 
-COST_MODELS = ("roofline", "fitted")
+COST_MODELS = ("roofline", "fitted", "vidur")
 
 
 def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> CostModel:
@@ -298,7 +326,7 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
     if name not in COST_MODELS:
         raise ValueError(f"cost_model.name must be one of {', '.join(COST_MODELS)}; got {name!r}")
 
-    def num(key: str, default: float) -> float:
+    def num(key: str, default: float | None) -> float | None:
         value = cfg.get(key)
         if value is None:
             return default
@@ -308,15 +336,31 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
 
     roofline = RooflineCostModel(
         model, hw, mfu=num("mfu", DEFAULT_MFU), mbu=num("mbu", DEFAULT_MBU),
-        overhead_s=num("overhead_s", DEFAULT_OVERHEAD_S),
-        interconnect_bw=num("interconnect_bw", DEFAULT_INTERCONNECT_BW))
+        overhead_s=num("overhead_s", None), interconnect_bw=num("interconnect_bw", None),
+        attn_mfu=num("attn_mfu", DEFAULT_ATTN_MFU))
     if name == "roofline":
         return roofline
+    if name == "vidur":
+        from testbed.sim.vidur_cost import VidurCostModel
+        from testbed.sim.vidur_profile import load_vidur_profile
+
+        directory = cfg.get("profile_dir")
+        if not directory:
+            raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a "
+                             "directory of Vidur's profiling CSVs: mlp.csv, attention.csv, "
+                             "all_reduce.csv)")
+        return VidurCostModel(load_vidur_profile(_resolve(directory), model), model,
+                              overhead_s=roofline.overhead_s)
     path = cfg.get("path")
     if not path:
         raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
                          "by testbed.sim.cost_model.save_fitted)")
+    return load_fitted(_resolve(path), floor_model=roofline)
+
+
+def _resolve(path: str | Path) -> Path:
+    """``path`` as given, or relative to the repository when it names a shipped file."""
     resolved = Path(path)
-    if not resolved.is_absolute() and not resolved.exists():  # shipped files: relative to the repo
+    if not resolved.is_absolute() and not resolved.exists():
         resolved = Path(__file__).resolve().parents[2] / path
-    return load_fitted(resolved, floor_model=roofline)
+    return resolved

@@ -79,13 +79,17 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """One accelerator: dense bf16 (or the run dtype's) peak FLOP/s, HBM bandwidth in bytes/s, and
-    device memory in bytes."""
+    """One accelerator: dense bf16 (or the run dtype's) peak FLOP/s, HBM bandwidth in bytes/s,
+    device memory in bytes, the per-direction bandwidth to its tensor-parallel peers in bytes/s
+    (NVLink, or PCIe without it; None: unknown, fine at tp = 1), and the host's per-step CPU and
+    launch overhead in seconds (scheduling, input preparation, sampling, launch gaps)."""
 
     name: str
     flops: float
     mem_bw: float
     memory_bytes: int
+    interconnect_bw: float | None = None
+    step_overhead_s: float = 0.0
 
 
 def kv_capacity_tokens(model: ModelSpec, hw: HardwareSpec, mem_fraction: float = 0.9) -> int:
@@ -137,9 +141,25 @@ def hardware_spec(cfg: Mapping[str, Any]) -> HardwareSpec:
     ``mem_fraction`` is checked here too (read it with `mem_fraction`)."""
     g = "hardware"
     mem_fraction(cfg)
+    for key, hint in _HARDWARE_HINTS.items():
+        if _get(cfg, key, g, None) is None:
+            raise ValueError(f"{g}.{key} is required: {hint}")
+    overhead = _number(cfg, "step_overhead_s", g)
+    if overhead < 0:
+        raise ValueError(f"hardware.step_overhead_s must be >= 0, got {overhead:g}")
     return HardwareSpec(name=_name(cfg, g), flops=_positive(cfg, "flops", g),
                         mem_bw=_positive(cfg, "mem_bw", g),
-                        memory_bytes=_int(cfg, "memory_bytes", g, minimum=1))
+                        memory_bytes=_int(cfg, "memory_bytes", g, minimum=1),
+                        interconnect_bw=_positive(cfg, "interconnect_bw", g),
+                        step_overhead_s=overhead)
+
+
+_HARDWARE_HINTS = {
+    "interconnect_bw": "per-direction bytes/s from one GPU to its tensor-parallel peers "
+                       "(A100 NVLink3 300.0e+9, H100 NVLink4 450.0e+9, PCIe 4.0 x16 31.5e+9)",
+    "step_overhead_s": "the host's CPU and launch overhead per scheduler step in seconds, "
+                       "e.g. 2.0e-3",
+}
 
 
 def mem_fraction(cfg: Mapping[str, Any]) -> float:
