@@ -1,6 +1,6 @@
 """Replay speed of the prefix caches, side by side on one trace.
 
-Replays the same requests (in order, one at a time: DESIGN.md §4 "Replay backend") through
+Replays the same requests (in order, one at a time: docs/design.md §4 "Replay backend") through
 
 1. ``RadixCache`` via ``testbed.replay.replay``;
 2. ``BlockHashCache`` (vLLM V1 style) via the same ``replay``;
@@ -182,7 +182,7 @@ class PlainRadix:
 
 
 def replay_plain(requests, tree: PlainRadix) -> tuple[list[int], list[int]]:
-    """The replay loop of DESIGN.md §4 over the plain tree; returns (hits, evicted) per request."""
+    """The replay loop of docs/design.md §4 over the plain tree; returns (hits, evicted) per request."""
     hits, evicted = [], []
     for r in requests:
         prompt = r.prompt.tolist()

@@ -1,4 +1,4 @@
-"""Exact behaviour of the block-hash cache (vLLM V1 prefix caching, DESIGN.md §4)."""
+"""Exact behaviour of the block-hash cache (vLLM V1 prefix caching, docs/design.md §4)."""
 
 import numpy as np
 from hypothesis import given, settings

@@ -41,7 +41,7 @@ def zero_coeffs() -> dict:
 @pytest.mark.parametrize("name, kib", [("llama2_7b", 512), ("llama3_8b", 128), ("llama3_70b", 320),
                                        ("codellama_34b", 192)])
 def test_kv_bytes_per_token(name, kib):
-    """2 · layers · kv_heads · head_dim · 2 bytes: 512 / 128 / 320 KiB (DESIGN.md §6), 192 KiB
+    """2 · layers · kv_heads · head_dim · 2 bytes: 512 / 128 / 320 KiB (docs/design.md §6), 192 KiB
     for CodeLlama-34B (48 layers, 8 KV heads)."""
     m = model(name)
     assert m.kv_bytes_per_token == kib * KiB

@@ -1,4 +1,4 @@
-"""Exact behaviour of the radix cache (DESIGN.md §4)."""
+"""Exact behaviour of the radix cache (docs/design.md §4)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The replay backend (DESIGN.md §4) and the summary it feeds."""
+"""The replay backend (docs/design.md §4) and the summary it feeds."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Trace formats (DESIGN.md §3): token JSONL round trip, Mooncake block expansion, clear errors."""
+"""Trace formats (docs/design.md §3): token JSONL round trip, Mooncake block expansion, clear errors."""
 
 import json
 
