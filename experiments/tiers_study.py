@@ -41,7 +41,7 @@ from testbed.sim.executor import SimExecutor  # noqa: E402
 from testbed.sim.simulate import records_of, serve  # noqa: E402
 from testbed.sim.specs import hardware_spec, kv_capacity_tokens, mem_fraction, model_spec  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
-from testbed.workloads.traces import load_mooncake  # noqa: E402
+from testbed.workloads.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 HIT_KEYS = ["hit_rate", "hit_rate_gpu", "hit_rate_host", "hit_rate_disk"]
@@ -144,7 +144,7 @@ def main() -> None:
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[1.0, 3.0])
     args = ap.parse_args()
-    requests = load_mooncake(args.trace)[: args.limit]
+    requests = load_trace(args.trace, "mooncake")[: args.limit]  # a file or data:NAME
     args.out.mkdir(parents=True, exist_ok=True)
     ideal = ideal_hit_rate(requests)
     replay_df = replay_grid(requests, args.gpu_tokens, ideal)

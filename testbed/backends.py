@@ -31,6 +31,7 @@ class BackendResult:
     records: list[RequestRecord]
     preemptions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
+    notes: list[str] = field(default_factory=list)  # printed last: what the reader must not miss
 
 
 def container(node: Any) -> Any:
@@ -42,9 +43,13 @@ def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
     if backend == "replay" and cfg.get("replicas", 1) != 1:
         raise ValueError("replicas > 1 needs backend=sim (replay serves one cache)")
     if backend == "replay":
-        cache = build_cache(cfg, cfg.cache.get("capacity_tokens"), requests)
+        capacity = cfg.cache.get("capacity_tokens")
+        cache = build_cache(cfg, capacity, requests)
+        sizes = (len(r.prompt) + len(r.output) for r in requests)
+        unfit = [] if cfg.cache.name == "none" else [n for n in sizes if not cache.fits(n)]
+        note = unfit_note(cfg, unfit, len(requests), capacity, cache.available_size)
         return BackendResult(replay(requests, cache, save_token_ids=cfg.save_token_ids,
-                                    progress=cfg.progress), extra=tier_extra(cache))
+                                    progress=cfg.progress), extra=tier_extra(cache), notes=note)
     if backend in ("sim", "engine"):
         return _serve(cfg, requests, engine=backend == "engine")
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
@@ -60,6 +65,34 @@ def build_cache(cfg: DictConfig, capacity: int | None, requests: list[Request],
         return tiered
     return make_cache(c.name, capacity_tokens=capacity, page_size=c.get("page_size", 1),
                       block_size=c.get("block_size", 16), policy=policy)
+
+
+def unfit_note(cfg: DictConfig, sizes: list[int], total: int, capacity: int | None,
+               pool_tokens: float, replicas: int = 1) -> list[str]:
+    """One line when requests could never fit in the KV pool (``sizes``: their prompt + output
+    lengths): how many, the largest, the pool, and which key to change. The sim and the engine
+    abort such a request (`Scheduler.submit`); replay serves it uncached."""
+    if not sizes:
+        return []
+    what = "served uncached (no hit, nothing inserted)" if cfg.backend.name == "replay" \
+        else "aborted (not served)"
+    pool = "each replica's KV pool" if replicas > 1 else "the KV pool"
+    if cfg.cache.get("capacity_tokens") is None:
+        source = (f"what model={cfg.model.name} leaves on hardware={cfg.hardware.name}); set "
+                  "cache.capacity_tokens higher, take larger hardware")
+    elif capacity is not None and pool_tokens != capacity:
+        source = f"cache.capacity_tokens={capacity:,} in whole pages); raise it"
+    else:
+        source = "cache.capacity_tokens); raise it"
+    return [f"{len(sizes):,} of {total:,} requests {what}: their prompt + output (up to "
+            f"{max(sizes):,} tokens) exceeds {pool} of {int(pool_tokens):,} tokens ({source} or "
+            "shorten the workload"]
+
+
+def aborted_sizes(records: list[RequestRecord], requests: list[Request]) -> list[int]:
+    """Prompt + planned output of the aborted requests (their records hold no output)."""
+    planned = {r.id: len(r.output) for r in requests}
+    return [r.prompt_tokens + planned[r.id] for r in records if r.aborted]
 
 
 def tier_extra(cache: PrefixCache) -> dict[str, Any]:
@@ -111,6 +144,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
         from testbed.sim.transfer import make_planner
         planner = make_planner(container(cfg.cache), model, hw)
     cache = build_cache(cfg, capacity, requests, planner=planner, record_transfers=engine)
+    pool_tokens = cache.available_size  # capacity in whole pages, before anything is cached
     if engine and cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor
         executor = TieredEngineExecutor(executor, cache)
@@ -132,7 +166,8 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     if cache.lower_tiers:
         add_tier_fields(records, scheduler.tier_hits)
     extra |= tier_extra(cache)
-    return BackendResult(records, scheduler.preemptions, extra)
+    note = unfit_note(cfg, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
+    return BackendResult(records, scheduler.preemptions, extra, note)
 
 
 def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity: int,
@@ -154,7 +189,12 @@ def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity:
         progress=cfg.progress)
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "router": cfg.router.name, **cluster_summary(result)}
-    return BackendResult(cluster_records(result, cfg.save_token_ids), result.preemptions, extra)
+    records = cluster_records(result, cfg.save_token_ids)
+    sizes = aborted_sizes(records, requests)
+    note = unfit_note(cfg, sizes, len(records), capacity,
+                      build_cache(cfg, capacity, requests).available_size if sizes else capacity,
+                      replicas)
+    return BackendResult(records, result.preemptions, extra, note)
 
 
 def _sim_executor(cfg: DictConfig, model, hw):

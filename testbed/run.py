@@ -25,8 +25,10 @@ from testbed.metrics import ideal_hit_rate, summarize
 from testbed.rundir import format_summary, write_run
 from testbed.workloads import build_workload
 
-def execute(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
-    """Run one configuration and write its results; returns the summary."""
+def execute(cfg: DictConfig, run_dir: str | Path,
+            notes: list[str] | None = None) -> dict[str, Any]:
+    """Run one configuration and write its results; returns the summary. ``notes`` receives the
+    lines to print after it (requests that could never fit the KV pool, and why)."""
     started = time.perf_counter()
     if cfg.backend.name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {cfg.backend.name!r}")
@@ -43,6 +45,8 @@ def execute(cfg: DictConfig, run_dir: str | Path) -> dict[str, Any]:
                 "capacity_tokens": cfg.cache.get("capacity_tokens")}
     summary |= result.extra
     write_run(run_dir, summary, result.records, config=container(cfg))
+    if notes is not None:
+        notes += result.notes
     return summary
 
 
@@ -70,8 +74,9 @@ def main(cfg: DictConfig) -> None:
         for stale in (done, run_dir / "requests.jsonl"):
             stale.unlink(missing_ok=True)
     failed = run_dir / "failed.json"
+    notes: list[str] = []
     try:
-        summary = execute(cfg, run_dir)
+        summary = execute(cfg, run_dir, notes)
     except Exception as e:  # recorded for the report; a sweep goes on with its other runs
         try:
             config = container(cfg)
@@ -95,6 +100,8 @@ def main(cfg: DictConfig) -> None:
         span = summary["makespan_s"]
         print(f"done: {' '.join(overrides)} · hit_rate {summary['hit_rate']:.4g}"
               + (f" · makespan_s {span:.4g}" if span is not None else "") + f" · {run_dir}")
+        for line in notes:
+            print(f"  {line}")
         return
     head = [f"backend={summary['backend']}", f"workload={summary['workload']}",
             f"cache={summary['cache']}", f"eviction={summary['eviction']}"]
@@ -107,6 +114,8 @@ def main(cfg: DictConfig) -> None:
     print(" · ".join(head))
     print(format_summary(summary))
     print(f"results in {run_dir}")
+    for line in notes:
+        print(line)
 
 
 if __name__ == "__main__":

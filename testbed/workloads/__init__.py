@@ -37,10 +37,11 @@ def generate(cfg: Mapping[str, Any], seed: int = 0) -> list[Request]:
     name = params.pop("name", None)
     params.pop("max_in_flight", None)  # the benchmark client's concurrency: the driver's business
     if name == "trace":
-        path, fmt = params.pop("path", None), params.pop("format", "tokens")
+        path, fmt = params.pop("path", None), params.pop("format", None)
         if not path:
-            raise ValueError("workload.path must name a trace file for workload=trace")
-        if fmt not in TRACE_FORMATS:
+            raise ValueError("workload.path must name a trace file (or data:NAME) for "
+                             "workload=trace")
+        if fmt is not None and fmt not in TRACE_FORMATS:
             raise ValueError(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
                              f"got {fmt!r}")
         options = {k: v for k, v in params.items() if v is not None}

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from testbed.data import resolve_trace
 from testbed.workloads.request import TOKEN_DTYPE, Request, as_tokens, fresh_token_ids
 
 MOONCAKE_BLOCK = 512
@@ -318,8 +319,13 @@ TRACE_FORMATS: dict[str, Callable[..., list[Request]]] = {
 TRACE_OPTIONS = ("tokenizer",)  # load_trace options; only sharegpt uses one (``tokenizer``)
 
 
-def load_trace(path: str | Path, fmt: str, **options) -> list[Request]:
-    """Load a trace of format ``fmt``; ``tokenizer=DIR`` is passed to sharegpt, ignored otherwise."""
+def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Request]:
+    """Load a trace of format ``fmt``; ``tokenizer=DIR`` is passed to sharegpt, ignored otherwise.
+    ``path`` may be ``data:NAME``, a registered public trace (`testbed.data`): its file in the data
+    folder, fetched on first use, read in its registered format (``fmt`` None: that format; a
+    plain file's default is ``tokens``)."""
+    path, fmt = resolve_trace(path, fmt)
+    fmt = fmt or "tokens"
     try:
         loader = TRACE_FORMATS[fmt]
     except KeyError:
