@@ -1,6 +1,7 @@
 """The radix tree, drawn (`python -m testbed.viz`): the tree read after chosen requests of a
 replay, evicted nodes kept as ghosts where they were, the tidy layout, the picture and the command
-line. The nine steps of `examples/radix_steps.jsonl` (examples/README.md) are checked node by node."""
+line. The nine steps of `examples/radix_steps.jsonl` (examples/README.md) are checked node by
+node."""
 
 from pathlib import Path
 

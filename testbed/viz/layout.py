@@ -44,7 +44,8 @@ def tidy_layout(children: Mapping[K, Sequence[K]], root: K,
             shape = contour.pop(kid)
             x = 0.0
             if merged:
-                x = max(merged[d][1] + sep - shape[d][0] for d in range(min(len(merged), len(shape))))
+                common = range(min(len(merged), len(shape)))
+                x = max(merged[d][1] + sep - shape[d][0] for d in common)
             placed.append(x)
             for d, (left, right) in enumerate(shape):
                 if d < len(merged):
