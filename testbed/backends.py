@@ -31,6 +31,7 @@ class BackendResult:
     records: list[RequestRecord]
     preemptions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
+    observer: Any = None  # sim and engine: the run's `RunObserver` (steps, request phases)
 
 
 def container(node: Any) -> Any:
@@ -117,7 +118,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     scheduler, result = serve(requests, cache, container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
                               generate=engine and not cfg.get("forced", True),
-                              progress=cfg.progress)
+                              progress=cfg.progress, observe=True)
     s = result.stats
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "prefill_steps": s.prefill_steps,
@@ -132,7 +133,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     if cache.lower_tiers:
         add_tier_fields(records, scheduler.tier_hits)
     extra |= tier_extra(cache)
-    return BackendResult(records, scheduler.preemptions, extra)
+    return BackendResult(records, scheduler.preemptions, extra, result.observer)
 
 
 def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity: int,
@@ -151,10 +152,11 @@ def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity:
         executor, make_router(router_cfg, seed=cfg.seed, kv_capacity=capacity),
         replicas=replicas, seed=cfg.seed, max_in_flight=max_in_flight(cfg),
         network_delay_s=network_delay_s, transfer_s_per_token=transfer_s_per_token,
-        progress=cfg.progress)
+        progress=cfg.progress, observe=True)
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "router": cfg.router.name, **cluster_summary(result)}
-    return BackendResult(cluster_records(result, cfg.save_token_ids), result.preemptions, extra)
+    return BackendResult(cluster_records(result, cfg.save_token_ids), result.preemptions, extra,
+                         result.observer)
 
 
 def _sim_executor(cfg: DictConfig, model, hw):
