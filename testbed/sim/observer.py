@@ -73,7 +73,7 @@ class Life:
     req: Req
     replica: int
     arrival_s: float
-    phase: str
+    phase: str  # one of PHASES; "done" once finished
     since: float  # when the current phase began
     spans: list[Span] = field(default_factory=list)
     finish_s: float | None = None
