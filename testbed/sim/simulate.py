@@ -15,17 +15,20 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.driver import Driver, DriverResult
 from testbed.sim.executor import Executor
+from testbed.sim.observer import RunObserver
 from testbed.workloads.request import Request
 
 
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False,
-          record_steps: bool = False) -> tuple[Scheduler, DriverResult]:
-    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time."""
+          record_steps: bool = False, observe: bool = False) -> tuple[Scheduler, DriverResult]:
+    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
+    ``observe`` the result carries a `RunObserver`'s steps and request phases."""
     scheduler = Scheduler(cache, SchedulerConfig.from_mapping(scheduler_cfg), seed=seed)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=generate,
-                    progress=progress, record_steps=record_steps)
+                    progress=progress, record_steps=record_steps,
+                    observer=RunObserver([scheduler]) if observe else None)
     return scheduler, driver.run()
 
 
