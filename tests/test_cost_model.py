@@ -384,7 +384,8 @@ def test_roofline_against_vidur_a100():
     from testbed.sim.vidur_profile import load_vidur_profile
 
     m = model("codellama_34b")
-    vidur = VidurCostModel(load_vidur_profile(VIDUR, m), m, overhead_s=0.0)
+    vidur = VidurCostModel(load_vidur_profile(VIDUR, m), m, overhead_s=0.0, kv_granularity=1,
+                           decode_batching_overhead=0.0, nccl_launch_s=0.0)
     roof = RooflineCostModel(m, a100, overhead_s=0.0)
     grid = vidur.profile.prefill
     seen = np.isfinite(grid.values)

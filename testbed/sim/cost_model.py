@@ -341,7 +341,7 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
     if name == "roofline":
         return roofline
     if name == "vidur":
-        from testbed.sim.vidur_cost import VidurCostModel
+        from testbed.sim import vidur_cost as vc
         from testbed.sim.vidur_profile import load_vidur_profile
 
         directory = cfg.get("profile_dir")
@@ -349,8 +349,13 @@ def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) 
             raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a "
                              "directory of Vidur's profiling CSVs: mlp.csv, attention.csv, "
                              "all_reduce.csv)")
-        return VidurCostModel(load_vidur_profile(_resolve(directory), model), model,
-                              overhead_s=roofline.overhead_s)
+        return vc.VidurCostModel(
+            load_vidur_profile(_resolve(directory), model), model,
+            overhead_s=roofline.overhead_s,
+            kv_granularity=num("kv_granularity", vc.KV_GRANULARITY),
+            decode_batching_overhead=num("decode_batching_overhead",
+                                         vc.DECODE_BATCHING_OVERHEAD),
+            nccl_launch_s=num("nccl_launch_s", vc.NCCL_LAUNCH_S))
     path = cfg.get("path")
     if not path:
         raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
