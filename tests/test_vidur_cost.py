@@ -394,8 +394,9 @@ def test_made_from_config_with_vidurs_defaults(profile_dir):
     assert isinstance(made, VidurCostModel) and made.overhead_s == 0.0
     assert (made.kv_granularity, made.decode_batching_overhead, made.nccl_launch_s) == (
         256, 0.1, 2e-5)
-    made = make_cost_model(cfg | {"profile_dir": str(profile_dir), "overhead_s": None}, MODEL, hw)
-    assert made.overhead_s == hw.step_overhead_s > 0
+    h100 = hardware_spec(yaml.safe_load((REPO / "conf/hardware/h100.yaml").read_text()))
+    made = make_cost_model(cfg | {"profile_dir": str(profile_dir), "overhead_s": None}, MODEL, h100)
+    assert made.overhead_s == h100.step_overhead_s == 2e-3
     made = make_cost_model({"name": "vidur", "profile_dir": str(profile_dir),
                             "kv_granularity": 16, "nccl_launch_s": 0}, MODEL, hw)
     assert (made.kv_granularity, made.nccl_launch_s) == (16, 0.0)
