@@ -22,6 +22,7 @@ from testbed.cache.tiers import make_tiered_cache
 from testbed.metrics import RequestRecord, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
+from testbed.workloads.request import refuse_generating
 
 BACKENDS = ("sim", "engine", "replay")
 
@@ -40,6 +41,8 @@ def container(node: Any) -> Any:
 
 def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
     backend = cfg.backend.name
+    if backend != "engine":
+        refuse_generating(requests, backend)
     if backend == "replay" and cfg.get("replicas", 1) != 1:
         raise ValueError("replicas > 1 needs backend=sim (replay serves one cache)")
     if backend == "replay":
@@ -91,7 +94,7 @@ def unfit_note(cfg: DictConfig, sizes: list[int], total: int, capacity: int | No
 
 def aborted_sizes(records: list[RequestRecord], requests: list[Request]) -> list[int]:
     """Prompt + planned output of the aborted requests (their records hold no output)."""
-    planned = {r.id: len(r.output) for r in requests}
+    planned = {r.id: r.output_limit for r in requests}
     return [r.prompt_tokens + planned[r.id] for r in records if r.aborted]
 
 
@@ -130,7 +133,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     if capacity is None:
         capacity = kv_capacity_tokens(model, hw, mem_fraction(container(cfg.hardware)))
         if engine:
-            capacity = min(capacity, sum(len(r.prompt) + len(r.output) for r in requests) + 1)
+            capacity = min(capacity, sum(len(r.prompt) + r.output_limit for r in requests) + 1)
     executor = _engine_executor(cfg, capacity) if engine else _sim_executor(cfg, model, hw)
     replicas = cfg.get("replicas", 1)
     if replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
@@ -151,7 +154,9 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     scheduler, result = serve(requests, cache, container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
                               generate=engine and not cfg.get("forced", True),
-                              progress=cfg.progress)
+                              progress=cfg.progress,
+                              eos_token_ids=executor.runner.model.config.eos_token_ids
+                              if engine else ())
     s = result.stats
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "prefill_steps": s.prefill_steps,

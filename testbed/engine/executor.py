@@ -5,7 +5,8 @@ one, and reports the step's measured wall time (``time.perf_counter`` around bui
 inputs, the forward, sampling and reading the tokens back; ``torch.cuda.synchronize`` on CUDA), by
 which the driver advances virtual time. With ``forced=True`` the workload's predetermined tokens
 are returned instead of the model's (the model still runs and samples, so the step costs the
-same): engine and simulator then see identical sequences and make identical decisions.
+same): engine and simulator then see identical sequences and make identical decisions. A request
+without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens either way.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.scheduler.batch import Batch
-from testbed.sim.executor import StepOutcome, predetermined_tokens
+from testbed.sim.executor import StepOutcome
 
 
 def default_device() -> str:
@@ -51,15 +52,17 @@ class EngineExecutor:
         duration = time.perf_counter() - start
         self.steps += 1
         self.busy_s += duration
-        if self.forced:
-            tokens = predetermined_tokens(batch)
-            for tok, own in zip(tokens, sampled):
-                if tok is not None:
-                    self.forced_tokens += 1
-                    self.forced_agreed += tok == own
-        else:
-            tokens = [int(tok) if e.produces_token and e.req.remaining_new_tokens > 0 else None
-                      for e, tok in zip(batch.entries, sampled)]
+        tokens: list[int | None] = []
+        for e, own in zip(batch.entries, sampled):
+            if not (e.produces_token and e.req.remaining_new_tokens > 0):
+                tokens.append(None)
+            elif self.forced and not e.req.request.generates:  # replay the workload's token
+                tok = int(e.req.request.output[len(e.req.output)])
+                self.forced_tokens += 1
+                self.forced_agreed += tok == own
+                tokens.append(tok)
+            else:
+                tokens.append(int(own))
         return StepOutcome(duration_s=duration, tokens=tokens)
 
 
