@@ -56,7 +56,8 @@ def hf_last_logits(hf, prompt) -> torch.Tensor:
 
 
 def hf_greedy(hf, prompt, n: int) -> list[int]:
-    out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n,
+    ids = torch.tensor([list(prompt)])  # with a mask of ones: token 0 in a prompt is no padding
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                       do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -153,8 +154,53 @@ def test_mixed_prefix_lengths_in_one_batch_equal_separate_full_passes(tiny_hf, t
 
 
 # ---------------------------------------------------------------------------- generation vs HF
-def engine(model, capacity: int) -> EngineExecutor:
-    return EngineExecutor(ModelRunner(model, num_slots=capacity))
+def engine(model, capacity: int, attention: str = "torch") -> EngineExecutor:
+    return EngineExecutor(ModelRunner(model, num_slots=capacity, attention=attention))
+
+
+def needs_triton(attention: str) -> None:
+    if attention == "triton" and not torch.cuda.is_available() \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU; run with TRITON_INTERPRET=1 set before import to use the interpreter")
+
+
+#: case -> (KV capacity, scheduler, output tokens, whether the last three arrive later)
+PRESSURE = {
+    "prefix_hits": (400, {"name": "lpm"}, 8, True),
+    "eviction": (120, {"name": "lpm"}, 8, True),
+    # admission reserves min(max_new, clip) = 1 output token per request, so it admits all six
+    # and their decoding outgrows the pool: SGLang's retract_decode (with clip 4096, none)
+    "retraction": (150, {"name": "lpm", "clip_max_new_tokens": 1}, 12, False),
+}
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("case", PRESSURE)
+def test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf(tiny_hf, tiny_ours, case,
+                                                                          attention):
+    """Each pressure on its own: shared prefixes hit with nothing evicted or retracted; a tight
+    pool evicts without retracting; an over-committing admission retracts (preemptions > 0)."""
+    needs_triton(attention)
+    capacity, scheduler, n, staggered = PRESSURE[case]
+    prompts = prompts_sharing_prefixes()
+    requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32), np.zeros(n, dtype=np.int32),
+                        arrival_s=100.0 if staggered and i >= 3 else 0.0)
+                for i, p in enumerate(prompts)]
+    cache = RadixCache(capacity)
+    state, result = serve(requests, cache, scheduler, engine(tiny_ours, capacity, attention))
+    for req, p in zip(result.reqs, (r.prompt.tolist() for r in requests)):
+        assert not req.aborted and req.output == hf_greedy(tiny_hf, p, n), req.id
+    hits = sum(r.cached_tokens or 0 for r in result.reqs)
+    evicted = sum(r.evicted_tokens for r in result.reqs)
+    assert hits >= 40
+    if case == "prefix_hits":
+        assert evicted == 0 and state.preemptions == 0
+    elif case == "eviction":
+        assert evicted > 0 and state.preemptions == 0
+    else:
+        assert state.preemptions > 0
+        assert sum(r.preemptions for r in result.reqs) == state.preemptions
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("capacity, scheduler, cache_kind", [
