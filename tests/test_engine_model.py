@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from testbed.cache import BlockHashCache, RadixCache  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
-from testbed.engine.attention import AttentionMetadata, TorchAttention  # noqa: E402
+from testbed.engine.attention import TorchAttention  # noqa: E402
+from testbed.engine.metadata import AttentionMetadata  # noqa: E402
 from testbed.engine.executor import EngineExecutor, make_engine_executor  # noqa: E402
 from testbed.engine.kv_cache import KVCache  # noqa: E402
 from testbed.engine.loader import (build_model, check_model_group, config_from_model_group,  # noqa: E402
@@ -440,9 +441,9 @@ def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_
     calls = []
 
     def spy(name):
-        def f(*args):
+        def f(*args, max_new=None, num_kv_splits=None, **kwargs):  # launch settings: Triton's
             calls.append(name)
-            return getattr(ref, name)(*args)
+            return getattr(ref, name)(*args, **kwargs)
         return f
 
     fake = SimpleNamespace(**{n: spy(n) for n in ("store_kv", "extend_attention", "decode_attention")})

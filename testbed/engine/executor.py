@@ -66,12 +66,15 @@ class EngineExecutor:
         return StepOutcome(duration_s=duration, tokens=tokens)
 
 
-def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: str | None = None,
-                         dtype: str | None = None, attention: str | None = None, seed: int = 0,
-                         forced: bool = True, temperature: float = 0.0,
-                         top_p: float = 1.0) -> EngineExecutor:
+def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
+                         device: str | None = None, dtype: str | None = None,
+                         attention: str | None = None, seed: int = 0, forced: bool = True,
+                         temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
+                         max_slots: int | None = None) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
-    of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity).
+    of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
+    CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
+    ``max_slots`` (`testbed.engine.runner.kv_slots_for_free_memory`).
 
     Defaults: ``device`` CUDA when present, else CPU; ``dtype`` float32 on CPU, on CUDA bf16 when
     ``model.dtype_bytes`` is 2; ``attention`` triton on CUDA, torch on CPU.
@@ -87,6 +90,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: st
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
-    runner = ModelRunner(net, num_slots, attention=attention)
+    runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
+                         max_slots=max_slots)
     return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                           forced=forced)

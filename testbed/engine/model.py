@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from testbed.engine.attention import AttentionBackend, AttentionMetadata
+    from testbed.engine.attention import AttentionBackend
+    from testbed.engine.metadata import AttentionMetadata
     from testbed.engine.kv_cache import KVCache
 
 #: HF ``model_type``s this file implements (architecture-wise they are one model).
