@@ -107,11 +107,12 @@ def sync_spy(monkeypatch):
     return spy
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("attention", ["torch", "triton", "cascade_torch", "cascade_triton"])
 def test_no_layer_reads_from_the_device(tiny, sync_spy, monkeypatch, attention):
-    """Prefill behind a cached prefix and decode steps: `forward` (every layer) makes no call
-    that needs the device's values on the host; the maxima come from the step's metadata."""
-    if attention == "triton" and not torch.cuda.is_available() \
+    """Prefill behind a cached prefix and decode steps (cascaded too): `forward` (every layer)
+    makes no call that needs the device's values on the host; the maxima come from the step's
+    metadata."""
+    if attention.endswith("triton") and not torch.cuda.is_available() \
             and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET unset")
     runner = ModelRunner(tiny, num_slots=300, attention=attention)

@@ -175,13 +175,20 @@ PRESSURE = {
 }
 
 
-@pytest.mark.parametrize("attention", ["torch", "triton"])
+@pytest.mark.parametrize("attention", ["torch", "triton", "cascade_torch", "cascade_triton"])
 @pytest.mark.parametrize("case", PRESSURE)
 def test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf(tiny_hf, tiny_ours, case,
-                                                                          attention):
+                                                                          attention, monkeypatch):
     """Each pressure on its own: shared prefixes hit with nothing evicted or retracted; a tight
-    pool evicts without retracting; an over-committing admission retracts (preemptions > 0)."""
-    needs_triton(attention)
+    pool evicts without retracting; an over-committing admission retracts (preemptions > 0).
+    With cascade decoding, decode steps read the shared prefixes once (groups are formed)."""
+    needs_triton(attention.removeprefix("cascade_"))
+    from testbed.engine.cascade import DecodeGroups
+
+    grouped = []
+    find = DecodeGroups.__call__
+    monkeypatch.setattr(DecodeGroups, "__call__",
+                        lambda self, entries: grouped.append(find(self, entries)) or grouped[-1])
     capacity, scheduler, n, staggered = PRESSURE[case]
     prompts = prompts_sharing_prefixes()
     requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32), np.zeros(n, dtype=np.int32),
@@ -201,6 +208,7 @@ def test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf(tiny_h
     else:
         assert state.preemptions > 0
         assert sum(r.preemptions for r in result.reqs) == state.preemptions
+    assert any(grouped) == attention.startswith("cascade")
     cache.check_invariants()
 
 

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 from testbed.engine.metadata import AttentionMetadata, KVRanges
 
-ATTENTION_BACKENDS = ("torch", "triton")
+#: ``cascade``: cascade decoding (`testbed.engine.cascade`) on the device's default kernels
+#: (triton on CUDA, torch elsewhere); ``cascade_torch``, ``cascade_triton``: on those
+ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_triton")
 
 
 class AttentionBackend(Protocol):
@@ -130,8 +132,9 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, num_kv_heads: int) -> None:
+    def __init__(self, num_kv_heads: int, cascade: bool = False) -> None:
         self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
+        self.cascade = cascade  # decode steps read shared prefixes once (the runner plans it)
 
     def plan(self, meta: AttentionMetadata) -> Any:
         if meta.is_decode:
@@ -234,7 +237,8 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, cascade: bool = False) -> None:
+        self.cascade = cascade
         try:
             import radix_kernels
         except ImportError as e:
@@ -280,10 +284,14 @@ class TritonAttention:
                                    meta.kv_indices, sm_scale, max_new=meta.plan)
 
 
-def make_attention(name: str, num_kv_heads: int) -> AttentionBackend:
-    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads."""
-    if name == "torch":
-        return TorchAttention(num_kv_heads)
-    if name == "triton":
-        return TritonAttention()
-    raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "cpu"
+                   ) -> AttentionBackend:
+    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    cascade = name.startswith("cascade")
+    if name == "cascade":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name.endswith("torch"):
+        return TorchAttention(num_kv_heads, cascade=cascade)
+    return TritonAttention(cascade=cascade)

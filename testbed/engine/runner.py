@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from testbed.engine.attention import AttentionBackend, make_attention
+from testbed.engine.cascade import CascadePlan, DecodeGroups
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
@@ -67,12 +68,13 @@ class ModelRunner:
         at most ``max_slots``."""
         self.model = model
         self.device = model.device
-        self.attention = (make_attention(attention, model.config.num_kv_heads)
+        self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
                           if isinstance(attention, str) else attention)
         if num_slots is None:
             num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
+        self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
 
     @property
     def num_slots(self) -> int:
@@ -103,9 +105,14 @@ class ModelRunner:
             raise NotImplementedError(f"a sequence of {kv_lens.max()} tokens exceeds the model's "
                                       f"sliding_window={window}, which the engine does not implement")
         tokens = np.concatenate(ids + positions)
+        groups = (self.decode_groups(entries) if getattr(self.attention, "cascade", False)
+                  and (qo_lens == 1).all() else [])
+        cascade, sizes = CascadePlan.host_arrays(groups, kv_lens, rows) if groups else ([], None)
         meta, extra = AttentionMetadata.from_table(qo_lens, kv_lens, rows, self.slots.table,
-                                                   [*writes, tokens])
+                                                   [*writes, tokens, *cascade])
         self.slots.apply(*extra[:3])
+        if groups:
+            meta.cascade = CascadePlan.from_device(extra[4:], sizes)
         meta.plan = self.attention.plan(meta)
         input_ids, pos = extra[3].split([len(tokens) // 2, len(tokens) // 2])
         return StepInputs(input_ids=input_ids, positions=pos, meta=meta)
