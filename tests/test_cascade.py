@@ -15,6 +15,7 @@ from testbed.engine.attention import make_attention
 from testbed.engine.cascade import CascadePlan
 from testbed.engine.metadata import AttentionMetadata
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not TRITON, reason="no GPU and TRITON_INTERPRET unset"))]

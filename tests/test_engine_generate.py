@@ -16,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.engine.loader import save_random_hf_model, tiny_config  # noqa: E402
 from testbed.model_group import checkpoint_group, resolve_model_group  # noqa: E402
@@ -24,14 +25,6 @@ from testbed.workloads.request import OutputRef  # noqa: E402
 from testbed.workloads.traces import TraceError, load_tokens, save_tokens  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def hf_generate(hf, prompt: list[int], n: int) -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.cache import RadixCache  # noqa: E402
 from testbed.engine.executor import EngineExecutor  # noqa: E402
@@ -29,7 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(1)
     return build_model(tiny_config(), seed=0)
 
 

@@ -15,6 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.cache import BlockHashCache, RadixCache  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
@@ -68,15 +69,6 @@ def make_req(rid: str, prompt, slots, out: int = 1) -> Req:
     req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=0)
     req.lease = Lease(hit=0, slots=np.asarray(slots, dtype=np.int32))
     return req
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: intra-op threads only add contention (several-fold slower on a busy host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
