@@ -13,7 +13,7 @@ from testbed.cache import RadixCache
 from testbed.cache.shared_prefix import shared_prefix_groups
 from testbed.engine.attention import make_attention
 from testbed.engine.cascade import CascadePlan
-from testbed.engine.metadata import AttentionMetadata
+from testbed.engine.metadata import AttentionMetadata, to_device
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -78,14 +78,15 @@ def grouped_decode_step(seed: int, groups, kv_lens, heads=4, kv_heads=2, dim=16,
 def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, heads):
     qo, kv, kv_indices, q, k, v, (kb, vb) = grouped_decode_step(seed, groups, kv_lens,
                                                                   heads=heads)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v, kb, vb = (t.to(device) for t in (q, k, v, kb, vb))
     outs = []
     for cascade in (False, True):
         backend = make_attention(f"cascade_{kernels}" if cascade else kernels, 2)
-        meta = AttentionMetadata.build(qo, kv, kv_indices, "cpu")
+        meta = AttentionMetadata.build(qo, kv, kv_indices, device)
         if cascade:
             arrays, sizes = CascadePlan.host_arrays(groups, kv, meta.rows)
-            meta.cascade = CascadePlan.from_device(
-                [torch.as_tensor(np.asarray(a, dtype=np.int64)) for a in arrays], sizes)
+            meta.cascade = CascadePlan.from_device(to_device(arrays, device), sizes)
         meta.plan = backend.plan(meta)
         outs.append(backend.forward(q, k, v, kb.clone(), vb.clone(), meta, 0.3))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

@@ -147,7 +147,8 @@ def test_a_generating_trace_on_the_engine_equals_hf_generate_with_hits_and_evict
         pytest.skip("no GPU and TRITON_INTERPRET unset")
     ckpt, hf, trace, eos = llama_with_eos
     summary, records = run(tmp_path, "backend=engine", "workload=trace",
-                           f"workload.path={trace}", f"model.path={ckpt}", "device=cpu",
+                           f"workload.path={trace}", f"model.path={ckpt}",
+                           f"device={'cuda' if torch.cuda.is_available() else 'cpu'}",
                            f"attention={attention}", "cache.capacity_tokens=130",
                            "save_token_ids=true")
     by_id = {r["id"]: r for r in records}

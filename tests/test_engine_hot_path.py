@@ -115,6 +115,8 @@ def test_no_layer_reads_from_the_device(tiny, sync_spy, monkeypatch, attention):
     if attention.endswith("triton") and not torch.cuda.is_available() \
             and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and TRITON_INTERPRET unset")
+    if attention.endswith("triton") and torch.cuda.is_available():
+        tiny = build_model(tiny_config(), seed=0, device="cuda")
     runner = ModelRunner(tiny, num_slots=300, attention=attention)
     forward = runner.forward
 

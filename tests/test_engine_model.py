@@ -148,6 +148,9 @@ def test_mixed_prefix_lengths_in_one_batch_equal_separate_full_passes(tiny_hf, t
 
 # ---------------------------------------------------------------------------- generation vs HF
 def engine(model, capacity: int, attention: str = "torch") -> EngineExecutor:
+    """The engine on ``model``; Triton attention runs on a GPU when there is one (compiled)."""
+    if attention.endswith("triton") and torch.cuda.is_available():
+        model = copy.deepcopy(model).to("cuda")
     return EngineExecutor(ModelRunner(model, num_slots=capacity, attention=attention))
 
 
