@@ -2,7 +2,8 @@
 
 Runs the engine (`backend=engine`, a small random Llama, fp32, torch attention) side by side in one
 process on:
-- tree-of-thought and few-shot: `cache=radix scheduler=lpm`, the same with cascade decoding
+- tree-of-thought, few-shot and few-shot with 32-token answers: `cache=radix scheduler=lpm`, the
+  same with cascade decoding
   (`attention=cascade`: requests sharing a cached prefix read it once per decode step) and
   `cache=none scheduler=fcfs`, throughput (requests per second of measured engine time) and the
   ratios;
@@ -83,6 +84,10 @@ def main() -> None:
         "tree_of_thought": ["workload=tree_of_thought", f"workload.num_problems={args.problems}"],
         "few_shot": ["workload=few_shot", f"workload.questions_per_task={args.questions}",
                      "workload.num_tasks=4"],
+        # MMLU's answers are one token: nothing to decode, so cascade decoding cannot act there;
+        # the same prompts with 32-token answers (a chain-of-thought few-shot) show what it does
+        "few_shot_32": ["workload=few_shot", f"workload.questions_per_task={args.questions}",
+                        "workload.num_tasks=4", "workload.output_len=32"],
     }
     unshared = ["workload=shared_prefix", f"workload.num_groups={args.unshared}",
                 "workload.prompts_per_group=1", "workload.system_prompt_len=0",

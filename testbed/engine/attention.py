@@ -183,17 +183,21 @@ class TorchAttention:
         vp = v_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
         scores = torch.matmul(q.float(), kp.transpose(-1, -2)).mul_(sm_scale)
         scores.masked_fill_(~part.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, vp).to(q.dtype)
         if not want_lse:
-            return torch.matmul(torch.softmax(scores, dim=-1), vp).to(q.dtype), None
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - lse[..., None])
-        return torch.matmul(probs, vp).to(q.dtype), lse
+            return o, None
+        # log Σ exp(s) = s_j − log p_j for any key j; at the largest score p_j >= 1 / keys, so
+        # this is exact to rounding and cheaper than a second pass of exponentials
+        return o, scores.amax(dim=-1) - probs.amax(dim=-1).log()
 
     def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
               lse_b: torch.Tensor) -> torch.Tensor:
-        from radix_kernels.reference import merge_states
-
-        return merge_states(o_a, lse_a, o_b, lse_b)[0]
+        """`radix_kernels.reference.merge_states`' weights ``exp(lse_x) / Σ``, as one sigmoid
+        and one lerp (``o_b + σ(lse_a − lse_b) · (o_a − o_b)``): a side without keys (-inf)
+        weighs 0; both sides have keys here (a prefix, and at least the request's own token)."""
+        weight = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
+        return torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from testbed.engine.model import LlamaModel, ModelConfig
-from testbed.model_group import check_preset, checkpoint_shape
+from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
 
 #: tensors some checkpoints carry that are not weights (old Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -203,7 +203,9 @@ def model_from_group(model: Mapping[str, Any], seed: int = 0,
                      dtype: torch.dtype | str = torch.float32,
                      device: torch.device | str = "cpu") -> LlamaModel:
     """The engine's model for a ``model`` config group: the checkpoint at ``model.path`` (shapes
-    checked against the group), else a random model of the group's shape."""
+    checked against the group, or taking the checkpoint's when no preset was chosen), else a
+    random model of the group's shape."""
+    model = resolve_model_group(model)
     path = model.get("path")
     if path:
         check_model_group(model, load_hf_config(path))
