@@ -30,8 +30,9 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run it, record "name<TAB>exit code
   [ $rc -ne 0 ] && { echo "   failed: $rc"; status=1; }
   printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" >> "$OUT/steps.tsv"
 }
+PRESSURE=test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf
 ENGINE_TESTS=(tests/test_engine_generate.py tests/test_cascade.py tests/test_engine_hot_path.py
-              "tests/test_engine_model.py::test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf")
+              "tests/test_engine_model.py::$PRESSURE")
 
 step kernels_check 90 $PY -m radix_kernels.gpu_check --out "$OUT/kernels.json"
 step kernel_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py \
@@ -70,7 +71,8 @@ for name in ("kernel_tests", "engine_tests"):
         suite = ET.parse(p).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         doc[name] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        doc[name]["failed"] = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
+        doc[name]["failed"] = [f"{c.get('classname')}::{c.get('name')}"
+                               for c in suite.iter("testcase")
                                if c.find("failure") is not None or c.find("error") is not None]
 for name in ("kernels.json", "engine_check.json", "engine_radix/summary.json",
              "engine_radix_cascade/summary.json", "engine_none/summary.json",

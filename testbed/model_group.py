@@ -79,9 +79,10 @@ def check_preset(model: Mapping[str, Any], shape: Mapping[str, Any]) -> None:
     wrong = [f"{key}={model[key]} but the checkpoint has {shape[key]}" for key in SHAPE_KEYS
              if model.get(key) is not None and model.get(key) != shape[key]]
     if wrong:
-        raise ValueError(f"model={model.get('name')} does not match model.path={model.get('path')}: "
-                         + "; ".join(wrong) + " (pick the model group of this checkpoint, or "
-                         "leave model= out to take its shape)")
+        raise ValueError(f"model={model.get('name')} does not match "
+                         f"model.path={model.get('path')}: " + "; ".join(wrong)
+                         + " (pick the model group of this checkpoint, or leave model= out to "
+                         "take its shape)")
 
 
 def resolve_model_group(model: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ inputs, the forward, sampling and reading the tokens back; ``torch.cuda.synchron
 which the driver advances virtual time. With ``forced=True`` the workload's predetermined tokens
 are returned instead of the model's (the model still runs and samples, so the step costs the
 same): engine and simulator then see identical sequences and make identical decisions. A request
-without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens either way.
+without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens
+either way.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ class AttentionMetadata:
         made for them; the engine's `ModelRunner` keeps its table instead)."""
         kv_lens = np.asarray(kv_lens, dtype=np.int64)
         if len(kv_indices) != kv_lens.sum():
-            raise ValueError(f"kv_indices has {len(kv_indices)} slots, kv_lens sum to {kv_lens.sum()}")
+            raise ValueError(f"kv_indices has {len(kv_indices)} slots, kv_lens sum to "
+                             f"{kv_lens.sum()}")
         host = np.zeros((len(kv_lens), max(int(kv_lens.max(initial=0)), 1)), dtype=np.int32)
         for i, (start, n) in enumerate(zip(indptr(kv_lens)[:-1], kv_lens)):
             host[i, :n] = kv_indices[start:start + n]
