@@ -5,9 +5,10 @@
 - ``engine``: the same scheduler and cache, steps run by the real model and timed.
 
 KV capacity for ``sim`` and ``engine`` is ``cache.capacity_tokens`` when given, else what the
-model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (for the
-engine, capped at the tokens the workload could ever hold, so a tiny model on a CPU does not
-allocate gigabytes of KV buffers).
+model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_bytes_per_token``; the
+engine on CUDA measures instead what the device has free once the weights are loaded
+(``torch.cuda.mem_get_info``), and caps either at the tokens the workload could ever hold, so a
+tiny model does not allocate gigabytes of KV buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from testbed.cache.tiers import make_tiered_cache
 from testbed.metrics import RequestRecord, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
+from testbed.workloads.request import refuse_generating
 
 BACKENDS = ("sim", "engine", "replay")
 
@@ -41,6 +43,8 @@ def container(node: Any) -> Any:
 
 def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
     backend = cfg.backend.name
+    if backend != "engine":
+        refuse_generating(requests, backend)
     if backend == "replay" and cfg.get("replicas", 1) != 1:
         raise ValueError("replicas > 1 needs backend=sim (replay serves one cache)")
     if backend == "replay":
@@ -92,7 +96,7 @@ def unfit_note(cfg: DictConfig, sizes: list[int], total: int, capacity: int | No
 
 def aborted_sizes(records: list[RequestRecord], requests: list[Request]) -> list[int]:
     """Prompt + planned output of the aborted requests (their records hold no output)."""
-    planned = {r.id: len(r.output) for r in requests}
+    planned = {r.id: r.output_limit for r in requests}
     return [r.prompt_tokens + planned[r.id] for r in records if r.aborted]
 
 
@@ -128,11 +132,14 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
 
     model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
     capacity = cfg.cache.get("capacity_tokens")
-    if capacity is None:
-        capacity = kv_capacity_tokens(model, hw, mem_fraction(container(cfg.hardware)))
-        if engine:
-            capacity = min(capacity, sum(len(r.prompt) + len(r.output) for r in requests) + 1)
-    executor = _engine_executor(cfg, capacity) if engine else _sim_executor(cfg, model, hw)
+    fraction = mem_fraction(container(cfg.hardware))
+    if engine:
+        executor = _engine_executor(cfg, capacity, requests, model, hw, fraction)
+        capacity = executor.runner.num_slots
+    else:
+        if capacity is None:
+            capacity = kv_capacity_tokens(model, hw, fraction)
+        executor = _sim_executor(cfg, model, hw)
     replicas = cfg.get("replicas", 1)
     if replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
         if engine:
@@ -152,7 +159,9 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     scheduler, result = serve(requests, cache, container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
                               generate=engine and not cfg.get("forced", True),
-                              progress=cfg.progress, observe=True)
+                              progress=cfg.progress, observe=True,
+                              eos_token_ids=executor.runner.model.config.eos_token_ids
+                              if engine else ())
     s = result.stats
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "prefill_steps": s.prefill_steps,
@@ -205,11 +214,20 @@ def _sim_executor(cfg: DictConfig, model, hw):
     return SimExecutor(make_cost_model(container(cfg.cost_model), model, hw))
 
 
-def _engine_executor(cfg: DictConfig, capacity: int):
-    from testbed.engine import make_engine_executor
+def _engine_executor(cfg: DictConfig, capacity: int | None, requests: list[Request], model, hw,
+                     fraction: float):
+    """The engine with ``capacity`` KV slots; None: on CUDA what free memory leaves after the
+    weights load, elsewhere what the model leaves of the hardware preset's memory; either capped
+    at the tokens the workload could ever hold."""
+    from testbed.engine import default_device, make_engine_executor
+    from testbed.sim.specs import kv_capacity_tokens
 
-    return make_engine_executor(container(cfg.model), num_slots=capacity,
-                                device=cfg.get("device"), dtype=cfg.get("dtype"),
+    device = cfg.get("device") or default_device()
+    most = sum(len(r.prompt) + r.output_limit for r in requests) + 1
+    if capacity is None and not device.startswith("cuda"):
+        capacity = min(kv_capacity_tokens(model, hw, fraction), most)
+    return make_engine_executor(container(cfg.model), num_slots=capacity, max_slots=most,
+                                mem_fraction=fraction, device=device, dtype=cfg.get("dtype"),
                                 attention=cfg.get("attention"), seed=cfg.seed,
                                 forced=bool(cfg.get("forced", True)),
                                 temperature=float(cfg.get("temperature", 0.0)),

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from testbed.cli import check_group_choices
+from testbed.model_group import resolve_model_group
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -161,7 +162,7 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
 def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     from testbed.engine import make_engine_executor
 
-    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    model_cfg = resolve_model_group(OmegaConf.to_container(cfg.model, resolve=True))
     model, hw = model_spec(model_cfg), hardware_spec(OmegaConf.to_container(cfg.hardware))
     c = cfg.calibrate
     steps = grid(c)

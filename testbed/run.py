@@ -18,11 +18,12 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from testbed.backends import BACKENDS, container, fit_vocabulary, run_backend
 from testbed.cli import check_group_choices
 from testbed.metrics import ideal_hit_rate, summarize
+from testbed.model_group import resolve_model_group
 from testbed.rundir import RUN_FILES, format_summary, write_run
 from testbed.timeline import write_timeline
 from testbed.workloads import build_workload
@@ -39,6 +40,8 @@ def execute(cfg: DictConfig, run_dir: str | Path,
         raise ValueError(f"timeline must be true or false, got {timeline!r}")
     if timeline and cfg.backend.name == "replay":
         raise ValueError("timeline=true needs backend=sim or backend=engine (replay has no time)")
+    with open_dict(cfg):  # model.path=DIR without model=: the checkpoint's own shape
+        cfg.model = resolve_model_group(container(cfg.model))
     note = fit_vocabulary(cfg)
     if note:
         print(note, file=sys.stderr)

@@ -24,3 +24,15 @@ def mooncake_conversation() -> Path:
     if not path.is_file():
         pytest.skip(f"real trace not present: {path}")
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny shapes: intra-op threads only add contention (several-fold slower on a busy host).
+    Engine test modules use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -15,10 +15,12 @@ import torch
 from omegaconf import OmegaConf
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.cache import BlockHashCache, RadixCache  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
-from testbed.engine.attention import AttentionMetadata, TorchAttention  # noqa: E402
+from testbed.engine.attention import TorchAttention  # noqa: E402
+from testbed.engine.metadata import AttentionMetadata  # noqa: E402
 from testbed.engine.executor import EngineExecutor, make_engine_executor  # noqa: E402
 from testbed.engine.kv_cache import KVCache  # noqa: E402
 from testbed.engine.loader import (build_model, check_model_group, config_from_model_group,  # noqa: E402
@@ -56,7 +58,8 @@ def hf_last_logits(hf, prompt) -> torch.Tensor:
 
 
 def hf_greedy(hf, prompt, n: int) -> list[int]:
-    out = hf.generate(torch.tensor([list(prompt)]), max_new_tokens=n, min_new_tokens=n,
+    ids = torch.tensor([list(prompt)])  # with a mask of ones: token 0 in a prompt is no padding
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                       do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
@@ -66,15 +69,6 @@ def make_req(rid: str, prompt, slots, out: int = 1) -> Req:
     req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=0)
     req.lease = Lease(hit=0, slots=np.asarray(slots, dtype=np.int32))
     return req
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: intra-op threads only add contention (several-fold slower on a busy host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +147,64 @@ def test_mixed_prefix_lengths_in_one_batch_equal_separate_full_passes(tiny_hf, t
 
 
 # ---------------------------------------------------------------------------- generation vs HF
-def engine(model, capacity: int) -> EngineExecutor:
-    return EngineExecutor(ModelRunner(model, num_slots=capacity))
+def engine(model, capacity: int, attention: str = "torch") -> EngineExecutor:
+    """The engine on ``model``; Triton attention runs on a GPU when there is one (compiled)."""
+    if attention.endswith("triton") and torch.cuda.is_available():
+        model = copy.deepcopy(model).to("cuda")
+    return EngineExecutor(ModelRunner(model, num_slots=capacity, attention=attention))
+
+
+def needs_triton(attention: str) -> None:
+    if attention == "triton" and not torch.cuda.is_available() \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU; run with TRITON_INTERPRET=1 set before import to use the interpreter")
+
+
+#: case -> (KV capacity, scheduler, output tokens, whether the last three arrive later)
+PRESSURE = {
+    "prefix_hits": (400, {"name": "lpm"}, 8, True),
+    "eviction": (120, {"name": "lpm"}, 8, True),
+    # admission reserves min(max_new, clip) = 1 output token per request, so it admits all six
+    # and their decoding outgrows the pool: SGLang's retract_decode (with clip 4096, none)
+    "retraction": (150, {"name": "lpm", "clip_max_new_tokens": 1}, 12, False),
+}
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton", "cascade_torch", "cascade_triton"])
+@pytest.mark.parametrize("case", PRESSURE)
+def test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf(tiny_hf, tiny_ours, case,
+                                                                          attention, monkeypatch):
+    """Each pressure on its own: shared prefixes hit with nothing evicted or retracted; a tight
+    pool evicts without retracting; an over-committing admission retracts (preemptions > 0).
+    With cascade decoding, decode steps read the shared prefixes once (groups are formed)."""
+    needs_triton(attention.removeprefix("cascade_"))
+    from testbed.engine.cascade import DecodeGroups
+
+    grouped = []
+    find = DecodeGroups.__call__
+    monkeypatch.setattr(DecodeGroups, "__call__",
+                        lambda self, entries: grouped.append(find(self, entries)) or grouped[-1])
+    capacity, scheduler, n, staggered = PRESSURE[case]
+    prompts = prompts_sharing_prefixes()
+    requests = [Request(f"r{i}", np.asarray(p, dtype=np.int32), np.zeros(n, dtype=np.int32),
+                        arrival_s=100.0 if staggered and i >= 3 else 0.0)
+                for i, p in enumerate(prompts)]
+    cache = RadixCache(capacity)
+    state, result = serve(requests, cache, scheduler, engine(tiny_ours, capacity, attention))
+    for req, p in zip(result.reqs, (r.prompt.tolist() for r in requests)):
+        assert not req.aborted and req.output == hf_greedy(tiny_hf, p, n), req.id
+    hits = sum(r.cached_tokens or 0 for r in result.reqs)
+    evicted = sum(r.evicted_tokens for r in result.reqs)
+    assert hits >= 40
+    if case == "prefix_hits":
+        assert evicted == 0 and state.preemptions == 0
+    elif case == "eviction":
+        assert evicted > 0 and state.preemptions == 0
+    else:
+        assert state.preemptions > 0
+        assert sum(r.preemptions for r in result.reqs) == state.preemptions
+    assert any(grouped) == attention.startswith("cascade")
+    cache.check_invariants()
 
 
 @pytest.mark.parametrize("capacity, scheduler, cache_kind", [
@@ -394,9 +444,9 @@ def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_
     calls = []
 
     def spy(name):
-        def f(*args):
+        def f(*args, max_new=None, num_kv_splits=None, **kwargs):  # launch settings: Triton's
             calls.append(name)
-            return getattr(ref, name)(*args)
+            return getattr(ref, name)(*args, **kwargs)
         return f
 
     fake = SimpleNamespace(**{n: spy(n) for n in ("store_kv", "extend_attention", "decode_attention")})

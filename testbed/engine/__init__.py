@@ -1,15 +1,18 @@
 """The real inference engine: a Llama-family model run step by step on the scheduler's batches.
 
 One idea per module: `model` (the decoder over a flattened batch), `kv_cache` (per-layer KV
-buffers indexed by cache slot), `attention` (per-step metadata; torch and Triton backends),
+buffers indexed by cache slot), `slot_table` (each request's token -> slot row on the device),
+`metadata` (a step's attention layout), `attention` (torch and Triton backends), `cascade`
+(decode groups that share a prefix read it once),
 `loader` (HF checkpoints, random and tiny models, the ``model`` config group), `sampler`,
 `runner` (`ModelRunner`: a `Batch` in, logits out), `executor` (`EngineExecutor`: the
 simulator's `Executor` seam with measured step times) and `host_memory` (steady CPU allocation).
 """
 
-from testbed.engine.attention import ATTENTION_BACKENDS, AttentionMetadata, make_attention
+from testbed.engine.attention import ATTENTION_BACKENDS, make_attention
 from testbed.engine.executor import EngineExecutor, default_device, make_engine_executor
 from testbed.engine.kv_cache import KVCache
+from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.loader import (build_model, config_from_model_group, load_model,
                                    model_from_group, parse_dtype, save_random_hf_model,
                                    tiny_config)

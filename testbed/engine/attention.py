@@ -1,11 +1,10 @@
-"""Paged attention over KV slots: the step's metadata and the backends that read it.
+"""Paged attention over KV slots: the backends that read a step's `AttentionMetadata`.
 
-FlashInfer's shape: the `ModelRunner` builds one `AttentionMetadata` per step (on the host, one
-transfer), the backend ``plan``s it once, and every layer calls ``forward`` with it. Request ``i``
-of the batch has ``qo_len_i`` new tokens (``q[qo_indptr[i]:qo_indptr[i+1]]``) and reads the KV
-slots ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``: its cached prefix first, then its new tokens,
-whose K/V each layer writes (at ``out_slots``) before attending. New token ``j`` sees KV positions
-``<= prefix_i + j``: a causal mask aligned to the lower right (SDPA's ``is_causal`` is top-left
+FlashInfer's shape: the `ModelRunner` builds one `AttentionMetadata` per step
+(`testbed.engine.metadata`), the backend ``plan``s it once — every size a kernel launch needs is
+read there from the host's copies, so no layer asks the device anything — and every layer calls
+``forward`` with it. New token ``j`` of a request with a cached prefix of ``P`` tokens sees KV
+positions ``<= P + j``: a causal mask aligned to the lower right (SDPA's ``is_causal`` is top-left
 aligned, which is wrong once a prefix is cached).
 
 Backends (``attention=``):
@@ -15,75 +14,26 @@ Backends (``attention=``):
   lower-right mask; the reference and the CPU default.
 - ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
   token, ``decode_attention``. Imported only when chosen.
+
+Both run a decode step as `decode_part` calls — one query group per KV head and sequence over a
+`KVRanges` of KV — so cascade decoding (`testbed.engine.cascade`) composes the same two
+primitives, with ``merge``, for either backend.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-ATTENTION_BACKENDS = ("torch", "triton")
+from testbed.engine.metadata import AttentionMetadata, KVRanges
 
-
-@dataclass
-class AttentionMetadata:
-    """One step's layout, shared by every layer. Device tensors are int32 unless noted."""
-
-    qo_indptr: torch.Tensor  # [B + 1]
-    kv_indptr: torch.Tensor  # [B + 1]
-    kv_indices: torch.Tensor  # [sum kv_len] slot ids: each request's prefix, then its new tokens
-    out_slots: torch.Tensor  # [T] where the new tokens' K/V are written
-    prefix_lens: torch.Tensor  # [B] kv_len - qo_len
-    last_token_index: torch.Tensor  # [B] (int64) row of each request's last new token in [T]
-    qo_lens: np.ndarray  # host copies, for planning
-    kv_lens: np.ndarray
-    plan: Any = None  # what the backend's ``plan`` precomputed for this step
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.qo_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.qo_lens.sum())
-
-    @property
-    def is_decode(self) -> bool:
-        """Every request has exactly one new token."""
-        return bool((self.qo_lens == 1).all())
-
-    @classmethod
-    def build(cls, qo_lens: np.ndarray, kv_lens: np.ndarray, kv_indices: np.ndarray,
-              device: torch.device | str) -> AttentionMetadata:
-        """From per-request new-token counts, KV lengths (prefix + new) and the concatenated slot
-        ids of each request; the last ``qo_len`` slots of each request are written."""
-        qo_lens = np.asarray(qo_lens, dtype=np.int64)
-        kv_lens = np.asarray(kv_lens, dtype=np.int64)
-        if len(qo_lens) == 0:
-            raise ValueError("an attention step needs at least one request")
-        if (qo_lens < 1).any() or (kv_lens < qo_lens).any():
-            raise ValueError(f"each request needs >= 1 new token and kv_len >= qo_len, got "
-                             f"qo_lens={qo_lens.tolist()} kv_lens={kv_lens.tolist()}")
-        if len(kv_indices) != kv_lens.sum():
-            raise ValueError(f"kv_indices has {len(kv_indices)} slots, kv_lens sum to {kv_lens.sum()}")
-        b, t = len(qo_lens), int(qo_lens.sum())
-        qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-        kv_indptr = np.concatenate([[0], np.cumsum(kv_lens)])
-        # token k of the step is new token (k - qo_start) of its request, at KV index kv_end - qo_len + that
-        within = np.arange(t) - np.repeat(qo_indptr[:-1], qo_lens)
-        out_slots = np.asarray(kv_indices)[np.repeat(kv_indptr[1:] - qo_lens, qo_lens) + within]
-        packed = np.concatenate([qo_indptr, kv_indptr, kv_indices, out_slots, kv_lens - qo_lens,
-                                 qo_indptr[1:] - 1]).astype(np.int32)
-        dev = torch.from_numpy(packed).to(device)
-        sizes = [b + 1, b + 1, len(kv_indices), t, b, b]
-        qo_p, kv_p, idx, out, prefix, last = torch.split(dev, sizes)
-        return cls(qo_indptr=qo_p, kv_indptr=kv_p, kv_indices=idx, out_slots=out,
-                   prefix_lens=prefix, last_token_index=last.long(), qo_lens=qo_lens,
-                   kv_lens=kv_lens)
+#: ``cascade``: cascade decoding (`testbed.engine.cascade`) on the device's default kernels
+#: (triton on CUDA, torch elsewhere); ``cascade_torch``, ``cascade_triton``: on those
+ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_triton")
 
 
 class AttentionBackend(Protocol):
@@ -97,21 +47,46 @@ class AttentionBackend(Protocol):
         """Write ``k, v`` (``[T, kv_heads, dim]``) at ``meta.out_slots``, then return the attention
         output ``[T, heads, dim]`` of ``q`` over each request's slots."""
 
+    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> Any:
+        """Once per step: a `decode_part`'s view of ``kv``."""
+
+    def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, part: Any,
+                    sm_scale: float, want_lse: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``q [n, kv_heads, R, dim]``: ``R`` queries of sequence ``i`` per KV head, each over the
+        KV of sequence ``i`` of the planned part, no mask. Returns ``o`` of q's shape and (with
+        ``want_lse``) the natural-log LSE ``[n, kv_heads, R]`` fp32."""
+
+    def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+              lse_b: torch.Tensor) -> torch.Tensor:
+        """Attention over the union of two disjoint key sets (``[n, heads, dim]``, LSEs
+        ``[n, heads]``): `radix_kernels.merge_states`."""
+
+
+def decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
+           v_buf: torch.Tensor, part: Any, sm_scale: float) -> torch.Tensor:
+    """Plain decode, one query per sequence: ``q [n, heads, dim]``, GQA groups as in HF."""
+    n, heads, dim = q.shape
+    kv_heads = k_buf.shape[1]
+    o, _ = backend.decode_part(q.reshape(n, kv_heads, heads // kv_heads, dim), k_buf, v_buf,
+                               part, sm_scale, want_lse=False)
+    return o.reshape(n, heads, dim)
+
 
 @dataclass
-class DecodeLayout:
-    """The torch backend's plan for a decode step: the batch padded to its longest KV."""
+class PaddedKV:
+    """The torch backend's view of a `KVRanges`: padded to its longest run."""
 
-    kv_rows: torch.Tensor  # [B * KH * max_kv] int64 rows of a ``[-1, head_dim]`` view of a KV
-    #                        buffer: request b's KV head h at key j (padding slot 0 past kv_len)
-    mask: torch.Tensor  # [B, 1, 1, max_kv] bool: key j < kv_len
+    kv_rows: torch.Tensor  # [n * KH * longest] int64 rows of a ``[-1, head_dim]`` view of a KV
+    #                        buffer: sequence i's KV head h at key j (some valid slot past its end)
+    mask: torch.Tensor  # [n, 1, 1, longest] bool: key j < len_i
 
 
 @dataclass
 class ExtendLayout:
     """The torch backend's plan for a prefill (extend) step: each request on its own, unpadded."""
 
-    kv_rows: list[torch.Tensor]  # per request [KH * kv_len] rows, head-major (see DecodeLayout)
+    kv_rows: list[torch.Tensor]  # per request [KH * kv_len] rows, head-major (see PaddedKV)
     q_splits: list[int]  # qo_lens
     blocks: list[list[tuple[int, int, int, torch.Tensor | None]]]  # per request, see `plan`
 
@@ -124,6 +99,22 @@ def head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     (any shape ``[..., L]``) as ``[..., KH, L, D]``: slot s, head h is row ``s * KH + h``."""
     head = torch.arange(num_kv_heads, device=slots.device)
     return (slots.long()[..., None, :] * num_kv_heads + head[:, None]).reshape(-1)
+
+
+def plan_decode(backend: AttentionBackend, meta: AttentionMetadata) -> Any:
+    """A decode step's plan: the cascade's parts when it has one, else the requests' KV."""
+    if meta.cascade is not None:
+        return meta.cascade.planned(backend, meta.table)
+    return backend.plan_part(meta.kv, meta.table)
+
+
+def forward_decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
+                   v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+    if meta.cascade is not None:
+        from testbed.engine.cascade import cascade_decode
+
+        return cascade_decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
+    return decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
 
 
 class TorchAttention:
@@ -141,24 +132,24 @@ class TorchAttention:
 
     name = "torch"
 
-    def __init__(self, num_kv_heads: int) -> None:
+    def __init__(self, num_kv_heads: int, cascade: bool = False) -> None:
         self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
+        self.cascade = cascade  # decode steps read shared prefixes once (the runner plans it)
 
-    def plan(self, meta: AttentionMetadata) -> DecodeLayout | ExtendLayout:
-        heads, device = self.num_kv_heads, meta.kv_indices.device
-        kv = meta.kv_lens
+    def plan(self, meta: AttentionMetadata) -> Any:
         if meta.is_decode:
-            b, max_kv = len(kv), int(kv.max())
-            valid = torch.from_numpy(np.arange(max_kv)[None, :] < kv[:, None]).to(device)
-            kv_slots = torch.zeros((b, max_kv), dtype=torch.int64, device=device)
-            kv_slots[valid] = meta.kv_indices.long()  # row-major order = concatenation order
-            return DecodeLayout(kv_rows=head_major_rows(kv_slots, heads),
-                                mask=valid[:, None, None, :])
-        slots = torch.split(meta.kv_indices, kv.tolist())
-        blocks = [self.query_blocks(q_len, kv_len, device)
-                  for q_len, kv_len in zip(meta.qo_lens.tolist(), kv.tolist())]
-        return ExtendLayout(kv_rows=[head_major_rows(s, heads) for s in slots],
-                            q_splits=meta.qo_lens.tolist(), blocks=blocks)
+            return plan_decode(self, meta)
+        heads, table = self.num_kv_heads, meta.table
+        blocks = [self.query_blocks(q_len, kv_len, table.device)
+                  for q_len, kv_len in zip(meta.qo_lens.tolist(), meta.kv_lens.tolist())]
+        rows = [head_major_rows(table[row, :kv_len], heads)
+                for row, kv_len in zip(meta.rows.tolist(), meta.kv_lens.tolist())]
+        return ExtendLayout(kv_rows=rows, q_splits=meta.qo_lens.tolist(), blocks=blocks)
+
+    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> PaddedKV:
+        slots, mask = kv.padded(table)
+        return PaddedKV(kv_rows=head_major_rows(slots, self.num_kv_heads),
+                        mask=mask[:, None, None, :])
 
     @staticmethod
     def query_blocks(q_len: int, kv_len: int, device: torch.device
@@ -183,23 +174,40 @@ class TorchAttention:
             out.append((start, end, keys, mask))
         return out
 
+    def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    part: PaddedKV, sm_scale: float, want_lse: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, heads, rows, dim = q.shape
+        shape = (n, heads, part.mask.shape[3], dim)
+        kp = k_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
+        vp = v_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
+        scores = torch.matmul(q.float(), kp.transpose(-1, -2)).mul_(sm_scale)
+        scores.masked_fill_(~part.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, vp).to(q.dtype)
+        if not want_lse:
+            return o, None
+        # log Σ exp(s) = s_j − log p_j for any key j; at the largest score p_j >= 1 / keys, so
+        # this is exact to rounding and cheaper than a second pass of exponentials
+        return o, scores.amax(dim=-1) - probs.amax(dim=-1).log()
+
+    def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+              lse_b: torch.Tensor) -> torch.Tensor:
+        """`radix_kernels.reference.merge_states`' weights ``exp(lse_x) / Σ``, as one sigmoid
+        and one lerp (``o_b + σ(lse_a − lse_b) · (o_a − o_b)``): a side without keys (-inf)
+        weighs 0; both sides have keys here (a prefix, and at least the request's own token)."""
+        weight = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
+        return torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
         slots = meta.out_slots.long()
         k_buf[slots] = k.to(k_buf.dtype)
         v_buf[slots] = v.to(v_buf.dtype)
-        num_heads, head_dim = q.shape[1], q.shape[2]
+        if not isinstance(meta.plan, ExtendLayout):
+            return forward_decode(self, q, k_buf, v_buf, meta, sm_scale)
+        head_dim = q.shape[2]
         k_rows, v_rows = k_buf.view(-1, head_dim), v_buf.view(-1, head_dim)
-        if isinstance(meta.plan, DecodeLayout):
-            layout = meta.plan
-            b = layout.mask.shape[0]
-            shape = (b, self.num_kv_heads, layout.mask.shape[3], head_dim)
-            kp = k_rows.index_select(0, layout.kv_rows).view(shape).float()
-            vp = v_rows.index_select(0, layout.kv_rows).view(shape).float()
-            qg = q.float().view(b, self.num_kv_heads, num_heads // self.num_kv_heads, head_dim)
-            scores = torch.matmul(qg, kp.transpose(-1, -2)).mul_(sm_scale)
-            probs = torch.softmax(scores.masked_fill_(~layout.mask, float("-inf")), dim=-1)
-            return torch.matmul(probs, vp).view(b, num_heads, head_dim).to(q.dtype)
         layout: ExtendLayout = meta.plan
         outs = []
         for qi, rows, blocks in zip(q.split(layout.q_splits), layout.kv_rows, layout.blocks):
@@ -216,6 +224,16 @@ class TorchAttention:
 
 
 KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
+DECODE_KEYS_PER_SPLIT = 256  # triton decode: KV positions per split-KV chunk, at most 8 chunks
+
+
+@dataclass
+class FlatKV:
+    """The Triton backend's view of a `KVRanges`: flat indices and how many split-KV chunks."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_kv_splits: int
 
 
 class TritonAttention:
@@ -223,7 +241,8 @@ class TritonAttention:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, cascade: bool = False) -> None:
+        self.cascade = cascade
         try:
             import radix_kernels
         except ImportError as e:
@@ -235,23 +254,48 @@ class TritonAttention:
                               f"{', '.join(missing)}; use attention=torch")
         self.kernels = radix_kernels
 
-    def plan(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode
+    def plan(self, meta: AttentionMetadata) -> Any:
+        if meta.is_decode:
+            return plan_decode(self, meta)
+        return meta.max_qo  # the extend kernel's grid, known here: no device query per layer
+
+    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> FlatKV:
+        splits = min(8, max(1, math.ceil(kv.longest / DECODE_KEYS_PER_SPLIT)))
+        return FlatKV(kv.indptr, kv.indices(table), splits)
+
+    def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                    part: FlatKV, sm_scale: float, want_lse: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, heads, rows, dim = q.shape  # query head h * rows + r reads KV head h: GQA group rows
+        out = self.kernels.decode_attention(q.reshape(n, heads * rows, dim), k_buf, v_buf,
+                                            part.indptr, part.indices, sm_scale,
+                                            num_kv_splits=part.num_kv_splits,
+                                            return_lse=want_lse)
+        o, lse = out if want_lse else (out, None)
+        return o.view(q.shape), None if lse is None else lse.view(n, heads, rows)
+
+    def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+              lse_b: torch.Tensor) -> torch.Tensor:
+        return self.kernels.merge_states(o_a, lse_a, o_b, lse_b)[0]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
         kn = self.kernels
         kn.store_kv(k_buf, v_buf, meta.out_slots, k, v)
-        if meta.plan:  # one query per request
-            return kn.decode_attention(q, k_buf, v_buf, meta.kv_indptr, meta.kv_indices, sm_scale)
+        if not isinstance(meta.plan, int):
+            return forward_decode(self, q, k_buf, v_buf, meta, sm_scale)
         return kn.extend_attention(q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr,
-                                   meta.kv_indices, sm_scale)
+                                   meta.kv_indices, sm_scale, max_new=meta.plan)
 
 
-def make_attention(name: str, num_kv_heads: int) -> AttentionBackend:
-    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads."""
-    if name == "torch":
-        return TorchAttention(num_kv_heads)
-    if name == "triton":
-        return TritonAttention()
-    raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "cpu"
+                   ) -> AttentionBackend:
+    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    cascade = name.startswith("cascade")
+    if name == "cascade":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name.endswith("torch"):
+        return TorchAttention(num_kv_heads, cascade=cascade)
+    return TritonAttention(cascade=cascade)

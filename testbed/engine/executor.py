@@ -5,7 +5,9 @@ one, and reports the step's measured wall time (``time.perf_counter`` around bui
 inputs, the forward, sampling and reading the tokens back; ``torch.cuda.synchronize`` on CUDA), by
 which the driver advances virtual time. With ``forced=True`` the workload's predetermined tokens
 are returned instead of the model's (the model still runs and samples, so the step costs the
-same): engine and simulator then see identical sequences and make identical decisions.
+same): engine and simulator then see identical sequences and make identical decisions. A request
+without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens
+either way.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.scheduler.batch import Batch
-from testbed.sim.executor import StepOutcome, predetermined_tokens
+from testbed.sim.executor import StepOutcome
 
 
 def default_device() -> str:
@@ -51,24 +53,29 @@ class EngineExecutor:
         duration = time.perf_counter() - start
         self.steps += 1
         self.busy_s += duration
-        if self.forced:
-            tokens = predetermined_tokens(batch)
-            for tok, own in zip(tokens, sampled):
-                if tok is not None:
-                    self.forced_tokens += 1
-                    self.forced_agreed += tok == own
-        else:
-            tokens = [int(tok) if e.produces_token and e.req.remaining_new_tokens > 0 else None
-                      for e, tok in zip(batch.entries, sampled)]
+        tokens: list[int | None] = []
+        for e, own in zip(batch.entries, sampled):
+            if not (e.produces_token and e.req.remaining_new_tokens > 0):
+                tokens.append(None)
+            elif self.forced and not e.req.request.generates:  # replay the workload's token
+                tok = int(e.req.request.output[len(e.req.output)])
+                self.forced_tokens += 1
+                self.forced_agreed += tok == own
+                tokens.append(tok)
+            else:
+                tokens.append(int(own))
         return StepOutcome(duration_s=duration, tokens=tokens)
 
 
-def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: str | None = None,
-                         dtype: str | None = None, attention: str | None = None, seed: int = 0,
-                         forced: bool = True, temperature: float = 0.0,
-                         top_p: float = 1.0) -> EngineExecutor:
+def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
+                         device: str | None = None, dtype: str | None = None,
+                         attention: str | None = None, seed: int = 0, forced: bool = True,
+                         temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
+                         max_slots: int | None = None) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
-    of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity).
+    of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
+    CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
+    ``max_slots`` (`testbed.engine.runner.kv_slots_for_free_memory`).
 
     Defaults: ``device`` CUDA when present, else CPU; ``dtype`` float32 on CPU, on CUDA bf16 when
     ``model.dtype_bytes`` is 2; ``attention`` triton on CUDA, torch on CPU.
@@ -84,6 +91,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int, *, device: st
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
-    runner = ModelRunner(net, num_slots, attention=attention)
+    runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
+                         max_slots=max_slots)
     return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                           forced=forced)

@@ -15,16 +15,10 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from testbed.engine.model import LlamaModel, ModelConfig
+from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
 
 #: tensors some checkpoints carry that are not weights (old Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-#: the ``model`` config group's keys that must agree with a checkpoint's config.json
-MODEL_GROUP_SHAPES = {
-    "num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
-    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "intermediate_size": "intermediate_size", "vocab_size": "vocab_size",
-}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -179,18 +173,9 @@ def config_from_model_group(model: Mapping[str, Any]) -> Any:
 
 
 def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
-    """A checkpoint must have the shapes the ``model`` group (and so the cost model) assumes."""
-    wrong = []
-    for key, hf_key in MODEL_GROUP_SHAPES.items():
-        want = model.get(key)
-        got = getattr(hf, hf_key, None)
-        if hf_key == "head_dim" and got is None:
-            got = hf.hidden_size // hf.num_attention_heads
-        if want is not None and got != want:
-            wrong.append(f"{key}={want} but the checkpoint has {got}")
-    if wrong:
-        raise ValueError(f"model={model.get('name')} does not match model.path={model.get('path')}: "
-                         + "; ".join(wrong) + " (pick the model group of this checkpoint)")
+    """A checkpoint (its `transformers` config) must have the shapes the ``model`` group (and so
+    the cost model) assumes: `testbed.model_group.check_preset`."""
+    check_preset(model, checkpoint_shape(hf.to_dict() if hasattr(hf, "to_dict") else hf))
 
 
 def build_model(config: Any, seed: int = 0, dtype: torch.dtype | str = torch.float32,
@@ -218,7 +203,9 @@ def model_from_group(model: Mapping[str, Any], seed: int = 0,
                      dtype: torch.dtype | str = torch.float32,
                      device: torch.device | str = "cpu") -> LlamaModel:
     """The engine's model for a ``model`` config group: the checkpoint at ``model.path`` (shapes
-    checked against the group), else a random model of the group's shape."""
+    checked against the group, or taking the checkpoint's when no preset was chosen), else a
+    random model of the group's shape."""
+    model = resolve_model_group(model)
     path = model.get("path")
     if path:
         check_model_group(model, load_hf_config(path))

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from testbed.engine.attention import AttentionBackend, AttentionMetadata
+    from testbed.engine.attention import AttentionBackend
+    from testbed.engine.metadata import AttentionMetadata
     from testbed.engine.kv_cache import KVCache
 
 #: HF ``model_type``s this file implements (architecture-wise they are one model).
@@ -52,6 +53,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama's attention_bias (Qwen2 has none on o_proj)
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral v0.1: sequences longer than this are refused
+    eos_token_ids: tuple[int, ...] = ()  # config.json's eos_token_id: ends a generated request
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -99,7 +101,15 @@ class ModelConfig:
             o_bias=bias,
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             sliding_window=window,
+            eos_token_ids=_token_ids(getattr(hf, "eos_token_id", None)),
         )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """An HF ``*_token_id`` (None, an int or a list of ints) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
 def _rope_settings(hf: Any) -> tuple[float, dict[str, Any]]:

@@ -1,22 +1,31 @@
 """`ModelRunner`: runs one scheduler `Batch` through the model (vLLM's name).
 
-It owns the model, the KV buffers and the attention backend. `prepare` is the only place a step's
-inputs are built: the new tokens of every entry concatenated (``entry.input_ids()``), their
-positions ``context .. context + new - 1``, and the `AttentionMetadata` from each entry's KV slots
-(``entry.kv_slots()``: positions ``0 .. context + new - 1``, of which the last ``new`` are written
-in this step). The slots come from the prefix cache; the runner only checks they exist.
+It owns the model, the KV buffers, the slot table and the attention backend. `prepare` is the
+only place a step's inputs are built: the new tokens of every entry concatenated
+(``entry.input_ids()``), their positions ``context .. context + new - 1``, the slot-table writes
+that bring each entry's row up to its KV slots (``entry.kv_slots()``: positions ``0 .. context +
+new - 1``, of which the last ``new`` are written in this step), and the `AttentionMetadata` —
+all in one host-to-device transfer; the index arrays the kernels read are gathered on the device.
+The slots come from the prefix cache; the runner only checks the new ones exist.
+
+On CUDA without a given ``num_slots`` the KV pool takes what the device's free memory leaves
+once the weights are loaded (`kv_slots_for_free_memory`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from testbed.engine.attention import AttentionBackend, AttentionMetadata, make_attention
+from testbed.engine.attention import AttentionBackend, make_attention
+from testbed.engine.cascade import CascadePlan, DecodeGroups
 from testbed.engine.kv_cache import KVCache
+from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
+from testbed.engine.slot_table import SlotTable
 from testbed.scheduler.batch import Batch
 
 
@@ -27,14 +36,45 @@ class StepInputs:
     meta: AttentionMetadata
 
 
+def kv_slots_for_free_memory(free_bytes: int, total_bytes: int, mem_fraction: float,
+                             bytes_per_token: int, cap: int | None = None) -> int:
+    """KV slots for what a device has free after the weights loaded, keeping ``1 −
+    mem_fraction`` of its whole memory for activations (SGLang's ``mem_fraction_static``):
+    ``(free − (1 − mem_fraction) × total) / bytes_per_token``, at most ``cap``."""
+    budget = free_bytes - (1 - mem_fraction) * total_bytes
+    slots = math.floor(budget / bytes_per_token)
+    if slots < 1:
+        raise ValueError(f"no device memory left for KV: {free_bytes / 2**30:.2f} GiB free of "
+                         f"{total_bytes / 2**30:.2f} GiB, {1 - mem_fraction:.0%} of it kept back "
+                         f"(hardware.mem_fraction={mem_fraction}); set cache.capacity_tokens")
+    return min(slots, cap) if cap is not None else slots
+
+
+def kv_pool_slots(model: LlamaModel, mem_fraction: float, max_slots: int | None = None) -> int:
+    """KV slots for ``model`` on its CUDA device from what is free there now (weights loaded)."""
+    if model.device.type != "cuda":
+        raise ValueError(f"the KV pool is sized from free memory on CUDA only; on "
+                         f"{model.device.type} give num_slots (cache.capacity_tokens)")
+    free, total = torch.cuda.mem_get_info(model.device)
+    return kv_slots_for_free_memory(free, total, mem_fraction,
+                                    KVCache.bytes_per_token(model.config, model.dtype), max_slots)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_slots: int,
-                 attention: str | AttentionBackend = "torch") -> None:
+    def __init__(self, model: LlamaModel, num_slots: int | None,
+                 attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
+                 max_slots: int | None = None) -> None:
+        """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
+        at most ``max_slots``."""
         self.model = model
         self.device = model.device
-        self.attention = (make_attention(attention, model.config.num_kv_heads)
+        self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
                           if isinstance(attention, str) else attention)
+        if num_slots is None:
+            num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
+        self.slots = SlotTable(self.device)
+        self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
 
     @property
     def num_slots(self) -> int:
@@ -45,19 +85,18 @@ class ModelRunner:
         entries = batch.entries
         if not entries:
             raise ValueError("cannot run an empty batch")
-        ids, positions, slots = [], [], []
+        ids, positions = [], []
         for e in entries:
-            kv = e.kv_slots()
-            if e.new < 1 or len(kv) != e.context + e.new:
-                raise ValueError(f"request {e.req.id}: {len(kv)} KV slots for context {e.context} "
-                                 f"+ new {e.new}")
+            if e.new < 1 or len(e.kv_slots()) != e.context + e.new:
+                raise ValueError(f"request {e.req.id}: {len(e.kv_slots())} KV slots for context "
+                                 f"{e.context} + new {e.new}")
             ids.append(e.input_ids())
             positions.append(np.arange(e.context, e.context + e.new))
-            slots.append(kv)
-        kv_indices = np.concatenate(slots)
-        if kv_indices.min() < 1 or kv_indices.max() > self.num_slots:
+        rows, writes = self.slots.update(entries)
+        written = writes[2]
+        if len(written) and (written.min() < 1 or written.max() > self.num_slots):
             raise ValueError(f"KV slot ids must be in 1..{self.num_slots} (the engine's KV slots), "
-                             f"got {kv_indices.min()}..{kv_indices.max()}: the cache's capacity "
+                             f"got {written.min()}..{written.max()}: the cache's capacity "
                              f"must not exceed the engine's num_slots")
         qo_lens = np.array([e.new for e in entries])
         kv_lens = np.array([e.context + e.new for e in entries])
@@ -65,10 +104,17 @@ class ModelRunner:
         if window is not None and kv_lens.max() > window:
             raise NotImplementedError(f"a sequence of {kv_lens.max()} tokens exceeds the model's "
                                       f"sliding_window={window}, which the engine does not implement")
-        meta = AttentionMetadata.build(qo_lens, kv_lens, kv_indices, self.device)
+        tokens = np.concatenate(ids + positions)
+        groups = (self.decode_groups(entries) if getattr(self.attention, "cascade", False)
+                  and (qo_lens == 1).all() else [])
+        cascade, sizes = CascadePlan.host_arrays(groups, kv_lens, rows) if groups else ([], None)
+        meta, extra = AttentionMetadata.from_table(qo_lens, kv_lens, rows, self.slots.table,
+                                                   [*writes, tokens, *cascade])
+        self.slots.apply(*extra[:3])
+        if groups:
+            meta.cascade = CascadePlan.from_device(extra[4:], sizes)
         meta.plan = self.attention.plan(meta)
-        flat = torch.from_numpy(np.concatenate(ids + positions).astype(np.int64)).to(self.device)
-        input_ids, pos = flat.split([len(flat) // 2, len(flat) // 2])
+        input_ids, pos = extra[3].split([len(tokens) // 2, len(tokens) // 2])
         return StepInputs(input_ids=input_ids, positions=pos, meta=meta)
 
     @torch.inference_mode()

@@ -31,10 +31,11 @@ class Req:
     first_token_s: float | None = None
     finish_s: float | None = None
     aborted: bool = False
-    max_new_tokens: int = -1  # set from the request's output length
+    max_new_tokens: int = -1  # set from the request: its output's length, or its max_new_tokens
+    stop_token_ids: frozenset[int] = frozenset()  # a generated one of these ends it (EOS)
 
     def __post_init__(self) -> None:
-        self.max_new_tokens = len(self.request.output)
+        self.max_new_tokens = self.request.output_limit
         r = self.request
         self.requester = Requester(r.id, r.priority, r.category)  # what eviction policies see
 

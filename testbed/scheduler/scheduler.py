@@ -45,6 +45,7 @@ driver reports the copy done (`load_done`).
 from __future__ import annotations
 
 import math
+from typing import Collection
 
 import numpy as np
 
@@ -62,8 +63,14 @@ _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefi
 
 class Scheduler:
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, eos_token_ids: Collection[int] = (),
+                 eos_for_all: bool = False) -> None:
+        """``eos_token_ids``: a generated one ends its request (SGLang's ``check_finished``), for
+        requests the model generates: those with ``max_new_tokens`` and no output, or every one
+        with ``eos_for_all`` (the engine generating). A replayed output ignores EOS."""
         self.cache = cache
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.eos_for_all = eos_for_all
         self.config = config or SchedulerConfig()
         c = self.config
         self.policy = QueuePolicy(c.name, cache, np.random.default_rng(seed),
@@ -100,6 +107,8 @@ class Scheduler:
         """Queue a request. One that could never fit in the KV cache is aborted at once."""
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
                   submitted_s=now, seq=self._seq)
+        if self.eos_for_all or request.generates:
+            req.stop_token_ids = self.eos_token_ids
         self._seq += 1
         if not self.cache.fits(req.kv_needed):
             req.aborted = True
@@ -402,13 +411,15 @@ class Scheduler:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
                 continue
+            stopped = False
             if req.remaining_new_tokens > 0:  # (a prefill-only call, max_new 0, makes none)
                 if token is None:
                     raise ValueError(f"request {req.id}: the executor produced no token")
                 req.output.append(int(token))
+                stopped = int(token) in req.stop_token_ids  # EOS (kept in the output)
                 if req.first_token_s is None:
                     req.first_token_s = now
-            if req.remaining_new_tokens == 0:
+            if stopped or req.remaining_new_tokens == 0:
                 self._finish(req, now)
                 finished.append(req)
             elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on

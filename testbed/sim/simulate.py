@@ -6,7 +6,7 @@ hardware: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (as SGLa
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from testbed.cache import PrefixCache
 from testbed.metrics import RequestRecord
@@ -21,12 +21,20 @@ from testbed.workloads.request import Request
 
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
-          generate: bool = False, progress: bool = False,
-          record_steps: bool = False, observe: bool = False) -> tuple[Scheduler, DriverResult]:
-    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
-    ``observe`` the result carries a `RunObserver`'s steps and request phases."""
-    scheduler = Scheduler(cache, SchedulerConfig.from_mapping(scheduler_cfg), seed=seed)
-    driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=generate,
+          generate: bool = False, progress: bool = False, record_steps: bool = False,
+          observe: bool = False,
+          eos_token_ids: Collection[int] = ()) -> tuple[Scheduler, DriverResult]:
+    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time.
+
+    ``generate``: the executor generates every output (the engine with ``forced=false``); calls
+    with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
+    earlier outputs are then rebuilt from the real ones, and a generated token in
+    ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
+    steps and request phases."""
+    scheduler = Scheduler(cache, SchedulerConfig.from_mapping(scheduler_cfg), seed=seed,
+                          eos_token_ids=eos_token_ids, eos_for_all=generate)
+    rebuild = generate or any(r.generates for r in requests)
+    driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
                     progress=progress, record_steps=record_steps,
                     observer=RunObserver([scheduler]) if observe else None)
     return scheduler, driver.run()

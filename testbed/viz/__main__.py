@@ -25,6 +25,7 @@ from testbed.cli import CONF_DIR, check_group_choices
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
 from testbed.workloads import WORKLOADS, build_workload
+from testbed.workloads.request import refuse_generating
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(overrides)
         requests = build_workload(container(cfg.workload), seed=cfg.seed,
                                   arrival=container(cfg.arrival))
+        refuse_generating(requests, "replay")  # the tree after replayed requests: outputs needed
         cache = radix_cache(cfg, requests)
         panels = replay_panels(requests, cache, at)
         if args.caption and len(args.caption) != len(panels):

@@ -6,6 +6,9 @@ outputs (turn 2 of a chat contains turn 1's answer); ``segments`` records that s
 token spans and `OutputRef`s — so that an engine generating real outputs can rebuild the prompt,
 while ``prompt`` holds it materialised with the predetermined outputs the replay and simulator
 backends use.
+
+A call may also carry no output at all, only ``max_new_tokens``: then the model must generate it
+(the engine backend; a token trace's ``"max_new_tokens"``), and only the engine can serve it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class Request:
     """One LLM call.
 
     ``output`` holds the predetermined output tokens (what the replay and simulator backends emit).
+    ``max_new_tokens`` set means there are none: the engine generates up to that many (``output``
+    is then empty), stopping early at the model's EOS.
     A call is submitted at ``arrival_s`` (its program's arrival, or a trace's own timestamp) or,
     if later, ``think_time_s`` after the last of its ``after`` dependencies finishes. Lower
     ``priority`` values are more urgent.
@@ -48,6 +53,17 @@ class Request:
     priority: int = 0
     segments: tuple[Segment, ...] | None = None
     category: str | None = None  # e.g. a trace's request type and turn (eviction policies)
+    max_new_tokens: int | None = None  # generate mode (no predetermined output): the engine's
+
+    @property
+    def generates(self) -> bool:
+        """The model must generate this call's output (it has no predetermined one)."""
+        return self.max_new_tokens is not None
+
+    @property
+    def output_limit(self) -> int:
+        """The most output tokens the call can produce: its output's length, or max_new_tokens."""
+        return self.max_new_tokens if self.max_new_tokens is not None else len(self.output)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,6 +76,15 @@ class Request:
     def sequence(self) -> np.ndarray:
         """Prompt followed by output: what a finished request leaves in the cache."""
         return np.concatenate([self.prompt, self.output])
+
+
+def refuse_generating(requests: list[Request], backend: str) -> None:
+    """Only the engine generates: one line naming the first call that has no output."""
+    call = next((r for r in requests if r.generates), None)
+    if call is not None:
+        raise ValueError(f"request {call.id} has 'max_new_tokens' and no 'output': only "
+                         f"backend=engine generates outputs; backend={backend} needs concrete "
+                         "output ids")
 
 
 def materialize(segments: tuple[Segment, ...], outputs: dict[str, np.ndarray]) -> np.ndarray:

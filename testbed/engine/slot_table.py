@@ -1,0 +1,101 @@
+"""The token → KV-slot table on the engine's device (SGLang's ``req_to_token_pool``).
+
+Each request being served has a row; column ``j`` holds the KV slot of its token ``j``. A step
+writes only what changed since the request's last step — normally its new tokens' slots — so the
+step's index arrays are gathered on the device from small per-request metadata instead of being
+rebuilt on the host and copied whole.
+
+What changed is found without reading the whole row: a lease's slot buffer only ever gains slots
+past its end; a rewrite (the cache taking over slots when the prompt is inserted, a retraction)
+comes in a new buffer (`testbed.cache.base.Lease.reset`). So a row whose request's slots still
+live in the buffer they were synced from needs only the new tail; one whose buffer changed is
+compared with the host's copy of the row (rare: once per insert or page-buffer growth). A row is
+given back when its request holds no lease (finished or retracted) and is not in the step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from testbed.scheduler.batch import BatchEntry
+from testbed.scheduler.request_state import Req
+
+
+class SlotTable:
+    def __init__(self, device: torch.device | str, rows: int = 16, width: int = 256) -> None:
+        self.device = torch.device(device)
+        self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        self.host = np.zeros((rows, width), dtype=np.int32)  # what the device rows hold
+        self.row_of: dict[Req, int] = {}
+        self.synced: dict[int, tuple[np.ndarray, int]] = {}  # row -> (slot buffer, columns)
+        self.free = list(range(rows - 1, -1, -1))
+
+    @property
+    def rows(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1]
+
+    def _grow(self, rows: int, width: int) -> None:
+        rows, width = max(rows, self.rows), max(width, self.width)
+        table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        table[: self.rows, : self.width] = self.table
+        host = np.zeros((rows, width), dtype=np.int32)
+        host[: self.rows, : self.width] = self.host
+        self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
+        self.table, self.host = table, host
+
+    def _release_idle(self, batch: set[Req]) -> None:
+        for req in [r for r in self.row_of if r.lease is None and r not in batch]:
+            row = self.row_of.pop(req)
+            self.synced.pop(row, None)
+            self.free.append(row)
+
+    def update(self, entries: list[BatchEntry]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Rows of the step's entries and the writes that bring them up to date:
+        ``(rows [B], [write_rows, write_cols, write_slots])``, host arrays for `apply`."""
+        self._release_idle({e.req for e in entries})
+        longest = max(e.context + e.new for e in entries)
+        need = len([e for e in entries if e.req not in self.row_of])
+        if need > len(self.free) or longest > self.width:
+            width = self.width
+            while width < longest:
+                width *= 2
+            self._grow(self.rows + max(need - len(self.free), 0) * 2, width)
+        rows, w_rows, w_cols, w_slots = [], [], [], []
+        for e in entries:
+            row = self.row_of.get(e.req)
+            if row is None:
+                row = self.row_of[e.req] = self.free.pop()
+            kv = e.kv_slots()
+            buf = kv.base if kv.base is not None else kv
+            start = self._unchanged(row, kv, buf)
+            if start < len(kv):
+                w_rows.append(np.full(len(kv) - start, row))
+                w_cols.append(np.arange(start, len(kv)))
+                w_slots.append(kv[start:])
+                self.host[row, start:len(kv)] = kv[start:]
+            self.synced[row] = (buf, len(kv))
+            rows.append(row)
+        writes = [np.concatenate(w) if w else np.zeros(0, dtype=np.int64)
+                  for w in (w_rows, w_cols, w_slots)]
+        return np.asarray(rows, dtype=np.int64), writes
+
+    def _unchanged(self, row: int, kv: np.ndarray, buf: np.ndarray) -> int:
+        """How many leading columns of ``row`` already hold ``kv``."""
+        if row not in self.synced:
+            return 0
+        was, n = self.synced[row]
+        n = min(n, len(kv))
+        if was is buf:
+            return n
+        differ = np.flatnonzero(self.host[row, :n] != kv[:n])
+        return int(differ[0]) if differ.size else n
+
+    def apply(self, rows: torch.Tensor, cols: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write on the device what `update` planned (its arrays, moved there)."""
+        if rows.numel():
+            self.table[rows, cols] = slots.to(torch.int32)

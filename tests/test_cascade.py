@@ -1,0 +1,92 @@
+"""Cascade decoding: groups from the radix tree, the merged attention equals plain decode (torch
+and Triton, fp32), and the engine's greedy tokens with it equal HF generate."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from testbed.cache import RadixCache
+from testbed.cache.shared_prefix import shared_prefix_groups
+from testbed.engine.attention import make_attention
+from testbed.engine.cascade import CascadePlan
+from testbed.engine.metadata import AttentionMetadata, to_device
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not TRITON, reason="no GPU and TRITON_INTERPRET unset"))]
+
+
+def toks(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def leases_on_a_tree(a_len: int):
+    """Sequences q+a+x, q+a+y, q+b+z (q: 40 tokens) and r+w, cached, then a lease on each."""
+    cache = RadixCache(2000)
+    q, a, b = toks(1000, 40), toks(2000, a_len), toks(3000, 10)
+    seqs = [np.concatenate(p) for p in ([q, a, toks(4000, 5)], [q, a, toks(5000, 5)],
+                                        [q, b, toks(6000, 5)], [toks(7000, 30), toks(8000, 5)])]
+    for s in seqs:
+        lease = cache.acquire(s)
+        cache.extend(lease, len(s) - lease.hit)
+        cache.release(lease, s)
+    return cache, [cache.acquire(s) for s in seqs]
+
+
+def test_groups_save_the_most_reads_the_tree_allows():
+    """Three requests under a 40-token prompt: one group there saves 2 x 40 reads; with a longer
+    shared branch (a of 100 tokens) the pair under it saves 1 x 140 more than the trio would."""
+    _, leases = leases_on_a_tree(a_len=10)
+    assert shared_prefix_groups(leases) == [(40, [0, 1, 2])]
+    assert shared_prefix_groups(leases, min_tokens=41) == [(50, [0, 1])]
+    _, leases = leases_on_a_tree(a_len=100)
+    assert shared_prefix_groups(leases) == [(140, [0, 1])]
+    assert shared_prefix_groups([leases[0], None, leases[3]]) == []  # nothing shared
+    assert shared_prefix_groups([leases[3], leases[3]]) == [(35, [0, 1])]
+
+
+def grouped_decode_step(seed: int, groups, kv_lens, heads=4, kv_heads=2, dim=16, slots=400):
+    """A decode step whose grouped requests' first ``P`` slots coincide; random q, k, v."""
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(np.arange(1, slots + 1)))
+    per_request = [None] * len(kv_lens)
+    for shared, members in groups:
+        prefix = [free.pop() for _ in range(shared)]
+        for m in members:
+            per_request[m] = prefix + [free.pop() for _ in range(kv_lens[m] - shared)]
+    per_request = [p or [free.pop() for _ in range(n)] for p, n in zip(per_request, kv_lens)]
+    kv_indices = np.concatenate(per_request).astype(np.int32)
+    qo = np.ones(len(kv_lens), dtype=np.int64)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(kv_lens), heads, dim, generator=g)
+    k, v = (torch.randn(len(kv_lens), kv_heads, dim, generator=g) for _ in range(2))
+    bufs = [torch.randn(slots + 1, kv_heads, dim, generator=g) for _ in range(2)]
+    return qo, np.asarray(kv_lens), kv_indices, q, k, v, bufs
+
+
+@pytest.mark.parametrize("kernels", BACKENDS)
+@pytest.mark.parametrize("seed, groups, kv_lens, heads", [
+    (0, [(30, [0, 2, 3])], [37, 5, 33, 60], 4),                   # one group, one alone
+    (1, [(12, [0, 1]), (70, [2, 4, 5])], [13, 40, 71, 9, 90, 72], 4),  # two groups, GQA 2
+    (2, [(20, [1, 2, 3, 4, 5])], [3, 21, 22, 50, 80, 21], 8),     # a wide group, GQA 4
+])
+def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, heads):
+    qo, kv, kv_indices, q, k, v, (kb, vb) = grouped_decode_step(seed, groups, kv_lens,
+                                                                  heads=heads)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    q, k, v, kb, vb = (t.to(device) for t in (q, k, v, kb, vb))
+    outs = []
+    for cascade in (False, True):
+        backend = make_attention(f"cascade_{kernels}" if cascade else kernels, 2)
+        meta = AttentionMetadata.build(qo, kv, kv_indices, device)
+        if cascade:
+            arrays, sizes = CascadePlan.host_arrays(groups, kv, meta.rows)
+            meta.cascade = CascadePlan.from_device(to_device(arrays, device), sizes)
+        meta.plan = backend.plan(meta)
+        outs.append(backend.forward(q, k, v, kb.clone(), vb.clone(), meta, 0.3))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
