@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--gpu-tokens", type=int, default=3_000_000)
     ap.add_argument("--limit", type=int, help="first N requests only")
     ap.add_argument("--no-sim", action="store_true")
-    ap.add_argument("--time-scales", type=float, nargs="+", default=[1.0, 3.0])
+    ap.add_argument("--time-scales", type=float, nargs="+", default=[1.0, 5.0])
     args = ap.parse_args()
     requests = load_trace(args.trace, "mooncake")[: args.limit]  # a file or data:NAME
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ class BackendResult:
     preemptions: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
     notes: list[str] = field(default_factory=list)  # printed last: what the reader must not miss
+    observer: Any = None  # sim and engine: the run's `RunObserver` (steps, request phases)
 
 
 def container(node: Any) -> Any:
@@ -158,7 +159,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
     scheduler, result = serve(requests, cache, container(cfg.scheduler), executor, seed=cfg.seed,
                               max_in_flight=max_in_flight(cfg),
                               generate=engine and not cfg.get("forced", True),
-                              progress=cfg.progress,
+                              progress=cfg.progress, observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
                               if engine else ())
     s = result.stats
@@ -176,7 +177,7 @@ def _serve(cfg: DictConfig, requests: list[Request], engine: bool) -> BackendRes
         add_tier_fields(records, scheduler.tier_hits)
     extra |= tier_extra(cache)
     note = unfit_note(cfg, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
-    return BackendResult(records, scheduler.preemptions, extra, note)
+    return BackendResult(records, scheduler.preemptions, extra, note, result.observer)
 
 
 def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity: int,
@@ -195,7 +196,7 @@ def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity:
         executor, make_router(router_cfg, seed=cfg.seed, kv_capacity=capacity),
         replicas=replicas, seed=cfg.seed, max_in_flight=max_in_flight(cfg),
         network_delay_s=network_delay_s, transfer_s_per_token=transfer_s_per_token,
-        progress=cfg.progress)
+        progress=cfg.progress, observe=True)
     extra = {"scheduler": cfg.scheduler.name, "model": model.name, "hardware": hw.name,
              "kv_capacity_tokens": capacity, "router": cfg.router.name, **cluster_summary(result)}
     records = cluster_records(result, cfg.save_token_ids)
@@ -203,7 +204,7 @@ def _serve_cluster(cfg: DictConfig, requests: list[Request], executor, capacity:
     note = unfit_note(cfg, sizes, len(records), capacity,
                       build_cache(cfg, capacity, requests).available_size if sizes else capacity,
                       replicas)
-    return BackendResult(records, result.preemptions, extra, note)
+    return BackendResult(records, result.preemptions, extra, note, result.observer)
 
 
 def _sim_executor(cfg: DictConfig, model, hw):

@@ -9,10 +9,12 @@ included with status ``failed`` and their error. Writes into DIR (or OUT):
 - ``report.md``: tables, findings computed from the table, and the figures of ``report_figures``
   (PNGs in ``figures/``): throughput normalised to no cache, hit rate against the ideal, hit rate vs
   capacity, latency CDFs, latency vs load, TTFT p99 of cache-cold vs cache-warm requests (each
-  where the data has what it needs).
+  where the data has what it needs); for a single sim or engine run also the time series of
+  ``report_timeseries`` from its ``steps.jsonl`` (hit rate, KV pool, batch size and queue).
 
 The table's columns (and the no-cache normalisation) are described in ``report_table``; the
-findings and tables in ``report_markdown``; the figures in ``report_figures``.
+findings and tables in ``report_markdown``; the figures in ``report_figures`` and
+``report_timeseries``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from testbed.report_figures import make_figures
 from testbed.report_markdown import write_report
 from testbed.report_table import load_results
+from testbed.report_timeseries import timeseries_figures
 
 
 def build(root: str | Path, out: str | Path | None = None, progress: bool | None = None) -> dict:
@@ -34,7 +37,8 @@ def build(root: str | Path, out: str | Path | None = None, progress: bool | None
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "results.csv", index=False)
     df.to_parquet(out / "results.parquet", index=False)
-    figures = make_figures(df, root, out / "figures")
+    figures = make_figures(df, root, out / "figures") + timeseries_figures(df, root,
+                                                                           out / "figures")
     report = write_report(df, root, out, [(str(p.relative_to(out)), t) for p, t in figures])
     return {"table": df, "report": report, "figures": [p for p, _ in figures]}
 

@@ -31,7 +31,7 @@ CHOICES = {
 }
 GROUPS = {k.split(".")[0] for k in CHOICES.values() if k.endswith(".name")}  # config groups
 POLICY = ("cache", "scheduler", "eviction")  # what a variant is made of
-IGNORED = {"progress"}  # config keys that never change results
+IGNORED = {"progress", "timeline"}  # config keys that never change results
 BASELINE = {"cache": "none", "scheduler": "fcfs"}
 # Known option orders (baseline first); other values follow alphabetically.
 ORDER = {v: i for i, v in enumerate(

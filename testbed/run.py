@@ -1,7 +1,8 @@
 """The entry point: ``python -m testbed.run [overrides]`` (Hydra; ``-m`` sweeps).
 
 Composes the config (``conf/``), builds the workload and the cache, runs the chosen backend, writes
-``summary.json`` and ``requests.jsonl`` into the Hydra run directory and prints the summary. A bad
+``summary.json``, ``requests.jsonl`` and (sim, engine) ``steps.jsonl`` into the Hydra run directory,
+with ``timeline=true`` also ``timeline.json`` (Perfetto), and prints the summary. A bad
 config value stops the run with one line naming the key and the allowed values.
 """
 
@@ -23,7 +24,8 @@ from testbed.backends import BACKENDS, container, fit_vocabulary, run_backend
 from testbed.cli import check_group_choices
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.model_group import resolve_model_group
-from testbed.rundir import format_summary, write_run
+from testbed.rundir import RUN_FILES, format_summary, write_run
+from testbed.timeline import write_timeline
 from testbed.workloads import build_workload
 
 def execute(cfg: DictConfig, run_dir: str | Path,
@@ -35,6 +37,11 @@ def execute(cfg: DictConfig, run_dir: str | Path,
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {cfg.backend.name!r}")
     with open_dict(cfg):  # model.path=DIR without model=: the checkpoint's own shape
         cfg.model = resolve_model_group(container(cfg.model))
+    timeline = cfg.get("timeline", False)
+    if timeline not in (True, False):
+        raise ValueError(f"timeline must be true or false, got {timeline!r}")
+    if timeline and cfg.backend.name == "replay":
+        raise ValueError("timeline=true needs backend=sim or backend=engine (replay has no time)")
     note = fit_vocabulary(cfg)
     if note:
         print(note, file=sys.stderr)
@@ -47,7 +54,13 @@ def execute(cfg: DictConfig, run_dir: str | Path,
                 "cache": cfg.cache.name, "eviction": cfg.eviction.name,
                 "capacity_tokens": cfg.cache.get("capacity_tokens")}
     summary |= result.extra
-    write_run(run_dir, summary, result.records, config=container(cfg))
+    observer = result.observer
+    write_run(run_dir, summary, result.records, config=container(cfg),
+              steps=observer.rows if observer is not None else None)
+    if timeline:
+        write_timeline(Path(run_dir) / "timeline.json", observer,
+                       {k: summary.get(k) for k in ("backend", "workload", "cache", "scheduler",
+                                                    "model", "hardware")})
     if notes is not None:
         notes += result.notes
     return summary
@@ -74,7 +87,7 @@ def main(cfg: DictConfig) -> None:
             print(f"skip: {run_dir} already has summary.json")
             return
         print(f"rerun: {run_dir} has a summary.json of another config; replacing it")
-        for stale in (done, run_dir / "requests.jsonl"):
+        for stale in (run_dir / name for name in RUN_FILES):
             stale.unlink(missing_ok=True)
     failed = run_dir / "failed.json"
     notes: list[str] = []

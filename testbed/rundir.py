@@ -1,17 +1,23 @@
-"""Writing a run's results: ``summary.json`` and ``requests.jsonl`` (docs/design.md §3)."""
+"""Writing a run's results: ``summary.json``, ``requests.jsonl`` and (sim, engine) ``steps.jsonl``
+(docs/design.md §3)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from testbed.metrics import RequestRecord
+from testbed.sim.observer import StepRow
+
+RUN_FILES = ("summary.json", "requests.jsonl", "steps.jsonl", "timeline.json")
 
 
 def write_run(run_dir: str | Path, summary: dict[str, Any], records: list[RequestRecord],
-              config: dict[str, Any] | None = None) -> Path:
-    """Write the run's files into ``run_dir`` (created if needed); returns the directory."""
+              config: dict[str, Any] | None = None,
+              steps: Iterable[StepRow] | None = None) -> Path:
+    """Write the run's files into ``run_dir`` (created if needed); returns the directory.
+    ``steps`` (sim and engine runs) become ``steps.jsonl``, one line per step."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     doc = dict(summary)
@@ -21,6 +27,9 @@ def write_run(run_dir: str | Path, summary: dict[str, Any], records: list[Reques
     with (run_dir / "requests.jsonl").open("w") as f:
         for rec in records:
             f.write(json.dumps(rec.to_json()) + "\n")
+    if steps is not None:
+        with (run_dir / "steps.jsonl").open("w") as f:
+            f.writelines(json.dumps(row.to_json()) + "\n" for row in steps)
     return run_dir
 
 

@@ -108,7 +108,8 @@ def test_hardware_configs_load(path):
     cfg = yaml.safe_load(path.read_text())
     h = hardware_spec(cfg)
     assert h.name == path.stem and mem_fraction(cfg) == 0.9
-    assert h.interconnect_bw == cfg["interconnect_bw"] > 0 and h.step_overhead_s > 0
+    assert h.interconnect_bw == cfg["interconnect_bw"] > 0 and "step_overhead_s" in cfg
+    assert h.step_overhead_s > 0 or h.name == "a100"  # the A100's: Vidur's, none (cost_model.py)
     assert kv_capacity_tokens(model("tiny"), h, mem_fraction(cfg)) > 0
 
 
@@ -219,7 +220,7 @@ def test_attention_runs_at_its_own_efficiency():
 
 
 @pytest.mark.parametrize("device, bw, overhead", [
-    ("a100", 300e9, 2e-3), ("h100", 450e9, 2e-3), ("h200", 450e9, 2e-3), ("a10g", 31.5e9, 2e-3),
+    ("a100", 300e9, 0.0), ("h100", 450e9, 2e-3), ("h200", 450e9, 2e-3), ("a10g", 31.5e9, 2e-3),
     ("cpu", 20e9, 1e-3)])
 def test_interconnect_and_overhead_come_from_the_hardware_preset(device, bw, overhead):
     r = roofline("llama3_70b", device)
@@ -320,7 +321,7 @@ def test_make_cost_model_from_configs():
     m, h = model("llama3_8b"), hw("h100")
     r = make_cost_model(conf("cost_model", "roofline"), m, h)
     assert isinstance(r, RooflineCostModel)
-    assert (r.mfu, r.attn_mfu, r.mbu, r.overhead_s) == (0.65, 0.23, 0.63, 2e-3)
+    assert (r.mfu, r.attn_mfu, r.mbu, r.overhead_s) == (0.65, 0.23, 0.58, 2e-3)
     old_keys = {"name": "roofline", "mfu": 0.6, "mbu": 0.7, "overhead_s": 2e-3}  # before attn_mfu
     r = make_cost_model(old_keys, m, h)
     assert (r.mfu, r.attn_mfu, r.mbu, r.overhead_s) == (0.6, 0.23, 0.7, 2e-3)
@@ -342,7 +343,8 @@ def test_make_cost_model_from_configs():
 def test_roofline_against_vidur_a100():
     """Vidur's measured A100 operators (CodeLlama-34B, TP2) are never below the roofline floor, and
     the default roofline lands within the figures of cost_model.py's docstring of whole steps
-    priced by those operators (VidurCostModel, GPU time)."""
+    priced by those operators (VidurCostModel as Vidur 0.0.26 prices them, no per-step overhead),
+    on the loaded steps it is fitted to and on single shapes."""
     pd = pytest.importorskip("pandas")
     if not VIDUR.is_dir():
         pytest.skip(f"Vidur data not present: {VIDUR}")
@@ -401,6 +403,17 @@ def test_roofline_against_vidur_a100():
     fresh = ratios(StepShape((n,), (0,)) for n in (64, 128, 256, 512, 1024, 2048, 3072, 4096))
     cached = ratios(StepShape((n,), (c,)) for n in (64, 256, 512, 1024, 2048)
                     for c in (512, 1024, 2048, 4032 - n) if n + c <= 4096)
-    assert 0.8 < decode.min() and decode.max() < 1.12 and 0.98 < np.median(decode) < 1.06
-    assert 0.8 < fresh.min() and fresh.max() < 1.07
-    assert 0.87 < cached.min() and cached.max() < 1.13
+    assert 0.9 < decode.min() and decode.max() < 1.19 and 1.1 < np.median(decode) < 1.17
+    assert 0.93 < fresh.min() and fresh.max() < 1.09
+    assert 0.94 < cached.min() and cached.max() < 1.13
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "roofline_vs_vidur_profile.py"
+    spec = importlib.util.spec_from_file_location("roofline_vs_vidur_profile", script)
+    fitting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fitting)
+    fit = {kind: ratios(steps) for kind, steps in fitting.loaded().items()}
+    loaded_decode, loaded_prefill = fit.values()
+    assert 0.94 < loaded_decode.min() and loaded_decode.max() < 1.07
+    assert 0.99 < np.median(loaded_decode) < 1.03 and 0.99 < np.median(loaded_prefill) < 1.03
+    assert 0.81 < loaded_prefill.min() and loaded_prefill.max() < 1.07

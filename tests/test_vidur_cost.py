@@ -1,5 +1,7 @@
-"""The Vidur-profile cost model: reading Vidur's CSVs, exact at profiled points, monotone, a cached
-prefix priced by its attention only, refusals that say what the directory holds, and a whole run.
+"""The Vidur-profile cost model: reading Vidur's CSVs, exact at profiled points, Vidur 0.0.26's
+rules (token counts rounded up to 8, KV rounded up to its granularity, the decode batching overhead,
+NCCL launches), monotone, a cached prefix priced by its attention only, refusals that say what the
+directory holds, and a whole run.
 
 The core tests write small profiles in Vidur's own column layout (the headers of
 ``shared/vidur/a100_codellama34b_tp2``) with linear times; the tests on the real profile skip
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from testbed.sim.cost_model import RooflineCostModel, StepShape, make_cost_model
 from testbed.sim.specs import ModelSpec, hardware_spec, model_spec
-from testbed.sim.vidur_cost import VidurCostModel
+from testbed.sim.vidur_cost import VidurCostModel, round_up
 from testbed.sim.vidur_profile import TOKEN_OPS, ProfileError, load_vidur_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,12 +113,21 @@ def profile_dir(tmp_path) -> Path:
     return write_profile(tmp_path / "profile")
 
 
-def vidur(d: Path, model: ModelSpec = MODEL, overhead_s: float = 0.0) -> VidurCostModel:
-    return VidurCostModel(load_vidur_profile(d, model), model, overhead_s)
+#: Vidur's rules off but the rounding of token counts (not a setting): the profile as measured.
+PLAIN = {"kv_granularity": 1, "decode_batching_overhead": 0.0, "nccl_launch_s": 0.0}
+
+
+def vidur(d: Path, model: ModelSpec = MODEL, overhead_s: float = 0.0, **rules) -> VidurCostModel:
+    return VidurCostModel(load_vidur_profile(d, model), model, overhead_s, **(PLAIN | rules))
 
 
 def layer_ms(tokens: int) -> float:
     return sum(count * op_ms(op, tokens) for op, count in TOKEN_OPS.items())
+
+
+def r8(tokens: int) -> int:
+    """Vidur's ``Batch._total_num_q_tokens_rounded``."""
+    return round_up(tokens, 8)
 
 
 # ---- reading the profile ----
@@ -201,12 +212,12 @@ def test_a_profile_of_another_model_is_refused_in_one_line(profile_dir):
 
 def test_exact_at_profiled_points(profile_dir):
     """Σ layers × (operators + attention + 2 all-reduces) + embedding + overhead, from the CSVs'
-    medians, at shapes the profile measured."""
+    medians, at shapes the profile measured (token counts rounded up to 8)."""
     v = vidur(profile_dir, overhead_s=0.003)
     L, ms = MODEL.num_layers, 1e-3
     for b, k in ((4, 64), (1, 32), (8, 128)):
-        expected = (L * layer_ms(b) + op_ms("emb", b) + L * (decode_ms(b, k) + RESHAPE_MS)
-                    + 2 * L * allreduce_ms(b * 128)) * ms + 0.003
+        expected = (L * layer_ms(r8(b)) + op_ms("emb", r8(b)) + L * (decode_ms(b, k) + RESHAPE_MS)
+                    + 2 * L * allreduce_ms(r8(b) * 128)) * ms + 0.003
         assert v.step_time(StepShape.decode([k] * b)) == pytest.approx(expected, rel=1e-12)
     for n, c in ((16, 0), (32, 64), (64, 64), (128, 0)):
         expected = (L * layer_ms(n) + op_ms("emb", n) + L * (prefill_ms(n, c) + RESHAPE_MS)
@@ -249,6 +260,84 @@ def test_beyond_the_profile(profile_dir):
     pieces = (v.prefill.at(128, 10) + v.prefill.at(128, 138) + v.prefill.at(44, 266)
               - 2 * launch)
     assert v.prefill_attention((300,), (10,)) == pytest.approx(pieces)
+
+
+# ---- Vidur 0.0.26's rules ----
+
+def test_token_counts_round_up_to_eight(profile_dir):
+    """Token-level operators and all-reduces see the step's new tokens rounded up to a multiple
+    of 8 (Vidur's ``Batch._total_num_q_tokens_rounded``); attention sees the tokens as they are."""
+    v, L, ms = vidur(profile_dir), MODEL.num_layers, 1e-3
+    parts = v.parts(StepShape.decode([64] * 3))  # 3 tokens: priced as 8
+    assert parts.token_ops == pytest.approx((L * layer_ms(8) + op_ms("emb", 8)) * ms)
+    assert parts.all_reduce == pytest.approx(2 * L * allreduce_ms(8 * 128) * ms)
+    assert parts.attention == pytest.approx(L * (decode_ms(3, 64) + RESHAPE_MS) * ms)
+    parts = v.parts(StepShape((9, 8), (0, 0)))  # 17 tokens: 24, between the profiled 16 and 32
+    assert parts.token_ops == pytest.approx((L * layer_ms(24) + op_ms("emb", 24)) * ms)
+    assert parts.all_reduce == pytest.approx(2 * L * allreduce_ms(24 * 128) * ms)
+
+
+def test_decode_kv_is_the_truncated_mean_rounded_up_to_the_granularity(profile_dir):
+    """Vidur's ``_get_batch_decode_attention_params``: int(mean KV), rounded up to
+    ``kv_cache_prediction_granularity``."""
+    v, ms = vidur(profile_dir, kv_granularity=32), 1e-3
+    assert v.decode_attention((33, 40)) == pytest.approx((decode_ms(2, 64) + RESHAPE_MS) * ms)
+    assert v.decode_attention((64, 65)) == pytest.approx((decode_ms(2, 64) + RESHAPE_MS) * ms)
+    assert v.decode_attention((64, 66)) == pytest.approx((decode_ms(2, 96) + RESHAPE_MS) * ms)
+    plain = vidur(profile_dir)  # granularity 1: the truncated mean itself
+    assert plain.decode_attention((64, 67)) == pytest.approx((decode_ms(2, 65) + RESHAPE_MS) * ms)
+
+
+def test_prefill_context_rounds_up_to_the_granularity(profile_dir):
+    """Each chunk's cached context is rounded up as Vidur's ``_get_batch_prefill_attention_params``
+    rounds its KV; nothing cached stays nothing."""
+    v, ms = vidur(profile_dir, kv_granularity=32), 1e-3
+    assert v.prefill_attention((16,), (33,)) == pytest.approx((prefill_ms(16, 64) + RESHAPE_MS) * ms)
+    assert v.prefill_attention((16,), (0,)) == pytest.approx((prefill_ms(16, 0) + RESHAPE_MS) * ms)
+    launch = (prefill_ms(16, 0) + RESHAPE_MS) * ms
+    assert v.prefill_attention((16, 32), (1, 64)) == pytest.approx(
+        (prefill_ms(16, 32) + prefill_ms(32, 64) + 2 * RESHAPE_MS) * ms - launch)
+
+
+def test_decode_batching_overhead_for_gqa_batches(tmp_path):
+    """Decode attention × (1 + overhead) for batches of two or more, in GQA models only (Vidur's
+    ``attention_decode_batching_overhead_fraction``)."""
+    gqa = vidur(write_profile(tmp_path / "gqa"), decode_batching_overhead=0.1)
+    one, two = (decode_ms(b, 64) + RESHAPE_MS for b in (1, 2))
+    assert gqa.decode_attention((64,)) == pytest.approx(one / 1e3)
+    assert gqa.decode_attention((64, 64)) == pytest.approx(1.1 * two / 1e3)
+    mha = ModelSpec("mha", 3, 64, 4, 4, 16, 128, 256, tp=2)
+    plain = vidur(write_profile(tmp_path / "mha", mha), mha, decode_batching_overhead=0.1)
+    assert plain.decode_attention((64, 64)) == pytest.approx(two / 1e3)
+
+
+def test_nccl_launch_per_all_reduce(profile_dir):
+    """Every all-reduce (two per layer) adds Vidur's ``nccl_cpu_launch_overhead_ms``."""
+    v, L = vidur(profile_dir, nccl_launch_s=2e-5), MODEL.num_layers
+    assert v.parts(StepShape((32,), (0,))).all_reduce == pytest.approx(
+        2 * L * (allreduce_ms(32 * 128) / 1e3 + 2e-5))
+
+
+def test_a_step_with_vidurs_defaults(profile_dir):
+    """All rules at once, Vidur's values (KV granularity 256, overhead 0.1, launch 20 µs): a decode
+    step of three requests at 100, 120 and 140 tokens, by hand (the linear profile extrapolates
+    exactly past its 128 tokens of KV)."""
+    v = VidurCostModel(load_vidur_profile(profile_dir, MODEL), MODEL)
+    L, ms = MODEL.num_layers, 1e-3
+    expected = (L * layer_ms(8) + op_ms("emb", 8) + L * 1.1 * (decode_ms(3, 256) + RESHAPE_MS)
+                + 2 * L * (allreduce_ms(8 * 128) + 0.02)) * ms
+    assert v.step_time(StepShape.decode([100, 120, 140])) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("kv_granularity", 0, "cost_model.kv_granularity must be a whole number >= 1, got 0"),
+    ("kv_granularity", 2.5, "cost_model.kv_granularity must be a whole number >= 1, got 2.5"),
+    ("decode_batching_overhead", -0.1, "cost_model.decode_batching_overhead must be >= 0"),
+    ("nccl_launch_s", -1e-6, "cost_model.nccl_launch_s must be >= 0"),
+])
+def test_bad_rule_values_are_refused(profile_dir, key, value, message):
+    with pytest.raises(ValueError, match=message):
+        vidur(profile_dir, **{key: value})
 
 
 def test_a_cached_prefix_costs_its_attention_only(profile_dir):
@@ -294,15 +383,23 @@ def test_monotone_in_tokens_and_kv(tmp_path_factory, pairs, which, grow, by):
 
 # ---- config ----
 
-def test_made_from_config_with_the_hardware_overhead(profile_dir):
+def test_made_from_config_with_vidurs_defaults(profile_dir):
+    """conf/cost_model/vidur.yaml: Vidur's rules, no per-step overhead; ``overhead_s: null`` takes
+    the hardware's."""
     hw = hardware_spec(yaml.safe_load((REPO / "conf/hardware/a100.yaml").read_text()))
     cfg = yaml.safe_load((REPO / "conf/cost_model/vidur.yaml").read_text())
     with pytest.raises(ValueError, match="cost_model.profile_dir is required with cost_model="):
         make_cost_model(cfg, MODEL, hw)
     made = make_cost_model(cfg | {"profile_dir": str(profile_dir)}, MODEL, hw)
-    assert isinstance(made, VidurCostModel) and made.overhead_s == hw.step_overhead_s == 2e-3
-    made = make_cost_model(cfg | {"profile_dir": str(profile_dir), "overhead_s": 0.0}, MODEL, hw)
-    assert made.overhead_s == 0.0
+    assert isinstance(made, VidurCostModel) and made.overhead_s == 0.0
+    assert (made.kv_granularity, made.decode_batching_overhead, made.nccl_launch_s) == (
+        256, 0.1, 2e-5)
+    h100 = hardware_spec(yaml.safe_load((REPO / "conf/hardware/h100.yaml").read_text()))
+    made = make_cost_model(cfg | {"profile_dir": str(profile_dir), "overhead_s": None}, MODEL, h100)
+    assert made.overhead_s == h100.step_overhead_s == 2e-3
+    made = make_cost_model({"name": "vidur", "profile_dir": str(profile_dir),
+                            "kv_granularity": 16, "nccl_launch_s": 0}, MODEL, hw)
+    assert (made.kv_granularity, made.nccl_launch_s) == (16, 0.0)
     with pytest.raises(ProfileError, match="cost_model.profile_dir: no such directory"):
         make_cost_model(cfg | {"profile_dir": str(profile_dir / "nope")}, MODEL, hw)
 
@@ -338,7 +435,7 @@ def real() -> VidurCostModel:
     if not VIDUR.is_dir():
         pytest.skip(f"Vidur's profile not present: {VIDUR}")
     m = model_spec(yaml.safe_load((REPO / "conf/model/codellama_34b.yaml").read_text()))
-    return vidur(VIDUR, m)
+    return VidurCostModel(load_vidur_profile(VIDUR, m), m)  # Vidur's rules, as cost_model=vidur
 
 
 def test_real_profile_close_to_every_measurement(real):

@@ -37,6 +37,7 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.driver import Driver, StepStats
 from testbed.sim.executor import Executor
+from testbed.sim.observer import RunObserver
 from testbed.sim.simulate import records_of
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
@@ -73,6 +74,7 @@ class ClusterResult:
     imbalance_unweighted: float
     router: Router
     final_loads: Loads  # every replica's load at the end (all zero unless accounting is wrong)
+    observer: RunObserver | None = None  # steps and request phases, when one watched
 
     @property
     def preemptions(self) -> int:
@@ -98,9 +100,10 @@ class ClusterDriver(Driver):
 
     def __init__(self, requests: list[Request], schedulers: list[Scheduler], executor: Executor,
                  router: Router, max_in_flight: int | None = None, network_delay_s: float = 0.0,
-                 transfer_s_per_token: float = 0.0, progress: bool = False) -> None:
+                 transfer_s_per_token: float = 0.0, progress: bool = False,
+                 observer: RunObserver | None = None) -> None:
         super().__init__(requests, scheduler=None, executor=executor, max_in_flight=max_in_flight,
-                         progress=progress)
+                         progress=progress, observer=observer)
         if network_delay_s < 0 or transfer_s_per_token < 0:
             raise ValueError("router.network_delay_s and router.transfer_s_per_token must be >= 0, "
                              f"got {network_delay_s} and {transfer_s_per_token}")
@@ -173,7 +176,8 @@ class ClusterDriver(Driver):
             imbalance=self._int_max / self._int_mean if self._int_mean > 0 else 1.0,
             imbalance_unweighted=self._int_ratio / self._busy_t if self._busy_t > 0 else 1.0,
             router=self.router,
-            final_loads=Loads(tuple(self.load_tokens), tuple(self.load_requests)))
+            final_loads=Loads(tuple(self.load_tokens), tuple(self.load_requests)),
+            observer=self.observer)
 
     def _submit_at(self, call: Request, when: float):
         if when > self.env.now:
@@ -193,6 +197,8 @@ class ClusterDriver(Driver):
         req = rep.scheduler.submit(call, self.env.now)
         self.reqs.append(req)
         rep.reqs.append(req)
+        if self.observer is not None:
+            self.observer.arrived(req, self.env.now, replica=w, routed_s=self._route[call.id][1])
         if req.finished:  # aborted: it can never fit
             self._add_load(w, -work)
             self._on_finish(req)
@@ -206,6 +212,8 @@ class ClusterDriver(Driver):
             batch = scheduler.next_batch(self.env.now)
             for req in scheduler.take_finished():
                 self._on_finish(req)
+            if self.observer is not None:
+                self.observer.formed(batch, self.env.now, replica=rep.index)
             if batch is None:
                 if len(self._finish_s) == total:
                     return
@@ -221,6 +229,8 @@ class ClusterDriver(Driver):
             self._account(rep, batch, outcome.tokens, remaining)
             for req in finished:
                 self._on_finish(req)
+            if self.observer is not None:
+                self.observer.stepped(self.env.now, replica=rep.index)
 
     def _on_finish(self, req: Req) -> None:
         super()._on_finish(req)
@@ -247,9 +257,10 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      scheduler_cfg: Mapping[str, Any], executor: Executor, router: Router,
                      replicas: int, seed: int = 0, max_in_flight: int | None = None,
                      network_delay_s: float = 0.0, progress: bool = False,
-                     transfer_s_per_token: float = 0.0) -> ClusterResult:
+                     transfer_s_per_token: float = 0.0, observe: bool = False) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
-    scheduler, seeded ``seed + i``) behind ``router``, in virtual time."""
+    scheduler, seeded ``seed + i``) behind ``router``, in virtual time; with ``observe`` the
+    result carries a `RunObserver`'s steps and request phases."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = SchedulerConfig.from_mapping(scheduler_cfg)
@@ -260,7 +271,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     schedulers = [Scheduler(c, config, seed=seed + i) for i, c in enumerate(caches)]
     driver = ClusterDriver(requests, schedulers, executor, router, max_in_flight=max_in_flight,
                            network_delay_s=network_delay_s,
-                           transfer_s_per_token=transfer_s_per_token, progress=progress)
+                           transfer_s_per_token=transfer_s_per_token, progress=progress,
+                           observer=RunObserver(schedulers) if observe else None)
     return driver.run()
 
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.executor import Executor
+from testbed.sim.observer import RunObserver
 from testbed.workloads.request import TOKEN_DTYPE, Request, materialize
 
 
@@ -60,12 +61,14 @@ class DriverResult:
     stats: StepStats
     end_s: float
     steps: list[StepRecord] = field(default_factory=list)  # with record_steps=True
+    observer: RunObserver | None = None  # steps and request phases, when one watched
 
 
 class Driver:
     def __init__(self, requests: list[Request], scheduler: Scheduler, executor: Executor,
                  max_in_flight: int | None = None, generate: bool = False,
-                 progress: bool = False, record_steps: bool = False) -> None:
+                 progress: bool = False, record_steps: bool = False,
+                 observer: RunObserver | None = None) -> None:
         self.env = simpy.Environment()
         self.requests = requests
         self.scheduler = scheduler
@@ -73,6 +76,7 @@ class Driver:
         self.max_in_flight = max_in_flight
         self.generate = generate  # rebuild prompts from actual outputs (the engine generating)
         self.record_steps = record_steps
+        self.observer = observer  # watches steps and request phases; decides nothing
         self.stats = StepStats()
         self.reqs: list[Req] = []
         self.steps: list[StepRecord] = []
@@ -114,7 +118,7 @@ class Driver:
         loop = self.env.process(self._step_loop())
         self.env.run(until=loop)
         self._bar.close()
-        return DriverResult(self.reqs, self.stats, self.env.now, self.steps)
+        return DriverResult(self.reqs, self.stats, self.env.now, self.steps, self.observer)
 
     def _start_programs(self):
         """Start programs in arrival order, at most ``max_in_flight`` at once."""
@@ -139,6 +143,8 @@ class Driver:
         prompt = materialize(call.segments, self._outputs) if self.generate and call.segments else None
         req = self.scheduler.submit(call, self.env.now, prompt=prompt)
         self.reqs.append(req)
+        if self.observer is not None:
+            self.observer.arrived(req, self.env.now)
         if req.finished:  # aborted: it can never fit
             self._on_finish(req)
         if self._wake is not None and not self._wake.triggered:
@@ -151,7 +157,11 @@ class Driver:
             for req in self.scheduler.take_finished():
                 self._on_finish(req)
             for req in self.scheduler.take_loads():
+                if self.observer is not None:
+                    self.observer.load_started(req, self.env.now)
                 self.env.process(self._load_back(req))
+            if self.observer is not None:
+                self.observer.formed(batch, self.env.now)
             if batch is None:
                 if len(self._finish_s) == total:
                     return
@@ -167,6 +177,8 @@ class Driver:
             self.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
             for req in self.scheduler.complete(batch, outcome.tokens, self.env.now):
                 self._on_finish(req)
+            if self.observer is not None:
+                self.observer.stepped(self.env.now)
 
     def _load_back(self, req: Req):
         """Copy a request's lower-tier KV to the GPU, stage by stage, then let it be admitted."""
@@ -180,12 +192,16 @@ class Driver:
                 yield self.env.timeout(seconds)
         yield self.env.timeout(0)
         self.scheduler.load_done(req, self.env.now - issued)
+        if self.observer is not None:
+            self.observer.load_done(req, self.env.now)
         if self._wake is not None and not self._wake.triggered:
             self._wake.succeed()
 
     def _on_finish(self, req: Req) -> None:
         call = req.request
         self._finish_s[call.id] = self.env.now
+        if self.observer is not None:
+            self.observer.finished(req, self.env.now)
         self._outputs[call.id] = (call.output if req.aborted
                                   else np.asarray(req.output, dtype=TOKEN_DTYPE))
         self._bar.update(1)

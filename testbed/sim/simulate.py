@@ -15,14 +15,17 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.driver import Driver, DriverResult
 from testbed.sim.executor import Executor
+from testbed.sim.observer import RunObserver
 from testbed.workloads.request import Request
 
 
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
-          eos_token_ids: Collection[int] = ()) -> tuple[Scheduler, DriverResult]:
-    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time.
+          observe: bool = False, eos_token_ids: Collection[int] = ()
+          ) -> tuple[Scheduler, DriverResult]:
+    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
+    ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
     ``generate``: the executor generates every output (the engine with ``forced=false``); calls
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
@@ -32,7 +35,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
                           eos_token_ids=eos_token_ids, eos_for_all=generate)
     rebuild = generate or any(r.generates for r in requests)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
-                    progress=progress, record_steps=record_steps)
+                    progress=progress, record_steps=record_steps,
+                    observer=RunObserver([scheduler]) if observe else None)
     return scheduler, driver.run()
 
 

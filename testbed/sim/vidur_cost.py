@@ -2,23 +2,52 @@
 operator.
 
 A step (`StepShape`: request i computes ``new[i]`` tokens over ``context[i]`` cached ones) costs,
-the way Vidur decomposes an iteration:
+the way Vidur 0.0.26 prices a batch (``SklearnExecutionTimePredictor.get_execution_time`` and
+``ExecutionTime.model_time``), × the model's layers:
 
-- token-level operators by the step's total new tokens N: per layer the norms, QKV and output
-  projections, rope, MLP up/act/down and two residual adds (× the model's layers), and the
-  embedding once. The LM head and sampler are not in the profile and not counted (the LM head
-  runs for one position per request: ~0.2 ms of a 25–65 ms CodeLlama-34B decode step);
-- attention per layer: a decode step (every request computes one token) is one decode kernel over
-  the batch size B and its mean context (the profile's axes; B × mean = the KV read); a prefill
-  step runs every request as a chunk over its own context: chunk n over c cached tokens costs the
-  profile's ``attn_prefill(n, c)``: the attention of n new tokens × their full context. A cached
-  prefix is thus paid in attention only — less than recomputing it (whose tokens pass every
-  operator) and more than the same chunk with nothing cached, which Vidur's own predictor (no
-  prefix caching) cannot tell apart. A batch of chunks is one kernel: its smallest profiled time
-  (launch and set-up) once, plus each chunk's time above it;
-- two all-reduces per layer of N × hidden × dtype bytes among the tp ranks (tp > 1);
-- a per-step CPU overhead (``hardware.step_overhead_s``, or ``cost_model.overhead_s``): Vidur's
-  CPU-overhead profile is not in the data.
+- token-level operators by the step's total new tokens N rounded up to a multiple of 8 (Vidur's
+  ``Batch._total_num_q_tokens_rounded``): the norms, QKV and output projections, rope, MLP
+  up/act/down and two residual adds, plus the embedding once per step;
+- attention: a decode step (every request computes one token) is one decode kernel over the batch
+  size B and the mean context, truncated to a whole token and rounded up to a multiple of
+  ``kv_granularity`` (Vidur's ``kv_cache_prediction_granularity``, 256, in
+  ``_get_batch_decode_attention_params``), × (1 + ``decode_batching_overhead``) when B > 1 and the
+  model has fewer KV heads than query heads (Vidur's ``attention_decode_batching_overhead_fraction``,
+  0.1, GQA models only); a prefill step runs every request as a chunk over its own context (rounded
+  up the same way, as ``_get_batch_prefill_attention_params`` rounds): chunk n over c cached tokens
+  costs the profile's ``attn_prefill(n, c)``, the attention of n new tokens × their full context.
+  A cached prefix is thus paid in attention only — less than recomputing it (whose tokens pass
+  every operator) and more than the same chunk with nothing cached, which Vidur's own predictor
+  (no prefix caching) cannot tell apart. A batch of chunks is one kernel: its smallest profiled
+  time (launch and set-up) once, plus each chunk's time above it;
+- two all-reduces per layer of N (rounded as above) × hidden × dtype bytes among the tp ranks
+  (tp > 1), each plus ``nccl_launch_s`` of CPU launch time (Vidur's
+  ``nccl_cpu_launch_overhead_ms``, 0.02 ms; its ``nccl_cpu_skew_overhead_per_device_ms`` is 0 and
+  not modelled);
+- ``overhead_s`` per step, by default none (``conf/cost_model/vidur.yaml``): Vidur 0.0.26 prices a
+  batch by its model time alone, with no scheduling, input preparation or sampling time.
+
+Where we price differently from Vidur 0.0.26, on purpose (effects measured on the Azure
+conversation trace with ``experiments/vs_vidur.py``; together they leave our steps within 2 % of
+Vidur's on that run's batches, see README):
+- the prefill KV is the context cached before the chunk, which is what the profile's
+  ``kv_cache_size`` measured (the chunk attends to it plus itself). Vidur's scheduler passes
+  ``num_processed_tokens + chunk`` as the KV of a prefill, so a fresh prompt of P tokens is priced
+  as P new tokens over P cached ones (about three times the attended pairs; past the profile, its
+  random forest stays flat). Ours is 20 % under Vidur's prefill attention on that trace, ~2 % of a
+  prefill step;
+- a batch of chunks pays the kernel set-up once (one varlen kernel), where Vidur adds each
+  request's whole predicted time; chunks are not rounded up to Vidur's 32-token prediction grid
+  (both: under 1 % on the table);
+- both residual adds of a layer count: Vidur's profiler times only the second (``add``) and
+  ``ExecutionTime`` counts one per layer; the embedding and the attention reshapes the profile
+  timed count too (Vidur leaves out the embedding and trains on ``attn_prefill`` /
+  ``attn_decode`` alone): +1–2 % on a step;
+- the decode KV is the context before the step (the profile's ``kv_cache_size``); Vidur's is 2
+  more (the token being computed, and the first output token counted as processed by the
+  prefill), which moves its rounding up to 256 only at the boundaries.
+The LM head and sampler are in neither (the LM head runs for one position per request: ~0.2 ms of
+a 25–65 ms CodeLlama-34B decode step).
 
 Measured medians are fitted monotone (`testbed.sim.monotone`: isotonic regression) and
 interpolated linearly, bilinearly on the attention grids, so a prediction is exact at every profiled
@@ -48,7 +77,8 @@ Beyond the profile (Vidur's stops at 4,096 tokens; Mooncake's prompts run past 1
 - a chunk longer than the largest profiled one runs as consecutive profiled-size chunks, each
   over everything before it (the same query–key pairs);
 - more decode requests than profiled cost the largest batch's time per request.
-All of these are monotone, so a step never gets cheaper by doing more.
+All of these are monotone (and so are the roundings up), so a step never gets cheaper by doing
+more.
 """
 
 from __future__ import annotations
@@ -59,6 +89,14 @@ from testbed.sim.cost_model import StepShape
 from testbed.sim.monotone import Curve, Surface
 from testbed.sim.specs import ModelSpec
 from testbed.sim.vidur_profile import EMB_OP, VidurProfile
+
+
+#: Vidur 0.0.26's defaults (``vidur/config/config.py``, ``BaseExecutionTimePredictorConfig``) and
+#: the rounding of its ``Batch``.
+TOKEN_MULTIPLE = 8  # Batch._total_num_q_tokens_rounded
+KV_GRANULARITY = 256  # kv_cache_prediction_granularity
+DECODE_BATCHING_OVERHEAD = 0.1  # attention_decode_batching_overhead_fraction (GQA models)
+NCCL_LAUNCH_S = 2e-5  # nccl_cpu_launch_overhead_ms = 0.02
 
 
 @dataclass(frozen=True)
@@ -75,14 +113,29 @@ class StepParts:
         return self.token_ops + self.attention + self.all_reduce + self.overhead
 
 
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 class VidurCostModel:
     """Step time = token-level operators + attention + all-reduces (per layer, × layers) + CPU
     overhead, from a Vidur profile of ``model`` (see the module docstring)."""
 
-    def __init__(self, profile: VidurProfile, model: ModelSpec, overhead_s: float) -> None:
-        if overhead_s < 0:
-            raise ValueError(f"cost_model.overhead_s must be >= 0, got {overhead_s}")
+    def __init__(self, profile: VidurProfile, model: ModelSpec, overhead_s: float = 0.0,
+                 kv_granularity: int = KV_GRANULARITY,
+                 decode_batching_overhead: float = DECODE_BATCHING_OVERHEAD,
+                 nccl_launch_s: float = NCCL_LAUNCH_S) -> None:
+        for key, value in (("overhead_s", overhead_s), ("nccl_launch_s", nccl_launch_s),
+                           ("decode_batching_overhead", decode_batching_overhead)):
+            if value < 0:
+                raise ValueError(f"cost_model.{key} must be >= 0, got {value}")
+        if kv_granularity != int(kv_granularity) or kv_granularity < 1:
+            raise ValueError(f"cost_model.kv_granularity must be a whole number >= 1, got "
+                             f"{kv_granularity}")
         self.profile, self.model, self.overhead_s = profile, model, overhead_s
+        self.kv_granularity, self.nccl_launch_s = int(kv_granularity), nccl_launch_s
+        gqa = model.num_heads > model.num_kv_heads  # Vidur adds the overhead for GQA only
+        self.decode_batching_overhead = decode_batching_overhead if gqa else 0.0
         layers = model.num_layers
         self.token_ops = Curve.fit(profile.tokens,
                                    layers * profile.layer_s() + profile.ops[EMB_OP])
@@ -99,12 +152,13 @@ class VidurCostModel:
 
     def parts(self, step: StepShape) -> StepParts:
         layers = self.model.num_layers
-        n = step.num_new
+        n = round_up(step.num_new, TOKEN_MULTIPLE)
         attention = (self.decode_attention(step.context) if step.is_decode
                      else self.prefill_attention(step.new, step.context))
         all_reduce = 0.0
         if self.allreduce is not None:
-            all_reduce = 2 * layers * self.allreduce.at(n * self._ar_bytes_per_token)
+            one = self.allreduce.at(n * self._ar_bytes_per_token) + self.nccl_launch_s
+            all_reduce = 2 * layers * one
         return StepParts(self.token_ops.at(n), layers * attention, all_reduce, self.overhead_s)
 
     def step_time(self, step: StepShape) -> float:
@@ -115,6 +169,7 @@ class VidurCostModel:
         surface, launch, size = self.prefill, self._launch_s, self._max_chunk
         total = launch
         for n, c in zip(new, context):
+            c = round_up(c, self.kv_granularity)
             while n > size:  # a chunk past the profile: profiled-size pieces, each over the rest
                 total += surface.at(size, c) - launch
                 n, c = n - size, c + size
@@ -124,11 +179,16 @@ class VidurCostModel:
     def decode_attention(self, context: tuple[int, ...]) -> float:
         """One layer's decode attention for one new token over each of ``context``."""
         batch = len(context)
-        mean = sum(context) / batch
+        kv = round_up(sum(context) // batch, self.kv_granularity)
         if batch <= self._max_batch:
-            return self.decode.at(batch, mean)
-        return self.decode.at(self._max_batch, mean) * batch / self._max_batch
+            seconds = self.decode.at(batch, kv)
+        else:
+            seconds = self.decode.at(self._max_batch, kv) * batch / self._max_batch
+        return seconds * (1 + self.decode_batching_overhead) if batch > 1 else seconds
 
     def __repr__(self) -> str:
         return (f"VidurCostModel({self.model.name}, tp={self.model.tp}, "
-                f"profile={self.profile.directory}, overhead_s={self.overhead_s})")
+                f"profile={self.profile.directory}, overhead_s={self.overhead_s}, "
+                f"kv_granularity={self.kv_granularity}, "
+                f"decode_batching_overhead={self.decode_batching_overhead}, "
+                f"nccl_launch_s={self.nccl_launch_s})")
