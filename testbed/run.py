@@ -35,13 +35,13 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     started = time.perf_counter()
     if cfg.backend.name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {cfg.backend.name!r}")
+    with open_dict(cfg):  # model.path=DIR without model=: the checkpoint's own shape
+        cfg.model = resolve_model_group(container(cfg.model))
     timeline = cfg.get("timeline", False)
     if timeline not in (True, False):
         raise ValueError(f"timeline must be true or false, got {timeline!r}")
     if timeline and cfg.backend.name == "replay":
         raise ValueError("timeline=true needs backend=sim or backend=engine (replay has no time)")
-    with open_dict(cfg):  # model.path=DIR without model=: the checkpoint's own shape
-        cfg.model = resolve_model_group(container(cfg.model))
     note = fit_vocabulary(cfg)
     if note:
         print(note, file=sys.stderr)

@@ -22,9 +22,10 @@ from testbed.workloads.request import Request
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
-          observe: bool = False,
-          eos_token_ids: Collection[int] = ()) -> tuple[Scheduler, DriverResult]:
-    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time.
+          observe: bool = False, eos_token_ids: Collection[int] = ()
+          ) -> tuple[Scheduler, DriverResult]:
+    """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
+    ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
     ``generate``: the executor generates every output (the engine with ``forced=false``); calls
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
