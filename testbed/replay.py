@@ -19,6 +19,7 @@ from tqdm import tqdm
 from testbed.cache.base import PrefixCache
 from testbed.cache.eviction import Requester
 from testbed.metrics import RequestRecord, tier_fields
+from testbed.perf import gc_paused
 from testbed.workloads.request import Request
 
 
@@ -28,15 +29,18 @@ def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool
     records = []
     tiered = bool(cache.lower_tiers)
     serve = cache.replay_one
-    for r in tqdm(requests, desc=f"replay {cache.name}", unit="req", disable=None if progress else True):
-        hit, evicted, inserted, loaded = serve(r.prompt, r.output,
-                                               Requester(r.id, r.priority, r.category))
-        records.append(RequestRecord(
-            id=r.id, program=r.program, arrival_s=r.arrival_s, first_token_s=None, finish_s=None,
-            prompt_tokens=len(r.prompt), cached_tokens=hit, output_tokens=len(r.output),
-            evicted_tokens=evicted, inserted=inserted,
-            prompt_ids=r.prompt.tolist() if save_token_ids else None,
-            output_ids=r.output.tolist() if save_token_ids else None,
-            **(tier_fields(hit, loaded) if tiered else {}),
-        ))
+    with gc_paused():
+        for r in tqdm(requests, desc=f"replay {cache.name}", unit="req",
+                      disable=None if progress else True):
+            hit, evicted, inserted, loaded = serve(r.prompt, r.output,
+                                                   Requester(r.id, r.priority, r.category))
+            records.append(RequestRecord(
+                id=r.id, program=r.program, arrival_s=r.arrival_s, first_token_s=None,
+                finish_s=None, prompt_tokens=len(r.prompt), cached_tokens=hit,
+                output_tokens=len(r.output), evicted_tokens=evicted, inserted=inserted,
+                prompt_ids=r.prompt.tolist() if save_token_ids else None,
+                output_ids=r.output.tolist() if save_token_ids else None,
+                **(tier_fields(hit, loaded) if tiered else {}),
+            ))
     return records
+

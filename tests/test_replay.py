@@ -148,3 +148,26 @@ def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity
         assert tree_state(fused) == tree_state(calls)
     if policy in ("lru", "lfu", "priority"):  # the others' keys drift with global state
         fused.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ideal_trie_gives_every_request_the_hit_of_an_unlimited_radix_replay(seed):
+    # Three-token vocabularies: prompts end inside edges, outputs repeat cached runs.
+    from testbed.workloads.ideal import ideal_hits
+    from testbed.workloads.synthetic import random_tree
+
+    requests = random_tree(num_requests=400, root_len=5, segment_len=3, output_len=2,
+                           vocab_size=3, seed=seed)
+    requests.insert(7, req("empty", []))
+    assert ideal_hits(requests) == [r.cached_tokens for r in replay(requests, RadixCache(None))]
+
+
+def test_an_unlimited_radix_replay_reports_its_own_hit_rate_as_the_ideal():
+    from testbed.backends import own_hit_rate_is_ideal
+
+    requests = [req(0, [1, 2], [3, 4]), req(1, [1, 2, 3, 4, 5, 6]), req(2, [1, 9])]
+    cache = RadixCache(None)
+    own = own_hit_rate_is_ideal(cache, replay(requests, cache))
+    assert own == ideal_hit_rate(requests) == pytest.approx(5 / 10)
+    for other in (RadixCache(100), RadixCache(None, page_size=2), BlockHashCache(None)):
+        assert own_hit_rate_is_ideal(other, replay(requests, other)) is None

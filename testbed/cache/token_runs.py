@@ -18,6 +18,8 @@ TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 
 def as_bytes(tokens: np.ndarray) -> bytes:
     """The bytes of a token run (converted to ``TOKEN_DTYPE`` first if it is not already)."""
+    if getattr(tokens, "dtype", None) == TOKEN_DTYPE:
+        return tokens.tobytes()
     return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
 
 
