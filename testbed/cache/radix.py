@@ -112,6 +112,8 @@ class RadixCache(PrefixCache):
                         else self.policy.on_hit)
         self._on_create = (None if type(self.policy).on_create is EvictionPolicy.on_create
                            else self.policy.on_create)
+        self._on_access = (None if type(self.policy).on_access is EvictionPolicy.on_access
+                           else self.policy.on_access)
         self._clock = 0
         self._ids = count()
         self.root = TreeNode(next(self._ids), None, b"", EMPTY_SLOTS, 0)
@@ -379,7 +381,8 @@ class RadixCache(PrefixCache):
         pool = self.pool
         if pool.capacity is not None and n > pool.capacity:
             return 0, 0, False, None
-        self.policy.on_access(requester)
+        if self._on_access is not None:
+            self._on_access(requester)
         path: list[TreeNode] = []
         node, at = self._walk(kb, len(pb), requester, True, path) if pb else (self.root, 0)
         hit = at // TOKEN_BYTES
@@ -395,15 +398,20 @@ class RadixCache(PrefixCache):
                 raise RuntimeError(f"radix: no room for {n} tokens although they fit")
             evicted = self.evict(need - pool.num_free)
         fresh = pool.alloc(need)
-        self._touch(self.root, requester)  # the insert's walk: the matched path again, then on
-        clock, urgent = self._clock, requester.priority if requester is not None else None
-        for x in path:
+        # The insert's walk: the root and the matched path touched again, then on from its end.
+        urgent = requester.priority if requester is not None else None
+        clock = self._clock
+        for x in (self.root, *path):
             clock += 1
             x.last_access = clock
             if urgent is not None and urgent < x.priority:
                 x.priority = urgent
         self._clock = clock
-        end, at = self._descend(node, kb, at, len(kb), requester, False, [])
+        if at < len(kb) and kb[at : at + TOKEN_BYTES] in node.children:
+            end, at = self._descend(node, kb, at, len(kb), requester, False, [])
+        else:  # the usual case: nothing cached beyond the hit (`_descend` would only offer it)
+            end = node
+            self._offer(node)
         present = at // TOKEN_BYTES
         if present < n:
             self._add_leaf(end, kb[at:], fresh[present - hit :], present, requester)

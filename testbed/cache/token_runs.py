@@ -14,11 +14,12 @@ import numpy as np
 
 TOKEN_DTYPE = np.int32
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
+_DTYPE = np.dtype(TOKEN_DTYPE)  # native order: the one object every such array's dtype is
 
 
 def as_bytes(tokens: np.ndarray) -> bytes:
     """The bytes of a token run (converted to ``TOKEN_DTYPE`` first if it is not already)."""
-    if getattr(tokens, "dtype", None) == TOKEN_DTYPE:
+    if getattr(tokens, "dtype", None) is _DTYPE:
         return tokens.tobytes()
     return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
 

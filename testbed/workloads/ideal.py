@@ -21,9 +21,10 @@ from testbed.workloads.request import Request
 def ideal_hits(requests: Iterable[Request]) -> list[int]:
     """Per request, in order, the tokens of its prompt an unlimited cache with perfect reuse
     would hold."""
-    # A node is [edge bytes, children]; children map an edge's first token's bytes to its node.
-    root: dict[bytes, list] = {}
+    # A node is (edge bytes, children); children map an edge's first token's bytes to its node.
+    root: dict[bytes, tuple] = {}
     hits: list[int] = []
+    append = hits.append
     w = TOKEN_BYTES
     with gc_paused():  # the loop runs once per request: the walk is inlined
         for r in requests:
@@ -35,20 +36,21 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
                 node = kids.get(kb[at : at + w])
                 if node is None:
                     break
-                edge = node[0]
+                edge, below = node
                 if kb.startswith(edge, at):
                     at += len(edge)
-                    kids = node[1]
+                    kids = below
                     continue
                 k = matched_bytes(edge, kb, at, end)
                 at += k
                 if at < end:  # diverges inside the edge: split it; the new leaf goes beside
-                    node[0], node[1] = edge[:k], {edge[k : k + w]: [edge[k:], node[1]]}
-                    kids = node[1]
+                    head = {edge[k : k + w]: (edge[k:], below)}
+                    kids[edge[:w]] = (edge[:k], head)
+                    kids = head
                 break
             if at < end:
-                kids[kb[at : at + w]] = [kb[at:], {}]
-            hits.append(min(at, len(prompt)) // w)
+                kids[kb[at : at + w]] = (kb[at:], {})
+            append((at if at < len(prompt) else len(prompt)) // w)
     return hits
 
 
