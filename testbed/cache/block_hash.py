@@ -33,7 +33,7 @@ from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.free_queue import BLOCK_DTYPE, BlockStats, FreeBlockQueue
 from testbed.cache.key_table import KeyTable
 from testbed.cache.pool import SLOT_DTYPE
-from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
+from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
 
 # key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
 # invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
@@ -259,7 +259,7 @@ class BlockHashCache(PrefixCache):
         the free queue, ``nb - k`` blocks popped, the new full blocks registered, all given back
         last to first."""
         b = self.block_size
-        kb = as_bytes(prompt) + as_bytes(output)
+        kb = joined_bytes(prompt, output)
         n = len(kb) // TOKEN_BYTES
         if self.num_blocks is not None and -(-n // b) > self.num_blocks:
             return 0, 0, False, None

@@ -33,7 +33,8 @@ import numpy as np
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
-from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE, as_bytes, matched_bytes
+from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes,
+                                      matched_bytes)
 
 
 class TreeNode:
@@ -375,8 +376,7 @@ class RadixCache(PrefixCache):
         straight from the allocation."""
         if self.page_size != 1 or self.lower_tiers:
             return super().replay_one(prompt, output, requester)
-        pb = as_bytes(prompt)
-        kb = pb + as_bytes(output)
+        kb = joined_bytes(prompt, output)
         n = len(kb) // TOKEN_BYTES
         pool = self.pool
         if pool.capacity is not None and n > pool.capacity:
@@ -384,7 +384,8 @@ class RadixCache(PrefixCache):
         if self._on_access is not None:
             self._on_access(requester)
         path: list[TreeNode] = []
-        node, at = self._walk(kb, len(pb), requester, True, path) if pb else (self.root, 0)
+        node, at = (self._walk(kb, len(prompt) * TOKEN_BYTES, requester, True, path)
+                    if len(prompt) else (self.root, 0))
         hit = at // TOKEN_BYTES
         need = n - hit
         evicted = 0

@@ -24,6 +24,14 @@ def as_bytes(tokens: np.ndarray) -> bytes:
     return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
 
 
+def joined_bytes(first: np.ndarray, second: np.ndarray) -> bytes:
+    """``as_bytes(first) + as_bytes(second)`` in one copy when both are contiguous token arrays."""
+    if (getattr(first, "dtype", None) is _DTYPE and getattr(second, "dtype", None) is _DTYPE
+            and first.flags.c_contiguous and second.flags.c_contiguous):
+        return b"".join((first, second))
+    return as_bytes(first) + as_bytes(second)
+
+
 def matched_bytes(edge: bytes, key: bytes, at: int, end: int) -> int:
     """Bytes of the longest common prefix of ``edge`` and ``key[at:end]``, in whole tokens.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, matched_bytes
+from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes, matched_bytes
 from testbed.perf import gc_paused
 from testbed.workloads.request import Request
 
@@ -28,9 +28,8 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
     w = TOKEN_BYTES
     with gc_paused():  # the loop runs once per request: the walk is inlined
         for r in requests:
-            prompt = as_bytes(r.prompt)
-            kb = prompt + as_bytes(r.output)
-            end = len(kb)
+            kb = joined_bytes(r.prompt, r.output)
+            end, prompt = len(kb), len(r.prompt) * w
             kids, at = root, 0
             while at < end:
                 node = kids.get(kb[at : at + w])
@@ -50,7 +49,7 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
                 break
             if at < end:
                 kids[kb[at : at + w]] = (kb[at:], {})
-            append((at if at < len(prompt) else len(prompt)) // w)
+            append((at if at < prompt else prompt) // w)
     return hits
 
 
