@@ -164,3 +164,16 @@ def test_block_hash_replay_in_one_pass_equals_acquire_extend_release(policy, cap
         duplicates |= bool(fused._dups)
     fused.check_invariants()
     assert duplicates, "the case should make duplicate keys"
+
+
+def test_block_keys_are_the_same_however_a_sequence_is_cut():
+    # Whole, or a known head then the rest (as release extends a prompt's keys), in short runs
+    # (the chain in Python ints) or long ones (one cumulative sum): the same keys.
+    cache = BlockHashCache(None, block_size=4)
+    tokens = np.random.default_rng(0).integers(0, 50, 4 * 60 + 3).astype(np.int32)
+    whole = cache.block_keys(tokens)
+    assert len(whole) == 60 and len(set(whole.tolist())) == 60
+    for head in (0, 1, 5, 17, 44, 59, 60):
+        known = cache.block_keys(tokens[: 4 * head])
+        assert cache.block_keys(tokens, known=known).tolist() == whole.tolist()
+    assert cache.block_keys(tokens[:7]).tolist() == whole[:1].tolist()

@@ -72,6 +72,12 @@ def _chain(digests: np.ndarray, prev: int) -> np.ndarray:
     key_m = C^m (C·prev + Σ_{l<=m} C^-l d_l), every product and sum mod 2^64 (uint64 wraps)."""
     global _powers, _inverse_powers
     n = len(digests)
+    if n <= 16:  # a few blocks: the recurrence itself, in Python ints
+        keys, key = [], prev
+        for d in digests.tolist():
+            key = (CHAIN * key + d) & _MASK
+            keys.append(key)
+        return np.array(keys, np.uint64)
     if n > len(_powers):
         size = max(n, 2 * len(_powers))
         _powers = _power_table(CHAIN, size)
@@ -158,17 +164,7 @@ class BlockHashCache(PrefixCache):
         if limit is not None:
             eligible = min(eligible, limit)
         end = eligible // self.block_size
-        found, at, run = [], 0, 32
-        while at < end:  # in growing runs: a hit of k blocks looks up O(k) keys
-            holders = self._first.lookup(keys[at : min(end, at + run)])
-            missing = np.flatnonzero(holders < 0)
-            if len(missing):
-                found.append(holders[: missing[0]])
-                break
-            found.append(holders)
-            at += run
-            run *= 4
-        return np.concatenate(found) if len(found) > 1 else found[0] if found else NO_BLOCKS
+        return self._first.leading(keys[:end]) if end else NO_BLOCKS
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -335,7 +331,7 @@ class BlockHashCache(PrefixCache):
         self._key[blocks] = keys
         self._keyed[blocks] = True
         holders = self._first.add(keys, blocks)
-        for i in np.flatnonzero(holders != blocks).tolist():  # keys cached on older blocks already
+        for i in (holders != blocks).nonzero()[0].tolist():  # keys cached on older blocks already
             self._dups.setdefault(int(keys[i]), []).append(int(blocks[i]))
         m = len(blocks) * self.block_size
         self._cached_tokens += m

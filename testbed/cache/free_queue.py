@@ -166,7 +166,7 @@ class FreeBlockQueue:
                 raise RuntimeError("free queue: fewer live keyed blocks than counted")
             end = min(self._tail, self._head + max(2 * need, 64))
             ring = self._ring[self._head : end]
-            live = np.flatnonzero(self._stamp[ring] == self._ring_stamps[self._head : end])
+            live = (self._stamp[ring] == self._ring_stamps[self._head : end]).nonzero()[0]
             if len(live) >= need:
                 live = live[:need]
                 self._head += int(live[-1]) + 1

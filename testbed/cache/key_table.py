@@ -28,6 +28,8 @@ import numpy as np
 EMPTY, GONE = -1, -2
 KEY, VALUE = 0, 1  # the columns of a slot
 STRAGGLERS = 24  # keys still probing after a vectorised round: this few go on one by one
+SMALL = 12  # batches this small go key by key: a dozen numpy calls cost more than the loop
+_SIGN = 1 << 63
 
 
 class KeyTable:
@@ -42,6 +44,7 @@ class KeyTable:
     def _resize(self, size: int) -> None:
         bits = max(6, int(size - 1).bit_length())
         self._shift = np.uint64(64 - bits)
+        self._bits = bits
         self._mask = (1 << bits) - 1
         self._rows = np.zeros((1 << bits, 2), np.int64)  # keys stored as int64 bit patterns
         self._rows[:, VALUE] = EMPTY
@@ -58,7 +61,7 @@ class KeyTable:
         empty = v == EMPTY
         found = np.where(hit, slot, -1)
         free = np.where(empty, slot, -1)
-        todo = np.flatnonzero(~(hit | empty))
+        todo = (~(hit | empty)).nonzero()[0]
         while len(todo):  # the slot holds another key or a tombstone: probe on
             if len(todo) <= STRAGGLERS:
                 for i in todo.tolist():
@@ -93,10 +96,56 @@ class KeyTable:
             if value == EMPTY:
                 return -1, free if free >= 0 else slot
 
+    def _slot_of(self, key: int) -> tuple[int, int]:
+        """`_find` for one key (a Python int below 2^64): (its slot or -1, first free slot)."""
+        rows, mask = self._rows, self._mask
+        want = key - (_SIGN << 1) if key >= _SIGN else key  # as stored: int64 bits
+        slot, free = key >> (64 - self._bits), -1
+        while True:
+            value = rows.item(slot, VALUE)
+            if value == EMPTY:
+                return -1, free if free >= 0 else slot
+            if value >= 0:
+                if rows.item(slot, KEY) == want:
+                    return slot, free
+            elif free < 0:
+                free = slot
+            slot = (slot + 1) & mask
+
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """The value of each key, -1 where absent."""
+        if len(keys) <= SMALL:
+            rows = self._rows
+            out = []
+            for key in keys.tolist():
+                slot = self._slot_of(key)[0]
+                out.append(rows.item(slot, VALUE) if slot >= 0 else -1)
+            return np.array(out, np.int64)
         found, _ = self._find(keys)
         return np.where(found >= 0, self._rows[found, VALUE], -1)
+
+    def leading(self, keys: np.ndarray) -> np.ndarray:
+        """The values of the keys before the first absent one, looked up in growing runs (a
+        lead of k keys costs O(k) however many follow)."""
+        if len(keys) <= SMALL:
+            rows, out = self._rows, []
+            for key in keys.tolist():
+                slot = self._slot_of(key)[0]
+                if slot < 0:
+                    break
+                out.append(rows.item(slot, VALUE))
+            return np.array(out, np.int64)
+        found, at, run = [], 0, 32
+        while at < len(keys):
+            values = self.lookup(keys[at : at + run])
+            missing = (values < 0).nonzero()[0]
+            if len(missing):
+                found.append(values[: missing[0]])
+                break
+            found.append(values)
+            at += run
+            run *= 4
+        return np.concatenate(found) if len(found) > 1 else found[0]
 
     def add(self, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
         """Add the keys not present with their ``values`` (keys of one call distinct, values
@@ -104,11 +153,13 @@ class KeyTable:
         was present)."""
         if 2 * (self.live + self._dead + len(keys)) > len(self._rows):
             self._rehash(self.live + len(keys))
+        if len(keys) <= SMALL:
+            return self._add_each(keys, values)
         found, free = self._find(keys)
         out = np.asarray(values, np.int64).copy()
         present = found >= 0
         out[present] = self._rows[found[present], VALUE]
-        todo = np.flatnonzero(~present)
+        todo = (~present).nonzero()[0]
         slot = free[todo]
         while len(todo):  # two new keys may want one free slot: the first wins, the other probes on
             self._scratch[slot] = todo
@@ -121,6 +172,28 @@ class KeyTable:
                     s = (s + 1) & self._mask
                 slot[i] = s
         return out
+
+    def _add_each(self, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """`add`, key by key."""
+        rows, where = self._rows, self._where
+        out = []
+        for key, value in zip(keys.tolist(), np.asarray(values).tolist()):
+            slot, free = self._slot_of(key)
+            if slot >= 0:
+                out.append(rows.item(slot, VALUE))
+                continue
+            if rows.item(free, VALUE) == GONE:
+                self._dead -= 1
+            rows[free, KEY] = key - (_SIGN << 1) if key >= _SIGN else key
+            rows[free, VALUE] = value
+            if value >= len(where):
+                self._index(np.array([value]), np.array([free]))
+                where = self._where
+            else:
+                where[value] = free
+            self.live += 1
+            out.append(value)
+        return np.array(out, np.int64)
 
     def _place(self, slots: np.ndarray, keys: np.ndarray, values: np.ndarray) -> None:
         self._dead -= int(np.count_nonzero(self._rows[slots, VALUE] == GONE))
@@ -151,6 +224,18 @@ class KeyTable:
 
     def remove_values(self, values: np.ndarray) -> None:
         """Remove the entries holding ``values`` (each in the table)."""
+        if len(values) <= SMALL:
+            rows, where = self._rows, self._where
+            for value in values.tolist():
+                slot = where.item(value)
+                assert slot >= 0, "a value not in the table"
+                where[value] = -1
+                rows[slot, VALUE] = GONE
+            self.live -= len(values)
+            self._dead += len(values)
+            if 4 * self._dead > len(self._rows):
+                self._rehash(self.live)
+            return
         slots = self._where[values]
         assert (slots >= 0).all(), "a value not in the table"
         self._where[values] = -1
