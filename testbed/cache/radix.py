@@ -115,6 +115,7 @@ class RadixCache(PrefixCache):
                            else self.policy.on_create)
         self._on_access = (None if type(self.policy).on_access is EvictionPolicy.on_access
                            else self.policy.on_access)
+        self._tiered = type(self)._new_leaf is not RadixCache._new_leaf  # a subclass's hook
         self._clock = 0
         self._ids = count()
         self.root = TreeNode(next(self._ids), None, b"", EMPTY_SLOTS, 0)
@@ -268,9 +269,9 @@ class RadixCache(PrefixCache):
         """A new leaf under ``parent`` holding the tokens ``kb`` and their ``slots`` (kept, not
         copied), newest in the eviction order and offered as a victim."""
         self._clock += 1
-        leaf = TreeNode(next(self._ids), parent, kb, slots, self._clock, start=start,
-                        requester=requester)
-        self._new_leaf(leaf)
+        leaf = TreeNode(next(self._ids), parent, kb, slots, self._clock, start, requester)
+        if self._tiered:
+            self._new_leaf(leaf)
         parent.children[kb[: self._kw]] = leaf
         self._num_nodes += 1
         self._evictable += len(slots)

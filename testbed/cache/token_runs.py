@@ -26,9 +26,11 @@ def as_bytes(tokens: np.ndarray) -> bytes:
 
 def joined_bytes(first: np.ndarray, second: np.ndarray) -> bytes:
     """``as_bytes(first) + as_bytes(second)`` in one copy when both are contiguous token arrays."""
-    if (getattr(first, "dtype", None) is _DTYPE and getattr(second, "dtype", None) is _DTYPE
-            and first.flags.c_contiguous and second.flags.c_contiguous):
-        return b"".join((first, second))
+    if getattr(first, "dtype", None) is _DTYPE and getattr(second, "dtype", None) is _DTYPE:
+        try:
+            return b"".join((first, second))
+        except (BufferError, TypeError):  # not contiguous
+            pass
     return as_bytes(first) + as_bytes(second)
 
 
