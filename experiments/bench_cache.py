@@ -1,212 +1,250 @@
-"""Replay speed of the prefix caches, side by side on one trace.
+"""Replay speed of the prefix caches, side by side (docs/design.md §4 "Replay backend").
 
-Replays the same requests (in order, one at a time: docs/design.md §4 "Replay backend") through
+Three parts (``--part``, default ``mooncake,versus``):
 
-1. ``RadixCache`` via ``testbed.replay.replay``;
-2. ``BlockHashCache`` (vLLM V1 style) via the same ``replay``;
-3. ``PlainRadix``, defined below: the obvious per-token Python radix tree (edges are lists of ints
-   compared token by token, children by first token, LRU by a counter, eviction by a heap of all
-   leaves rebuilt per evict call as SGLang does, a Python list as the free-slot pool).
+- ``mooncake``: the Mooncake conversation trace (``--trace``, capacity ``--capacity``, default
+  3,000,000 tokens) through ``RadixCache`` and ``BlockHashCache`` (``testbed.replay.replay``) and
+  the per-token Python tree (`bench_trees.PlainRadix`); requests and prompt tokens per second.
+- ``versus``: 20,000 requests of ``workload=random_tree`` with short shared segments (root 32,
+  segments and outputs of 8 tokens: `VERSUS`), capacity 10 tokens per request, through the
+  radix replay, the ideal-hit trie (`testbed.workloads.ideal`), the per-edge and the per-token
+  Python trees (`bench_trees`) and SGLang 0.4.10's own ``RadixCache`` (from the wheel
+  `sglang_policy_check.py` caches; skipped with a note when it is not there).
+- ``scaling``: 10,000, 100,000 and 1,000,000 requests (``--sizes``) of the same random trees and of
+  the Mooncake trace repeated (`bench_traces`), for radix, block-hash and the per-token tree:
+  seconds, microseconds per request and peak memory (the child process's peak RSS, and how far
+  it rose during the replay). Each cell runs in a fresh process, requests made in chunks of 20,000
+  outside the timed part; a cell over ``--budget`` seconds is stopped and shown as such, and the
+  larger sizes of that cache are not tried.
 
-For each it prints requests per second, prompt tokens processed per second, wall seconds (the replay
-loop alone, by ``time.perf_counter``; loading the trace and building the cache are not counted) and
-the hit rate (cached prompt tokens / prompt tokens), then each cache's speed relative to the
-baseline. The baseline follows the radix semantics exactly, so its total cached tokens must equal
-RadixCache's; the script checks this (and the evicted tokens) and says which way it went.
+Every contender serves replay.py's calls and must report the radix cache's hit and evicted tokens
+request for request (the block-hash cache has its own rules: vLLM's). Times are the replay
+loops alone (``time.perf_counter``; making requests and building empty caches not counted), every
+contender with Python's cyclic collector paused as ``replay`` pauses it. Each figure is the
+fastest of ``--rounds`` runs (default 2), contenders alternating within a round; this machine is
+shared, so the slower runs say more about the neighbours than about the code.
 
-Run it from the repository root:
-
-    python experiments/bench_cache.py [--limit N] [--capacity N] [--skip-baseline]
-    make bench ARGS="--limit 500 --capacity none"
-
-The default trace is ``../shared/traces/mooncake_conversation_trace.jsonl`` beside the repository;
-if it is missing, a generated shared-prefix workload (16 groups x 8 prompts) is used instead. The
-default replays the whole trace (about a minute on two CPU cores); ``--limit 2000`` takes seconds.
+    python experiments/bench_cache.py [--part mooncake,versus,scaling] [--rounds 2]
+    make bench ARGS="--part versus"
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import heapq
+import itertools
+import json
+import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script, installed or not
+sys.path.insert(0, str(REPO / "experiments"))
+
+from bench_traces import forest, mooncake_tiled  # noqa: E402
+from bench_trees import (EdgeRadix, PlainRadix, load_sglang, replay_edge, replay_plain,  # noqa: E402
+                         replay_sglang)
 
 from testbed.cache.block_hash import BlockHashCache  # noqa: E402
 from testbed.cache.radix import RadixCache  # noqa: E402
+from testbed.perf import gc_paused  # noqa: E402
 from testbed.replay import replay  # noqa: E402
-from testbed.workloads.synthetic import shared_prefix  # noqa: E402
-from testbed.workloads.traces import load_mooncake, load_tokens  # noqa: E402
+from testbed.workloads.ideal import ideal_hits  # noqa: E402
+from testbed.workloads.synthetic import random_tree  # noqa: E402
+from testbed.workloads.traces import load_mooncake  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-DEFAULT_CAPACITY = 3_000_000
-# The whole trace by default (about a minute on 2 CPU cores); --limit 2000 for a quick look.
-DEFAULT_LIMIT = 0
+DEFAULT_CAPACITY = 3_000_000  # the README's Mooncake setting
+# Short shared segments: 32-token roots, 8-token segments and outputs (random_tree's shape).
+VERSUS = dict(root_len=32, segment_len=8, output_len=8)
+VERSUS_REQUESTS = 20_000
+TOKENS_PER_REQUEST = 10  # the random trees' capacity, per request
+SIZES = (10_000, 100_000, 1_000_000)
+CHUNK = 20_000
+CACHES = ("radix", "block_hash", "per-token")
 
 
-# ------------------------------------------------------------------------- the obvious baseline
-class Node:
-    __slots__ = ("key", "slots", "children", "parent", "lock", "last")
-
-    def __init__(self, key: list[int], slots: list[int], parent: "Node | None", last: int) -> None:
-        self.key = key  # the edge's tokens
-        self.slots = slots  # one KV slot per token of the edge
-        self.children: dict[int, Node] = {}  # by first token
-        self.parent = parent
-        self.lock = 0
-        self.last = last  # access time (a counter)
+def records_outcome(records) -> tuple[list[int], list[int]]:
+    return [r.cached_tokens for r in records], [r.evicted_tokens for r in records]
 
 
-class PlainRadix:
-    """Per-token radix tree with LRU leaf eviction; ``capacity`` in tokens, None for unlimited."""
-
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self.free = list(range(capacity, 0, -1)) if capacity is not None else []
-        self.minted = capacity or 0
-        self.clock = 0
-        self.root = Node([], [], None, 0)
-        self.root.lock = 1  # never evicted
-
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
-    def walk(self, key: list[int]) -> tuple[Node, int, list[int]]:
-        """Follow ``key`` from the root touching every node on the way; split the edge the walk
-        stops inside. Returns (last node, tokens matched, their slots)."""
-        node = self.root
-        node.last = self.tick()
-        i = 0
-        slots: list[int] = []
-        while i < len(key):
-            child = node.children.get(key[i])
-            if child is None:
-                break
-            child.last = self.tick()
-            edge = child.key
-            j = 0
-            n = min(len(edge), len(key) - i)
-            while j < n and edge[j] == key[i + j]:
-                j += 1
-            if j < len(edge):
-                child = self.split(child, j)
-            slots += child.slots
-            i += j
-            node = child
-            if j < n or i == len(key):
-                break
-        return node, i, slots
-
-    def split(self, child: Node, at: int) -> Node:
-        """Cut ``child`` after ``at`` tokens; a new head (accessed now) takes the first part."""
-        head = Node(child.key[:at], child.slots[:at], child.parent, self.tick())
-        head.lock = child.lock
-        child.parent.children[child.key[0]] = head
-        head.children[child.key[at]] = child
-        child.parent = head
-        child.key = child.key[at:]
-        child.slots = child.slots[at:]
-        return head
-
-    def match(self, key: list[int]) -> tuple[Node, int, list[int]]:
-        if not key:
-            return self.root, 0, []
-        return self.walk(key)
-
-    def insert(self, key: list[int], slots: list[int]) -> int:
-        """Cache ``key`` with ``slots``; returns how many leading tokens were already cached."""
-        if not key:
-            return 0
-        node, present, _ = self.walk(key)
-        if present < len(key):
-            node.children[key[present]] = Node(key[present:], slots[present:], node, self.tick())
-        return present
-
-    def lock_path(self, node: Node, delta: int) -> None:
-        while node is not self.root:
-            node.lock += delta
-            assert node.lock >= 0
-            node = node.parent
-
-    def leaves(self) -> list[Node]:
-        out, stack = [], [self.root]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif node is not self.root:
-                out.append(node)
-        return out
-
-    def evict(self, num_tokens: int) -> int:
-        """Remove unlocked leaves, oldest access first, until ``num_tokens`` are freed."""
-        heap = [(x.last, id(x), x) for x in self.leaves() if not x.lock]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            del parent.children[leaf.key[0]]
-            self.free.extend(leaf.slots)
-            freed += len(leaf.key)
-            if parent is not self.root and not parent.children and not parent.lock:
-                heapq.heappush(heap, (parent.last, id(parent), parent))
-        return freed
-
-    def alloc(self, n: int) -> list[int]:
-        if len(self.free) < n:  # only an unlimited pool gets here: mint fresh ids
-            fresh = n - len(self.free)
-            self.free.extend(range(self.minted + 1, self.minted + fresh + 1))
-            self.minted += fresh
-        out = self.free[len(self.free) - n :]
-        del self.free[len(self.free) - n :]
-        return out
-
-    def check(self) -> None:
-        """Every slot id is free or held by exactly one node."""
-        held = [s for node in self.nodes() for s in node.slots]
-        assert sorted(held + self.free) == list(range(1, self.minted + 1)), "slot lost or shared"
-        assert all(node.lock == 0 for node in self.nodes()), "lock left behind"
-
-    def nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
-        while stack:
-            out.append(stack.pop())
-            stack.extend(out[-1].children.values())
-        return out
+def timed(fn):
+    """(seconds, result) of ``fn()`` after a collection, the collector paused inside."""
+    gc.collect()
+    with gc_paused():
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
 
 
-def replay_plain(requests, tree: PlainRadix) -> tuple[list[int], list[int]]:
-    """The replay loop of docs/design.md §4 over the plain tree; returns (hits, evicted) per request."""
-    hits, evicted = [], []
-    for r in requests:
-        prompt = r.prompt.tolist()
-        seq = prompt + r.output.tolist()
-        if tree.capacity is not None and len(seq) > tree.capacity:
-            hits.append(0)
-            evicted.append(0)
-            continue
-        node, hit, slots = tree.match(prompt)
-        tree.lock_path(node, +1)
-        need = len(seq) - hit
-        ev = 0
-        if tree.capacity is not None and len(tree.free) < need:
-            ev = tree.evict(need - len(tree.free))
-        slots = slots + tree.alloc(need)
-        present = tree.insert(seq, slots)
-        tree.free.extend(slots[hit:present])  # duplicates of cached KV
-        tree.lock_path(node, -1)
-        hits.append(hit)
-        evicted.append(ev)
-    return hits, evicted
+def race(contenders: dict, rounds: int) -> dict[str, tuple[float, object]]:
+    """Run every contender ``rounds`` times, alternating; (fastest seconds, last result) each."""
+    best: dict[str, tuple[float, object]] = {}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            seconds, out = timed(fn)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, out)
+    return best
 
 
-# ------------------------------------------------------------------------- the bench
+def check(name: str, got, want) -> str:
+    return "same hits and evictions" if tuple(got) == tuple(want) else \
+        f"MISMATCH: {name} disagrees with the radix cache"
+
+
+# ------------------------------------------------------------------------- part: mooncake
+def part_mooncake(args) -> int:
+    if args.trace.is_file():
+        requests = load_mooncake(args.trace)
+        source = str(args.trace)
+    else:
+        requests = random_tree(num_requests=12_000, **VERSUS)
+        source = f"random_tree(num_requests=12000, {VERSUS}) (no trace at {args.trace})"
+    if args.limit:
+        requests = requests[: args.limit]
+    prompt = sum(len(r.prompt) for r in requests)
+    cap = "unlimited" if args.capacity is None else f"{args.capacity:,} tokens"
+    print(f"\n== mooncake: {source}\nrequests: {len(requests):,}   prompt tokens: {prompt:,}   "
+          f"capacity: {cap}")
+    contenders = {
+        "radix": lambda: records_outcome(replay(requests, RadixCache(args.capacity))),
+        "block_hash": lambda: records_outcome(replay(requests, BlockHashCache(args.capacity))),
+    }
+    if not args.skip_baseline:
+        contenders["per-token"] = lambda: replay_plain(requests, PlainRadix(args.capacity))
+    best = race(contenders, args.rounds)
+    print(f"{'cache':<12}{'requests/s':>14}{'prompt tok/s':>16}{'seconds':>10}{'hit rate':>10}")
+    for name, (seconds, (hits, _)) in best.items():
+        print(f"{name:<12}{len(requests) / seconds:>14,.0f}{prompt / seconds:>16,.0f}"
+              f"{seconds:>10.3f}{sum(hits) / max(prompt, 1):>10.6f}")
+    if "per-token" not in best:
+        return 0
+    base = best["per-token"][0]
+    for name in ("radix", "block_hash"):
+        print(f"{name} / per-token: {base / best[name][0]:.1f}x faster")
+    verdict = check("per-token", best["per-token"][1], best["radix"][1])
+    print(verdict)
+    return 0 if verdict.startswith("same") else 1
+
+
+# ------------------------------------------------------------------------- part: versus
+def part_versus(args) -> int:
+    requests = random_tree(num_requests=VERSUS_REQUESTS, **VERSUS)
+    capacity = TOKENS_PER_REQUEST * len(requests)
+    print(f"\n== versus: random_tree(num_requests={len(requests):,}, {VERSUS}), "
+          f"capacity {capacity:,} tokens; fastest of {args.rounds}")
+    contenders = {
+        "radix replay": lambda: records_outcome(replay(requests, RadixCache(capacity))),
+        "ideal trie": lambda: ideal_hits(requests),
+        "per-edge tree": lambda: replay_edge(requests, EdgeRadix(capacity)),
+        "per-token tree": lambda: replay_plain(requests, PlainRadix(capacity)),
+    }
+    sgl = load_sglang()
+    if sgl is not None:
+        contenders["SGLang RadixCache"] = lambda: replay_sglang(sgl, requests, capacity)
+    best = race(contenders, args.rounds)
+    ours, want = best["radix replay"][0], best["radix replay"][1]
+    status = 0
+    print(f"{'':<20}{'seconds':>10}{'us/request':>12}{'vs radix':>10}  check")
+    for name, (seconds, out) in best.items():
+        if name == "ideal trie":
+            verdict = f"ideal hit rate, {seconds / ours:.1%} of the replay's time"
+        else:
+            verdict = "" if name == "radix replay" else check(name, out, want)
+            status |= verdict.startswith("MISMATCH")
+        print(f"{name:<20}{seconds:>10.3f}{seconds / len(requests) * 1e6:>12.1f}"
+              f"{seconds / ours:>9.2f}x  {verdict}")
+    if sgl is None:
+        print("SGLang RadixCache: skipped (no sglang 0.4.10 wheel in ~/.cache/radix-testbed; "
+              "`python experiments/sglang_policy_check.py --quick` fetches it)")
+    return status
+
+
+# ------------------------------------------------------------------------- part: scaling
+def make_trace(kind: str, n: int, path: Path):
+    if kind == "random_tree":
+        return forest(n, **VERSUS), TOKENS_PER_REQUEST * n
+    return mooncake_tiled(n, path), DEFAULT_CAPACITY
+
+
+def run_cell(kind: str, n: int, cache: str, path: Path) -> dict:
+    """One scaling cell in this process: replay ``n`` requests, chunk by chunk."""
+    requests, capacity = make_trace(kind, n, path)
+    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if cache == "per-token":
+        tree = PlainRadix(capacity)
+        serve = lambda part: replay_plain(part, tree)  # noqa: E731
+    else:
+        target = RadixCache(capacity) if cache == "radix" else BlockHashCache(capacity)
+        serve = lambda part: records_outcome(replay(part, target))  # noqa: E731
+    seconds, hit, evicted, records = 0.0, 0, 0, []
+    while True:
+        part = list(itertools.islice(requests, CHUNK))
+        if not part:
+            break
+        t, (hits, ev) = timed(lambda: serve(part))
+        seconds += t
+        hit += sum(hits)
+        evicted += sum(ev)
+        records.append(len(hits))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"seconds": seconds, "requests": sum(records), "hit": hit, "evicted": evicted,
+            "start_mb": start_rss / 1024, "peak_mb": peak / 1024}
+
+
+def part_scaling(args) -> int:
+    kinds = ["random_tree"] + (["mooncake"] if args.trace.is_file() else [])
+    if len(kinds) == 1:
+        print(f"scaling: no Mooncake trace at {args.trace}; random trees only")
+    print(f"\n== scaling: random_tree({VERSUS}) at {TOKENS_PER_REQUEST} tokens of capacity per "
+          f"request; the Mooncake trace repeated at {DEFAULT_CAPACITY:,}; fastest of "
+          f"{args.rounds}, budget {args.budget:.0f} s a run")
+    status = 0
+    for kind in kinds:
+        stopped: set[str] = set()
+        for n in args.sizes:
+            cells: dict[str, dict | str] = {}
+            for _ in range(args.rounds):
+                for cache in CACHES:
+                    if cache in stopped:
+                        cells.setdefault(cache, "skipped (a smaller size was over budget)")
+                        continue
+                    cmd = [sys.executable, __file__, "--cell", kind, str(n), cache,
+                           "--trace", str(args.trace)]
+                    try:
+                        out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                             timeout=args.budget)
+                    except subprocess.TimeoutExpired:
+                        if not isinstance(cells.get(cache), dict):
+                            cells[cache] = f"over {args.budget:.0f} s (stopped)"
+                            stopped.add(cache)
+                        continue
+                    cell = json.loads(out.stdout.splitlines()[-1])
+                    old = cells.get(cache)
+                    if not isinstance(old, dict) or cell["seconds"] < old["seconds"]:
+                        cells[cache] = cell
+            radix = cells.get("radix")
+            for cache, cell in cells.items():
+                if isinstance(cell, str):
+                    print(f"{kind:<12}{n:>10,}  {cache:<11} {cell}")
+                    continue
+                agree = ""
+                if cache == "per-token" and isinstance(radix, dict):
+                    same = (cell["hit"], cell["evicted"]) == (radix["hit"], radix["evicted"])
+                    agree = "  same hits and evictions as radix" if same else "  MISMATCH"
+                    status |= not same
+                print(f"{kind:<12}{n:>10,}  {cache:<11}{cell['seconds']:>9.2f} s"
+                      f"{cell['seconds'] / n * 1e6:>9.1f} us/req   peak {cell['peak_mb']:>7.0f} MB"
+                      f" (+{cell['peak_mb'] - cell['start_mb']:.0f} MB replaying)   hit "
+                      f"{cell['hit']:,} evicted {cell['evicted']:,}{agree}", flush=True)
+    return status
+
+
+# ------------------------------------------------------------------------- main
 def parse_capacity(text: str) -> int | None:
     if text.lower() in ("0", "none", "null", "unlimited"):
         return None
@@ -222,77 +260,39 @@ def parse_capacity(text: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", default="mooncake,versus",
+                    help="comma-separated: mooncake, versus, scaling (default: %(default)s)")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
-                    help="trace file (default: %(default)s)")
-    ap.add_argument("--format", choices=("mooncake", "tokens"), default="mooncake")
+                    help="Mooncake trace file (default: %(default)s)")
     ap.add_argument("--capacity", type=parse_capacity, default=DEFAULT_CAPACITY,
-                    help="cache size in tokens; 0 or 'none' for unlimited (default: %(default)s)")
-    ap.add_argument("--limit", type=int, default=DEFAULT_LIMIT,
-                    help="replay only the first N requests; 0 for all (default: %(default)s)")
+                    help="mooncake part: cache size in tokens; 0 or 'none' for unlimited "
+                         "(default: %(default)s)")
+    ap.add_argument("--limit", type=int, default=0,
+                    help="mooncake part: only the first N requests; 0 for all")
     ap.add_argument("--skip-baseline", action="store_true",
-                    help="do not run the per-token baseline")
+                    help="mooncake part: do not run the per-token tree")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of every figure (default 2)")
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES,
+                    help="scaling part: request counts (default 10000,100000,1000000)")
+    ap.add_argument("--budget", type=float, default=300.0,
+                    help="scaling part: seconds one run may take (default %(default)s)")
+    ap.add_argument("--cell", nargs=3, metavar=("TRACE", "N", "CACHE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.limit < 0:
-        ap.error(f"--limit must be >= 0, got {args.limit}")
-
-    if args.trace.is_file():
-        loader = load_mooncake if args.format == "mooncake" else load_tokens
-        requests = loader(args.trace)
-        source = f"{args.trace} ({args.format})"
-    else:
-        requests = shared_prefix(num_groups=16, prompts_per_group=8)
-        source = "generated shared_prefix(num_groups=16, prompts_per_group=8)"
-        print(f"trace not found: {args.trace}; falling back to a generated workload")
-    if args.limit:
-        requests = requests[: args.limit]
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    cap = "unlimited" if args.capacity is None else f"{args.capacity:,} tokens"
-    print(f"workload: {source}")
-    print(f"requests: {len(requests):,}   prompt tokens: {prompt_tokens:,}   "
-          f"output tokens: {sum(len(r.output) for r in requests):,}   capacity: {cap}")
-
-    results = {}  # name -> (wall seconds, cached tokens, evicted tokens)
-    for name, cache in (("radix", RadixCache(args.capacity)),
-                        ("block_hash", BlockHashCache(args.capacity))):
-        print(f"  replaying {name} ...", flush=True)
-        gc.collect()
-        t0 = time.perf_counter()
-        records = replay(requests, cache)
-        wall = time.perf_counter() - t0
-        results[name] = (wall, sum(r.cached_tokens for r in records),
-                         sum(r.evicted_tokens for r in records))
-    if not args.skip_baseline:
-        print("  replaying baseline (per-token Python radix) ...", flush=True)
-        tree = PlainRadix(args.capacity)
-        gc.collect()
-        t0 = time.perf_counter()
-        hits, evicted = replay_plain(requests, tree)
-        wall = time.perf_counter() - t0
-        tree.check()
-        results["baseline"] = (wall, sum(hits), sum(evicted))
-
-    print()
-    print(f"{'cache':<12}{'requests/s':>14}{'prompt tok/s':>16}{'wall s':>10}{'hit rate':>10}")
-    for name, (wall, cached, _) in results.items():
-        print(f"{name:<12}{len(requests) / wall:>14,.1f}{prompt_tokens / wall:>16,.0f}"
-              f"{wall:>10.3f}{cached / max(prompt_tokens, 1):>10.4f}")
-    print()
-
-    if "baseline" not in results:
-        print("baseline skipped: no speed ratios")
+    if args.cell:
+        kind, n, cache = args.cell
+        print(json.dumps(run_cell(kind, int(n), cache, args.trace)))
         return 0
-    base_wall = results["baseline"][0]
-    for name in ("radix", "block_hash"):
-        print(f"{name} / baseline: {base_wall / results[name][0]:.1f}x req/s")
-    _, radix_cached, radix_evicted = results["radix"]
-    _, base_cached, base_evicted = results["baseline"]
-    if base_cached == radix_cached:
-        print(f"OK: baseline cached tokens == radix cached tokens ({radix_cached:,}); "
-              f"evicted tokens {base_evicted:,} vs radix {radix_evicted:,}")
-        return 0
-    print(f"MISMATCH: baseline cached tokens {base_cached:,} != "
-          f"radix cached tokens {radix_cached:,}")
-    return 1
+    parts = args.part.split(",")
+    unknown = set(parts) - {"mooncake", "versus", "scaling"}
+    if unknown:
+        ap.error(f"--part must name mooncake, versus or scaling; got {', '.join(sorted(unknown))}")
+    if args.limit < 0 or args.rounds < 1:
+        ap.error("--limit must be >= 0 and --rounds >= 1")
+    status = 0
+    for part in parts:
+        status |= {"mooncake": part_mooncake, "versus": part_versus,
+                   "scaling": part_scaling}[part](args)
+    return status
 
 
 if __name__ == "__main__":

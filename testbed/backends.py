@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.cache import PrefixCache, make_cache, make_policy
+from testbed.cache import PrefixCache, RadixCache, make_cache, make_policy
 from testbed.cache.tiers import make_tiered_cache
 from testbed.metrics import RequestRecord, add_tier_fields
 from testbed.replay import replay
@@ -35,6 +35,8 @@ class BackendResult:
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
     notes: list[str] = field(default_factory=list)  # printed last: what the reader must not miss
     observer: Any = None  # sim and engine: the run's `RunObserver` (steps, request phases)
+    # the ideal hit rate when the run itself reached it (replay, unlimited radix cache, page 1)
+    ideal_hit_rate: float | None = None
 
 
 def container(node: Any) -> Any:
@@ -53,11 +55,22 @@ def run_backend(cfg: DictConfig, requests: list[Request]) -> BackendResult:
         sizes = (len(r.prompt) + len(r.output) for r in requests)
         unfit = [] if cfg.cache.name == "none" else [n for n in sizes if not cache.fits(n)]
         note = unfit_note(cfg, unfit, len(requests), capacity, cache.available_size)
-        return BackendResult(replay(requests, cache, save_token_ids=cfg.save_token_ids,
-                                    progress=cfg.progress), extra=tier_extra(cache), notes=note)
+        records = replay(requests, cache, save_token_ids=cfg.save_token_ids, progress=cfg.progress)
+        return BackendResult(records, extra=tier_extra(cache), notes=note,
+                             ideal_hit_rate=own_hit_rate_is_ideal(cache, records))
     if backend in ("sim", "engine"):
         return _serve(cfg, requests, engine=backend == "engine")
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+
+def own_hit_rate_is_ideal(cache: PrefixCache, records: list[RequestRecord]) -> float | None:
+    """The hit rate of a replay through an unlimited radix cache of page size 1 without lower
+    tiers: it keeps every sequence whole, so it is the ideal hit rate (docs/design.md §3) and
+    needs no recount. None for any other cache."""
+    if type(cache) is not RadixCache or cache.page_size != 1 or not cache.pool.unbounded:
+        return None
+    prompt = sum(r.prompt_tokens for r in records)
+    return sum(r.cached_tokens for r in records) / prompt if prompt else 0.0
 
 
 def build_cache(cfg: DictConfig, capacity: int | None, requests: list[Request],

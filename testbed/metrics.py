@@ -12,16 +12,16 @@ under load, SGLang issue 31954).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
+from functools import cache
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from testbed.cache.radix import RadixCache
-from testbed.workloads.request import Request
+from testbed.workloads.ideal import ideal_hit_rate  # noqa: F401 (part of this module's API)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestRecord:
     id: str
     program: str | None
@@ -45,13 +45,20 @@ class RequestRecord:
     load_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        row = asdict(self)
+        """The requests.jsonl line: every field in order, less the token ids and tier fields
+        when they are None."""
+        row = {name: getattr(self, name) for name in _field_names(type(self))}
         if self.prompt_ids is None:
             del row["prompt_ids"], row["output_ids"]
         if self.gpu_hit_tokens is None:
             for key in TIER_FIELDS:
                 del row[key]
         return row
+
+
+@cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 TIER_FIELDS = ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "load_s")
@@ -75,20 +82,6 @@ def add_tier_fields(records: list[RequestRecord],
         hit, loaded, load_s = hits.get(r.id, (r.cached_tokens, None, None))
         for key, value in tier_fields(hit, loaded, load_s).items():
             setattr(r, key, value)
-
-
-def ideal_hit_rate(requests: Iterable[Request]) -> float:
-    """Hit rate of an unlimited cache with perfect reuse, requests taken in the given order."""
-    tree = RadixCache(capacity=None)
-    hit = total = 0
-    for r in requests:
-        lease = tree.acquire(r.prompt)
-        seq = r.sequence()
-        tree.extend(lease, len(seq) - lease.hit)
-        tree.release(lease, seq)
-        hit += lease.hit
-        total += len(r.prompt)
-    return hit / total if total else 0.0
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -45,11 +45,19 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     note = fit_vocabulary(cfg)
     if note:
         print(note, file=sys.stderr)
+    loading = time.perf_counter()
     requests = build_workload(container(cfg.workload), seed=cfg.seed,
                               arrival=container(cfg.arrival))
+    running = time.perf_counter()
     result = run_backend(cfg, requests)
-    summary = summarize(result.records, ideal=ideal_hit_rate(requests),
-                        wall_s=time.perf_counter() - started, preemptions=result.preemptions)
+    counting = time.perf_counter()
+    ideal = result.ideal_hit_rate if result.ideal_hit_rate is not None \
+        else ideal_hit_rate(requests)
+    done = time.perf_counter()
+    summary = summarize(result.records, ideal=ideal, wall_s=done - started,
+                        preemptions=result.preemptions)
+    summary["timing"] = {"load_s": running - loading, "run_s": counting - running,
+                         "ideal_s": done - counting, "write_s": None}  # write_run sets write_s
     summary |= {"backend": cfg.backend.name, "workload": cfg.workload.name,
                 "cache": cfg.cache.name, "eviction": cfg.eviction.name,
                 "capacity_tokens": cfg.cache.get("capacity_tokens")}

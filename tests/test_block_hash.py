@@ -1,6 +1,7 @@
 """Exact behaviour of the block-hash cache (vLLM V1 prefix caching, docs/design.md §4)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -132,3 +133,47 @@ def test_unbounded_cache_never_evicts_and_hits_like_a_cache_too_big_to_fill():
     assert sum(r.evicted_tokens for r in unbounded) == 0
     assert [r.cached_tokens for r in unbounded] == [r.cached_tokens for r in huge]
     assert sum(r.cached_tokens for r in unbounded) >= 5 * 3 * 68
+
+
+def block_state(cache: BlockHashCache) -> list:
+    """What a block-hash cache holds that a later request or a policy could see."""
+    keyed = np.flatnonzero(cache._keyed[: cache._minted]).tolist()
+    stats = sorted((b, s.created, s.last_access, s.access_count, s.priority, s.start)
+                   for b, s in cache._stats.items())
+    return [cache._free.blocks(), keyed, cache._key[keyed].tolist(), stats,
+            sorted(cache._dups.items()), cache.evictable_size, cache.protected_size]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "mru", "gdsf"])
+@pytest.mark.parametrize("capacity", [None, 400, 120])
+def test_block_hash_replay_in_one_pass_equals_acquire_extend_release(policy, capacity):
+    # Two-token vocabularies and 3-token blocks: duplicate keys, hits, evictions all common.
+    from testbed.cache import PrefixCache, Requester, make_policy
+    from testbed.workloads.synthetic import random_tree
+
+    requests = random_tree(num_requests=300, root_len=9, segment_len=5, output_len=3, vocab_size=2,
+                           seed=5)
+    fused, calls = (BlockHashCache(capacity, block_size=3, policy=make_policy(policy))
+                    for _ in range(2))
+    duplicates = False
+    for r in requests:
+        who = Requester(r.id, r.priority, r.category)
+        assert fused.replay_one(r.prompt, r.output, who) == \
+            PrefixCache.replay_one(calls, r.prompt, r.output, who)
+        assert block_state(fused) == block_state(calls)
+        duplicates |= bool(fused._dups)
+    fused.check_invariants()
+    assert duplicates, "the case should make duplicate keys"
+
+
+def test_block_keys_are_the_same_however_a_sequence_is_cut():
+    # Whole, or a known head then the rest (as release extends a prompt's keys), in short runs
+    # (the chain in Python ints) or long ones (one cumulative sum): the same keys.
+    cache = BlockHashCache(None, block_size=4)
+    tokens = np.random.default_rng(0).integers(0, 50, 4 * 60 + 3).astype(np.int32)
+    whole = cache.block_keys(tokens)
+    assert len(whole) == 60 and len(set(whole.tolist())) == 60
+    for head in (0, 1, 5, 17, 44, 59, 60):
+        known = cache.block_keys(tokens[: 4 * head])
+        assert cache.block_keys(tokens, known=known).tolist() == whole.tolist()
+    assert cache.block_keys(tokens[:7]).tolist() == whole[:1].tolist()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from testbed.cache import BlockHashCache, NoCache, RadixCache, make_cache
+from testbed.cache import BlockHashCache, NoCache, RadixCache, Requester, make_cache
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.replay import replay
 from testbed.workloads.synthetic import shared_prefix
@@ -117,3 +117,57 @@ def test_mooncake_conversation_trace_hit_rates_match_sglang(mooncake_conversatio
     records = replay(requests, RadixCache(capacity))
     hit_rate = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
     assert round(hit_rate, 6) == expected
+
+
+def tree_state(cache: RadixCache) -> list:
+    """Everything a radix cache holds that a later request or a policy could see."""
+    nodes = [(n.id, n.parent.id, n.key.tolist(), n.slots.tolist(), n.last_access, n.access_count,
+              n.created, n.lock_ref, n.priority, n.category, n.start) for n in cache.nodes()]
+    live = sorted((e[0], e[1]) for e in cache._heap
+                  if e[2] == e[3].offer and e[3].alive and not e[3].children and not e[3].lock_ref)
+    return [nodes, live, cache.pool.free_slots().tolist(), cache._clock, cache.evictable_size]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "gdsf", "workload_aware", "oracle"])
+@pytest.mark.parametrize("capacity", [None, 600, 150])
+def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity):
+    # RadixCache.replay_one fuses the three calls; PrefixCache.replay_one makes them. Small
+    # vocabularies make accidental matches, splits and cached output tokens common.
+    from testbed.cache import PrefixCache, make_policy
+    from testbed.workloads.synthetic import random_tree
+
+    requests = random_tree(num_requests=300, root_len=9, segment_len=5, output_len=3, vocab_size=3,
+                           seed=4)
+    for i, r in enumerate(requests):
+        r.priority, r.category = i % 3, f"c{i % 2}"
+    fused, calls = (RadixCache(capacity, policy=make_policy(policy, requests)) for _ in range(2))
+    for r in requests:
+        who = Requester(r.id, r.priority, r.category)
+        assert fused.replay_one(r.prompt, r.output, who) == \
+            PrefixCache.replay_one(calls, r.prompt, r.output, who)
+        assert tree_state(fused) == tree_state(calls)
+    if policy in ("lru", "lfu", "priority"):  # the others' keys drift with global state
+        fused.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_ideal_trie_gives_every_request_the_hit_of_an_unlimited_radix_replay(seed):
+    # Three-token vocabularies: prompts end inside edges, outputs repeat cached runs.
+    from testbed.workloads.ideal import ideal_hits
+    from testbed.workloads.synthetic import random_tree
+
+    requests = random_tree(num_requests=400, root_len=5, segment_len=3, output_len=2,
+                           vocab_size=3, seed=seed)
+    requests.insert(7, req("empty", []))
+    assert ideal_hits(requests) == [r.cached_tokens for r in replay(requests, RadixCache(None))]
+
+
+def test_an_unlimited_radix_replay_reports_its_own_hit_rate_as_the_ideal():
+    from testbed.backends import own_hit_rate_is_ideal
+
+    requests = [req(0, [1, 2], [3, 4]), req(1, [1, 2, 3, 4, 5, 6]), req(2, [1, 9])]
+    cache = RadixCache(None)
+    own = own_hit_rate_is_ideal(cache, replay(requests, cache))
+    assert own == ideal_hit_rate(requests) == pytest.approx(5 / 10)
+    for other in (RadixCache(100), RadixCache(None, page_size=2), BlockHashCache(None)):
+        assert own_hit_rate_is_ideal(other, replay(requests, other)) is None

@@ -60,6 +60,8 @@ def test_table_copies_every_summary_figure_exactly(two_by_two):
             assert row["cache"] == config["cache"]["name"]
             assert row["scheduler"] == config["scheduler"]["name"]
             for key, value in summary.items():
+                if isinstance(value, dict):  # nested figures (timing) stay in summary.json
+                    continue
                 assert same(row[key], value), (row["run"], key, row[key], value)
 
 

@@ -31,6 +31,10 @@ def test_replay_of_a_token_trace_writes_summary_and_requests(tmp_path):
     assert (summary["num_requests"], summary["prompt_tokens"], summary["cached_tokens"]) == (3, 10, 4)
     assert summary["evicted_tokens"] == 3 and summary["ideal_hit_rate"] == 0.4
     assert summary["makespan_s"] is None
+    timing = summary["timing"]
+    assert list(timing) == ["load_s", "run_s", "ideal_s", "write_s"]
+    assert all(v >= 0 for v in timing.values())
+    assert sum(v for k, v in timing.items() if k != "write_s") <= summary["wall_s"]
     rows = pd.read_json(out / "requests.jsonl", lines=True)
     assert rows["cached_tokens"].tolist() == [0, 4, 0]
     assert rows["evicted_tokens"].tolist() == [0, 0, 3]  # the leaf [5, 6, 7], whole

@@ -130,6 +130,27 @@ class PrefixCache(ABC):
     #: tiers below the GPU that keep evicted KV, fastest first (``("host", "disk")``); none here
     lower_tiers: tuple[str, ...] = ()
 
+    def replay_one(self, prompt: np.ndarray, output: np.ndarray,
+                   requester: Requester | None = None) -> tuple[int, int, bool, dict | None]:
+        """Serve one request the replay backend's way (docs/design.md §4): match ``prompt`` and
+        protect the hit, load back a lower-tier part of it, make room for the rest of prompt +
+        output, insert prompt + output, unprotect. Returns (hit, tokens evicted, inserted, tokens
+        loaded back per lower tier or None). A sequence that could never fit is served uncached:
+        (0, 0, False, None), nothing changed. Caches may do the same in fewer steps."""
+        seq = np.concatenate([prompt, output])
+        if not self.fits(len(seq)):
+            return 0, 0, False, None
+        lease = self.acquire(prompt, requester=requester)
+        evicted, loaded = 0, None
+        if lease.lower:
+            evicted = self.load_back(lease) or 0
+            loaded = lease.loaded
+        more = self.extend(lease, len(seq) - lease.hit)
+        if more is None:  # fits() promised room with nothing else protected
+            raise RuntimeError(f"{self.name}: no room for {len(seq)} tokens although they fit")
+        inserted = self.release(lease, seq).inserted
+        return lease.hit, evicted + more, inserted, loaded
+
     def load_back(self, lease: Lease) -> int | None:
         """Bring the lease's ``lower`` tokens back to the GPU. Returns the tokens evicted to make
         room, or None when they are recomputed instead (or there is nothing to load)."""

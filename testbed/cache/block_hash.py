@@ -11,27 +11,101 @@ KVCacheManager does it: take the ``k`` leading cached blocks of the prompt out o
 ``nb - k`` blocks from the queue head (evicting their keys), register the key of every full block
 from ``k`` on, then free the request's blocks last to first: keyed blocks to the queue tail, the
 unkeyed partial block to the head.
+
+Every step works on a request's blocks at once: keys are computed once per sequence (a hash of
+each block's bytes, chained by one vectorised recurrence, `block_keys`), per-block state lives in
+arrays indexed by block id (reference counts, keys), the key index is a dict updated with bulk
+operations, and the free queue (`testbed.cache.free_queue`) takes and gives arrays of blocks.
+`replay_one` serves a replay request with these steps directly, without a lease.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 
 from testbed.cache.base import Lease, PrefixCache, Released
-from testbed.cache.eviction import Requester
-from testbed.cache.eviction import LRU, EvictionPolicy
-from testbed.cache.free_queue import BlockStats, FreeBlockQueue
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester
+from testbed.cache.free_queue import BLOCK_DTYPE, BlockStats, FreeBlockQueue
+from testbed.cache.key_table import KeyTable
 from testbed.cache.pool import SLOT_DTYPE
+from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
+
+# key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
+# invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
+# digest is a random odd linear form of its tokens (Σ_j R_j t_j mod 2^64: two blocks that differ
+# collide with probability ~2^-58 over R, whatever their tokens), then mixed by splitmix64's
+# finalizer so that the chain's sums see uncorrelated values.
+CHAIN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_powers = np.ones(1, np.uint64)  # CHAIN^i mod 2^64
+_inverse_powers = np.ones(1, np.uint64)  # CHAIN^-i mod 2^64
+
+
+def _forms(block_size: int) -> np.ndarray:
+    """The odd multipliers R_j of a block's digest (fixed: runs repeat)."""
+    return np.random.default_rng(0x5EED).integers(0, 1 << 63, block_size, np.uint64) \
+        * np.uint64(2) + np.uint64(1)
+
+
+def _digests(kb: bytes, block_size: int, forms: np.ndarray) -> np.ndarray:
+    """Per whole block of the token bytes ``kb``: splitmix64(Σ_j R_j t_j) mod 2^64."""
+    n = len(kb) // (block_size * TOKEN_BYTES)
+    tokens = np.frombuffer(kb, np.uint32, n * block_size).reshape(n, block_size)
+    z = tokens @ forms
+    z ^= z >> _SHIFTS[0]
+    z *= _MIX[0]
+    z ^= z >> _SHIFTS[1]
+    z *= _MIX[1]
+    z ^= z >> _SHIFTS[2]
+    return z
+
+
+def _chain(digests: np.ndarray, prev: int) -> np.ndarray:
+    """Keys of consecutive blocks with per-block ``digests`` after a block keyed ``prev``:
+    key_m = C^m (C·prev + Σ_{l<=m} C^-l d_l), every product and sum mod 2^64 (uint64 wraps)."""
+    global _powers, _inverse_powers
+    n = len(digests)
+    if n <= 16:  # a few blocks: the recurrence itself, in Python ints
+        keys, key = [], prev
+        for d in digests.tolist():
+            key = (CHAIN * key + d) & _MASK
+            keys.append(key)
+        return np.array(keys, np.uint64)
+    if n > len(_powers):
+        size = max(n, 2 * len(_powers))
+        _powers = _power_table(CHAIN, size)
+        _inverse_powers = _power_table(pow(CHAIN, -1, 1 << 64), size)
+    acc = np.cumsum(digests * _inverse_powers[:n], dtype=np.uint64)
+    acc += np.uint64(CHAIN * prev & _MASK)
+    return _powers[:n] * acc
+
+
+def _power_table(base: int, n: int) -> np.ndarray:
+    """base^0 .. base^(n-1) mod 2^64, doubling the filled part each step."""
+    out = np.ones(n, np.uint64)
+    filled = 1
+    while filled < n:
+        step = min(filled, n - filled)
+        out[filled : filled + step] = out[:step] * np.uint64(pow(base, filled, 1 << 64))
+        filled += step
+    return out
+
+
+NO_KEYS = np.zeros(0, np.uint64)
+NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
 @dataclass
 class _Handle:
     blocks: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # chained keys of the sequence's full blocks
+    keys: np.ndarray = field(default_factory=lambda: NO_KEYS)  # chained keys of its full blocks
     registered: int = 0  # leading blocks whose keys are in the cache (hits, then committed)
 
 
@@ -49,46 +123,48 @@ class BlockHashCache(PrefixCache):
         self.num_blocks = None if capacity is None else capacity // block_size
         self.policy = policy if policy is not None else LRU()
         self._free = FreeBlockQueue(self.policy)
+        self._fifo = self._free.fifo  # plain LRU: no per-block statistics
+        self._forms = _forms(block_size)
         self._minted = 0
         self._clock = 0
+        self._ref = np.zeros(0, np.int32)  # block id -> running requests using it
+        self._key = np.zeros(0, np.uint64)  # block id -> its key, where _keyed
+        self._keyed = np.zeros(0, bool)  # block id -> whether it holds cached KV
+        self._grow(self.num_blocks or 1024)
         if self.num_blocks is not None:
-            for _ in range(self.num_blocks):
-                self._mint(head=False)
-        self._ref = {}  # block id -> running requests using it (absent or 0 when free)
-        self._key_of: dict[int, int] = {}  # block id -> its key, for cached blocks
-        self._stats: dict[int, BlockStats] = {}  # block id -> statistics, for cached blocks
-        # key -> blocks holding it, oldest registration first (lookups use the first)
-        self._blocks_of: dict[int, dict[int, None]] = {}
+            self._free.push_unkeyed(list(range(self.num_blocks)), head=False)
+            self._minted = self.num_blocks
+        self._stats: dict[int, BlockStats] = {}  # block id -> statistics (policies but LRU)
+        # key -> the block registered earliest among those holding it (lookups use it); later
+        # holders, in registration order, in _dups (vLLM keeps both)
+        self._first = KeyTable(self.num_blocks or 1024)
+        self._dups: dict[int, list[int]] = {}
         self._cached_tokens = 0
         self._protected_tokens = 0
 
     # ---------------------------------------------------------------- keys
-    def block_keys(self, tokens: np.ndarray, known: list[int] | None = None) -> list[int]:
+    def block_keys(self, tokens: np.ndarray, known: np.ndarray | None = None) -> np.ndarray:
         """Chained keys of the full blocks of ``tokens``; ``known`` are already computed keys of
         its leading blocks (a prompt's, when keying prompt + output)."""
-        b = self.block_size
-        keys = list(known or [])
-        start, n = len(keys), len(tokens) // b
-        rows = np.ascontiguousarray(tokens[start * b : n * b], dtype=np.int64).reshape(n - start, b)
-        prev = keys[-1] if keys else 0
-        for row in rows:
-            prev = hash((prev, row.tobytes()))
-            keys.append(prev)
-        return keys
+        b, n = self.block_size, len(tokens) // self.block_size
+        start = 0 if known is None else min(len(known), n)
+        if start == n:
+            return NO_KEYS if known is None else known[:n]
+        keys = self._keys(as_bytes(tokens[start * b : n * b]), int(known[start - 1]) if start else 0)
+        return np.concatenate([known[:start], keys]) if start else keys
 
-    def _lookup(self, keys: list[int], prompt_len: int, limit: int | None = None) -> list[int]:
+    def _keys(self, kb: bytes, prev: int) -> np.ndarray:
+        """Keys of the whole blocks of the token bytes ``kb``, following a block keyed ``prev``."""
+        return _chain(_digests(kb, self.block_size, self._forms), prev)
+
+    def _lookup(self, keys: np.ndarray, prompt_len: int, limit: int | None = None) -> np.ndarray:
         """Blocks of the leading cached keys, among the first (prompt_len - 1) // B (and covering
         at most ``limit`` tokens)."""
         eligible = max(prompt_len - 1, 0)
         if limit is not None:
             eligible = min(eligible, limit)
-        found = []
-        for key in keys[: eligible // self.block_size]:
-            holders = self._blocks_of.get(key)
-            if not holders:
-                break
-            found.append(next(iter(holders)))
-        return found
+        end = eligible // self.block_size
+        return self._first.leading(keys[:end]) if end else NO_BLOCKS
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -116,9 +192,9 @@ class BlockHashCache(PrefixCache):
                 requester: Requester | None = None) -> Lease:
         self.policy.on_access(requester)
         handle = _Handle(keys=self.block_keys(prompt))
-        for block in self._lookup(handle.keys, len(prompt), limit):
-            self._take(block, requester)
-            handle.blocks.append(block)
+        hits = self._lookup(handle.keys, len(prompt), limit)
+        self._take(hits, requester)
+        handle.blocks = hits.tolist()
         handle.registered = len(handle.blocks)
         hit = len(handle.blocks) * self.block_size
         return Lease(hit=hit, handle=handle, slots=self._slots(handle.blocks, 0, hit),
@@ -130,16 +206,8 @@ class BlockHashCache(PrefixCache):
         need = -(-total // self.block_size) - len(handle.blocks)
         if self.num_blocks is not None and need > len(self._free):
             return None
-        evicted = 0
-        for _ in range(need):
-            if self.num_blocks is None and (not len(self._free) or self._free.head_is_keyed()):
-                self._mint(head=True)  # unbounded: never reuse a cached block
-            block, key = self._free.pop()
-            if key is not None:
-                self._forget(block, key)
-                evicted += self.block_size
-            self._ref[block] = 1
-            handle.blocks.append(block)
+        blocks, evicted = self._pop(need)
+        handle.blocks += blocks.tolist()
         lease.append(self._slots(handle.blocks, lease.num_tokens, total))
         return evicted
 
@@ -153,18 +221,7 @@ class BlockHashCache(PrefixCache):
             raise ValueError(f"release: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         if insert:
             self._register_full_blocks(handle, tokens, lease.requester)
-        for block in reversed(handle.blocks):  # last to first: a sequence's tail is reused first
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if block in self._key_of:
-                    self._protected_tokens -= self.block_size
-                    self._clock += 1
-                    stats = self._stats.get(block)
-                    if stats is not None:
-                        stats.last_access = self._clock
-                    self._free.push_keyed(block, stats)
-                else:
-                    self._free.push_unkeyed(block, head=True)
+        self._give_back(np.asarray(handle.blocks, BLOCK_DTYPE))
         lease.reset(lease.slots[:0], 0)
         return Released(inserted=insert, already_cached=lease.hit)
 
@@ -177,68 +234,177 @@ class BlockHashCache(PrefixCache):
     def _register_full_blocks(self, handle: _Handle, tokens: np.ndarray,
                               requester: Requester | None) -> None:
         """Give every full block of ``tokens`` not yet registered its key (vLLM's cache_blocks)."""
-        handle.keys = self.block_keys(tokens, known=handle.keys[: len(tokens) // self.block_size])
-        for i in range(handle.registered, len(handle.keys)):
-            self._register(handle.blocks[i], handle.keys[i], i * self.block_size, requester)
+        handle.keys = self.block_keys(tokens, known=handle.keys)
+        first = handle.registered
+        if first < len(handle.keys):
+            self._register(np.asarray(handle.blocks[first : len(handle.keys)], BLOCK_DTYPE),
+                           handle.keys[first:], first, requester)
         handle.registered = max(handle.registered, len(handle.keys))
 
     def evict(self, num_tokens: int) -> int:
         """Drop keys of cached free blocks in policy order until ``num_tokens`` are freed."""
-        freed = 0
-        while freed < num_tokens:
-            popped = self._free.pop_keyed()
-            if popped is None:
-                break
-            self._forget(*popped)
-            self._free.push_unkeyed(popped[0], head=False)
-            freed += self.block_size
-        return freed
+        blocks, keys = self._free.pop_keyed(-(-num_tokens // self.block_size))
+        self._forget(blocks, keys)
+        self._free.push_unkeyed(blocks.tolist(), head=False)
+        return len(blocks) * self.block_size
+
+    def replay_one(self, prompt: np.ndarray, output: np.ndarray,
+                   requester: Requester | None = None) -> tuple[int, int, bool, dict | None]:
+        """`PrefixCache.replay_one` in the steps of docs/design.md §4, each on all the request's
+        blocks at once: the keys of the whole sequence computed once, the hit blocks taken out of
+        the free queue, ``nb - k`` blocks popped, the new full blocks registered, all given back
+        last to first."""
+        b = self.block_size
+        kb = joined_bytes(prompt, output)
+        n = len(kb) // TOKEN_BYTES
+        if self.num_blocks is not None and -(-n // b) > self.num_blocks:
+            return 0, 0, False, None
+        self.policy.on_access(requester)
+        keys = self._keys(kb, 0)
+        hits = self._lookup(keys, len(prompt))
+        k = len(hits)
+        self._take(hits, requester)
+        fresh, evicted = self._pop(-(-n // b) - k)
+        blocks = np.concatenate([hits, fresh])
+        if k < len(keys):
+            self._register(blocks[k : len(keys)], keys[k:], k, requester)
+        self._give_back(blocks)
+        return k * b, evicted, True, None
 
     # ---------------------------------------------------------------- block bookkeeping
-    def _mint(self, head: bool) -> None:
-        self._free.push_unkeyed(self._minted, head=head)
-        self._minted += 1
-
-    def _take(self, block: int, requester: Requester | None) -> None:
-        """A request hits a cached block: it leaves the free queue if it was there."""
-        if self._ref.get(block, 0) == 0:
-            self._free.remove_keyed(block)
-            self._protected_tokens += self.block_size
-        self._ref[block] = self._ref.get(block, 0) + 1
-        if self._free.fifo:  # plain LRU needs no statistics
+    def _grow(self, size: int) -> None:
+        """Per-block arrays for block ids below ``size``."""
+        if size <= len(self._ref):
             return
-        stats = self._stats[block]
-        stats.access_count += 1
-        if requester is not None:
-            stats.priority = min(stats.priority, requester.priority)
-        self.policy.on_hit(stats)
+        size = max(size, 2 * len(self._ref))
+        for name, dtype in (("_ref", np.int32), ("_key", np.uint64), ("_keyed", bool)):
+            old = getattr(self, name)
+            new = np.zeros(size, dtype)
+            new[: len(old)] = old
+            setattr(self, name, new)
+        self._free.reserve(size)
 
-    def _register(self, block: int, key: int, start: int, requester: Requester | None) -> None:
-        assert block not in self._key_of, "only freshly popped blocks are registered"
-        self._key_of[block] = key
-        self._blocks_of.setdefault(key, {})[block] = None
-        self._cached_tokens += self.block_size
-        self._protected_tokens += self.block_size  # registered while the request still holds it
-        self._clock += 1
-        if self._free.fifo:
+    def _take(self, blocks: np.ndarray, requester: Requester | None) -> None:
+        """A request hits cached blocks: those free leave the free queue."""
+        if not len(blocks):
             return
-        stats = BlockStats(id=block, created=self._clock, last_access=self._clock, start=start,
-                           size=self.block_size,
-                           priority=requester.priority if requester else 0,
-                           category=requester.category if requester else None)
-        self._stats[block] = stats
-        self.policy.on_create(stats)
+        idle = blocks[self._ref[blocks] == 0]
+        if len(idle):
+            self._free.remove_keyed(idle)
+            self._protected_tokens += len(idle) * self.block_size
+        self._ref[blocks] += 1  # a request's blocks are distinct
+        if self._fifo:  # plain LRU needs no statistics
+            return
+        for block in blocks.tolist():
+            stats = self._stats[block]
+            stats.access_count += 1
+            if requester is not None:
+                stats.priority = min(stats.priority, requester.priority)
+            self.policy.on_hit(stats)
 
-    def _forget(self, block: int, evict_key: Any = None) -> None:
-        stats = self._stats.pop(block, None)
-        if evict_key is not None and stats is not None:
-            self.policy.on_evict(stats, evict_key)
-        key = self._key_of.pop(block)
-        holders = self._blocks_of[key]
-        del holders[block]
-        if not holders:
-            del self._blocks_of[key]
-        self._cached_tokens -= self.block_size
+    def _pop(self, n: int) -> tuple[np.ndarray, int]:
+        """``n`` blocks for a request (reference count 1) from the free queue's head, and the
+        tokens evicted: popped blocks that still held a key lose it. Unbounded, fresh blocks are
+        minted once no unkeyed one is left, so nothing cached is ever reused."""
+        if n <= 0:
+            return np.zeros(0, BLOCK_DTYPE), 0
+        if self.num_blocks is None:
+            reused = self._free.pop_unkeyed(n)
+            fresh = np.arange(self._minted, self._minted + n - len(reused), dtype=BLOCK_DTYPE)
+            self._minted += len(fresh)
+            self._grow(self._minted)
+            out = np.concatenate([reused, fresh])
+            evicted = 0
+        else:
+            unkeyed, keyed, keys = self._free.pop(n)
+            self._forget(keyed, keys)
+            out = np.concatenate([unkeyed, keyed]) if len(unkeyed) else keyed
+            evicted = len(keyed) * self.block_size
+        self._ref[out] = 1
+        return out, evicted
+
+    def _register(self, blocks: np.ndarray, keys: np.ndarray, first: int,
+                  requester: Requester | None) -> None:
+        """Key freshly popped blocks (block ``first`` of its sequence and on), even where the key
+        is already cached on another block: both are kept, lookups use the older."""
+        assert not self._keyed[blocks].any(), "only freshly popped blocks are registered"
+        self._key[blocks] = keys
+        self._keyed[blocks] = True
+        holders = self._first.add(keys, blocks)
+        for i in (holders != blocks).nonzero()[0].tolist():  # keys cached on older blocks already
+            self._dups.setdefault(int(keys[i]), []).append(int(blocks[i]))
+        m = len(blocks) * self.block_size
+        self._cached_tokens += m
+        self._protected_tokens += m  # registered while the request still holds them
+        if self._fifo:
+            self._clock += len(blocks)
+            return
+        for i, block in enumerate(blocks.tolist()):
+            self._clock += 1
+            stats = BlockStats(id=block, created=self._clock, last_access=self._clock,
+                               start=(first + i) * self.block_size, size=self.block_size,
+                               priority=requester.priority if requester else 0,
+                               category=requester.category if requester else None)
+            self._stats[block] = stats
+            self.policy.on_create(stats)
+
+    def _forget(self, popped: np.ndarray, evict_keys: list | None) -> None:
+        """Popped cached blocks lose their keys (``evict_keys``: their eviction keys, or None)."""
+        if not len(popped):
+            return
+        blocks, keys = popped, self._key[popped]
+        self._keyed[popped] = False
+        self._cached_tokens -= len(popped) * self.block_size
+        if self._dups:  # where a key has later holders: the next one takes over, or it leaves them
+            gone = np.ones(len(blocks), bool)
+            first = self._first.holds(blocks)
+            old, heirs = [], []
+            for i, (key, block) in enumerate(zip(keys.tolist(), blocks.tolist())):
+                later = self._dups.get(key)
+                if later is None:
+                    continue
+                gone[i] = False
+                if first[i]:
+                    old.append(block)
+                    heirs.append(later.pop(0))
+                else:
+                    later.remove(block)
+                if not later:
+                    del self._dups[key]
+            if old:
+                self._first.replace_values(np.array(old, BLOCK_DTYPE), np.array(heirs, BLOCK_DTYPE))
+            blocks = blocks[gone]
+        self._first.remove_values(blocks)
+        if not self._fifo:
+            for block, key in zip(popped.tolist(), evict_keys):
+                self.policy.on_evict(self._stats.pop(block), key)
+
+    def _give_back(self, blocks: np.ndarray) -> None:
+        """A request lets go of its blocks, last to first (a sequence's tail is reused first):
+        those no other request holds are freed, keyed ones to the queue's tail, unkeyed ones to
+        its head."""
+        if not len(blocks):
+            return
+        ids = blocks[::-1]
+        self._ref[ids] -= 1
+        idle = ids[self._ref[ids] == 0]
+        keyed = self._keyed[idle]
+        cached = idle[keyed]
+        if len(cached):
+            self._protected_tokens -= len(cached) * self.block_size
+            stats = None
+            if not self._fifo:
+                stats = []
+                for block in cached.tolist():
+                    self._clock += 1
+                    s = self._stats[block]
+                    s.last_access = self._clock
+                    stats.append(s)
+            else:
+                self._clock += len(cached)
+            self._free.push_keyed(cached, stats)
+        if len(cached) < len(idle):
+            self._free.push_unkeyed(idle[~keyed].tolist(), head=True)
 
     def _slots(self, blocks: list[int], start: int, end: int) -> np.ndarray:
         """Token-level slot ids of token positions ``start..end-1`` (slot 0 stays reserved)."""
@@ -249,18 +415,31 @@ class BlockHashCache(PrefixCache):
 
     # ---------------------------------------------------------------- checks
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
-        in_use = {b for b, r in self._ref.items() if r > 0}
-        assert all(r >= 0 for r in self._ref.values()), "negative block ref count"
+        ref = self._ref[: self._minted]
+        in_use = set(np.flatnonzero(ref > 0).tolist())
+        assert (ref >= 0).all(), "negative block ref count"
         free = self._free.blocks()
         assert len(set(free)) == len(free), "a block is free twice"
         assert not in_use & set(free), "a block is both free and in use"
         assert len(in_use) + len(free) == self._minted, "a block is lost"
+        assert self._free.num_keyed == sum(1 for b in free if self._keyed[b]), "queue miscounted"
+        assert not any(self._keyed[b] for b in free[: len(free) - self._free.num_keyed]), \
+            "a keyed block among the unkeyed free ones"
         held = [b for lease in leases for b in lease.handle.blocks]
         for b in set(held):
-            assert self._ref.get(b, 0) == held.count(b), f"block {b}: ref count != holders"
+            assert self._ref[b] == held.count(b), f"block {b}: ref count != holders"
         assert set(held) == in_use, "in-use blocks not accounted for by the leases"
-        assert self._cached_tokens == len(self._key_of) * self.block_size
-        protected = sum(self.block_size for b in self._key_of if b in in_use)
+        cached = np.flatnonzero(self._keyed[: self._minted])
+        assert self._cached_tokens == len(cached) * self.block_size
+        protected = sum(self.block_size for b in cached.tolist() if b in in_use)
         assert protected == self._protected_tokens, "protected accounting drifted"
-        for key, holders in self._blocks_of.items():
-            assert holders and all(self._key_of[b] == key for b in holders), "key index drifted"
+        holders: dict[int, list[int]] = {}
+        for b in cached.tolist():
+            holders.setdefault(int(self._key[b]), []).append(b)
+        keys, firsts = self._first.items()
+        index = {k: [b, *self._dups.get(k, [])] for k, b in zip(keys.tolist(), firsts.tolist())}
+        assert len(self._first) == len(index) and set(index) == set(holders), "key index drifted"
+        assert all(sorted(index[k]) == sorted(v) for k, v in holders.items()), "key index drifted"
+        assert all(self._dups.values()), "an empty duplicate list"
+        if not self._fifo:
+            assert set(self._stats) == set(cached.tolist()), "statistics of uncached blocks"

@@ -14,13 +14,12 @@ heap-based implementations of those policies.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 
-@dataclass(frozen=True)
-class Requester:
-    """Who is using the cache right now: what policies may know of a request."""
+class Requester(NamedTuple):
+    """Who is using the cache right now: what policies may know of a request. (A named tuple:
+    replay makes one per request, and a frozen dataclass costs three times as much to build.)"""
 
     request_id: str | None = None
     priority: int = 0  # lower is more urgent

@@ -1,8 +1,9 @@
 """The radix-tree prefix cache: SGLang's RadixCache, exact to docs/design.md §4.
 
-Every cached token's KV slot lives in exactly one tree node; edges hold token runs (numpy arrays,
-compared vectorised, so long system prompts cost one comparison per edge, not one per token).
-Children are keyed by their first token (first page when ``page_size > 1``).
+Every cached token's KV slot lives in exactly one tree node; edges hold token runs as bytes
+(`testbed.cache.token_runs`), so a walk passes an edge with one C-level comparison whatever its
+length, and only the edge it stops inside is searched for the exact divergence. Children are keyed
+by the bytes of their first token (first page when ``page_size > 1``).
 
 With ``page_size`` P > 1 the KV pool hands out whole pages (SGLang's paged allocator): the tree holds
 page-aligned runs whose slots are whole pages; a running request holds ``ceil(len/P)`` pages, its
@@ -14,6 +15,10 @@ runs are deterministic. Eviction candidates (unlocked leaves) sit in a heap orde
 policy's priority; entries are invalidated lazily: a node is re-offered whenever its statistics or
 its leaf/lock status change, and a popped entry counts only if it is the node's latest offer and the
 node is still an unlocked leaf.
+
+`replay_one` serves one request of the replay backend in a single pass (page size 1): the match,
+the eviction, the insert and the unlock of `acquire`/`extend`/`release` with the same effects,
+touching the matched path a second time where the insert's walk would, without building a lease.
 """
 
 from __future__ import annotations
@@ -28,24 +33,26 @@ import numpy as np
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
-
-TOKEN_DTYPE = np.int32
+from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes,
+                                      matched_bytes)
 
 
 class TreeNode:
-    """A run of tokens and their KV slots; the path from the root spells the cached sequence."""
+    """A run of tokens and their KV slots; the path from the root spells the cached sequence.
+
+    ``kb`` holds the tokens as bytes; ``key`` shows them as a (read-only) token array."""
 
     __slots__ = (
-        "id", "parent", "children", "key", "slots", "lock_ref", "last_access", "access_count",
+        "id", "parent", "children", "kb", "slots", "lock_ref", "last_access", "access_count",
         "created", "start", "priority", "category", "offer", "alive", "tier",
     )
 
-    def __init__(self, node_id: int, parent: "TreeNode | None", key: np.ndarray, slots: np.ndarray,
+    def __init__(self, node_id: int, parent: "TreeNode | None", kb: bytes, slots: np.ndarray,
                  clock: int, start: int = 0, requester: Requester | None = None) -> None:
         self.id = node_id
         self.parent = parent
-        self.children: dict[object, TreeNode] = {}
-        self.key = key
+        self.children: dict[bytes, TreeNode] = {}
+        self.kb = kb
         self.slots = slots
         self.lock_ref = 0
         self.last_access = clock
@@ -59,11 +66,15 @@ class TreeNode:
         self.tier = None  # where lower tiers hold copies (testbed.cache.tiers); None without them
 
     @property
+    def key(self) -> np.ndarray:
+        return np.frombuffer(self.kb, TOKEN_DTYPE)
+
+    @property
     def size(self) -> int:
-        return len(self.key)
+        return len(self.kb) // TOKEN_BYTES
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens={len(self.key)}, lock={self.lock_ref}, "
+        return (f"TreeNode(id={self.id}, tokens={self.size}, lock={self.lock_ref}, "
                 f"t={self.last_access}, children={len(self.children)})")
 
 
@@ -96,9 +107,18 @@ class RadixCache(PrefixCache):
         self.pool = pool if pool is not None else KVSlotPool(capacity, page_size)
         self.page_size = page_size
         self.policy: EvictionPolicy = policy if policy is not None else LRU()
+        self._kw = page_size * TOKEN_BYTES  # bytes of a child's key (its first page)
+        # the policy's hooks, None where they are the base class's no-ops (LRU and most others)
+        self._on_hit = (None if type(self.policy).on_hit is EvictionPolicy.on_hit
+                        else self.policy.on_hit)
+        self._on_create = (None if type(self.policy).on_create is EvictionPolicy.on_create
+                           else self.policy.on_create)
+        self._on_access = (None if type(self.policy).on_access is EvictionPolicy.on_access
+                           else self.policy.on_access)
+        self._tiered = type(self)._new_leaf is not RadixCache._new_leaf  # a subclass's hook
         self._clock = 0
         self._ids = count()
-        self.root = TreeNode(next(self._ids), None, np.zeros(0, TOKEN_DTYPE), EMPTY_SLOTS, 0)
+        self.root = TreeNode(next(self._ids), None, b"", EMPTY_SLOTS, 0)
         self.root.lock_ref = 1  # the root is never evicted nor counted
         self._evictable = 0
         self._protected = 0
@@ -123,10 +143,9 @@ class RadixCache(PrefixCache):
         return self.pool.capacity is None or self.pool.round_up(num_tokens) <= self.pool.capacity
 
     # ---------------------------------------------------------------- walking
-    def _child_key(self, key: np.ndarray, at: int) -> object:
-        if self.page_size == 1:
-            return int(key[at])
-        return tuple(key[at : at + self.page_size].tolist())
+    def _child_key(self, key: np.ndarray, at: int) -> bytes:
+        """The children-dict key of the run of ``key`` starting at token ``at``."""
+        return as_bytes(key[at : at + self.page_size])
 
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -141,55 +160,76 @@ class RadixCache(PrefixCache):
     def _hit(self, node: TreeNode) -> None:
         """A match used all of ``node``'s tokens (after any split): frequency statistics."""
         node.access_count += 1
-        self.policy.on_hit(node)
+        if self._on_hit is not None:
+            self._on_hit(node)
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens: a new head takes the first part (and the lock count);
         ``node`` keeps the tail, its children and its slots. Returns the head."""
         self._clock += 1
-        head = TreeNode(next(self._ids), node.parent, node.key[:at], node.slots[:at], self._clock,
+        cut, kw = at * TOKEN_BYTES, self._kw
+        head = TreeNode(next(self._ids), node.parent, node.kb[:cut], node.slots[:at], self._clock,
                         start=node.start)
         head.lock_ref = node.lock_ref
         head.access_count = node.access_count
         head.priority, head.category = node.priority, node.category
         node.start += at
-        head.children[self._child_key(node.key, at)] = node
-        node.parent.children[self._child_key(node.key, 0)] = head
+        head.children[node.kb[cut : cut + kw]] = node
+        node.parent.children[node.kb[:kw]] = head
         node.parent = head
-        node.key = node.key[at:]
+        node.kb = node.kb[cut:]
         node.slots = node.slots[at:]
         self._num_nodes += 1
         self._offer(node)  # its size changed; a size-aware policy must see it
         return head
 
-    def _walk(self, key: np.ndarray, requester: Requester | None,
-              hit: bool) -> tuple[TreeNode, int, list[np.ndarray]]:
-        """Follow ``key`` from the root, touching every node on the way (as hits for a match) and
-        splitting the edge the walk stops inside. Returns (last node, matched length, slot runs of
-        the matched path). ``requester`` None: a look-up, which refreshes recency only."""
-        node = self.root
-        self._touch(node, requester)
-        matched = 0
-        runs: list[np.ndarray] = []
-        n = len(key)
-        while matched < n:
-            child = node.children.get(self._child_key(key, matched))
+    def _walk(self, kb: bytes, end: int, requester: Requester | None, hit: bool,
+              path: list[TreeNode]) -> tuple[TreeNode, int]:
+        """Follow ``kb[:end]`` (token bytes, ``end`` page-aligned) from the root, touching every
+        node on the way (as hits for a match) and splitting the edge the walk stops inside.
+        Returns (last node, bytes matched) and appends the nodes passed to ``path``.
+        ``requester`` None: a look-up, which refreshes recency only."""
+        self._touch(self.root, requester)
+        return self._descend(self.root, kb, 0, end, requester, hit, path)
+
+    def _descend(self, node: TreeNode, kb: bytes, at: int, end: int, requester: Requester | None,
+                 hit: bool, path: list[TreeNode]) -> tuple[TreeNode, int]:
+        """`_walk` from ``node`` (already touched), ``kb[:at]`` being its path. (The loop runs for
+        every edge walked: `_touch` and `_hit` are inlined, the clock kept in a local.)"""
+        kw = self._kw
+        on_hit = self._on_hit
+        urgent = requester.priority if requester is not None else None
+        clock = self._clock
+        while at < end:
+            child = node.children.get(kb[at : at + kw])
             if child is None:
                 break
-            self._touch(child, requester)
-            k = self._aligned(common_prefix_length(child.key, key[matched:]))
-            split = k < len(child.key)
+            clock += 1
+            child.last_access = clock
+            if urgent is not None and urgent < child.priority:
+                child.priority = urgent
+            edge = child.kb
+            split = not kb.startswith(edge, at, end)
             if split:
-                child = self._split(child, k)
-            if hit:
-                self._hit(child)  # the head of a split: its tail was only passed through
-            runs.append(child.slots)
-            matched += k
+                k = matched_bytes(edge, kb, at, end)
+                k -= k % kw
+                self._clock = clock
+                child = self._split(child, k // TOKEN_BYTES)
+                clock = self._clock
+            else:
+                k = len(edge)
+            if hit:  # the head of a split: its tail was only passed through
+                child.access_count += 1
+                if on_hit is not None:
+                    on_hit(child)
+            path.append(child)
+            at += k
             node = child
             if split:
                 break
+        self._clock = clock
         self._offer(node)
-        return node, matched, runs
+        return node, at
 
     # ---------------------------------------------------------------- core API (SGLang's names)
     def match_prefix(self, key: np.ndarray, requester: Requester | None = None,
@@ -199,12 +239,14 @@ class RadixCache(PrefixCache):
         ``lookup=True`` is a scheduler's look-up, not a use: like SGLang's ``match_prefix`` it
         refreshes the recency of every node it passes (and splits the edge it stops inside), but it
         counts no hit and leaves the requester's priority out of the nodes' statistics."""
-        key = key[: self._aligned(len(key))]
-        if len(key) == 0:
+        kb = as_bytes(key)
+        end = len(kb) - len(kb) % self._kw
+        if end == 0:
             return 0, self.root, EMPTY_SLOTS
-        node, matched, runs = self._walk(key, None if lookup else requester, hit=not lookup)
-        slots = np.concatenate(runs) if runs else EMPTY_SLOTS
-        return matched, node, slots
+        path: list[TreeNode] = []
+        node, matched = self._walk(kb, end, None if lookup else requester, not lookup, path)
+        slots = np.concatenate([x.slots for x in path]) if path else EMPTY_SLOTS
+        return matched // TOKEN_BYTES, node, slots
 
     def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None) -> int:
         """Cache ``key`` with KV ``slots`` (same length); returns how many leading tokens were
@@ -215,24 +257,26 @@ class RadixCache(PrefixCache):
         n = self._aligned(len(key))
         if n == 0:
             return 0
-        key = key[:n]
-        node, present, _ = self._walk(key, requester, hit=False)
+        kb = as_bytes(key[:n])
+        node, at = self._walk(kb, len(kb), requester, False, [])
+        present = at // TOKEN_BYTES
         if present < n:
-            self._add_leaf(node, key[present:], slots[present:n], present, requester)
+            self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester)
         return present
 
-    def _add_leaf(self, parent: TreeNode, key: np.ndarray, slots: np.ndarray, start: int,
+    def _add_leaf(self, parent: TreeNode, kb: bytes, slots: np.ndarray, start: int,
                   requester: Requester | None) -> TreeNode:
-        """A new leaf under ``parent`` holding copies of ``key`` and its ``slots``, newest in the
-        eviction order and offered as a victim."""
+        """A new leaf under ``parent`` holding the tokens ``kb`` and their ``slots`` (kept, not
+        copied), newest in the eviction order and offered as a victim."""
         self._clock += 1
-        leaf = TreeNode(next(self._ids), parent, key.copy(), slots.copy(), self._clock,
-                        start=start, requester=requester)
-        self._new_leaf(leaf)
-        parent.children[self._child_key(leaf.key, 0)] = leaf
+        leaf = TreeNode(next(self._ids), parent, kb, slots, self._clock, start, requester)
+        if self._tiered:
+            self._new_leaf(leaf)
+        parent.children[kb[: self._kw]] = leaf
         self._num_nodes += 1
-        self._evictable += len(leaf.key)
-        self.policy.on_create(leaf)
+        self._evictable += len(slots)
+        if self._on_create is not None:
+            self._on_create(leaf)
         self._offer(leaf)
         return leaf
 
@@ -270,7 +314,7 @@ class RadixCache(PrefixCache):
             key, _, offer, node = heapq.heappop(self._heap)
             if offer != node.offer or not node.alive or node.children or node.lock_ref:
                 continue  # a stale entry: the node changed since this offer
-            freed += len(node.key)
+            freed += len(node.slots)
             self._delete_leaf(node)
             self.policy.on_evict(node, key)
         return freed
@@ -324,6 +368,61 @@ class RadixCache(PrefixCache):
         lease.reset(EMPTY_SLOTS, 0)
         return Released(inserted=insert, already_cached=present)
 
+    def replay_one(self, prompt: np.ndarray, output: np.ndarray,
+                   requester: Requester | None = None) -> tuple[int, int, bool, dict | None]:
+        """`PrefixCache.replay_one` in one pass (page size 1, no lower tiers): the calls of
+        `acquire`, `extend` and `release` with the same effects on the tree, the pool and the
+        policy, in the same order. The insert's walk passes the locked matched path again (every
+        node touched anew, as `insert` does) and goes on from its end; the new leaf takes its slots
+        straight from the allocation."""
+        if self.page_size != 1 or self.lower_tiers:
+            return super().replay_one(prompt, output, requester)
+        kb = joined_bytes(prompt, output)
+        n = len(kb) // TOKEN_BYTES
+        pool = self.pool
+        if pool.capacity is not None and n > pool.capacity:
+            return 0, 0, False, None
+        if self._on_access is not None:
+            self._on_access(requester)
+        path: list[TreeNode] = []
+        node, at = (self._walk(kb, len(prompt) * TOKEN_BYTES, requester, True, path)
+                    if len(prompt) else (self.root, 0))
+        hit = at // TOKEN_BYTES
+        need = n - hit
+        evicted = 0
+        # The lock matters only while evicting: without eviction, locking and unlocking the path
+        # change nothing (its nodes but the last have children, so unlocking offers none of them;
+        # the last one is offered at the end of the insert's walk instead, by then unlocked).
+        locked = not pool.can_alloc(need)
+        if locked:
+            self.lock(node)
+            if pool.num_free + self._evictable < need:
+                raise RuntimeError(f"radix: no room for {n} tokens although they fit")
+            evicted = self.evict(need - pool.num_free)
+        fresh = pool.alloc(need)
+        # The insert's walk: the root and the matched path touched again, then on from its end.
+        urgent = requester.priority if requester is not None else None
+        clock = self._clock
+        for x in (self.root, *path):
+            clock += 1
+            x.last_access = clock
+            if urgent is not None and urgent < x.priority:
+                x.priority = urgent
+        self._clock = clock
+        if at < len(kb) and kb[at : at + TOKEN_BYTES] in node.children:
+            end, at = self._descend(node, kb, at, len(kb), requester, False, [])
+        else:  # the usual case: nothing cached beyond the hit (`_descend` would only offer it)
+            end = node
+            self._offer(node)
+        present = at // TOKEN_BYTES
+        if present < n:
+            self._add_leaf(end, kb[at:], fresh[present - hit :], present, requester)
+        if present > hit:
+            pool.free(fresh[: present - hit])  # output tokens cached meanwhile: duplicates
+        if locked:
+            self.unlock(node)
+        return hit, evicted, True, None
+
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
         if len(tokens) > lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
@@ -356,10 +455,10 @@ class RadixCache(PrefixCache):
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent
-        del parent.children[self._child_key(node.key, 0)]
+        del parent.children[node.kb[: self._kw]]
         node.alive = False
         self._num_nodes -= 1
-        self._evictable -= len(node.key)
+        self._evictable -= len(node.slots)
         self.pool.free(node.slots)
         self._offer(parent)  # a parent left childless competes with its own stored statistics
 

@@ -46,6 +46,7 @@ from testbed.cache.base import EMPTY_SLOTS, Lease
 from testbed.cache.eviction import EvictionPolicy, Requester, make_eviction_policy
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, TreeNode
+from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
 from testbed.cache.tier_state import (GPU, WRITE_POLICIES, LowerTier, TierState, Transfer,
                                       check_tiered)
 
@@ -167,11 +168,12 @@ class TieredRadixCache(RadixCache):
         n = self._aligned(len(key))
         if n == 0:
             return 0
-        key = key[:n]
-        node, present, _ = self._walk(key, requester, hit=False)
+        kb = as_bytes(key[:n])
+        node, at = self._walk(kb, len(kb), requester, False, [])
+        present = at // TOKEN_BYTES
         on_gpu, new = self._adopt(node, slots)
         if present < n:
-            new.append(self._add_leaf(node, key[present:], slots[present:n], present, requester))
+            new.append(self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester))
         if self.write_policy == "write_through":  # once the whole path is on the GPU
             for x in new:
                 self._backup(x)
@@ -342,7 +344,7 @@ class TieredRadixCache(RadixCache):
     def _drop(self, node: TreeNode) -> None:
         """Remove ``node`` and its subtree (held only below the GPU) from every tier."""
         parent = node.parent
-        del parent.children[self._child_key(node.key, 0)]
+        del parent.children[node.kb[: self._kw]]
         parent.tier.kids[self.top(node)] -= 1
         stack = [node]
         while stack:

@@ -1,0 +1,57 @@
+"""Token runs as bytes: how the radix tree and the ideal-hit trie store and compare their edges.
+
+A run of ``TOKEN_DTYPE`` tokens becomes its raw bytes (token ``i`` at bytes ``4i .. 4i+3``). Bytes
+compare in C whatever their length, so an edge costs the same few hundred nanoseconds whether it
+holds 4 tokens or 4,000: ``key.startswith(edge, at, end)`` asks whether a walk passes the whole
+edge, and only the one edge a walk stops inside needs `matched_bytes` (a binary search of such
+comparisons). A bytes object is also smaller than a numpy array of the same tokens (33 bytes of
+header against ~100).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TOKEN_DTYPE = np.int32
+TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
+_DTYPE = np.dtype(TOKEN_DTYPE)  # native order: the one object every such array's dtype is
+
+
+def as_bytes(tokens: np.ndarray) -> bytes:
+    """The bytes of a token run (converted to ``TOKEN_DTYPE`` first if it is not already)."""
+    if getattr(tokens, "dtype", None) is _DTYPE:
+        return tokens.tobytes()
+    return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
+
+
+def joined_bytes(first: np.ndarray, second: np.ndarray) -> bytes:
+    """``as_bytes(first) + as_bytes(second)`` in one copy when both are contiguous token arrays."""
+    if getattr(first, "dtype", None) is _DTYPE and getattr(second, "dtype", None) is _DTYPE:
+        try:
+            return b"".join((first, second))
+        except (BufferError, TypeError):  # not contiguous
+            pass
+    return as_bytes(first) + as_bytes(second)
+
+
+def matched_bytes(edge: bytes, key: bytes, at: int, end: int) -> int:
+    """Bytes of the longest common prefix of ``edge`` and ``key[at:end]``, in whole tokens.
+
+    >>> a, b = as_bytes(np.arange(6)), as_bytes(np.array([9, 0, 1, 2, 7]))
+    >>> matched_bytes(a, b, 4, 20) // TOKEN_BYTES, matched_bytes(a, b, 4, 12) // TOKEN_BYTES
+    (3, 2)
+    """
+    if key.startswith(edge, at, end):
+        return len(edge)
+    hi = min(len(edge), end - at) // TOKEN_BYTES
+    view = memoryview(edge)
+    if key.startswith(view[: hi * TOKEN_BYTES], at, end):
+        return hi * TOKEN_BYTES  # the key runs out inside the edge
+    lo = 0  # the first lo tokens match, the first hi do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key.startswith(view[: mid * TOKEN_BYTES], at, end):
+            lo = mid
+        else:
+            hi = mid
+    return lo * TOKEN_BYTES

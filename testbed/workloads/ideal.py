@@ -1,0 +1,60 @@
+"""The ideal hit rate (docs/design.md §3) in one pass over a token trie.
+
+For each request in order, the hit is the longest prefix of its prompt that is a prefix of some
+earlier request's prompt + output. One walk per request answers it and adds the request's own
+prompt + output: walk prompt + output down a trie of every earlier sequence; the tokens matched,
+capped at the prompt, are the hit; the rest becomes a new leaf. The trie keeps nothing else (no KV
+slots, access times, locks or eviction order), so it costs a fraction of a cache's replay; edges
+are token bytes compared in C (`testbed.cache.token_runs`). An unlimited radix cache replaying the
+same requests reaches exactly these hits (a test checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes, matched_bytes
+from testbed.perf import gc_paused
+from testbed.workloads.request import Request
+
+
+def ideal_hits(requests: Iterable[Request]) -> list[int]:
+    """Per request, in order, the tokens of its prompt an unlimited cache with perfect reuse
+    would hold."""
+    # A node is (edge bytes, children); children map an edge's first token's bytes to its node.
+    root: dict[bytes, tuple] = {}
+    hits: list[int] = []
+    append = hits.append
+    w = TOKEN_BYTES
+    with gc_paused():  # the loop runs once per request: the walk is inlined
+        for r in requests:
+            kb = joined_bytes(r.prompt, r.output)
+            end, prompt = len(kb), len(r.prompt) * w
+            kids, at = root, 0
+            while at < end:
+                node = kids.get(kb[at : at + w])
+                if node is None:
+                    break
+                edge, below = node
+                if kb.startswith(edge, at):
+                    at += len(edge)
+                    kids = below
+                    continue
+                k = matched_bytes(edge, kb, at, end)
+                at += k
+                if at < end:  # diverges inside the edge: split it; the new leaf goes beside
+                    head = {edge[k : k + w]: (edge[k:], below)}
+                    kids[edge[:w]] = (edge[:k], head)
+                    kids = head
+                break
+            if at < end:
+                kids[kb[at : at + w]] = (kb[at:], {})
+            append((at if at < prompt else prompt) // w)
+    return hits
+
+
+def ideal_hit_rate(requests: Iterable[Request]) -> float:
+    """Hit rate of an unlimited cache with perfect reuse, requests taken in the given order."""
+    requests = list(requests)
+    total = sum(len(r.prompt) for r in requests)
+    return sum(ideal_hits(requests)) / total if total else 0.0
