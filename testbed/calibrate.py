@@ -25,11 +25,11 @@ import hydra
 import matplotlib
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from testbed.cli import check_group_choices
-from testbed.model_group import resolve_model_group
+from testbed.assembly import assemble
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -40,7 +40,6 @@ from testbed.scheduler.request_state import Req  # noqa: E402
 from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
                                     save_fitted)
 from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
-from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402
 
 
@@ -160,16 +159,16 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
 
 
 def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    from testbed.engine import make_engine_executor
-
-    model_cfg = resolve_model_group(OmegaConf.to_container(cfg.model, resolve=True))
-    model, hw = model_spec(model_cfg), hardware_spec(OmegaConf.to_container(cfg.hardware))
+    run = assemble(cfg)
+    if run.backend != "engine":
+        raise ValueError(f"testbed.calibrate measures the engine: backend must be engine, got "
+                         f"{run.backend}")
     c = cfg.calibrate
     steps = grid(c)
-    executor = make_engine_executor(model_cfg, num_slots=grid_slots(steps),
-                                    device=cfg.get("device"), dtype=cfg.get("dtype"),
-                                    attention=cfg.get("attention"), seed=cfg.seed, forced=True)
-    samples = measure(executor, steps, c.repeats, model.vocab_size, cfg.seed, cfg.progress)
+    executor = run.build_executor(grid_slots(steps))
+    model, hw = run.model_shape, run.hardware
+    samples = measure(executor, steps, c.repeats, model.vocab_size, run.seed,
+                      run.get("progress", False))
     return fit_and_write(samples, engine_meta(executor, model, hw), RooflineCostModel(model, hw),
                          run_dir)
 

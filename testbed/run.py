@@ -18,38 +18,32 @@ from typing import Any
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
-from testbed.backends import BACKENDS, container, fit_vocabulary, run_backend
+from testbed.assembly import assemble, plain
+from testbed.backends import run_backend
 from testbed.cli import check_group_choices
 from testbed.metrics import ideal_hit_rate, summarize
-from testbed.model_group import resolve_model_group
 from testbed.rundir import RUN_FILES, format_summary, write_run
 from testbed.timeline import write_timeline
-from testbed.workloads import build_workload
 
 def execute(cfg: DictConfig, run_dir: str | Path,
             notes: list[str] | None = None) -> dict[str, Any]:
     """Run one configuration and write its results; returns the summary. ``notes`` receives the
     lines to print after it (requests that could never fit the KV pool, and why)."""
     started = time.perf_counter()
-    if cfg.backend.name not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {cfg.backend.name!r}")
-    with open_dict(cfg):  # model.path=DIR without model=: the checkpoint's own shape
-        cfg.model = resolve_model_group(container(cfg.model))
-    timeline = cfg.get("timeline", False)
+    run = assemble(cfg)  # every group read and checked once (testbed/assembly.py)
+    timeline = run.config.get("timeline", False)
     if timeline not in (True, False):
         raise ValueError(f"timeline must be true or false, got {timeline!r}")
-    if timeline and cfg.backend.name == "replay":
+    if timeline and run.backend == "replay":
         raise ValueError("timeline=true needs backend=sim or backend=engine (replay has no time)")
-    note = fit_vocabulary(cfg)
-    if note:
+    for note in run.notes:
         print(note, file=sys.stderr)
     loading = time.perf_counter()
-    requests = build_workload(container(cfg.workload), seed=cfg.seed,
-                              arrival=container(cfg.arrival))
+    requests = run.requests()
     running = time.perf_counter()
-    result = run_backend(cfg, requests)
+    result = run_backend(run, requests)
     counting = time.perf_counter()
     ideal = result.ideal_hit_rate if result.ideal_hit_rate is not None \
         else ideal_hit_rate(requests)
@@ -58,12 +52,10 @@ def execute(cfg: DictConfig, run_dir: str | Path,
                         preemptions=result.preemptions)
     summary["timing"] = {"load_s": running - loading, "run_s": counting - running,
                          "ideal_s": done - counting, "write_s": None}  # write_run sets write_s
-    summary |= {"backend": cfg.backend.name, "workload": cfg.workload.name,
-                "cache": cfg.cache.name, "eviction": cfg.eviction.name,
-                "capacity_tokens": cfg.cache.get("capacity_tokens")}
+    summary |= run.labels() | {"capacity_tokens": run.capacity_tokens}
     summary |= result.extra
     observer = result.observer
-    write_run(run_dir, summary, result.records, config=container(cfg),
+    write_run(run_dir, summary, result.records, config=run.config,
               steps=observer.rows if observer is not None else None)
     if timeline:
         write_timeline(Path(run_dir) / "timeline.json", observer,
@@ -88,7 +80,7 @@ def main(cfg: DictConfig) -> None:
     if sweeping and done.is_file():  # skip it if it ran this very config (progress aside)
         try:
             same = {**json.loads(done.read_text()).get("config", {}), "progress": None} == \
-                {**container(cfg), "progress": None}
+                {**plain(cfg), "progress": None}
         except Exception:  # unreadable summary, unresolvable config: run it again
             same = False
         if same:
@@ -103,7 +95,7 @@ def main(cfg: DictConfig) -> None:
         summary = execute(cfg, run_dir, notes)
     except Exception as e:  # recorded for the report; a sweep goes on with its other runs
         try:
-            config = container(cfg)
+            config = plain(cfg)
         except Exception:  # an unresolvable interpolation: the overrides still say what ran
             config = None
         run_dir.mkdir(parents=True, exist_ok=True)

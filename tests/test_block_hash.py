@@ -148,12 +148,12 @@ def block_state(cache: BlockHashCache) -> list:
 @pytest.mark.parametrize("capacity", [None, 400, 120])
 def test_block_hash_replay_in_one_pass_equals_acquire_extend_release(policy, capacity):
     # Two-token vocabularies and 3-token blocks: duplicate keys, hits, evictions all common.
-    from testbed.cache import PrefixCache, Requester, make_policy
+    from testbed.cache import EVICTION, PrefixCache, Requester
     from testbed.workloads.synthetic import random_tree
 
     requests = random_tree(num_requests=300, root_len=9, segment_len=5, output_len=3, vocab_size=2,
                            seed=5)
-    fused, calls = (BlockHashCache(capacity, block_size=3, policy=make_policy(policy))
+    fused, calls = (BlockHashCache(capacity, block_size=3, policy=EVICTION.build(policy))
                     for _ in range(2))
     duplicates = False
     for r in requests:

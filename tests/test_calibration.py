@@ -11,15 +11,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from testbed.backends import build_cache, container
+from testbed.assembly import assemble
 from testbed.calibrate import calibrate, grid_slots, synthetic_batch, timed_pass
 from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, nnls
 from testbed.sim.simulate import serve
-from testbed.sim.specs import hardware_spec, model_spec
-from testbed.workloads import build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,8 +106,8 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
                  "calibrate.prefill_new=[8,32]", "calibrate.prefill_context=[0,16]",
                  "calibrate.decode_batch=[1,4]", "calibrate.decode_context=[8,64]")
     result = calibrate(cfg, tmp_path)
-    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
-    floor = RooflineCostModel(model, hw)
+    run = assemble(cfg)
+    floor = RooflineCostModel(run.model_shape, run.hardware)
     fitted = load_fitted(tmp_path / "cost_model.yaml", floor_model=floor)
     for sample in result["samples"]:
         step = StepShape(tuple(sample["new"]), tuple(sample["context"]))
@@ -122,12 +120,12 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
 def test_offline_batch_makes_identical_decisions_on_the_engine_and_the_simulator():
     cfg = config("config", "workload=few_shot", "workload.num_tasks=3", "workload.questions_per_task=4",
                  "workload.vocab_size=256", "workload.example_len=20", "workload.question_len=9")
-    requests = build_workload(container(cfg.workload), seed=0, arrival=container(cfg.arrival))
-    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
+    run = assemble(cfg)
+    requests = run.requests()
     runs = []
-    for executor in (make_engine_executor(container(cfg.model), num_slots=300, forced=True),
-                     SimExecutor(RooflineCostModel(model, hw))):
-        _, result = serve(requests, build_cache(cfg, 300, requests), {"name": "lpm"}, executor,
+    for executor in (make_engine_executor(run.config["model"], num_slots=300, forced=True),
+                     SimExecutor(RooflineCostModel(run.model_shape, run.hardware))):
+        _, result = serve(requests, run.build_cache(300, requests), {"name": "lpm"}, executor,
                           record_steps=True)
         runs.append(result)
     engine, sim = runs

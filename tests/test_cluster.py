@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from testbed.cache import RadixCache
-from testbed.router import ROUTERS, Router, make_router
+from testbed.router import ROUTERS, Router
 from testbed.sim.cluster import cluster_records, cluster_summary, simulate_cluster
 from testbed.sim.simulate import records_of, serve
 from testbed.workloads import generate
@@ -48,7 +48,7 @@ class Always(Router):
 @pytest.mark.parametrize("name", list(ROUTERS))
 def test_every_request_finishes_on_exactly_one_replica_and_no_kv_leaks(name):
     requests = small_chat() + generate(small_config("tree_of_thought"), seed=1)
-    result = run(requests, make_router(name, kv_capacity=CAPACITY))
+    result = run(requests, ROUTERS.build(name, max_tree_size=CAPACITY))
     assert sorted(r.id for r in result.reqs) == sorted(r.id for r in requests)
     seen = [r.id for rep in result.replicas for r in rep.reqs]
     assert sorted(seen) == sorted(r.id for r in requests)  # each on exactly one replica
@@ -68,8 +68,8 @@ def test_every_request_finishes_on_exactly_one_replica_and_no_kv_leaks(name):
 @pytest.mark.parametrize("name", ["random", "cache_aware", "oracle"])
 def test_same_seed_same_results(name):
     requests = small_chat()
-    a = run(requests, make_router(name, seed=5, kv_capacity=CAPACITY), seed=5)
-    b = run(requests, make_router(name, seed=5, kv_capacity=CAPACITY), seed=5)
+    a = run(requests, ROUTERS.build(name, seed=5, max_tree_size=CAPACITY), seed=5)
+    b = run(requests, ROUTERS.build(name, seed=5, max_tree_size=CAPACITY), seed=5)
     assert [r.to_json() for r in cluster_records(a)] == [r.to_json() for r in cluster_records(b)]
     assert a.replica_of == b.replica_of and a.imbalance == b.imbalance
     assert cluster_summary(a) == cluster_summary(b)
@@ -79,7 +79,7 @@ def test_one_replica_is_the_single_replica_driver_event_for_event():
     requests = generate(small_config("tree_of_thought"), seed=0)
     _, single = serve(requests, RadixCache(CAPACITY), {"name": "lpm"}, a10g_llama2_executor(),
                       max_in_flight=2)
-    result = run(requests, make_router("cache_aware"), replicas=1, max_in_flight=2)
+    result = run(requests, ROUTERS.build("cache_aware"), replicas=1, max_in_flight=2)
     records = [r.to_json() for r in cluster_records(result)]
     assert all(r.pop("replica") == 0 for r in records)
     assert records == [r.to_json() for r in records_of(single.reqs)]
@@ -88,7 +88,7 @@ def test_one_replica_is_the_single_replica_driver_event_for_event():
 
 def test_network_delay_counts_in_latency_and_dependencies_span_replicas():
     requests = small_chat(think_time_s=2.0)
-    result = run(requests, make_router("round_robin"), network_delay_s=0.5,
+    result = run(requests, ROUTERS.build("round_robin"), network_delay_s=0.5,
                  transfer_s_per_token=0.001)
     by_id = {r.id: (r, w, t) for r, w, t in zip(result.reqs, result.replica_of, result.routed_s)}
     for req, w, routed in by_id.values():
@@ -117,7 +117,7 @@ def test_imbalance_is_max_over_mean_outstanding_work():
     result = run(requests, Always(worker=0), replicas=2)
     assert result.imbalance == pytest.approx(2.0)  # everything on one of two replicas
     assert result.imbalance_unweighted == pytest.approx(2.0)
-    balanced = run(requests, make_router("least_load"), replicas=2)
+    balanced = run(requests, ROUTERS.build("least_load"), replicas=2)
     assert 1.0 <= balanced.imbalance < 2.0
 
 
@@ -125,7 +125,7 @@ def test_a_request_that_can_never_fit_is_aborted_on_its_replica():
     rng = np.random.default_rng(0)
     big = Request(id="big", prompt=rng.integers(0, 100, CAPACITY + 10, dtype=np.int32),
                   output=np.arange(3, dtype=np.int32))
-    result = run(small_chat() + [big], make_router("least_load"))
+    result = run(small_chat() + [big], ROUTERS.build("least_load"))
     (req,) = [r for r in result.reqs if r.id == "big"]
     assert req.aborted and req.finished
     assert result.final_loads.tokens == (0, 0, 0)
@@ -133,7 +133,7 @@ def test_a_request_that_can_never_fit_is_aborted_on_its_replica():
 
 def test_cluster_summary_has_per_replica_summaries_and_decisions():
     requests = small_chat()
-    result = run(requests, make_router("cache_aware", kv_capacity=CAPACITY))
+    result = run(requests, ROUTERS.build("cache_aware", max_tree_size=CAPACITY))
     s = cluster_summary(result)
     assert s["num_replicas"] == 3 and len(s["replicas"]) == 3 and s["router"] == "cache_aware"
     assert sum(r["num_requests"] for r in s["replicas"]) == len(requests)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.sim.cost_model import (
-    FittedCostModel, RooflineCostModel, StepShape, load_fitted, make_cost_model, save_fitted,
+    FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )
 from testbed.sim.specs import (
     HardwareSpec, ModelSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
@@ -225,10 +225,10 @@ def test_attention_runs_at_its_own_efficiency():
 def test_interconnect_and_overhead_come_from_the_hardware_preset(device, bw, overhead):
     r = roofline("llama3_70b", device)
     assert (r.interconnect_bw, r.overhead_s) == (bw, overhead)
-    made = make_cost_model(conf("cost_model", "roofline"), model("llama3_70b"), hw(device))
+    made = COST_MODELS.build(conf("cost_model", "roofline"), model=model("llama3_70b"), hw=hw(device))
     assert (made.interconnect_bw, made.overhead_s) == (bw, overhead)
     override = {"name": "roofline", "interconnect_bw": 100e9, "overhead_s": 0.0}
-    made = make_cost_model(override, model("llama3_70b"), hw(device))
+    made = COST_MODELS.build(override, model=model("llama3_70b"), hw=hw(device))
     assert (made.interconnect_bw, made.overhead_s) == (100e9, 0.0)
 
 
@@ -298,7 +298,7 @@ def test_fitted_yaml_round_trip(tmp_path):
     doc = yaml.safe_load(path.read_text())
     assert doc["meta"]["model"] == "llama3_8b" and len(doc["meta"]["date"]) == 10
     assert load_fitted(path, roofline()).coeffs == coeffs
-    made = make_cost_model({"name": "fitted", "path": str(path)}, model("llama3_8b"), hw("h100"))
+    made = COST_MODELS.build({"name": "fitted", "path": str(path)}, model=model("llama3_8b"), hw=hw("h100"))
     assert isinstance(made, FittedCostModel) and made.coeffs == coeffs
 
 
@@ -319,23 +319,23 @@ def test_bad_fitted_file(tmp_path, edit, message):
 
 def test_make_cost_model_from_configs():
     m, h = model("llama3_8b"), hw("h100")
-    r = make_cost_model(conf("cost_model", "roofline"), m, h)
+    r = COST_MODELS.build(conf("cost_model", "roofline"), model=m, hw=h)
     assert isinstance(r, RooflineCostModel)
     assert (r.mfu, r.attn_mfu, r.mbu, r.overhead_s) == (0.65, 0.23, 0.58, 2e-3)
     old_keys = {"name": "roofline", "mfu": 0.6, "mbu": 0.7, "overhead_s": 2e-3}  # before attn_mfu
-    r = make_cost_model(old_keys, m, h)
+    r = COST_MODELS.build(old_keys, model=m, hw=h)
     assert (r.mfu, r.attn_mfu, r.mbu, r.overhead_s) == (0.6, 0.23, 0.7, 2e-3)
     with pytest.raises(ValueError, match="cost_model.path is required"):
-        make_cost_model(conf("cost_model", "fitted"), m, h)
+        COST_MODELS.build(conf("cost_model", "fitted"), model=m, hw=h)
     with pytest.raises(ValueError,
-                       match="cost_model.name must be one of roofline, fitted, vidur; got"):
-        make_cost_model({"name": "x"}, m, h)
+                       match="cost_model must be one of roofline, fitted, vidur or custom; got"):
+        COST_MODELS.build({"name": "x"}, model=m, hw=h)
     with pytest.raises(ValueError, match=r"cost_model.mfu must be in \(0, 1\], got 1.5"):
-        make_cost_model({"name": "roofline", "mfu": 1.5}, m, h)
+        COST_MODELS.build({"name": "roofline", "mfu": 1.5}, model=m, hw=h)
     with pytest.raises(ValueError, match=r"cost_model.attn_mfu must be in \(0, 1\], got 0.0"):
-        make_cost_model({"name": "roofline", "attn_mfu": 0.0}, m, h)
+        COST_MODELS.build({"name": "roofline", "attn_mfu": 0.0}, model=m, hw=h)
     with pytest.raises(ValueError, match="cost_model.path: no such file"):
-        make_cost_model({"name": "fitted", "path": "/nonexistent.yaml"}, m, h)
+        COST_MODELS.build({"name": "fitted", "path": "/nonexistent.yaml"}, model=m, hw=h)
 
 
 # ---- against measurements ----

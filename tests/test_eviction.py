@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.cache import ALL_POLICIES, BlockHashCache, RadixCache, Requester, make_policy
+from testbed.cache import EVICTION, BlockHashCache, RadixCache, Requester
 from testbed.cache.oracle import FutureIndex, Oracle
 from testbed.replay import replay
 from testbed.workloads.request import Request
@@ -34,7 +34,7 @@ def build(policy: str, **params) -> RadixCache:
     A=[1,2] created first, hit twice; B=[3,4] created second, never hit; C=[5,6,7,8] created
     third by an urgent request (priority -1), hit once. Access order afterwards: C, A (A is the
     most recent; B the least recent)."""
-    cache = RadixCache(100, policy=make_policy({"name": policy, **params}))
+    cache = RadixCache(100, policy=EVICTION.build({"name": policy, **params}))
     serve(cache, [1, 2], Requester("a", priority=2))
     serve(cache, [3, 4], Requester("b", priority=1))
     serve(cache, [5, 6, 7, 8], Requester("c", priority=-1))
@@ -66,7 +66,7 @@ def test_each_policy_evicts_in_its_exact_order(policy, expected):
 
 
 def test_lfu_breaks_frequency_ties_by_recency():
-    cache = RadixCache(100, policy=make_policy("lfu"))
+    cache = RadixCache(100, policy=EVICTION.build("lfu"))
     for seq in ([1], [2], [3]):
         serve(cache, seq)
     use(cache, [2])
@@ -75,7 +75,7 @@ def test_lfu_breaks_frequency_ties_by_recency():
 
 
 def test_slru_evicts_probation_before_protected_even_if_more_recent():
-    cache = RadixCache(100, policy=make_policy("slru"))
+    cache = RadixCache(100, policy=EVICTION.build("slru"))
     serve(cache, [1, 1])
     use(cache, [1, 1])  # protected
     serve(cache, [2, 2])     # probation, newer
@@ -85,7 +85,7 @@ def test_slru_evicts_probation_before_protected_even_if_more_recent():
 def test_gdsf_keeps_entries_that_are_costlier_to_recompute_and_ages():
     # Cost per token grows with depth: the deep leaf [9..] (after a 50-token prefix) is worth more
     # than the shallow leaf [5..], used as often.
-    cache = RadixCache(200, policy=make_policy("gdsf", cost_fn=lambda start, size: size * (1 + start)))
+    cache = RadixCache(200, policy=EVICTION.build("gdsf", cost_fn=lambda start, size: size * (1 + start)))
     serve(cache, [*range(100, 150), 9, 9])
     serve(cache, [*range(100, 150), 8, 8])  # splits: [100..149] with leaves [9,9] and [8,8]
     serve(cache, [5, 5])
@@ -95,7 +95,7 @@ def test_gdsf_keeps_entries_that_are_costlier_to_recompute_and_ages():
 
 
 def test_workload_aware_evicts_the_category_that_is_rarely_reused():
-    cache = RadixCache(100, policy=make_policy({"name": "workload_aware", "tau": 1e9}))
+    cache = RadixCache(100, policy=EVICTION.build({"name": "workload_aware", "tau": 1e9}))
     for i in range(4):  # "chat" entries get reused, "search" entries never
         serve(cache, [10 + i, 10 + i], Requester(f"c{i}", category="chat"))
         use(cache, [10 + i, 10 + i])
@@ -113,7 +113,7 @@ def test_workload_aware_without_categories_is_lru():
     assert victims(build("workload_aware")) == victims(build("lru"))
 
 
-@pytest.mark.parametrize("policy", [p for p in ALL_POLICIES if p != "oracle"])
+@pytest.mark.parametrize("policy", [p for p in EVICTION if p != "oracle"])
 def test_no_policy_ever_evicts_a_locked_node(policy):
     cache = build(policy)
     lease = cache.acquire(toks(3, 4, 99))  # locks B
@@ -128,14 +128,14 @@ def test_no_policy_ever_evicts_a_locked_node(policy):
                                     "workload_aware"])
 def test_block_hash_takes_every_policy_and_keeps_its_invariants(policy):
     requests = random_tree(num_requests=60, root_len=20, segment_len=6, output_len=5, seed=3)
-    cache = BlockHashCache(160, block_size=4, policy=make_policy(policy))
+    cache = BlockHashCache(160, block_size=4, policy=EVICTION.build(policy))
     records = replay(requests, cache)
     cache.check_invariants()
     assert sum(r.cached_tokens for r in records) > 0
 
 
 def test_block_hash_lru_reuses_least_recently_freed_blocks_first():
-    cache = BlockHashCache(12, block_size=4, policy=make_policy("mru"))
+    cache = BlockHashCache(12, block_size=4, policy=EVICTION.build("mru"))
     for seq in (range(0, 4), range(10, 14), range(20, 24)):
         replay([Request("r", toks(*seq), toks())], cache)
     replay([Request("new", toks(*range(30, 34)), toks())], cache)
@@ -173,15 +173,15 @@ def test_oracle_hit_rate_is_at_least_every_online_policys(seed):
     prompt = sum(len(r.prompt) for r in requests)
     for capacity in (600, 1500, 4000):
         rates = {}
-        for policy in ALL_POLICIES:
-            cache = RadixCache(capacity, policy=make_policy(policy, requests))
+        for policy in EVICTION:
+            cache = RadixCache(capacity, policy=EVICTION.build(policy, requests=requests))
             rates[policy] = sum(r.cached_tokens for r in replay(requests, cache)) / prompt
         assert all(rates["oracle"] >= rate for rate in rates.values()), (capacity, rates)
 
 
 @pytest.mark.parametrize("policy", ["lfu", "slru"])
 def test_look_ups_count_no_hits_for_frequency_policies(policy):
-    cache = RadixCache(100, policy=make_policy(policy))
+    cache = RadixCache(100, policy=EVICTION.build(policy))
     serve(cache, [1, 1])
     serve(cache, [2, 2])
     use(cache, [2, 2])  # one real hit
@@ -192,7 +192,7 @@ def test_look_ups_count_no_hits_for_frequency_policies(policy):
 
 
 def test_look_ups_refresh_recency_as_sglangs_match_prefix_does():
-    cache = RadixCache(100, policy=make_policy("lru"))
+    cache = RadixCache(100, policy=EVICTION.build("lru"))
     serve(cache, [1, 1])
     serve(cache, [2, 2])
     cache.match(toks(1, 1, 9))

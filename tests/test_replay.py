@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from testbed.cache import BlockHashCache, NoCache, RadixCache, Requester, make_cache
+from testbed.cache import CACHES, EVICTION, BlockHashCache, NoCache, RadixCache, Requester
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.replay import replay
 from testbed.workloads.synthetic import shared_prefix
@@ -95,19 +95,20 @@ def test_summary_has_the_contract_fields_and_nulls_for_time_in_replay():
 def test_every_cache_leaves_no_slot_leaked_after_a_replay(name):
     requests = shared_prefix(num_groups=3, prompts_per_group=4, system_prompt_len=40,
                              question_len=9, output_len=6, seed=1)
-    cache = make_cache(name, capacity_tokens=150)
+    cache = CACHES.build(name, capacity_tokens=150)
     replay(requests, cache)
     cache.check_invariants()
     assert cache.protected_size == 0
 
 
-def test_make_cache_names_the_key_and_allowed_values_on_bad_input():
-    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none"):
-        make_cache("lru")
-    with pytest.raises(ValueError, match="cache.capacity_tokens must be >= 0 or null, got -5"):
-        make_cache("radix", capacity_tokens=-5)
+def test_cache_and_eviction_choices_name_the_key_and_allowed_values_on_bad_input():
+    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none or custom; "
+                                         "got 'lru'"):
+        CACHES.build("lru")
+    with pytest.raises(ValueError, match="cache.block_size is not a setting of cache=radix"):
+        CACHES.build({"name": "radix", "block_size": 16})
     with pytest.raises(ValueError, match="eviction must be one of lru, fifo, lfu"):
-        make_cache("radix", policy="nope")
+        EVICTION.build("nope")
 
 
 @pytest.mark.parametrize("capacity, expected", [(None, 0.373624), (3_000_000, 0.135347)])
@@ -133,14 +134,14 @@ def tree_state(cache: RadixCache) -> list:
 def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity):
     # RadixCache.replay_one fuses the three calls; PrefixCache.replay_one makes them. Small
     # vocabularies make accidental matches, splits and cached output tokens common.
-    from testbed.cache import PrefixCache, make_policy
+    from testbed.cache import PrefixCache
     from testbed.workloads.synthetic import random_tree
 
     requests = random_tree(num_requests=300, root_len=9, segment_len=5, output_len=3, vocab_size=3,
                            seed=4)
     for i, r in enumerate(requests):
         r.priority, r.category = i % 3, f"c{i % 2}"
-    fused, calls = (RadixCache(capacity, policy=make_policy(policy, requests)) for _ in range(2))
+    fused, calls = (RadixCache(capacity, policy=EVICTION.build(policy, requests=requests)) for _ in range(2))
     for r in requests:
         who = Requester(r.id, r.priority, r.category)
         assert fused.replay_one(r.prompt, r.output, who) == \

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from testbed.cache import BlockHashCache, NoCache, RadixCache
-from testbed.router import (ApproxTree, CacheAware, LeastLoad, Loads, Oracle, RandomRouter,
-                            RoundRobin, cluster_delays, is_imbalanced, make_router, peek_match)
+from testbed.router import (ROUTERS, ApproxTree, CacheAware, LeastLoad, Loads, Oracle, RandomRouter,
+                            RoundRobin, cluster_delays, is_imbalanced, peek_match)
 from tests.conftest import toks
 
 
@@ -238,20 +238,20 @@ def test_oracle_needs_the_caches():
 
 # ---------------------------------------------------------------------- config
 def test_make_router_reads_the_config_group_and_rejects_unknown_keys():
-    r = make_router({"name": "cache_aware", "cache_threshold": 0.3, "network_delay_s": 0.01},
-                    kv_capacity=1234)
+    r = ROUTERS.build({"name": "cache_aware", "cache_threshold": 0.3, "network_delay_s": 0.01},
+                    max_tree_size=1234)
     assert isinstance(r, CacheAware) and r.cache_threshold == 0.3 and r.max_tree_size == 1234
-    capped = make_router({"name": "cache_aware", "max_tree_size": 99}, kv_capacity=5)
+    capped = ROUTERS.build({"name": "cache_aware", "max_tree_size": 99}, max_tree_size=5)
     assert capped.max_tree_size == 99
-    assert make_router("random", seed=3).seed == 3
+    assert ROUTERS.build("random", seed=3).seed == 3
     with pytest.raises(ValueError, match="cache_threshold is not a setting of router=least_load"):
-        make_router({"name": "least_load", "cache_threshold": 0.5})
+        ROUTERS.build({"name": "least_load", "cache_threshold": 0.5})
     with pytest.raises(ValueError, match="router must be one of"):
-        make_router("sticky")
+        ROUTERS.build("sticky")
     with pytest.raises(ValueError, match=r"router.cache_threshold must be in \[0, 1\], got 2"):
-        make_router({"name": "cache_aware", "cache_threshold": 2})
+        ROUTERS.build({"name": "cache_aware", "cache_threshold": 2})
     with pytest.raises(ValueError, match="router.load must be one of tokens, requests"):
-        make_router({"name": "least_load", "load": "bytes"})
+        ROUTERS.build({"name": "least_load", "load": "bytes"})
     assert cluster_delays({"name": "x", "network_delay_s": 0.002}) == (0.002, 0.0)
     with pytest.raises(ValueError, match="router.network_delay_s must be >= 0"):
         cluster_delays({"network_delay_s": -1})
@@ -266,6 +266,6 @@ def test_every_config_file_builds_its_router():
     for path in sorted((REPO / "conf" / "router").glob("[!_]*.yaml")):
         with initialize_config_dir(config_dir=str(REPO / "conf" / "router"), version_base=None):
             cfg = OmegaConf.to_container(compose(path.stem))
-        router = make_router(cfg, kv_capacity=1000)
+        router = ROUTERS.build(cfg, max_tree_size=1000)
         assert router.name == path.stem
         assert cluster_delays(cfg) == (0.0, 0.0)

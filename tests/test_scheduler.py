@@ -7,7 +7,7 @@ import pytest
 
 from testbed.cache import BlockHashCache, NoCache, RadixCache
 from testbed.scheduler.config import SchedulerConfig
-from testbed.scheduler.policy import QueuePolicy, dfs_weight_order
+from testbed.scheduler.policy import dfs_weight_order
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads.request import Request
 from tests.conftest import toks
@@ -118,7 +118,7 @@ def test_unknown_policy_and_bad_settings_name_the_key():
         SchedulerConfig.from_mapping({"name": "sjf"})
     with pytest.raises(ValueError, match="scheduler.max_prefill_tokens must be >= 1, got 0"):
         SchedulerConfig.from_mapping({"name": "fcfs", "max_prefill_tokens": 0})
-    with pytest.raises(ValueError, match="scheduler.chunk is not a scheduler setting"):
+    with pytest.raises(ValueError, match="scheduler.chunk is not a setting of scheduler=fcfs; allowed: name, max_running_requests"):
         SchedulerConfig.from_mapping({"chunk": 3})
 
 
@@ -231,8 +231,8 @@ def test_a_chunk_budget_below_one_page_is_refused_with_both_keys():
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs_weight"])
 def test_ordering_the_queue_counts_no_hits_for_frequency_policies(policy):
-    from testbed.cache import make_policy
-    cache = RadixCache(1000, policy=make_policy("lfu"))
+    from testbed.cache import EVICTION
+    cache = RadixCache(1000, policy=EVICTION.build("lfu"))
     for seq in (range(100, 150), range(200, 210)):
         lease = cache.acquire(toks(*seq))
         cache.extend(lease, len(seq))

@@ -19,7 +19,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.sim.cost_model import RooflineCostModel, StepShape, make_cost_model
+from testbed.sim.cost_model import COST_MODELS, RooflineCostModel, StepShape
 from testbed.sim.specs import ModelSpec, hardware_spec, model_spec
 from testbed.sim.vidur_cost import VidurCostModel, round_up
 from testbed.sim.vidur_profile import TOKEN_OPS, ProfileError, load_vidur_profile
@@ -389,19 +389,19 @@ def test_made_from_config_with_vidurs_defaults(profile_dir):
     hw = hardware_spec(yaml.safe_load((REPO / "conf/hardware/a100.yaml").read_text()))
     cfg = yaml.safe_load((REPO / "conf/cost_model/vidur.yaml").read_text())
     with pytest.raises(ValueError, match="cost_model.profile_dir is required with cost_model="):
-        make_cost_model(cfg, MODEL, hw)
-    made = make_cost_model(cfg | {"profile_dir": str(profile_dir)}, MODEL, hw)
+        COST_MODELS.build(cfg, model=MODEL, hw=hw)
+    made = COST_MODELS.build(cfg | {"profile_dir": str(profile_dir)}, model=MODEL, hw=hw)
     assert isinstance(made, VidurCostModel) and made.overhead_s == 0.0
     assert (made.kv_granularity, made.decode_batching_overhead, made.nccl_launch_s) == (
         256, 0.1, 2e-5)
     h100 = hardware_spec(yaml.safe_load((REPO / "conf/hardware/h100.yaml").read_text()))
-    made = make_cost_model(cfg | {"profile_dir": str(profile_dir), "overhead_s": None}, MODEL, h100)
+    made = COST_MODELS.build(cfg | {"profile_dir": str(profile_dir), "overhead_s": None}, model=MODEL, hw=h100)
     assert made.overhead_s == h100.step_overhead_s == 2e-3
-    made = make_cost_model({"name": "vidur", "profile_dir": str(profile_dir),
-                            "kv_granularity": 16, "nccl_launch_s": 0}, MODEL, hw)
+    made = COST_MODELS.build({"name": "vidur", "profile_dir": str(profile_dir),
+                              "kv_granularity": 16, "nccl_launch_s": 0}, model=MODEL, hw=hw)
     assert (made.kv_granularity, made.nccl_launch_s) == (16, 0.0)
     with pytest.raises(ProfileError, match="cost_model.profile_dir: no such directory"):
-        make_cost_model(cfg | {"profile_dir": str(profile_dir / "nope")}, MODEL, hw)
+        COST_MODELS.build(cfg | {"profile_dir": str(profile_dir / "nope")}, model=MODEL, hw=hw)
 
 
 def test_a_run_with_the_codellama_preset(tmp_path):

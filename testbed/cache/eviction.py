@@ -4,7 +4,9 @@ A policy maps an entry's statistics to a priority key; the cache evicts the smal
 The cache owns the data structure (a lazily-invalidated heap of candidates) and re-asks the policy
 whenever an entry's statistics change, so policy code never lives inside the tree. Policies with
 state of their own (an aging clock, reuse statistics, the future) learn about accesses, creations,
-hits and evictions through the hooks of `EvictionPolicy`.
+hits and evictions through the hooks of `EvictionPolicy`. `EVICTION` builds the one the
+``eviction`` config group names (a built-in, or ``eviction=custom eviction.target=module.Class``:
+any class with `EvictionPolicy`'s methods; docs/extending.md).
 
 Keys are computed when an entry is (re)offered; a policy whose key drifts with global state (GDSF's
 clock, the workload-aware estimator) sees it applied to an entry at its next offer, as in the usual
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Callable, NamedTuple, Protocol
+
+from testbed.registry import Registry
 
 
 class Requester(NamedTuple):
@@ -171,23 +175,8 @@ class WorkloadAware(EvictionPolicy):
             self.reused[entry.category] = self.reused.get(entry.category, 0) + 1
 
 
-EVICTION_POLICIES: dict[str, type] = {
-    p.name: p for p in (LRU, FIFO, LFU, MRU, SLRU, PriorityLRU, GDSF, WorkloadAware)
-}
-ALL_POLICIES = (*EVICTION_POLICIES, "oracle")
-
-
-def make_eviction_policy(name: str, **params: Any) -> EvictionPolicy:
-    """A policy by config name; ``oracle`` is built by `testbed.cache.oracle.Oracle` (it needs
-    the whole workload)."""
-    if name == "oracle":
-        raise ValueError("eviction=oracle needs the whole workload: build it with "
-                         "testbed.cache.oracle.Oracle(requests)")
-    try:
-        cls = EVICTION_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"eviction must be one of {', '.join(ALL_POLICIES)}; got {name!r}") from None
-    try:
-        return cls(**params)
-    except TypeError as e:
-        raise ValueError(f"eviction={name}: {e}") from None
+EVICTION = Registry("eviction", methods=("priority", "on_access", "on_create", "on_hit", "on_evict"),
+                    context_keys=("requests", "cost_fn"), what="an eviction policy")
+for _policy in (LRU, FIFO, LFU, MRU, SLRU, PriorityLRU, GDSF, WorkloadAware):
+    EVICTION.register(_policy.name, _policy)
+# "oracle" registers in testbed/cache/oracle.py: it is built from the whole workload (``requests``)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from testbed.cache.eviction import EntryStats, EvictionPolicy, Requester
+from testbed.cache.eviction import EVICTION, EntryStats, EvictionPolicy, Requester
 
 
 class _FutureNode:
@@ -77,6 +77,7 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     return i if n and differ[i] else n
 
 
+@EVICTION.register("oracle")
 class Oracle(EvictionPolicy):
     name = "oracle"
 

@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease
-from testbed.cache.eviction import EvictionPolicy, Requester, make_eviction_policy
+from testbed.cache.eviction import EVICTION, LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, TreeNode
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
@@ -80,7 +80,7 @@ class TieredRadixCache(RadixCache):
         for name, size, tier_policy in (("host", host_tokens, host_policy),
                                         ("disk", disk_tokens, disk_policy)):
             if size:
-                self.tiers.append(LowerTier(name, size, tier_policy or make_eviction_policy("lru"),
+                self.tiers.append(LowerTier(name, size, tier_policy or LRU(),
                                             page_size))
         self.ntiers = len(self.tiers)
         self.lower_tiers = tuple(t.name for t in self.tiers[1:])
@@ -429,12 +429,10 @@ def make_tiered_cache(cache_cfg: Mapping[str, Any], capacity_tokens: int | None,
 
     def tier_policy(key: str) -> EvictionPolicy:
         cfg = cache_cfg.get(key) or "lru"
-        params = {"name": cfg} if isinstance(cfg, str) else dict(cfg)
-        name = params.pop("name", "lru")
-        if name == "oracle":
+        if (cfg if isinstance(cfg, str) else cfg.get("name")) == "oracle":
             raise ValueError(f"cache.{key}=oracle is not supported (the oracle is GPU-only)")
         try:
-            return make_eviction_policy(name, **params)
+            return EVICTION.build(cfg)
         except ValueError as e:
             raise ValueError(f"cache.{key}: {e}") from None
 

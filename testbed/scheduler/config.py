@@ -1,11 +1,16 @@
-"""`SchedulerConfig`: the ``scheduler`` config group, validated. Defaults are SGLang's."""
+"""`SchedulerConfig`: the ``scheduler`` config group, validated. Defaults are SGLang's.
+
+``name`` (or ``target``, an import path: ``scheduler=custom``) picks the queue policy from
+`QUEUE_POLICIES`; the group's keys that are not fields here are that policy's own settings.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from testbed.scheduler.policy import POLICIES
+from testbed.registry import Resolved
+from testbed.scheduler.policy import QUEUE_POLICIES
 
 RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
 
@@ -13,6 +18,8 @@ RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
 @dataclass(frozen=True)
 class SchedulerConfig:
     name: str = "fcfs"  # the queue policy
+    target: str | None = None  # scheduler=custom: the queue policy's import path
+    policy_settings: dict[str, Any] = field(default_factory=dict)  # the policy's own keys
     max_running_requests: int | None = None  # None: min(KV capacity // 2, 4096), as SGLang
     max_prefill_tokens: int = 16384  # new tokens per prefill batch
     chunked_prefill_size: int | None = 8192  # None disables chunking
@@ -32,18 +39,30 @@ class SchedulerConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "SchedulerConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        if unknown:
-            raise ValueError(f"scheduler.{unknown[0]} is not a scheduler setting; "
-                             f"allowed: {', '.join(sorted(known))}")
-        config = cls(**dict(cfg))
+        known = {f.name for f in fields(cls)} - {"policy_settings"}
+        config = cls(**{k: v for k, v in cfg.items() if k in known},
+                     policy_settings={k: v for k, v in cfg.items() if k not in known})
         config.validate()
         return config
 
+    @classmethod
+    def of(cls, cfg: "SchedulerConfig | Mapping[str, Any]") -> "SchedulerConfig":
+        """``cfg`` itself, or the config of a ``scheduler`` group mapping."""
+        return cfg if isinstance(cfg, SchedulerConfig) else cls.from_mapping(cfg)
+
+    def queue_policy(self) -> Resolved:
+        """The queue policy's entry and settings, checked (`testbed.registry`); build it with
+        ``.build(cache=..., rng=..., **config.settings())``."""
+        return QUEUE_POLICIES.resolve({"name": self.name, "target": self.target,
+                                       **self.policy_settings}, run_keys=tuple(self.settings()))
+
+    def settings(self) -> dict[str, Any]:
+        """The scheduler's settings by name, as offered to the queue policy."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("name", "target", "policy_settings")}
+
     def validate(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}; got {self.name!r}")
+        self.queue_policy()
         if self.retract_order not in RETRACT_ORDERS:
             raise ValueError(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
                              f"got {self.retract_order!r}")

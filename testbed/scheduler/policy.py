@@ -28,93 +28,149 @@ dfs_weight without a radix tree).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from testbed.cache.base import PrefixCache
 from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.radix import RadixCache, TreeNode
+from testbed.registry import Registry
 from testbed.scheduler.request_state import Req
 
-POLICIES = ("fcfs", "lpm", "dfs_weight", "random", "lof")
+QUEUE_POLICIES = Registry("scheduler", methods=("order",), what="a queue policy",
+                          context_keys=("cache", "rng"))
 
 
 @dataclass
 class Ordering:
     queue: list[Req]  # in the order to try (deprioritized requests last)
-    deferred: set[int]  # ids (id()) of the deprioritized requests (in-batch prefix caching)
+    deferred: set[int] = field(default_factory=set)  # id()s of the deprioritized requests
     held: bool = False  # whether the deferred sit this step out (``in_batch_hold``)
 
 
 class QueuePolicy:
-    def __init__(self, name: str, cache: PrefixCache, rng: np.random.Generator,
-                 lpm_fallback_threshold: int = 128, in_batch_prefix_caching: bool = True,
-                 check_threshold: int = 32, deprioritize_threshold: int = 32,
-                 in_batch_hold: bool = False, lpm_aging: float = 0.0) -> None:
-        if name not in POLICIES:
-            raise ValueError(f"scheduler must be one of {', '.join(POLICIES)}; got {name!r}")
-        self.name = name
+    """The interface of a queue policy, and FCFS: ``order(waiting, now)`` returns the order in
+    which to try the waiting requests (the queue as it stands, ties kept in its order; ``now`` is
+    the scheduler's clock). A policy may read the ``cache`` it is built with (look-ups only:
+    `PrefixCache.match`), never change it."""
+
+    name = "fcfs"
+
+    def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
-        self.rng = rng
+
+    def effective(self, num_waiting: int) -> str:
+        """The policy actually applied with this many requests waiting."""
+        return self.name
+
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        return Ordering(list(waiting))
+
+
+@QUEUE_POLICIES.register("fcfs")
+class FCFS(QueuePolicy):
+    """Submission order."""
+
+
+@QUEUE_POLICIES.register("lpm")
+class LongestPrefixMatch(QueuePolicy):
+    """Longest cached prefix first, with in-batch prefix caching and the FCFS fallback (module
+    docstring)."""
+
+    name = "lpm"
+
+    def __init__(self, cache: PrefixCache, lpm_fallback_threshold: int = 128,
+                 in_batch_prefix_caching: bool = True, in_batch_check_threshold: int = 32,
+                 in_batch_deprioritize_threshold: int = 32, in_batch_hold: bool = False,
+                 lpm_aging: float = 0.0) -> None:
+        super().__init__(cache)
         self.lpm_fallback_threshold = lpm_fallback_threshold
         self.in_batch = in_batch_prefix_caching and cache.name != "none"
-        self.check_threshold = check_threshold
-        self.deprioritize_threshold = deprioritize_threshold
+        self.check_threshold = in_batch_check_threshold
+        self.deprioritize_threshold = in_batch_deprioritize_threshold
         self.in_batch_hold = in_batch_hold
         self.lpm_aging = lpm_aging
 
     def effective(self, num_waiting: int) -> str:
-        """The policy actually applied with this many requests waiting."""
-        if self.name == "lpm" and (self.cache.name == "none" or num_waiting > self.lpm_fallback_threshold):
-            return "fcfs"
-        if self.name == "dfs_weight" and not isinstance(self.cache, RadixCache):
+        if self.cache.name == "none" or num_waiting > self.lpm_fallback_threshold:
             return "fcfs"
         return self.name
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
-        """The order in which to try ``waiting`` (the queue as it stands, ties kept in its order);
-        ``now`` only matters for ``lpm_aging``."""
         queue = list(waiting)
-        name = self.effective(len(waiting))
-        if name == "fcfs":
-            return Ordering(queue, set())
-        if name == "random":
-            return Ordering([queue[i] for i in self.rng.permutation(len(queue))], set())
-        if name == "lof":  # SGLang sorts by max_new_tokens, however many are already out
-            return Ordering(sorted(queue, key=lambda r: -r.max_new_tokens), set())
-        # Cache-aware: a look-up of every waiting request (recency only; see PrefixCache.match).
-        keys = [r.fill()[: r.fill_len - 1] for r in queue]
-        if name == "lpm":
-            hits = [self.cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester)
-                    for r in queue]
-            deferred = self._in_batch_deferrals(queue, keys, hits)
-            aging = self.lpm_aging
+        if self.effective(len(queue)) == "fcfs":
+            return Ordering(queue)
+        # a look-up of every waiting request (recency only; see PrefixCache.match)
+        hits = [self.cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester)
+                for r in queue]
+        deferred = self._in_batch_deferrals(queue, hits)
+        aging = self.lpm_aging
 
-            def key(i: int) -> float:
-                if id(queue[i]) in deferred:
-                    return math.inf
-                return -(hits[i] + aging * (now - queue[i].submitted_s)) if aging else -hits[i]
+        def key(i: int) -> float:
+            if id(queue[i]) in deferred:
+                return math.inf
+            return -(hits[i] + aging * (now - queue[i].submitted_s)) if aging else -hits[i]
 
-            order = sorted(range(len(queue)), key=key)
-            return Ordering([queue[i] for i in order], deferred, held=self.in_batch_hold)
-        last_nodes = [self.cache.match_prefix(k, lookup=True)[1] for k in keys]  # radix
-        return Ordering(dfs_weight_order(self.cache.root, queue, last_nodes), set())
+        order = sorted(range(len(queue)), key=key)
+        return Ordering([queue[i] for i in order], deferred, held=self.in_batch_hold)
 
-    def _in_batch_deferrals(self, reqs: list[Req], keys: list[np.ndarray], hits: list[int]) -> set[int]:
+    def _in_batch_deferrals(self, reqs: list[Req], hits: list[int]) -> set[int]:
         if not self.in_batch:
             return set()
         pending = RadixCache(capacity=None)  # prefixes earlier waiting requests will compute
         deferred = set()
-        for req, key, hit in zip(reqs, keys, hits):
+        for req, hit in zip(reqs, hits):
             if hit > self.check_threshold:
                 continue
+            key = req.fill()[: req.fill_len - 1]
             shared, _, _ = pending.match_prefix(key)
             if shared >= self.deprioritize_threshold:
                 deferred.add(id(req))
             else:
                 pending.insert(key, np.zeros(len(key), dtype=SLOT_DTYPE))
         return deferred
+
+
+@QUEUE_POLICIES.register("dfs_weight")
+class DFSWeight(QueuePolicy):
+    """SGLang's DFS-weight order over the radix tree (`dfs_weight_order`); FCFS without one."""
+
+    name = "dfs_weight"
+
+    def effective(self, num_waiting: int) -> str:
+        return self.name if isinstance(self.cache, RadixCache) else "fcfs"
+
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        if self.effective(len(waiting)) == "fcfs":
+            return Ordering(list(waiting))
+        last_nodes = [self.cache.match_prefix(r.fill()[: r.fill_len - 1], lookup=True)[1]
+                      for r in waiting]
+        return Ordering(dfs_weight_order(self.cache.root, list(waiting), last_nodes))
+
+
+@QUEUE_POLICIES.register("random")
+class RandomOrder(QueuePolicy):
+    """A seeded shuffle at every step."""
+
+    name = "random"
+
+    def __init__(self, cache: PrefixCache, rng: np.random.Generator) -> None:
+        super().__init__(cache)
+        self.rng = rng
+
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        return Ordering([waiting[i] for i in self.rng.permutation(len(waiting))])
+
+
+@QUEUE_POLICIES.register("lof")
+class LongestOutputFirst(QueuePolicy):
+    """Largest ``max_new_tokens`` first (SGLang's ``lof`` sorts by it, however many are out)."""
+
+    name = "lof"
+
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        return Ordering(sorted(waiting, key=lambda r: -r.max_new_tokens))
 
 
 def dfs_weight_order(root: TreeNode, reqs: list[Req], last_nodes: list[TreeNode]) -> list[Req]:

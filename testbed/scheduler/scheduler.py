@@ -54,7 +54,7 @@ from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
-from testbed.scheduler.policy import QueuePolicy
+from testbed.scheduler.policy import Ordering
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import Request
 
@@ -73,12 +73,8 @@ class Scheduler:
         self.eos_for_all = eos_for_all
         self.config = config or SchedulerConfig()
         c = self.config
-        self.policy = QueuePolicy(c.name, cache, np.random.default_rng(seed),
-                                  lpm_fallback_threshold=c.lpm_fallback_threshold,
-                                  in_batch_prefix_caching=c.in_batch_prefix_caching,
-                                  check_threshold=c.in_batch_check_threshold,
-                                  deprioritize_threshold=c.in_batch_deprioritize_threshold,
-                                  in_batch_hold=c.in_batch_hold, lpm_aging=c.lpm_aging)
+        self.policy = c.queue_policy().build(cache=cache, rng=np.random.default_rng(seed),
+                                             **c.settings())
         capacity = cache.available_size
         self.max_running = c.max_running_requests or (
             4096 if math.isinf(capacity) else max(1, min(int(capacity) // 2, 4096)))
@@ -177,6 +173,13 @@ class Scheduler:
         held: set[int] = set()
         if self.waiting:
             ordering = self.policy.order(self.waiting, now)
+            if not isinstance(ordering, Ordering):  # a user policy may return a plain list
+                ordering = Ordering(list(ordering))
+            if len(ordering.queue) != len(self.waiting) or \
+                    {id(r) for r in ordering.queue} != {id(r) for r in self.waiting}:
+                raise ValueError(f"scheduler={c.target or c.name}: order() must return the "
+                                 f"waiting requests reordered ({len(self.waiting)} waiting, "
+                                 f"{len(ordering.queue)} returned)")
             self.waiting[:] = ordering.queue
             held = ordering.deferred if ordering.held else set()
         adder = PrefillAdder.for_step(self.cache, self.running, self.new_token_ratio,

@@ -263,7 +263,7 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     result carries a `RunObserver`'s steps and request phases."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    config = SchedulerConfig.from_mapping(scheduler_cfg)
+    config = SchedulerConfig.of(scheduler_cfg)
     caches = [make_cache() for _ in range(replicas)]
     if len({id(c) for c in caches}) != replicas:
         raise ValueError("make_cache must build a new cache on every call")

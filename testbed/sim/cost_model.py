@@ -3,7 +3,9 @@
 The simulator calls ``cost_model.step_time(StepShape(new=..., context=...))`` once per step: for
 each request in the batch, ``new`` tokens are computed this step (a prefill chunk, or 1 for a
 decode) on top of ``context`` tokens already in its KV. Three models implement `CostModel`
-(`make_cost_model` builds the one ``cost_model=`` names):
+(`COST_MODELS` builds the one ``cost_model=`` names; ``cost_model=custom
+cost_model.target=module.Class`` takes a class of your own built with ``model``, ``hw`` and the
+group's other keys):
 
 - `RooflineCostModel` — FLOPs and HBM bytes per GPU from the model's shape, each divided by the
   device's peak times an efficiency factor (matmuls and attention each their own); the slower one
@@ -65,6 +67,8 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 import yaml
+
+from testbed.registry import Registry
 
 from testbed.sim.specs import HardwareSpec, ModelSpec
 
@@ -332,53 +336,49 @@ def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
     return out
 
 
-COST_MODELS = ("roofline", "fitted", "vidur")
+COST_MODELS = Registry("cost_model", methods=("step_time",), context_keys=("model", "hw"),
+                       what="a cost model (step_time(StepShape) -> seconds)")
 
 
-def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> CostModel:
-    """The cost model the ``cost_model`` config group selects (``conf/cost_model/*.yaml``)."""
-    name = cfg.get("name")
-    if name not in COST_MODELS:
-        raise ValueError(f"cost_model.name must be one of {', '.join(COST_MODELS)}; got {name!r}")
+def number(key: str, value: Any, default: float | None) -> float | None:
+    """A ``cost_model`` setting as a float (``default`` when null); one line when not a number."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"cost_model.{key} must be a number, got {value!r}")
+    return float(value)
 
-    def num(key: str, default: float | None) -> float | None:
-        value = cfg.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"cost_model.{key} must be a number, got {value!r}")
-        return float(value)
 
-    roofline = RooflineCostModel(
-        model, hw, mfu=num("mfu", DEFAULT_MFU), mbu=num("mbu", DEFAULT_MBU),
-        overhead_s=num("overhead_s", None), interconnect_bw=num("interconnect_bw", None),
-        attn_mfu=num("attn_mfu", DEFAULT_ATTN_MFU))
-    if name == "roofline":
-        return roofline
-    if name == "vidur":
-        from testbed.sim import vidur_cost as vc
-        from testbed.sim.vidur_profile import load_vidur_profile
+@COST_MODELS.register("roofline")
+def roofline(model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
+             attn_mfu: float = DEFAULT_ATTN_MFU, mbu: float = DEFAULT_MBU,
+             overhead_s: float | None = None,
+             interconnect_bw: float | None = None) -> RooflineCostModel:
+    return RooflineCostModel(
+        model, hw, mfu=number("mfu", mfu, DEFAULT_MFU), mbu=number("mbu", mbu, DEFAULT_MBU),
+        overhead_s=number("overhead_s", overhead_s, None),
+        interconnect_bw=number("interconnect_bw", interconnect_bw, None),
+        attn_mfu=number("attn_mfu", attn_mfu, DEFAULT_ATTN_MFU))
 
-        directory = cfg.get("profile_dir")
-        if not directory:
-            raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a "
-                             "directory of Vidur's profiling CSVs: mlp.csv, attention.csv, "
-                             "all_reduce.csv)")
-        return vc.VidurCostModel(
-            load_vidur_profile(_resolve(directory), model), model,
-            overhead_s=roofline.overhead_s,
-            kv_granularity=num("kv_granularity", vc.KV_GRANULARITY),
-            decode_batching_overhead=num("decode_batching_overhead",
-                                         vc.DECODE_BATCHING_OVERHEAD),
-            nccl_launch_s=num("nccl_launch_s", vc.NCCL_LAUNCH_S))
-    path = cfg.get("path")
+
+@COST_MODELS.register("fitted")
+def fitted(model: ModelSpec, hw: HardwareSpec, path: str | None = None,
+           mfu: float = DEFAULT_MFU, attn_mfu: float = DEFAULT_ATTN_MFU, mbu: float = DEFAULT_MBU,
+           overhead_s: float | None = None,
+           interconnect_bw: float | None = None) -> FittedCostModel:
+    """Coefficients from ``path``, floored by the roofline of the other settings."""
     if not path:
         raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
                          "by testbed.sim.cost_model.save_fitted)")
-    return load_fitted(_resolve(path), floor_model=roofline)
+    return load_fitted(resolve_path(path), floor_model=roofline(
+        model, hw, mfu, attn_mfu, mbu, overhead_s, interconnect_bw))
 
 
-def _resolve(path: str | Path) -> Path:
+# the Vidur-profile model imports its profile reader only when chosen
+COST_MODELS.register("vidur", "testbed.sim.vidur_cost:vidur_cost_model")
+
+
+def resolve_path(path: str | Path) -> Path:
     """``path`` as given, or relative to the repository when it names a shipped file."""
     resolved = Path(path)
     if not resolved.is_absolute() and not resolved.exists():

@@ -2,7 +2,9 @@
 
 An executor receives a `Batch` and returns how long the step took and the token each entry
 produced. `SimExecutor` asks a cost model for the duration and emits the workload's predetermined
-output tokens; the engine's executor runs the model and times it.
+output tokens; the engine's executor runs the model and times it. `EXECUTORS` builds the one
+``backend=`` names (``backend=custom backend.target=module.Class``: any class with ``execute``,
+built with the run's values it names, e.g. ``cost_model``; docs/extending.md).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from testbed.registry import Registry
 from testbed.scheduler.batch import Batch
 from testbed.sim.cost_model import CostModel, StepShape
 
@@ -44,3 +47,12 @@ class SimExecutor:
         new, context = batch.shape()
         duration = self.cost_model.step_time(StepShape(new=new, context=context))
         return StepOutcome(duration_s=duration, tokens=predetermined_tokens(batch))
+
+
+#: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
+EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
+                    "dtype", "attention", "seed", "forced", "temperature", "top_p")
+EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,
+                     what="an executor (execute(Batch) -> StepOutcome)")
+EXECUTORS.register("sim", SimExecutor)
+EXECUTORS.register("engine", "testbed.engine.executor:make_engine_executor")  # imports torch

@@ -32,7 +32,7 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     earlier outputs are then rebuilt from the real ones, and a generated token in
     ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
     steps and request phases."""
-    scheduler = Scheduler(cache, SchedulerConfig.from_mapping(scheduler_cfg), seed=seed,
+    scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
                           eos_token_ids=eos_token_ids, eos_for_all=generate)
     rebuild = generate or any(r.generates for r in requests)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,

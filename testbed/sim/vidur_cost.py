@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 from testbed.sim.cost_model import StepShape
 from testbed.sim.monotone import Curve, Surface
-from testbed.sim.specs import ModelSpec
+from testbed.sim.specs import HardwareSpec, ModelSpec
 from testbed.sim.vidur_profile import EMB_OP, VidurProfile
 
 
@@ -192,3 +192,25 @@ class VidurCostModel:
                 f"kv_granularity={self.kv_granularity}, "
                 f"decode_batching_overhead={self.decode_batching_overhead}, "
                 f"nccl_launch_s={self.nccl_launch_s})")
+
+
+def vidur_cost_model(model: ModelSpec, hw: HardwareSpec, profile_dir: str | None = None,
+                     overhead_s: float | None = 0.0, kv_granularity: int = KV_GRANULARITY,
+                     decode_batching_overhead: float = DECODE_BATCHING_OVERHEAD,
+                     nccl_launch_s: float = NCCL_LAUNCH_S) -> VidurCostModel:
+    """The ``cost_model=vidur`` entry: the profile in ``profile_dir`` for ``model``; ``overhead_s``
+    null takes the hardware's ``step_overhead_s``."""
+    from testbed.sim.cost_model import number, resolve_path
+    from testbed.sim.vidur_profile import load_vidur_profile
+
+    if not profile_dir:
+        raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a directory "
+                         "of Vidur's profiling CSVs: mlp.csv, attention.csv, all_reduce.csv)")
+    overhead = number("overhead_s", overhead_s, None)
+    return VidurCostModel(
+        load_vidur_profile(resolve_path(profile_dir), model), model,
+        overhead_s=hw.step_overhead_s if overhead is None else overhead,
+        kv_granularity=number("kv_granularity", kv_granularity, KV_GRANULARITY),
+        decode_batching_overhead=number("decode_batching_overhead", decode_batching_overhead,
+                                        DECODE_BATCHING_OVERHEAD),
+        nccl_launch_s=number("nccl_launch_s", nccl_launch_s, NCCL_LAUNCH_S))

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from testbed.backends import build_cache, container
+from testbed.assembly import Assembly, assemble
 from testbed.cache.radix import RadixCache
 from testbed.cli import CONF_DIR, check_group_choices
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
-from testbed.workloads import WORKLOADS, build_workload
+from testbed.workloads import WORKLOADS
 from testbed.workloads.request import refuse_generating
 
 
@@ -81,15 +81,15 @@ def compose_config(overrides: list[str]) -> DictConfig:
         raise ValueError(str(e).strip().splitlines()[0]) from None
 
 
-def radix_cache(cfg: DictConfig, requests) -> RadixCache:
+def radix_cache(run: Assembly, requests) -> RadixCache:
     """The configured radix cache (its capacity, page size and eviction policy)."""
-    if cfg.cache.name != "radix":
+    if run.cache.label != "radix":
         raise ValueError(f"testbed.viz draws the radix tree: cache must be radix, got "
-                         f"{cfg.cache.name!r}")
-    if cfg.cache.get("host_tokens") or cfg.cache.get("disk_tokens"):
+                         f"{run.cache.label!r}")
+    if run.has_lower_tiers:
         raise ValueError("testbed.viz draws the GPU tree alone: cache.host_tokens and "
                          "cache.disk_tokens must be 0")
-    return build_cache(cfg, cfg.cache.get("capacity_tokens"), requests)
+    return run.build_cache(run.capacity_tokens, requests)
 
 
 def default_title(source: str, cfg: DictConfig) -> str:
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cols < 1 or args.tokens < 1:
             raise ValueError("--cols and --tokens must be >= 1")
         cfg = compose_config(overrides)
-        requests = build_workload(container(cfg.workload), seed=cfg.seed,
-                                  arrival=container(cfg.arrival))
+        run = assemble(cfg)
+        requests = run.requests()
         refuse_generating(requests, "replay")  # the tree after replayed requests: outputs needed
-        cache = radix_cache(cfg, requests)
+        cache = radix_cache(run, requests)
         panels = replay_panels(requests, cache, at)
         if args.caption and len(args.caption) != len(panels):
             raise ValueError(f"{len(args.caption)} --caption for {len(panels)} panels")

@@ -5,19 +5,18 @@ from __future__ import annotations
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from testbed.assembly import assemble
 from testbed.cli import check_group_choices
-
-from testbed.workloads import build_workload, save_tokens
+from testbed.workloads import save_tokens
 from testbed.workloads.describe import describe, format_table
 
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="describe")
 def main(cfg: DictConfig) -> None:
     try:
-        requests = build_workload(OmegaConf.to_container(cfg.workload, resolve=True), seed=cfg.seed,
-                                  arrival=OmegaConf.to_container(cfg.arrival, resolve=True))
+        requests = assemble(cfg).requests()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

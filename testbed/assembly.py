@@ -1,0 +1,212 @@
+"""The one assembly step: a composed run config in, the objects of a run out.
+
+`assemble(cfg)` reads the config once (Hydra's ``DictConfig`` or a plain mapping): it resolves the
+model group (``model.path=DIR``), fits a generated workload's vocabulary to the engine's model, and
+checks every family's choice against its registry (testbed/registry.py): the workload, the cache
+and its eviction policy, the scheduler and its queue policy, the router, the cost model and the
+executor. A bad name, a key an entry does not take, or a user class without the family's methods
+stops the run there, in one line, before anything is generated. The `Assembly` it returns builds
+the objects: ``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
+``build_cost_model()``. `testbed.run`, `testbed.calibrate`, `testbed.viz` and the experiments all
+build through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from testbed.cache import CACHES, EVICTION, PrefixCache
+from testbed.model_group import resolve_model_group
+from testbed.registry import CUSTOM, Lazy, Resolved, group_label
+from testbed.router import ROUTERS, cluster_delays
+from testbed.scheduler.config import SchedulerConfig
+from testbed.sim.cost_model import COST_MODELS
+from testbed.sim.executor import EXECUTORS
+from testbed.workloads import WORKLOADS, Request, build_workload
+
+REPLAY = "replay"  # the backend without an executor: requests one at a time, no time
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python values (interpolations resolved)."""
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+@dataclass
+class Assembly:
+    """A run's config, read and checked once, and the builders of its objects."""
+
+    config: dict[str, Any]  # the whole run config, plain
+    backend: str  # sim | engine | replay | custom
+    workload: Resolved
+    eviction: Resolved
+    cache: Resolved
+    scheduler: SchedulerConfig
+    router: Resolved
+    cost_model: Resolved
+    executor: Resolved | None  # None: replay
+    notes: list[str] = field(default_factory=list)  # printed before the run
+
+    # ------------------------------------------------------------------ run settings
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.config.get(key, default)
+        return default if value is None else value
+
+    @property
+    def seed(self) -> int:
+        return self.get("seed", 0)
+
+    @property
+    def replicas(self) -> int:
+        return self.get("replicas", 1)
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """``cache.capacity_tokens`` as given (None: from the model and hardware, or unlimited)."""
+        return self.config["cache"].get("capacity_tokens")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        c = self.config["cache"]
+        return bool(c.get("host_tokens") or c.get("disk_tokens"))
+
+    @property
+    def max_in_flight(self) -> int | None:
+        """Programs allowed at once: ``arrival.max_in_flight``, else the workload's own."""
+        value = (self.config.get("arrival") or {}).get("max_in_flight")
+        return value if value is not None else self.config["workload"].get("max_in_flight")
+
+    def labels(self) -> dict[str, Any]:
+        """The summary's names of the run's choices (a user class by its import path)."""
+        return {"backend": self.backend, "workload": self.workload.label,
+                "cache": self.cache.label, "eviction": self.eviction.label}
+
+    # ------------------------------------------------------------------ objects
+    def requests(self) -> list[Request]:
+        return build_workload(self.config["workload"], seed=self.seed,
+                              arrival=self.config.get("arrival"))
+
+    @cached_property
+    def model_shape(self):
+        from testbed.sim.specs import model_spec
+        return model_spec(self.config["model"])
+
+    @cached_property
+    def hardware(self):
+        from testbed.sim.specs import hardware_spec
+        return hardware_spec(self.config["hardware"])
+
+    @cached_property
+    def mem_fraction(self) -> float:
+        from testbed.sim.specs import mem_fraction
+        return mem_fraction(self.config["hardware"])
+
+    def kv_capacity(self) -> int:
+        """KV tokens the model leaves of the hardware's memory (docs/design.md §5)."""
+        from testbed.sim.specs import kv_capacity_tokens
+        return kv_capacity_tokens(self.model_shape, self.hardware, self.mem_fraction)
+
+    def recompute_cost(self) -> Callable[[int, int], float]:
+        """Seconds to recompute ``size`` tokens after ``start`` cached ones (GDSF's cost): the
+        roofline floor of that prefill on the configured model and hardware."""
+        from testbed.sim.cost_model import RooflineCostModel, StepShape
+
+        floor = RooflineCostModel(self.model_shape, self.hardware).floor
+        return lambda start, size: floor(StepShape(new=(max(size, 1),), context=(start,)))
+
+    def build_policy(self, requests: list[Request]):
+        return self.eviction.build(requests=requests, cost_fn=Lazy(self.recompute_cost))
+
+    def build_cache(self, capacity: int | None, requests: list[Request], planner: Any = None,
+                    record_transfers: bool = False) -> PrefixCache:
+        """A fresh cache of ``capacity`` tokens (None: unlimited) with its own eviction policy;
+        the tiered radix cache when the group asks for lower tiers."""
+        from testbed.cache.tiers import make_tiered_cache
+
+        policy = self.build_policy(requests)
+        if self.has_lower_tiers and self.cache.label != "radix":
+            raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
+                             f"cache={self.cache.label}")
+        tiered = make_tiered_cache(self.config["cache"], capacity, policy, planner=planner,
+                                   record_transfers=record_transfers)
+        if tiered is not None:
+            return tiered
+        return self.cache.build(capacity_tokens=capacity, policy=policy)
+
+    def build_cost_model(self):
+        return self.cost_model.build(model=self.model_shape, hw=self.hardware)
+
+    def build_executor(self, capacity: int | None, requests: list[Request] | None = None):
+        """The executor of ``backend`` for a KV pool of ``capacity`` tokens. The engine's None:
+        on CUDA what free memory leaves after the weights load, elsewhere what the model leaves
+        of the hardware preset's memory; either capped at what ``requests`` could ever hold."""
+        c = self.config
+        if self.executor is None:
+            raise ValueError(f"backend={self.backend} has no executor")
+        most = None if requests is None else \
+            sum(len(r.prompt) + r.output_limit for r in requests) + 1
+        device = c.get("device")
+        if self.backend == "engine":
+            from testbed.engine import default_device
+            device = device or default_device()
+            if capacity is None and not device.startswith("cuda"):
+                capacity = self.kv_capacity() if most is None else min(self.kv_capacity(), most)
+        return self.executor.build(
+            cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
+            max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
+            attention=c.get("attention"), seed=self.seed, forced=bool(c.get("forced", True)),
+            temperature=float(c.get("temperature", 0.0)), top_p=float(c.get("top_p", 1.0)))
+
+    def build_router(self, kv_capacity: int | None):
+        """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""
+        return self.router.build(seed=self.seed, max_tree_size=kv_capacity)
+
+    def cluster_delays(self) -> tuple[float, float]:
+        return cluster_delays(self.config["router"])
+
+
+def fit_vocabulary(config: dict[str, Any]) -> str | None:
+    """On the engine, a generated workload's token ids must exist in the model's vocabulary:
+    shrink ``workload.vocab_size`` to the model's. Returns a note when it did."""
+    vocab = config["model"].get("vocab_size")
+    wanted = config["workload"].get("vocab_size")
+    if config["backend"].get("name") != "engine" or vocab is None or wanted is None \
+            or wanted <= vocab:
+        return None
+    config["workload"]["vocab_size"] = vocab
+    return f"note: workload.vocab_size {wanted} > model vocabulary {vocab}; using {vocab}"
+
+
+def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
+    """Read and check a composed run config (module docstring)."""
+    config = dict(plain(cfg))
+    for group in ("backend", "workload", "cache", "eviction", "scheduler", "model", "hardware",
+                  "cost_model", "router"):
+        config[group] = dict(config.get(group) or {})
+    config["model"] = resolve_model_group(config["model"])
+    backend = config["backend"].get("name")
+    if backend == REPLAY:
+        executor = None
+    elif backend in EXECUTORS or backend == CUSTOM:
+        executor = EXECUTORS.resolve(config["backend"])
+    else:
+        raise ValueError(f"backend must be one of {', '.join([*EXECUTORS, REPLAY])} or "
+                         f"{CUSTOM}; got {backend!r}")
+    capacity = config["cache"].get("capacity_tokens")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                 or capacity < 0):
+        raise ValueError(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
+    notes = [note] if (note := fit_vocabulary(config)) else []
+    return Assembly(
+        config=config, backend=group_label(config["backend"]),
+        workload=WORKLOADS.resolve(config["workload"]),
+        eviction=EVICTION.resolve(config["eviction"]),
+        cache=CACHES.resolve(config["cache"]),
+        scheduler=SchedulerConfig.from_mapping(config["scheduler"]),
+        router=ROUTERS.resolve(config["router"]),
+        cost_model=COST_MODELS.resolve(config["cost_model"]),
+        executor=executor, notes=notes)
