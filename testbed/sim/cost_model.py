@@ -66,7 +66,8 @@ from typing import Any, Mapping, Protocol
 
 import yaml
 
-from testbed.sim.specs import HardwareSpec, ModelSpec
+from testbed.model_shape import ModelShape
+from testbed.sim.specs import HardwareSpec
 
 #: Defaults of the roofline model, fitted to Vidur's A100 profile (CodeLlama-34B, TP2; above).
 #: MFU 0.65: the matmul FLOPs' share of peak that the token-level operators reach (matmuls alone
@@ -182,7 +183,7 @@ class RooflineCostModel:
       the hardware preset's ``interconnect_bw`` and ``step_overhead_s``.
     """
 
-    def __init__(self, model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
+    def __init__(self, model: ModelShape, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
                  mbu: float = DEFAULT_MBU, overhead_s: float | None = None,
                  interconnect_bw: float | None = None,
                  attn_mfu: float = DEFAULT_ATTN_MFU) -> None:
@@ -335,7 +336,7 @@ def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
 COST_MODELS = ("roofline", "fitted", "vidur")
 
 
-def make_cost_model(cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> CostModel:
+def make_cost_model(cfg: Mapping[str, Any], model: ModelShape, hw: HardwareSpec) -> CostModel:
     """The cost model the ``cost_model`` config group selects (``conf/cost_model/*.yaml``)."""
     name = cfg.get("name")
     if name not in COST_MODELS:
