@@ -8,11 +8,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from testbed.model_shape import ModelShape
 from testbed.sim.cost_model import (
     FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )
 from testbed.sim.specs import (
-    HardwareSpec, ModelSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
+    HardwareSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
 )
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -24,7 +25,7 @@ def conf(group: str, name: str) -> dict:
     return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
 
-def model(name: str) -> ModelSpec:
+def model(name: str) -> ModelShape:
     return model_spec(conf("model", name))
 
 
@@ -64,8 +65,8 @@ def test_param_counts(name, published, exact):
 
 def test_linear_params_by_hand():
     """Per layer q,o = 2·h·heads·hd, k,v = 2·h·kv·hd, SwiGLU = 3·h·ffn; plus the LM head."""
-    m = ModelSpec("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
-                  intermediate_size=16, vocab_size=10)
+    m = ModelShape("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10)
     per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16
     assert m.linear_params == 2 * per_layer + 10 * 8
     assert m.params == m.linear_params + 10 * 8 + 5 * 8
@@ -73,8 +74,8 @@ def test_linear_params_by_hand():
 
 def test_kv_capacity_arithmetic():
     """(memory · fraction − weights per GPU) / KV bytes per token per GPU, floored."""
-    m = ModelSpec("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4,
-                  intermediate_size=16, vocab_size=10, dtype_bytes=2, tp=2)
+    m = ModelShape("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4,
+                   intermediate_size=16, vocab_size=10, dtype_bytes=2, tp=2)
     layer = 2 * 8 * 8 + 2 * 8 * 8 + 3 * 8 * 16  # q,o + k,v + gate,up,down
     assert m.params == 2 * layer + 2 * 10 * 8 + 5 * 8 == 1480
     assert m.weight_bytes_per_gpu == 1480 * 2 // 2
@@ -201,8 +202,8 @@ def test_roofline_large_prefill_is_compute_bound():
 def test_lm_head_counted_once_per_request():
     """The LM head runs on each request's last new position (as the engine computes it), whether
     its chunk is the prompt's last or not: a 512-token chunk costs it once, like a decode."""
-    m = ModelSpec("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
-                  intermediate_size=16, vocab_size=10, tp=2)
+    m = ModelShape("t", num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10, tp=2)
     r = RooflineCostModel(m, HardwareSpec("h", 1.0, 1.0, 1, interconnect_bw=1.0))
     per_layer = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16
     step = StepShape(new=(512, 1, 1), context=(0, 10, 20))
@@ -348,9 +349,10 @@ def test_roofline_against_vidur_a100():
     pd = pytest.importorskip("pandas")
     if not VIDUR.is_dir():
         pytest.skip(f"Vidur data not present: {VIDUR}")
-    # one layer of CodeLlama-34B per rank, no LM head (Vidur times layers)
-    layer = ModelSpec("codellama34b-layer", num_layers=1, hidden_size=8192, num_heads=64,
-                      num_kv_heads=8, head_dim=128, intermediate_size=22016, vocab_size=0, tp=2)
+    # one layer of CodeLlama-34B per rank (Vidur times layers): only per-layer numbers are read
+    layer = ModelShape("codellama34b-layer", num_layers=1, hidden_size=8192, num_heads=64,
+                       num_kv_heads=8, head_dim=128, intermediate_size=22016, vocab_size=32000,
+                       tp=2)
     a100 = hw("a100")
     med = lambda df, op: df[f"time_stats.{op}.median"] / 1e3  # noqa: E731  (ms → s)
 

@@ -26,9 +26,10 @@ from testbed.engine.kv_cache import KVCache  # noqa: E402
 from testbed.engine.loader import (build_model, check_model_group, config_from_model_group,  # noqa: E402
                                    load_model, load_state_dict,
                                    save_random_hf_model, tiny_config)
-from testbed.engine.model import LlamaModel, ModelConfig  # noqa: E402
+from testbed.engine.model import LlamaModel  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from testbed.engine.sampler import Sampler, sample  # noqa: E402
+from testbed.model_shape import ModelShape  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
 from testbed.sim.executor import StepOutcome, predetermined_tokens  # noqa: E402
@@ -47,7 +48,7 @@ def hf_model(config, seed: int = 0):
 
 
 def ours_from(hf) -> LlamaModel:
-    model = LlamaModel(ModelConfig.from_hf(hf.config))
+    model = LlamaModel(ModelShape.from_hf(hf.config))
     load_state_dict(model, hf.state_dict())
     return model.eval()
 
@@ -318,7 +319,7 @@ def test_tied_embeddings_load_without_an_lm_head_tensor(tmp_path):
 
 def test_a_missing_unexpected_or_misshapen_tensor_is_named(tmp_path, tiny_hf):
     state = dict(tiny_hf.state_dict())
-    model = LlamaModel(ModelConfig.from_hf(tiny_hf.config))
+    model = LlamaModel(ModelShape.from_hf(tiny_hf.config))
     missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
         load_state_dict(model, missing)
@@ -343,7 +344,7 @@ def test_a_missing_unexpected_or_misshapen_tensor_is_named(tmp_path, tiny_hf):
 def test_the_tiny_model_group_maps_to_a_llama_config_and_a_checkpoint_must_match_its_group(tmp_path):
     tiny = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model/tiny.yaml"))
     config = config_from_model_group(tiny)
-    c = ModelConfig.from_hf(config)
+    c = ModelShape.from_hf(config)
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
             c.intermediate_size, c.vocab_size) == (2, 64, 4, 2, 16, 128, 256)
     save_random_hf_model(tmp_path, config)
@@ -394,10 +395,10 @@ def test_llama_family_variants_match_their_hf_classes(variant):
 
 def test_unsupported_configs_are_refused_with_the_key():
     with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, llama3"):
-        ModelConfig.from_hf(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0,
+        ModelShape.from_hf(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                       "original_max_position_embeddings": 64}))
     with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
-        ModelConfig.from_hf(tiny_config(hidden_act="gelu"))
+        ModelShape.from_hf(tiny_config(hidden_act="gelu"))
 
 
 # ---------------------------------------------------------------------------- attention backends

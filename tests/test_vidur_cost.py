@@ -20,14 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.sim.cost_model import COST_MODELS, RooflineCostModel, StepShape
-from testbed.sim.specs import ModelSpec, hardware_spec, model_spec
+from testbed.model_shape import ModelShape
+from testbed.sim.specs import hardware_spec, model_spec
 from testbed.sim.vidur_cost import VidurCostModel, round_up
 from testbed.sim.vidur_profile import TOKEN_OPS, ProfileError, load_vidur_profile
 
 REPO = Path(__file__).resolve().parents[1]
 VIDUR = REPO.parent / "shared" / "vidur" / "a100_codellama34b_tp2"
-MODEL = ModelSpec("t", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                  intermediate_size=128, vocab_size=256, tp=2)
+MODEL = ModelShape("t", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=128, vocab_size=256, tp=2)
 STATS = ("min", "max", "mean", "median", "std")
 MLP_OPS = ("emb", *TOKEN_OPS)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -62,7 +63,7 @@ def stats(prefix: str, median: float) -> dict:
     return {f"time_stats.{prefix}.{s}": v for s, v in zip(STATS, values)}
 
 
-def write_profile(d: Path, m: ModelSpec = MODEL) -> Path:
+def write_profile(d: Path, m: ModelShape = MODEL) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     rows = []
     for t in TOKENS:
@@ -117,7 +118,7 @@ def profile_dir(tmp_path) -> Path:
 PLAIN = {"kv_granularity": 1, "decode_batching_overhead": 0.0, "nccl_launch_s": 0.0}
 
 
-def vidur(d: Path, model: ModelSpec = MODEL, overhead_s: float = 0.0, **rules) -> VidurCostModel:
+def vidur(d: Path, model: ModelShape = MODEL, overhead_s: float = 0.0, **rules) -> VidurCostModel:
     return VidurCostModel(load_vidur_profile(d, model), model, overhead_s, **(PLAIN | rules))
 
 
@@ -190,14 +191,14 @@ def test_a_missing_csv_is_named(profile_dir, name):
 
 
 def test_tp1_needs_no_all_reduce_profile(tmp_path):
-    m = ModelSpec("t1", 3, 64, 4, 2, 16, 128, 256, tp=1)
+    m = ModelShape("t1", 3, 64, 4, 2, 16, 128, 256, tp=1)
     d = write_profile(tmp_path / "p", m)
     (d / "all_reduce.csv").unlink()
     assert vidur(d, m).parts(StepShape.decode([64])).all_reduce == 0.0
 
 
 def test_a_profile_of_another_model_is_refused_in_one_line(profile_dir):
-    other = ModelSpec("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256, tp=1)
+    other = ModelShape("llama3_8b", 32, 4096, 32, 8, 128, 14336, 128256, tp=1)
     with pytest.raises(ProfileError) as e:
         load_vidur_profile(profile_dir, other)
     assert str(e.value) == (
@@ -205,7 +206,7 @@ def test_a_profile_of_another_model_is_refused_in_one_line(profile_dir):
         "n_expanded_embd=128 gated_mlp=True tp=2 (mlp.csv); model=llama3_8b needs n_embd=4096 "
         "n_head=32 n_kv_head=8 n_expanded_embd=14336 gated_mlp=True tp=1")
     with pytest.raises(ProfileError, match=r"holds .* tp=2 \(mlp.csv\); model=t needs .* tp=1$"):
-        load_vidur_profile(profile_dir, ModelSpec("t", 3, 64, 4, 2, 16, 128, 256, tp=1))
+        load_vidur_profile(profile_dir, ModelShape("t", 3, 64, 4, 2, 16, 128, 256, tp=1))
 
 
 # ---- predictions ----
@@ -306,7 +307,7 @@ def test_decode_batching_overhead_for_gqa_batches(tmp_path):
     one, two = (decode_ms(b, 64) + RESHAPE_MS for b in (1, 2))
     assert gqa.decode_attention((64,)) == pytest.approx(one / 1e3)
     assert gqa.decode_attention((64, 64)) == pytest.approx(1.1 * two / 1e3)
-    mha = ModelSpec("mha", 3, 64, 4, 4, 16, 128, 256, tp=2)
+    mha = ModelShape("mha", 3, 64, 4, 4, 16, 128, 256, tp=2)
     plain = vidur(write_profile(tmp_path / "mha", mha), mha, decode_batching_overhead=0.1)
     assert plain.decode_attention((64, 64)) == pytest.approx(two / 1e3)
 

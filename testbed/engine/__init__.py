@@ -16,11 +16,11 @@ from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.loader import (build_model, config_from_model_group, load_model,
                                    model_from_group, parse_dtype, save_random_hf_model,
                                    tiny_config)
-from testbed.engine.model import LlamaModel, ModelConfig
+from testbed.engine.model import LlamaModel
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler, sample
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionMetadata", "EngineExecutor", "KVCache", "LlamaModel",
-           "ModelConfig", "ModelRunner", "Sampler", "build_model", "config_from_model_group",
+           "ModelRunner", "Sampler", "build_model", "config_from_model_group",
            "default_device", "load_model", "make_attention", "make_engine_executor",
            "model_from_group", "parse_dtype", "sample", "save_random_hf_model", "tiny_config"]

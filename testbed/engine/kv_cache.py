@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from testbed.engine.model import ModelConfig
+from testbed.model_shape import ModelShape
 
 
 class KVCache:
@@ -23,12 +23,12 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
-    def for_model(cls, config: ModelConfig, num_slots: int, dtype: torch.dtype,
+    def for_model(cls, config: ModelShape, num_slots: int, dtype: torch.dtype,
                   device: torch.device | str) -> KVCache:
         return cls(config.num_layers, num_slots, config.num_kv_heads, config.head_dim, dtype, device)
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    def bytes_per_token(config: ModelShape, dtype: torch.dtype) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (docs/design.md §6)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize

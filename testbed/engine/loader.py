@@ -14,8 +14,9 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from testbed.engine.model import LlamaModel, ModelConfig
+from testbed.engine.model import LlamaModel
 from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
+from testbed.model_shape import ModelShape
 
 #: tensors some checkpoints carry that are not weights (old Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,7 +33,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------- the name table
-def weight_table(c: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def weight_table(c: ModelShape) -> dict[str, tuple[str, int, int]]:
     """HF tensor name -> (our parameter, first row, end row) it fills."""
     q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
     table = {"model.embed_tokens.weight": ("embed_tokens.weight", 0, c.vocab_size),
@@ -136,7 +137,7 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(path: str | Path, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu") -> LlamaModel:
     """A model built from a local HF checkpoint directory, weights straight onto ``device``."""
-    config = ModelConfig.from_hf(load_hf_config(path))
+    config = ModelShape.from_hf(load_hf_config(path))
     with torch.device("meta"):
         model = LlamaModel(config, dtype=parse_dtype(dtype))
     model = model.to_empty(device=device)
@@ -180,11 +181,11 @@ def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
 
 def build_model(config: Any, seed: int = 0, dtype: torch.dtype | str = torch.float32,
                 device: torch.device | str = "cpu") -> LlamaModel:
-    """A random model (``config``: a `transformers` config or a `ModelConfig`). Small models are
+    """A random model (``config``: a `transformers` config or a `ModelShape`). Small models are
     initialised on the CPU in fp32 from ``torch.manual_seed(seed)``, so their weights do not depend
     on the device; a large one on an accelerator is built there directly (a 7B model would need
     27 GB of host memory and a minute of CPU time otherwise)."""
-    c = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+    c = config if isinstance(config, ModelShape) else ModelShape.from_hf(config)
     torch.manual_seed(seed)
     large = c.num_layers * c.hidden_size * c.hidden_size > 2**28  # ~ a billion parameters or more
     build_on = torch.device(device) if large and torch.device(device).type != "cpu" else "cpu"

@@ -11,127 +11,28 @@ Numerics follow HF transformers' Llama: RMSNorm in fp32 then cast, RoPE in the `
 convention with cos/sin cast to the activations' dtype, GQA with query head ``h`` reading KV head
 ``h // (num_heads // num_kv_heads)``, SwiGLU MLP. Q/K/V and gate/up projections are fused
 (``qkv_proj``, ``gate_up_proj``, as in vLLM); `loader.weight_table` says which rows of them each
-HF tensor fills.
+HF tensor fills. Shapes and constants come from a `testbed.model_shape.ModelShape`
+(`ModelShape.from_hf` reads a checkpoint's `transformers` config).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from testbed.model_shape import ModelShape
+
 if TYPE_CHECKING:
     from testbed.engine.attention import AttentionBackend
     from testbed.engine.metadata import AttentionMetadata
     from testbed.engine.kv_cache import KVCache
 
-#: HF ``model_type``s this file implements (architecture-wise they are one model).
-MODEL_TYPES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shapes and constants the model needs, read from a `transformers` config."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] = field(default_factory=dict)  # {} or HF's, with "rope_type"
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2; Llama's attention_bias
-    o_bias: bool = False  # Llama's attention_bias (Qwen2 has none on o_proj)
-    mlp_bias: bool = False
-    sliding_window: int | None = None  # Mistral v0.1: sequences longer than this are refused
-    eos_token_ids: tuple[int, ...] = ()  # config.json's eos_token_id: ends a generated request
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model num_heads ({self.num_heads}) must be a multiple of "
-                             f"num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"model head_dim must be even for RoPE, got {self.head_dim}")
-        rope_type = self.rope_scaling.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_scaling type must be one of {', '.join(ROPE_TYPES)}; "
-                             f"got {rope_type!r}")
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> ModelConfig:
-        """Read a `LlamaConfig`, `MistralConfig` or `Qwen2Config` (transformers 4.x or 5.x)."""
-        model_type = getattr(hf, "model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {', '.join(MODEL_TYPES)}; got {model_type!r}")
-        act = getattr(hf, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
-        heads = hf.num_attention_heads
-        theta, scaling = _rope_settings(hf)
-        bias = bool(getattr(hf, "attention_bias", False))
-        window = getattr(hf, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
-            window = None
-        return cls(
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            intermediate_size=hf.intermediate_size,
-            vocab_size=hf.vocab_size,
-            rms_norm_eps=hf.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=bias or model_type == "qwen2",
-            o_bias=bias,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_window=window,
-            eos_token_ids=_token_ids(getattr(hf, "eos_token_id", None)),
-        )
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    """An HF ``*_token_id`` (None, an int or a list of ints) as a tuple."""
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def _rope_settings(hf: Any) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
-    ``rope_scaling`` (transformers 4); ``scaling`` is {} for plain RoPE."""
-    params = getattr(hf, "rope_parameters", None)
-    if params:
-        theta = params["rope_theta"]
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = getattr(hf, "rope_theta", 10000.0)
-        scaling = dict(getattr(hf, "rope_scaling", None) or {})
-    if "type" in scaling and "rope_type" not in scaling:  # the older spelling
-        scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope partial_rotary_factor != 1 is not supported")
-    if scaling.get("rope_type", "default") == "default":
-        scaling = {}
-    return float(theta), scaling
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelShape) -> torch.Tensor:
     """Inverse frequencies ``[head_dim / 2]`` (fp32), with HF's "linear" or "llama3" scaling."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
@@ -170,7 +71,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelShape, **factory: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -194,7 +95,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelShape, **factory: Any) -> None:
         super().__init__()
         self.intermediate_size = c.intermediate_size
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias,
@@ -207,7 +108,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelShape, **factory: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.self_attn = Attention(c, **factory)
@@ -224,7 +125,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head (tied to the embedding or not)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: ModelShape, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = c = config

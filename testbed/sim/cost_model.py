@@ -68,9 +68,9 @@ from typing import Any, Mapping, Protocol
 
 import yaml
 
+from testbed.model_shape import ModelShape
 from testbed.registry import Registry
-
-from testbed.sim.specs import HardwareSpec, ModelSpec
+from testbed.sim.specs import HardwareSpec
 
 #: Defaults of the roofline model, fitted to Vidur's A100 profile (CodeLlama-34B, TP2; above).
 #: MFU 0.65: the matmul FLOPs' share of peak that the token-level operators reach (matmuls alone
@@ -186,7 +186,7 @@ class RooflineCostModel:
       the hardware preset's ``interconnect_bw`` and ``step_overhead_s``.
     """
 
-    def __init__(self, model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
+    def __init__(self, model: ModelShape, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
                  mbu: float = DEFAULT_MBU, overhead_s: float | None = None,
                  interconnect_bw: float | None = None,
                  attn_mfu: float = DEFAULT_ATTN_MFU) -> None:
@@ -350,7 +350,7 @@ def number(key: str, value: Any, default: float | None) -> float | None:
 
 
 @COST_MODELS.register("roofline")
-def roofline(model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
+def roofline(model: ModelShape, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
              attn_mfu: float = DEFAULT_ATTN_MFU, mbu: float = DEFAULT_MBU,
              overhead_s: float | None = None,
              interconnect_bw: float | None = None) -> RooflineCostModel:
@@ -362,7 +362,7 @@ def roofline(model: ModelSpec, hw: HardwareSpec, mfu: float = DEFAULT_MFU,
 
 
 @COST_MODELS.register("fitted")
-def fitted(model: ModelSpec, hw: HardwareSpec, path: str | None = None,
+def fitted(model: ModelShape, hw: HardwareSpec, path: str | None = None,
            mfu: float = DEFAULT_MFU, attn_mfu: float = DEFAULT_ATTN_MFU, mbu: float = DEFAULT_MBU,
            overhead_s: float | None = None,
            interconnect_bw: float | None = None) -> FittedCostModel:

@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+from testbed.model_shape import ModelShape
 from testbed.sim.cost_model import RooflineCostModel, StepShape
-from testbed.sim.specs import HardwareSpec, ModelSpec
+from testbed.sim.specs import HardwareSpec
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ def prefill_compute_seconds(cost_model: RooflineCostModel) -> Callable[[int, int
 HOST_LINK_OF_HARDWARE = {"h100": "pcie5", "h200": "pcie5", "a100": "pcie4", "a10g": "pcie4"}
 
 
-def make_planner(cache_cfg: Mapping[str, Any], model: ModelSpec, hw: HardwareSpec) -> LoadPlanner:
+def make_planner(cache_cfg: Mapping[str, Any], model: ModelShape, hw: HardwareSpec) -> LoadPlanner:
     """The planner for a run: the ``cache`` group's links (``host_link``: null picks the
     hardware's own PCIe; ``disk_link``; optional ``*_link_overrides`` of ``read_bw``,
     ``write_bw``, ``latency_s``), the model's KV bytes per token on one GPU, and the roofline's

@@ -85,9 +85,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from testbed.model_shape import ModelShape
 from testbed.sim.cost_model import StepShape
 from testbed.sim.monotone import Curve, Surface
-from testbed.sim.specs import HardwareSpec, ModelSpec
+from testbed.sim.specs import HardwareSpec
 from testbed.sim.vidur_profile import EMB_OP, VidurProfile
 
 
@@ -121,7 +122,7 @@ class VidurCostModel:
     """Step time = token-level operators + attention + all-reduces (per layer, × layers) + CPU
     overhead, from a Vidur profile of ``model`` (see the module docstring)."""
 
-    def __init__(self, profile: VidurProfile, model: ModelSpec, overhead_s: float = 0.0,
+    def __init__(self, profile: VidurProfile, model: ModelShape, overhead_s: float = 0.0,
                  kv_granularity: int = KV_GRANULARITY,
                  decode_batching_overhead: float = DECODE_BATCHING_OVERHEAD,
                  nccl_launch_s: float = NCCL_LAUNCH_S) -> None:
@@ -194,7 +195,7 @@ class VidurCostModel:
                 f"nccl_launch_s={self.nccl_launch_s})")
 
 
-def vidur_cost_model(model: ModelSpec, hw: HardwareSpec, profile_dir: str | None = None,
+def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | None = None,
                      overhead_s: float | None = 0.0, kv_granularity: int = KV_GRANULARITY,
                      decode_batching_overhead: float = DECODE_BATCHING_OVERHEAD,
                      nccl_launch_s: float = NCCL_LAUNCH_S) -> VidurCostModel:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from testbed.sim.specs import ModelSpec
+from testbed.model_shape import ModelShape
 
 #: Operators of one decoder layer in ``mlp.csv`` and how many times a layer runs each (``add``:
 #: the two residual additions). ``emb`` runs once per step, outside the layers.
@@ -81,7 +81,7 @@ class VidurProfile:
         return sum(count * self.ops[op] for op, count in TOKEN_OPS.items())
 
 
-def load_vidur_profile(directory: str | Path, model: ModelSpec) -> VidurProfile:
+def load_vidur_profile(directory: str | Path, model: ModelShape) -> VidurProfile:
     """The profile in ``directory`` for ``model`` (its shape and ``tp``); `ProfileError` if the
     directory lacks it."""
     d = Path(directory)
@@ -140,11 +140,11 @@ def _booleans(values: pd.Series, path: Path, column: str) -> pd.Series:
     return out.astype(bool)
 
 
-def _mlp_needs(m: ModelSpec) -> tuple[Any, ...]:
+def _mlp_needs(m: ModelShape) -> tuple[Any, ...]:
     return (m.hidden_size, m.num_heads, m.num_kv_heads, m.intermediate_size, True, m.tp)
 
 
-def _attn_needs(m: ModelSpec) -> tuple[Any, ...]:
+def _attn_needs(m: ModelShape) -> tuple[Any, ...]:
     return (m.hidden_size, m.num_heads, m.num_kv_heads, m.tp)
 
 
@@ -156,7 +156,7 @@ def _describe(names: tuple[str, ...], values: tuple[Any, ...]) -> str:
 
 
 def _rows_of(df: pd.DataFrame, d: Path, name: str, shape: tuple[str, ...],
-             needs: tuple[Any, ...], model: ModelSpec) -> pd.DataFrame:
+             needs: tuple[Any, ...], model: ModelShape) -> pd.DataFrame:
     """The rows of ``df`` profiled for ``needs`` (values of the ``shape`` columns)."""
     keep = np.ones(len(df), dtype=bool)
     for column, value in zip(shape, needs):
