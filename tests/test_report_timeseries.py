@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from testbed.report import build
-from testbed.report_timeseries import binned, windowed_hit_rate
+from testbed.report.timeseries import binned, windowed_hit_rate
 from tests.test_timeline import SIM_PRESSURE, run
 
 REPO = Path(__file__).resolve().parents[1]

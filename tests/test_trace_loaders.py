@@ -9,7 +9,8 @@ import pytest
 from conftest import SHARED_TRACES
 from testbed.workloads.request import Request
 from testbed.workloads.traces import (
-    TRACE_FORMATS, TraceError, load_azure, load_bailian, load_tokens, load_trace, save_tokens,
+    LOADERS, TRACE_FORMATS, TraceError, load_azure, load_bailian, load_tokens, load_trace,
+    save_tokens,
 )
 from testbed.workloads.sharegpt import load_sharegpt
 
@@ -35,6 +36,7 @@ def all_tokens(requests):
 
 def test_all_formats_are_registered():
     assert list(TRACE_FORMATS) == ["tokens", "mooncake", "bailian", "azure", "sharegpt"]
+    assert list(LOADERS) == list(TRACE_FORMATS)  # every format has its loader
 
 
 # --- tokens: think time and priority ------------------------------------------------------------

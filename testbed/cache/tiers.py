@@ -43,12 +43,12 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease
-from testbed.cache.eviction import EVICTION, LRU, EvictionPolicy, Requester
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, TreeNode
+from testbed.cache.tier_config import tier_options
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
-from testbed.cache.tier_state import (GPU, WRITE_POLICIES, LowerTier, TierState, Transfer,
-                                      check_tiered)
+from testbed.cache.tier_state import GPU, WRITE_POLICIES, LowerTier, TierState, Transfer
 
 
 class TieredRadixCache(RadixCache):
@@ -407,39 +407,72 @@ class TieredRadixCache(RadixCache):
         return out
 
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
-        """`RadixCache`'s checks, plus: every node is held by some tier, GPU residency is
-        prefix-closed, each copy covers its node, each tier's slots are owned once, children
-        counts and every tier's candidate heap are current."""
-        check_tiered(self, leases)
+        """Raise AssertionError unless the tiered cache is consistent: `RadixCache`'s checks (GPU
+        tokens only), plus every node held by some tier, GPU residency prefix-closed, each copy as
+        long as its node, each tier's slots owned once, children counts and every tier's candidate
+        heap current."""
+        evictable = protected = 0
+        owned = [self._check_lease(lease) for lease in leases]
+        lower_owned: list[list[np.ndarray]] = [[] for _ in range(self.ntiers)]
+        heaps = [self._heap] + [tier.heap for tier in self.tiers[1:]]
+        policies = [self.policy] + [tier.policy for tier in self.tiers[1:]]
+        current: list[dict[int, object]] = [{} for _ in range(self.ntiers)]
+        for t, heap in enumerate(heaps):
+            for e in heap:
+                if e[2] == e[3].offer and self._candidate(e[3], t):
+                    current[t][e[3].id] = e[0]
+        kids: dict[int, list[int]] = {self.root.id: [0] * self.ntiers}
+        nodes = list(self.nodes())
+        for node in nodes:
+            kids[node.id] = [0] * self.ntiers
+        for node in nodes:
+            assert node.alive, f"dead node in tree: {node!r}"
+            size = len(node.key)
+            assert size > 0 and size % self.page_size == 0, f"bad node size {node!r}"
+            assert len(node.slots) in (0, size), f"partly on the GPU: {node!r}"
+            self.pool.assert_whole_pages(node.slots)
+            assert node.lock_ref >= 0, f"negative lock: {node!r}"
+            assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref, node
+            assert node.start == node.parent.start + len(node.parent.key), f"bad start: {node!r}"
+            assert node.parent.children.get(self._child_key(node.key, 0)) is node, node
+            assert not len(node.slots) or node.parent is self.root or len(node.parent.slots), \
+                f"on the GPU under a parent that is not: {node!r}"
+            for t in range(1, self.ntiers):
+                copy = node.tier.copies[t]
+                if copy is not None:
+                    assert len(copy) == size, f"{self.tiers[t].name} copy of {len(copy)}: {node!r}"
+                    self.tiers[t].pool.assert_whole_pages(copy)
+                    lower_owned[t].append(copy)
+            top = self.top(node)
+            assert top >= 0, f"held by no tier: {node!r}"
+            kids[node.parent.id][top] += 1
+            if node.lock_ref:
+                protected += len(node.slots)
+            else:
+                evictable += len(node.slots)
+            if self._candidate(node, top):
+                assert current[top].get(node.id) == policies[top].priority(node), \
+                    f"tier {top} candidate without a current heap entry: {node!r}"
+            owned.append(node.slots)
+        for node in [self.root] + nodes:
+            assert node.tier.kids == kids[node.id], f"children counts {node.tier.kids} != " \
+                f"{kids[node.id]}: {node!r}"
+        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
+        assert self._num_nodes == 1 + len(nodes)
+        self.pool.check_ownership(owned)
+        for t in range(1, self.ntiers):
+            self.tiers[t].pool.check_ownership(lower_owned[t])
 
 
 def make_tiered_cache(cache_cfg: Mapping[str, Any], capacity_tokens: int | None,
                       policy: EvictionPolicy | None = None, planner: Any = None,
                       record_transfers: bool = False) -> TieredRadixCache | None:
-    """The tiered radix cache the ``cache`` config group asks for (``host_tokens``,
-    ``disk_tokens``, ``write_policy``, ``write_threshold``, ``host_eviction``, ``disk_eviction``:
-    a policy name or an ``eviction``-style mapping; the oracle is GPU-only), or None when it asks
-    for no lower tier."""
-    host, disk = cache_cfg.get("host_tokens") or 0, cache_cfg.get("disk_tokens") or 0
-    if not host and not disk:
+    """The tiered radix cache the ``cache`` config group asks for (its tier settings:
+    `testbed.cache.tier_config.tier_options`), or None when it asks for no lower tier."""
+    options = tier_options(cache_cfg)
+    if options is None:
         return None
-    if cache_cfg.get("name") != "radix":
-        raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
-                         f"cache={cache_cfg.get('name')}")
-
-    def tier_policy(key: str) -> EvictionPolicy:
-        cfg = cache_cfg.get(key) or "lru"
-        if (cfg if isinstance(cfg, str) else cfg.get("name")) == "oracle":
-            raise ValueError(f"cache.{key}=oracle is not supported (the oracle is GPU-only)")
-        try:
-            return EVICTION.build(cfg)
-        except ValueError as e:
-            raise ValueError(f"cache.{key}: {e}") from None
-
     return TieredRadixCache(capacity_tokens, page_size=cache_cfg.get("page_size") or 1,
-                            policy=policy, host_tokens=host, disk_tokens=disk,
-                            write_policy=cache_cfg.get("write_policy") or "write_through",
-                            write_threshold=cache_cfg.get("write_threshold") or 2,
-                            host_policy=tier_policy("host_eviction"),
-                            disk_policy=tier_policy("disk_eviction"),
-                            record_transfers=record_transfers, planner=planner)
+                            policy=policy, record_transfers=record_transfers, planner=planner,
+                            **options)

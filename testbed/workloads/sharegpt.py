@@ -15,7 +15,7 @@ from typing import Iterator
 import numpy as np
 
 from testbed.workloads.request import TOKEN_DTYPE, Request
-from testbed.workloads.traces import TraceError
+from testbed.workloads.trace_format import TraceError, require_file
 
 ROLES = ("human", "gpt", "system")
 PROMPT_ROLES = ("human", "system")
@@ -125,8 +125,7 @@ def _parse(path: Path) -> list[tuple[str, int, list[dict]]]:
 
 def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
     """The top-level list's items with their index and the line each starts on."""
-    if not path.is_file():
-        raise TraceError(f"workload.path: no such file: {path}")
+    require_file(path)
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:

@@ -15,7 +15,9 @@
   token is fresh and nothing is shared.
 - ``sharegpt``: ShareGPT conversations tokenized with a local HF tokenizer (`sharegpt.py`).
 
-Malformed input raises ``TraceError`` naming the file, the line and what is wrong.
+The format table (`TRACE_FORMATS`, each format's options) and ``TraceError`` are in
+``trace_format.py``, shared with ``sharegpt.py``. Malformed input raises ``TraceError`` naming the
+file, the line and what is wrong.
 """
 
 from __future__ import annotations
@@ -31,23 +33,19 @@ import numpy as np
 from testbed.data import resolve_trace
 from testbed.workloads.request import (TOKEN_DTYPE, OutputRef, Request, as_tokens,
                                        fresh_token_ids, materialize)
+from testbed.workloads.sharegpt import load_sharegpt
+from testbed.workloads.trace_format import TRACE_FORMATS, TRACE_OPTIONS, TraceError, require_file
+
+__all__ = ["TRACE_FORMATS", "TRACE_OPTIONS", "TraceError", "load_azure", "load_bailian",
+           "load_mooncake", "load_sharegpt", "load_tokens", "load_trace", "save_tokens"]
 
 MOONCAKE_BLOCK = 512
 BAILIAN_BLOCK = 16
 AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be read; the message names file and line."""
-
-
-def _require_file(path: Path) -> None:
-    if not path.is_file():
-        raise TraceError(f"workload.path: no such file: {path}")
-
-
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    _require_file(path)
+    require_file(path)
     with path.open() as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -322,7 +320,7 @@ def load_azure(path: str | Path) -> list[Request]:
     row numbers from 0. Line numbers in errors count the header as line 1.
     """
     path = Path(path)
-    _require_file(path)
+    require_file(path)
     stamps, lines, n_in, n_out = [], [], [], []
     with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
@@ -355,32 +353,26 @@ def load_azure(path: str | Path) -> list[Request]:
     return requests
 
 
-def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Request]:
-    """ShareGPT conversations tokenized with a local HF tokenizer: see `sharegpt.load_sharegpt`."""
-    from testbed.workloads.sharegpt import load_sharegpt as load  # transformers is slow to import
-
-    return load(path, tokenizer=tokenizer)
-
-
-TRACE_FORMATS: dict[str, Callable[..., list[Request]]] = {
+# The loader of each format in `TRACE_FORMATS` (sharegpt's imports transformers only when called).
+LOADERS: dict[str, Callable[..., list[Request]]] = {
     "tokens": load_tokens,
     "mooncake": load_mooncake,
     "bailian": load_bailian,
     "azure": load_azure,
     "sharegpt": load_sharegpt,
 }
-TRACE_OPTIONS = ("tokenizer",)  # load_trace options; only sharegpt uses one (``tokenizer``)
 
 
 def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Request]:
-    """Load a trace of format ``fmt``; ``tokenizer=DIR`` is passed to sharegpt, ignored otherwise.
+    """Load a trace of format ``fmt``; an option (`TRACE_OPTIONS`, e.g. ``tokenizer=DIR``) is passed
+    to the formats that take it (sharegpt), ignored by the others.
     ``path`` may be ``data:NAME``, a registered public trace (`testbed.data`): its file in the data
     folder, fetched on first use, read in its registered format (``fmt`` None: that format; a
     plain file's default is ``tokens``)."""
     path, fmt = resolve_trace(path, fmt)
     fmt = fmt or "tokens"
     try:
-        loader = TRACE_FORMATS[fmt]
+        spec = TRACE_FORMATS[fmt]
     except KeyError:
         raise ValueError(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
                          f"got {fmt!r}") from None
@@ -388,6 +380,4 @@ def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Requ
     if unknown:
         raise ValueError(f"unknown trace option(s) {', '.join(unknown)}; "
                          f"known: {', '.join(TRACE_OPTIONS)}")
-    if fmt == "sharegpt":
-        return loader(path, tokenizer=options.get("tokenizer"))
-    return loader(path)
+    return LOADERS[fmt](path, **{k: options.get(k) for k in spec.options})

@@ -6,15 +6,15 @@ choices (flattened from ``summary["config"]``) and its summary figures, one row 
 included with status ``failed`` and their error. Writes into DIR (or OUT):
 
 - ``results.csv`` and ``results.parquet``: the whole table;
-- ``report.md``: tables, findings computed from the table, and the figures of ``report_figures``
+- ``report.md``: tables, findings computed from the table, and the figures of ``figures``
   (PNGs in ``figures/``): throughput normalised to no cache, hit rate against the ideal, hit rate vs
   capacity, latency CDFs, latency vs load, TTFT p99 of cache-cold vs cache-warm requests (each
   where the data has what it needs); for a single sim or engine run also the time series of
-  ``report_timeseries`` from its ``steps.jsonl`` (hit rate, KV pool, batch size and queue).
+  ``timeseries`` from its ``steps.jsonl`` (hit rate, KV pool, batch size and queue).
 
-The table's columns (and the no-cache normalisation) are described in ``report_table``; the
-findings and tables in ``report_markdown``; the figures in ``report_figures`` and
-``report_timeseries``.
+The package's modules: the table's columns (and the no-cache normalisation) are described in
+``table``; the findings and tables in ``markdown``; the figures in ``figures`` and
+``timeseries``. ``__main__`` runs :func:`main`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from testbed.report_figures import make_figures
-from testbed.report_markdown import write_report
-from testbed.report_table import load_results
-from testbed.report_timeseries import timeseries_figures
+from testbed.report.figures import make_figures
+from testbed.report.markdown import write_report
+from testbed.report.table import load_results
+from testbed.report.timeseries import timeseries_figures
 
 
 def build(root: str | Path, out: str | Path | None = None, progress: bool | None = None) -> dict:
@@ -60,7 +60,3 @@ def main(argv: list[str] | None = None) -> int:
     df = result["table"]
     print(f"{len(df)} runs ({int((df['status'] == 'failed').sum())} failed) -> {result['report']}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from testbed.report_table import setting_keys, settings, variant_key
+from testbed.report.table import setting_keys, settings, variant_key
 
 
 def findings(df: pd.DataFrame) -> list[str]:

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullFormatter
 
-from testbed.report_table import (
+from testbed.report.table import (
     load_requests, setting_keys, settings, variant_key, variant_parts)
 
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
@@ -45,14 +45,15 @@ def colors(names: list[str]) -> dict[str, tuple]:
     return out
 
 
-def _figure(rows: int, cols: int, size: tuple[float, float]):
+def new_figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Figure, np.ndarray]:
     """A constrained-layout figure on an Agg canvas and its grid of axes."""
     fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.subplots(rows, cols, squeeze=False)
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` as a PNG to ``path`` (creating its folder) and return ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
     return path
@@ -93,21 +94,21 @@ def throughput_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ok = ok[ok["throughput_vs_nocache"].notna()]
     if ok.empty:
         return None
-    fig, axes = _figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
+    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
     ax = axes[0][0]
     _grouped_bars(ok, "throughput_vs_nocache", ax)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="no cache (1×)")
     ax.set_ylabel("throughput relative to no cache (×, requests/s ratio)")
     ax.set_title("Throughput normalised to no cache (cache=none, scheduler=fcfs)")
     fig.legend(loc="outside right upper", title="/".join(variant_parts(ok)), fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def hit_rate_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ok = ok[ok["hit_rate"].notna()]
     if ok.empty:
         return None
-    fig, axes = _figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
+    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
     ax = axes[0][0]
 
     def ideal(groups):
@@ -122,7 +123,7 @@ def hit_rate_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ax.set_ylabel("hit rate (cached / prompt tokens)")
     ax.set_title("Prefix-cache hit rate against the ideal")
     fig.legend(loc="outside right upper", title="/".join(variant_parts(ok)), fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
@@ -133,7 +134,7 @@ def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
         return None
     names, groups = variants(ok), settings(ok)
     col = colors(names)
-    fig, axes = _figure(1, 1, (max(7, 1.0 + 0.44 * len(ok)), 4.8))
+    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.44 * len(ok)), 4.8))
     ax = axes[0][0]
     width = 0.8 / len(names)
     for j, v in enumerate(names):
@@ -159,7 +160,7 @@ def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     labels += ["cold: hit < half the prompt", "warm: the rest"]
     fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
                fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _capacity(ok: pd.DataFrame) -> pd.Series:
@@ -186,7 +187,7 @@ def capacity_figure(ok: pd.DataFrame, path: Path) -> Path | None:
                           if k not in ("workload", "capacity_tokens", "kv_capacity_tokens"))]
     ok = ok.assign(panel=ok[keys].astype(str).agg(" · ".join, axis=1))
     panels = list(dict.fromkeys(ok.sort_values(keys, kind="stable")["panel"]))
-    fig, axes = _figure(1, len(panels), (4.2 * len(panels) + 1.5, 4))
+    fig, axes = new_figure(1, len(panels), (4.2 * len(panels) + 1.5, 4))
     names = sorted(ok["variant"].unique(), key=variant_key)
     col = colors(names)
     for ax, panel in zip(axes[0], panels):
@@ -210,7 +211,7 @@ def capacity_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
                fontsize="small")
     fig.suptitle("Hit rate vs cache capacity")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def latency_cdf_figure(ok: pd.DataFrame, root: Path, path: Path) -> Path | None:
@@ -219,7 +220,7 @@ def latency_cdf_figure(ok: pd.DataFrame, root: Path, path: Path) -> Path | None:
            .itertuples(index=False)}
     if all(d["e2e_s"].dropna().empty for d in lat.values()):
         return None
-    fig, axes = _figure(2, len(groups), (3.6 * len(groups) + 1.8, 6.4))
+    fig, axes = new_figure(2, len(groups), (3.6 * len(groups) + 1.8, 6.4))
     col = colors(names)
     for row, (metric, what) in enumerate([("ttft_s", "TTFT"), ("e2e_s", "end-to-end latency")]):
         for ax, s in zip(axes[row], groups):
@@ -240,7 +241,7 @@ def latency_cdf_figure(ok: pd.DataFrame, root: Path, path: Path) -> Path | None:
     fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
                fontsize="small")
     fig.suptitle("Latency CDFs per request (TTFT top, end-to-end bottom)")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def load_figure(ok: pd.DataFrame, path: Path) -> Path | None:
@@ -252,7 +253,7 @@ def load_figure(ok: pd.DataFrame, path: Path) -> Path | None:
                                          if keys else ""))
     names = sorted(ok["line"].unique(), key=variant_key)
     col = colors(names)
-    fig, grid = _figure(1, 2, (11, 4.2))
+    fig, grid = new_figure(1, 2, (11, 4.2))
     axes = grid[0]
     for ax, (metric, what) in zip(axes, [("ttft", "TTFT"), ("e2e", "end-to-end latency")]):
         for n in names:
@@ -268,7 +269,7 @@ def load_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     fig.legend(handles, labels, loc="outside right upper", fontsize="small",
                title="/".join(variant_parts(ok)) + " (p50 —, p99 --)")
     fig.suptitle("Latency vs offered load")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def make_figures(df: pd.DataFrame, root: Path, figdir: Path) -> list[tuple[Path, str]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from testbed.report_figures import _figure, _save
+from testbed.report.figures import new_figure, save_figure
 
 HIT_WINDOWS = 50  # windows of the hit-rate figure
 GAUGE_WINDOWS = 400  # windows of the gauges' figures
@@ -78,7 +78,7 @@ def hit_rate_over_time_figure(steps: pd.DataFrame, path: Path,
     if steps["admitted_prompt_tokens"].sum() == 0:
         return None
     w = windowed_hit_rate(steps)
-    fig, axes = _figure(1, 1, (9, 4))
+    fig, axes = new_figure(1, 1, (9, 4))
     ax = axes[0][0]
     width = w["end_s"].iloc[0] - w["start_s"].iloc[0]
     ax.bar(w["start_s"], w["hit_rate"].fillna(0), width=width, align="edge", color="tab:blue",
@@ -92,14 +92,14 @@ def hit_rate_over_time_figure(steps: pd.DataFrame, path: Path,
            ylim=(0, 1.05), title="Hit rate over time (requests at their first admission)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def kv_over_time_figure(steps: pd.DataFrame, path: Path) -> Path | None:
     if steps["kv_used_tokens"].isna().all():
         return None  # an unbounded pool: no occupancy to stack
     replicas = sorted(steps["replica"].unique())
-    fig, axes = _figure(len(replicas), 1, (9, 2.8 * len(replicas) + 0.6))
+    fig, axes = new_figure(len(replicas), 1, (9, 2.8 * len(replicas) + 0.6))
     span = (steps["start_s"].min(), steps["end_s"].max())
     cols = ["kv_used_tokens", "evictable_tokens", "free_tokens"]
     for ax, r in zip(axes[:, 0], replicas):
@@ -113,13 +113,13 @@ def kv_over_time_figure(steps: pd.DataFrame, path: Path) -> Path | None:
     axes[-1][0].set_xlabel("time (s, simulated)")
     axes[0][0].legend(loc="lower right", fontsize="small")
     fig.suptitle("KV pool occupancy over time")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def batch_queue_over_time_figure(steps: pd.DataFrame, path: Path) -> Path:
     replicas = sorted(steps["replica"].unique())
     span = (steps["start_s"].min(), steps["end_s"].max())
-    fig, axes = _figure(2, 1, (9, 6))
+    fig, axes = new_figure(2, 1, (9, 6))
     top, bottom = axes[0][0], axes[1][0]
     for r in replicas:
         mine = steps[steps["replica"] == r]
@@ -143,7 +143,7 @@ def batch_queue_over_time_figure(steps: pd.DataFrame, path: Path) -> Path:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def timeseries_figures(df: pd.DataFrame, root: Path, figdir: Path) -> list[tuple[Path, str]]:

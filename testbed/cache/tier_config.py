@@ -1,0 +1,38 @@
+"""The ``cache`` config group's lower-tier settings, read and checked: the keyword arguments that
+`testbed.cache.tiers.make_tiered_cache` builds a `TieredRadixCache` with (``host_tokens``,
+``disk_tokens``, ``write_policy``, ``write_threshold`` and each lower tier's eviction policy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from testbed.cache.eviction import EVICTION, EvictionPolicy
+
+
+def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The tier arguments the ``cache`` config group asks for (``host_tokens``, ``disk_tokens``,
+    ``write_policy``, ``write_threshold``, ``host_eviction``, ``disk_eviction``: a policy name or
+    an ``eviction``-style mapping; the oracle is GPU-only), or None when it asks for no lower
+    tier."""
+    host, disk = cache_cfg.get("host_tokens") or 0, cache_cfg.get("disk_tokens") or 0
+    if not host and not disk:
+        return None
+    if cache_cfg.get("name") != "radix":
+        raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
+                         f"cache={cache_cfg.get('name')}")
+
+    def tier_policy(key: str) -> EvictionPolicy:
+        cfg = cache_cfg.get(key) or "lru"
+        if (cfg if isinstance(cfg, str) else cfg.get("name")) == "oracle":
+            raise ValueError(f"cache.{key}=oracle is not supported (the oracle is GPU-only)")
+        try:
+            return EVICTION.build(cfg)
+        except ValueError as e:
+            raise ValueError(f"cache.{key}: {e}") from None
+
+    return {"host_tokens": host, "disk_tokens": disk,
+            "write_policy": cache_cfg.get("write_policy") or "write_through",
+            "write_threshold": cache_cfg.get("write_threshold") or 2,
+            "host_policy": tier_policy("host_eviction"),
+            "disk_policy": tier_policy("disk_eviction")}
