@@ -8,7 +8,7 @@ executor. A bad name, a key an entry does not take, or a user class without the 
 stops the run there, in one line, before anything is generated. The `Assembly` it returns builds
 the objects: ``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
 ``build_cost_model()``. `testbed.run`, `testbed.calibrate`, `testbed.viz` and the experiments all
-build through it.
+build through it; scripts compose a config as the command line does with `compose_config`.
 """
 
 from __future__ import annotations
@@ -167,6 +167,22 @@ class Assembly:
 
     def cluster_delays(self) -> tuple[float, float]:
         return cluster_delays(self.config["router"])
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "config"
+                   ) -> DictConfig:
+    """The config ``conf/NAME.yaml`` with these overrides, composed as ``python -m testbed.run``
+    composes it (for scripts, experiments and tests); a bad override is one ValueError line."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from testbed.cli import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(name, overrides=list(overrides))
+    except HydraException as e:
+        raise ValueError(str(e).strip().splitlines()[0]) from None
 
 
 def fit_vocabulary(config: dict[str, Any]) -> str | None:

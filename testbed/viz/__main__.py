@@ -19,9 +19,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from testbed.assembly import Assembly, assemble
+from testbed.assembly import Assembly, assemble, compose_config
 from testbed.cache.radix import RadixCache
-from testbed.cli import CONF_DIR, check_group_choices
+from testbed.cli import check_group_choices
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
 from testbed.workloads import WORKLOADS
@@ -67,18 +67,6 @@ def parse_at(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--at must be request counts separated by commas, got {text!r}") from None
-
-
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The run config with these overrides, composed as ``python -m testbed.run`` would."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose("config", overrides=overrides)
-    except HydraException as e:
-        raise ValueError(str(e).strip().splitlines()[0]) from None
 
 
 def radix_cache(run: Assembly, requests) -> RadixCache:
