@@ -169,7 +169,7 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         max_in_flight=run.max_in_flight, network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
         observe=True)
-    extra = {**_served_by(run, capacity), "router": run.router.label, **cluster_summary(result)}
+    extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label}
     records = cluster_records(result, run.get("save_token_ids", False))
     sizes = aborted_sizes(records, requests)
     note = unfit_note(run, sizes, len(records), capacity,

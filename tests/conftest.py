@@ -36,3 +36,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+@pytest.fixture
+def compose():
+    """``compose(*overrides)``: the run config composed as ``python -m testbed.run`` composes it
+    (`testbed.assembly.compose_config`), without progress bars."""
+    from testbed.assembly import compose_config
+
+    return lambda *overrides: compose_config(["progress=false", *overrides])
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """``examples/`` on the import path, as ``PYTHONPATH=examples`` puts it (docs/extending.md)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))

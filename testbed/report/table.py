@@ -2,10 +2,11 @@
 
 A run dir is any folder holding ``summary.json`` (or ``failed.json``: a run that failed, kept with
 status ``failed`` and its error). Columns: the run's config choices (flattened from
-``summary["config"]``: backend, workload, cache, scheduler, eviction, capacity_tokens, arrival,
+``summary["config"]``; a group's ``target`` when it names a class of your own: backend, workload, cache, scheduler, eviction, capacity_tokens, arrival,
 model, hardware, cost model, seed, and any other config key that differs between runs), its summary
 figures as written, and derived columns: ``variant`` (the policy choices that vary, e.g.
-``radix/lpm``), ``setting`` (everything else that varies, e.g. the workload), ``hit_vs_ideal`` and
+``radix/lpm``, and the settings of the cache, scheduler and eviction groups that vary, e.g.
+``my_policies.LRUK/k=2``), ``setting`` (everything else that varies, e.g. the workload), ``hit_vs_ideal`` and
 ``throughput_vs_nocache``: ``throughput_req_s`` over that of the ``cache=none, scheduler=fcfs`` run
 of the same setting, or of its slowest ``cache=none`` run when there is no fcfs one.
 """
@@ -96,7 +97,8 @@ def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]
 def _varying_config(flats: list[dict[str, Any]]) -> list[str]:
     """Dotted config keys, beyond CHOICES, whose values differ between runs that picked the same
     option of their group (so workload.num_tasks does not count just because workloads differ)."""
-    keys = sorted({k for f in flats for k in f} - set(CHOICES.values()) - IGNORED)
+    targets = {f"{group}.target" for group in GROUPS}  # shown in their group's column
+    keys = sorted({k for f in flats for k in f} - set(CHOICES.values()) - IGNORED - targets)
     out = []
     for key in keys:
         group = key.split(".")[0]
@@ -123,7 +125,8 @@ def load_results(root: str | Path, progress: bool | None = None) -> pd.DataFrame
         flats.append(flat)
     extra = _varying_config(flats)
     for row, flat in zip(rows, flats):
-        row |= {col: flat.get(key) for col, key in CHOICES.items()}
+        row |= {col: flat.get(f"{key[:-5]}.target") or flat.get(key) if key.endswith(".name")
+                else flat.get(key) for col, key in CHOICES.items()}
         row |= {key: flat.get(key) for key in extra}
     front = ["run", "status", *CHOICES, *extra]
     df = pd.DataFrame(rows)
@@ -138,7 +141,7 @@ def _varies(df: pd.DataFrame, col: str) -> bool:
 
 def setting_keys(df: pd.DataFrame) -> list[str]:
     """Columns that tell settings apart: every varying config column except the policy ones."""
-    extra = [c for c in df.columns if "." in c]
+    extra = [c for c in df.columns if "." in c and c.split(".")[0] not in POLICY]
     return [c for c in [*CHOICES, *extra] if c not in POLICY and _varies(df, c)]
 
 
@@ -159,12 +162,19 @@ def _label(values: dict[str, Any]) -> str:
 
 
 def variant_parts(df: pd.DataFrame) -> list[str]:
-    """The policy columns a variant label is made of: those that vary (cache/scheduler if none)."""
-    return [c for c in POLICY if _varies(df, c)] or ["cache", "scheduler"]
+    """The columns a variant label is made of: the policy choices that vary, then the varying
+    settings of those groups (e.g. ``eviction.k``); cache/scheduler if nothing varies."""
+    own = [c for c in df.columns if "." in c and c.split(".")[0] in POLICY and _varies(df, c)]
+    return [c for c in POLICY if _varies(df, c)] + own or ["cache", "scheduler"]
+
+
+def _variant_label(row: pd.Series) -> str:
+    return "/".join(str(v) if "." not in k else f"{k.split('.', 1)[1]}={v}"
+                    for k, v in row.items())
 
 
 def _with_derived(df: pd.DataFrame) -> pd.DataFrame:
-    df["variant"] = df[variant_parts(df)].astype(str).agg("/".join, axis=1)
+    df["variant"] = df[variant_parts(df)].apply(_variant_label, axis=1)
     keys = ["workload", *(k for k in setting_keys(df) if k != "workload")]
     df["setting"] = df[keys].apply(lambda r: _label(r.to_dict()), axis=1)
     if "hit_rate" in df and "ideal_hit_rate" in df:
