@@ -163,3 +163,17 @@ def test_an_out_of_tree_policy_runs_in_a_sweep_and_the_report_plots_it(tmp_path)
     assert set(table["eviction"]) == {"my_policies.LRUK"}
     assert "k=2" in (sweep / "report.md").read_text()
     assert (sweep / "figures" / "hit_rate_vs_capacity.png").is_file()
+
+
+def test_a_group_file_of_ones_own_is_an_option_once_its_folder_is_on_the_search_path(compose,
+                                                                                     capsys):
+    from testbed.assembly import assemble
+    from testbed.cli import check_group_choices
+
+    search = f"hydra.searchpath=[file://{EXAMPLES / 'conf'}]"
+    check_group_choices([search, "eviction=lru,lru_k,mru"])  # accepted: no exit
+    run = assemble(compose(search, "eviction=lru_k", "eviction.k=3"))
+    assert run.eviction.label == "my_policies.LRUK" and run.eviction.build().k == 3
+    with pytest.raises(SystemExit):
+        check_group_choices(["eviction=lru_k"])
+    assert "eviction must be one of custom, fifo" in capsys.readouterr().err
