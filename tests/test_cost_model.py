@@ -318,7 +318,7 @@ def test_bad_fitted_file(tmp_path, edit, message):
         load_fitted(path, roofline())
 
 
-def test_make_cost_model_from_configs():
+def test_cost_models_build_from_their_config_groups():
     m, h = model("llama3_8b"), hw("h100")
     r = COST_MODELS.build(conf("cost_model", "roofline"), model=m, hw=h)
     assert isinstance(r, RooflineCostModel)

@@ -237,7 +237,7 @@ def test_oracle_needs_the_caches():
 
 
 # ---------------------------------------------------------------------- config
-def test_make_router_reads_the_config_group_and_rejects_unknown_keys():
+def test_routers_build_from_the_config_group_and_reject_unknown_keys():
     r = ROUTERS.build({"name": "cache_aware", "cache_threshold": 0.3, "network_delay_s": 0.01},
                     max_tree_size=1234)
     assert isinstance(r, CacheAware) and r.cache_threshold == 0.3 and r.max_tree_size == 1234
