@@ -9,9 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from testbed.assembly import assemble
+from testbed.assembly import assemble, compose_config
 from testbed.calibrate import calibrate, grid_slots, synthetic_batch, timed_pass
 from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
@@ -31,8 +30,7 @@ def one_thread():
 
 
 def config(name: str = "config", *overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(name, overrides=["model=tiny", "hardware=cpu", "progress=false", *overrides])
+    return compose_config(["model=tiny", "hardware=cpu", "progress=false", *overrides], name)
 
 
 def test_nnls_recovers_non_negative_coefficients_and_clips_negative_ones():

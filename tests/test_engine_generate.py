@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+from testbed.assembly import compose_config  # noqa: E402
 from testbed.engine.loader import save_random_hf_model, tiny_config  # noqa: E402
 from testbed.model_group import checkpoint_group, resolve_model_group  # noqa: E402
 from testbed.run import execute  # noqa: E402
@@ -36,8 +36,7 @@ def hf_generate(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def run(tmp_path: Path, *overrides: str) -> tuple[dict, list[dict]]:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=["progress=false", "hardware=cpu", *overrides])
+    cfg = compose_config(["progress=false", "hardware=cpu", *overrides])
     out = tmp_path / "run"
     summary = execute(cfg, out)
     records = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]

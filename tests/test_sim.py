@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
 
+from testbed.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.run import execute
 from testbed.sim.cost_model import RooflineCostModel, save_fitted
@@ -23,8 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def config(*overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("config", overrides=["progress=false", *overrides])
+    return compose_config(["progress=false", *overrides])
 
 
 def a10g_llama2_executor() -> SimExecutor:

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 
+from testbed.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.tiers import TieredRadixCache
 from testbed.run import execute
@@ -194,8 +194,7 @@ def test_the_trace_of_the_crowd_has_every_step_and_request():
 
 # ---------------------------------------------------------------------------- whole runs
 def run(tmp_path: Path, *overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=["progress=false", "timeline=true", *overrides])
+    cfg = compose_config(["progress=false", "timeline=true", *overrides])
     return execute(cfg, tmp_path)
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from testbed.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.replay import replay
 from testbed.workloads import WORKLOADS, build_workload, generate
@@ -27,8 +27,7 @@ GENERATED = [w for w in WORKLOADS if w != "trace"]
 
 def small_config(name: str) -> dict:
     """The workload's config file, shrunk so tests run in milliseconds."""
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=[f"workload={name}"])
+    cfg = compose_config([f"workload={name}"])
     params = OmegaConf.to_container(cfg.workload, resolve=True)
     shrink = {"num_tasks": 3, "questions_per_task": 4, "num_sessions": 3, "turns": 3,
               "num_questions": 3, "num_problems": 2, "depth": 3, "branching": 2,
