@@ -48,6 +48,8 @@ from bench_traces import forest, mooncake_tiled  # noqa: E402
 from bench_trees import (EdgeRadix, PlainRadix, load_sglang, replay_edge, replay_plain,  # noqa: E402
                          replay_sglang)
 
+# Built directly, not through testbed.assembly: this benchmark times the raw data structures
+# (caches, replay, loaders, generator) on purpose, without a run config's choices around them.
 from testbed.cache.block_hash import BlockHashCache  # noqa: E402
 from testbed.cache.radix import RadixCache  # noqa: E402
 from testbed.perf import gc_paused  # noqa: E402

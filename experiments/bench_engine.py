@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 
+from testbed.assembly import compose_config  # noqa: E402
 from testbed.run import execute  # noqa: E402
 
 # A small Llama: big enough that a prefill token costs more than Python's per-step overhead, with
@@ -40,9 +40,8 @@ MODEL = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num
 
 
 def run_once(overrides: list[str]) -> dict:
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=MODEL + overrides)
-    with tempfile.TemporaryDirectory() as tmp:
+    cfg = compose_config(MODEL + overrides)
+    with tempfile.TemporaryDirectory() as tmp:  # execute assembles the run (testbed/assembly.py)
         return execute(cfg, tmp)
 
 

@@ -26,31 +26,23 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from testbed.cache import ALL_POLICIES, RadixCache, make_policy  # noqa: E402
+from testbed.assembly import assemble, compose_config  # noqa: E402
+from testbed.cache import EVICTION  # noqa: E402
 from testbed.metrics import ideal_hit_rate  # noqa: E402
 from testbed.replay import replay  # noqa: E402
-from testbed.workloads import build_workload  # noqa: E402
-from testbed.workloads.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
               20_000_000, 50_000_000]
 
 
-def gdsf_cost():
-    """GDSF's recompute cost: the roofline floor of the default model and hardware config."""
-    from testbed.sim.cost_model import RooflineCostModel, StepShape
-    from testbed.sim.specs import hardware_spec, model_spec
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config")
-    floor = RooflineCostModel(model_spec(OmegaConf.to_container(cfg.model)),
-                              hardware_spec(OmegaConf.to_container(cfg.hardware))).floor
-    return lambda start, size: floor(StepShape(new=(max(size, 1),), context=(start,)))
+def workload_overrides(args) -> list[str]:
+    """The workload of the study as config overrides: a generated one, or the trace file."""
+    if args.workload:
+        return [f"workload={args.workload}"]
+    return ["workload=trace", f"workload.path={args.trace}", f"workload.format={args.format}"]
 
 
 def main() -> None:
@@ -60,7 +52,7 @@ def main() -> None:
     ap.add_argument("--workload", help="a generated workload name instead of a trace")
     ap.add_argument("--capacities", type=lambda s: [int(float(x)) for x in s.split(",")],
                     default=CAPACITIES)
-    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(ALL_POLICIES))
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(EVICTION))
     ap.add_argument("--report-capacity", type=int, default=3_000_000)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
     ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
@@ -71,21 +63,19 @@ def main() -> None:
         report(df, args.report_capacity)
         return
 
-    if args.workload:
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-            cfg = compose("config", overrides=[f"workload={args.workload}"])
-        requests = build_workload(OmegaConf.to_container(cfg.workload), seed=0)
-        name = args.workload
-    else:
-        requests = load_trace(args.trace, args.format)
-        name = args.trace.stem
+    # one run config per policy (eviction=NAME; the default cache, radix, and for GDSF's recompute
+    # cost the default model and hardware), each built by the assembly step
+    runs = {policy: assemble(compose_config([*workload_overrides(args), f"eviction={policy}",
+                                             "backend=replay"]))
+            for policy in args.policies}
+    requests = next(iter(runs.values())).requests()
+    name = args.workload or args.trace.stem
     prompt = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests)
-    cost_fn = gdsf_cost()
     rows = []
     grid = [(p, c) for c in args.capacities for p in args.policies]
     for policy, capacity in tqdm(grid, desc="eviction study", unit="replay"):
-        cache = RadixCache(capacity, policy=make_policy(policy, requests, cost_fn=cost_fn))
+        cache = runs[policy].build_cache(capacity, requests)
         started = time.perf_counter()
         records = replay(requests, cache)
         rows.append({"workload": name, "eviction": policy, "capacity_tokens": capacity,

@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
-from testbed.cache import RadixCache
+from testbed.assembly import Assembly, assemble, compose_config
 from testbed.metrics import summarize
-from testbed.sim.cost_model import RooflineCostModel
-from testbed.sim.executor import SimExecutor
 from testbed.sim.simulate import records_of, serve
-from testbed.sim.specs import hardware_spec, model_spec
 from testbed.workloads.request import Request
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def workload(n: int, cold_share: float, seed: int = 0) -> list[Request]:
@@ -45,19 +39,21 @@ def workload(n: int, cold_share: float, seed: int = 0) -> list[Request]:
     return out
 
 
-def executor() -> SimExecutor:
-    import yaml
-    model = model_spec(yaml.safe_load((CONF / "model/llama3_8b.yaml").read_text()))
-    hw = hardware_spec(yaml.safe_load((CONF / "hardware/h100.yaml").read_text()))
-    return SimExecutor(RooflineCostModel(model, hw))
+def assembled(aging: float | None, capacity: int, max_running: int) -> Assembly:
+    """Llama-3-8B on an H100 in the simulator (roofline costs), a radix cache of ``capacity``
+    tokens; ``aging`` None: FCFS for reference."""
+    return assemble(compose_config([
+        "backend=sim", "model=llama3_8b", "hardware=h100", "cost_model=roofline", "cache=radix",
+        f"cache.capacity_tokens={capacity}", f"scheduler={'fcfs' if aging is None else 'lpm'}",
+        f"scheduler.lpm_aging={aging or 0.0}", f"scheduler.max_running_requests={max_running}"]))
 
 
 def run(requests: list[Request], aging: float | None, in_flight: int, capacity: int,
         max_running: int) -> dict:
     """One run; ``aging`` None: FCFS for reference."""
-    cfg = {"name": "lpm" if aging is not None else "fcfs", "lpm_aging": aging or 0.0,
-           "max_running_requests": max_running}
-    _, result = serve(requests, RadixCache(capacity), cfg, executor(), max_in_flight=in_flight)
+    a = assembled(aging, capacity, max_running)
+    _, result = serve(requests, a.build_cache(capacity, requests), a.scheduler,
+                      a.build_executor(capacity), max_in_flight=in_flight)
     return summarize(records_of(result.reqs), ideal=0.0, wall_s=0.0) | {"aging": aging}
 
 

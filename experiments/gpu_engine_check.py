@@ -28,9 +28,8 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
-from testbed.cache import RadixCache  # noqa: E402
+from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
 from testbed.engine.executor import EngineExecutor  # noqa: E402
 from testbed.engine.kv_cache import KVCache  # noqa: E402
 from testbed.engine.loader import build_model, config_from_model_group, parse_dtype  # noqa: E402
@@ -67,12 +66,15 @@ def counted_forward(runner: ModelRunner, cuda: bool) -> list[int]:
     return counts
 
 
-def serve_with(model, attention: str, requests: list, slots: int, cuda: bool) -> dict:
+def serve_with(run: Assembly, model, attention: str, requests: list, slots: int,
+               cuda: bool) -> dict:
+    # the runner and executor are built here, not by run.build_executor: both attentions share
+    # one loaded model, and the runner's forward is wrapped to count synchronizing calls
     runner = ModelRunner(model, num_slots=slots, attention=attention)
     syncs = counted_forward(runner, cuda)
     started = time.perf_counter()
-    _, result = serve(requests, RadixCache(slots), {"name": "lpm"}, EngineExecutor(runner),
-                      generate=True, record_steps=True)
+    _, result = serve(requests, run.build_cache(slots, requests), run.scheduler,
+                      EngineExecutor(runner), generate=True, record_steps=True)
     decode = [s.duration_s for s in result.steps if s.kind == "decode"]
     return {"wall_s": time.perf_counter() - started, "decode_steps": len(decode),
             "decode_step_median_s": statistics.median(decode) if decode else None,
@@ -93,7 +95,11 @@ def main() -> None:
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
-    group = OmegaConf.to_container(OmegaConf.load(REPO / "conf/model" / f"{args.model}.yaml"))
+    # the run config's model group (its shape), radix cache (LRU) and LPM scheduler
+    run = assemble(compose_config([f"model={args.model}", "backend=engine", "cache=radix",
+                                   "eviction=lru", "scheduler=lpm", f"device={args.device}",
+                                   f"dtype={args.dtype}"]))
+    group = run.config["model"]
     dtype = parse_dtype(args.dtype)
     model = build_model(config_from_model_group(group), seed=0, dtype=dtype, device=args.device)
     report: dict = {"model": args.model, "device": args.device, "dtype": args.dtype}
@@ -110,7 +116,7 @@ def main() -> None:
                                       model.config.vocab_size)
     slots = args.requests * (args.prefix + args.suffix + args.new) + 1
     kernels = "triton" if cuda else "torch"
-    runs = {name: serve_with(model, name, requests, slots, cuda)
+    runs = {name: serve_with(run, model, name, requests, slots, cuda)
             for name in (kernels, f"cascade_{kernels}")}
     plain, cascade = runs[kernels], runs[f"cascade_{kernels}"]
     agree = np.mean([a == b for x, y in zip(plain.pop("outputs"), cascade.pop("outputs"))

@@ -36,17 +36,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
 from scipy.optimize import least_squares
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.sim import cost_model  # noqa: E402
 from testbed.sim.cost_model import RooflineCostModel, StepShape  # noqa: E402
-from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
-from testbed.sim.vidur_cost import NCCL_LAUNCH_S, VidurCostModel  # noqa: E402
-from testbed.sim.vidur_profile import load_vidur_profile  # noqa: E402
+from testbed.sim.vidur_cost import NCCL_LAUNCH_S  # noqa: E402
 
 DEFAULT_PROFILE = ROOT.parent / "shared" / "vidur" / "a100_codellama34b_tp2"
 
@@ -78,14 +76,18 @@ def grid() -> dict[str, list[StepShape]]:
 
 
 def main(profile_dir: Path) -> None:
-    def conf(group: str, name: str) -> dict:
-        return yaml.safe_load((ROOT / "conf" / group / f"{name}.yaml").read_text())
+    def cost(*overrides: str):
+        run = assemble(compose_config(["model=codellama_34b", "hardware=a100", *overrides]))
+        return run, run.build_cost_model()
 
-    model, hw = model_spec(conf("model", "codellama_34b")), hardware_spec(conf("hardware", "a100"))
-    vidur = VidurCostModel(load_vidur_profile(profile_dir, model), model, overhead_s=0.0)
+    # Vidur's step times (no per-step overhead, as Vidur 0.0.26) and the shipped roofline without
+    # the hardware's step overhead, both from the run config
+    run, vidur = cost("cost_model=vidur", f"cost_model.profile_dir={Path(profile_dir).resolve()}")
+    model, hw = run.model_shape, run.hardware
+    _, r = cost("cost_model=roofline", "cost_model.overhead_s=0.0")
 
     # attention alone first: its FLOPs over every profiled prefill point's measured time
-    prefill, full = vidur.profile.prefill, RooflineCostModel(model, hw)
+    prefill, full = vidur.profile.prefill, r
     flops, seconds = [], []
     for i, n in enumerate(prefill.rows):
         for j, c in enumerate(prefill.cols):
@@ -119,14 +121,13 @@ def main(profile_dir: Path) -> None:
     fit_on = [s for steps in fit.values() for s in steps]
     measured = np.array([vidur.step_time(s) for s in fit_on])
 
-    def residuals(x):
+    def residuals(x):  # the roofline at trial efficiencies: built here, outside any config
         r = RooflineCostModel(model, hw, mfu=x[0], attn_mfu=attn_mfu, mbu=x[1], overhead_s=0.0)
         return np.log([r.step_time(s) for s in fit_on]) - np.log(measured)
 
     x = least_squares(residuals, x0=[0.6, 0.6], bounds=([0.05] * 2, [1.0] * 2)).x
     print(f"fitted on {len(fit_on)} loaded steps: mfu={x[0]:.3f} attn_mfu={attn_mfu:.3f} "
           f"mbu={x[1]:.3f}")
-    r = RooflineCostModel(model, hw, overhead_s=0.0)
     print(f"shipped defaults: mfu={r.mfu} attn_mfu={r.attn_mfu} mbu={r.mbu}, "
           f"overhead_s={hw.step_overhead_s} (hardware=a100)")
     print(f"{'step kind':<28} {'shapes':>6} {'min':>6} {'median':>7} {'max':>6}   "

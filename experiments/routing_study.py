@@ -41,22 +41,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-import yaml  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 
-from testbed.cache import RadixCache  # noqa: E402
+from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
-from testbed.router import ROUTERS, make_router  # noqa: E402
+from testbed.router import ROUTERS  # noqa: E402
 from testbed.sim.cluster import cluster_records, simulate_cluster  # noqa: E402
-from testbed.sim.cost_model import make_cost_model  # noqa: E402
-from testbed.sim.executor import SimExecutor  # noqa: E402
-from testbed.sim.specs import (hardware_spec, kv_capacity_tokens, mem_fraction,  # noqa: E402
-                               model_spec)
 from testbed.workloads.arrivals import apply_arrivals  # noqa: E402
 from testbed.workloads.program import ProgramBuilder, TokenSource  # noqa: E402
 from testbed.workloads.request import OutputRef, Request, arrival_order  # noqa: E402
-from testbed.workloads.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 # The five policies at their config defaults (the imbalance rule in SGLang's units: 32 requests),
@@ -91,33 +83,40 @@ def multi_tenant_chat(num_tenants: int = 16, num_sessions: int = 256, turns: int
     return calls
 
 
-def setup(model: str, hardware: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose("config", overrides=[f"model={model}", f"hardware={hardware}"])
-    m = model_spec(OmegaConf.to_container(cfg.model))
-    hw = hardware_spec(OmegaConf.to_container(cfg.hardware))
-    capacity = kv_capacity_tokens(m, hw, mem_fraction(OmegaConf.to_container(cfg.hardware)))
-    executor = SimExecutor(make_cost_model(OmegaConf.to_container(cfg.cost_model), m, hw))
-    return executor, capacity, OmegaConf.to_container(cfg.scheduler)
+def base_overrides(args) -> list[str]:
+    """The run config every policy shares: model, hardware, replicas, seed (the rest: defaults,
+    i.e. the roofline cost model, a radix cache with LRU eviction, the LPM scheduler)."""
+    return [f"model={args.model}", f"hardware={args.hardware}", f"replicas={args.replicas}",
+            f"seed={args.seed}", "backend=sim"]
 
 
-def parse_policy(spec: str) -> dict:
-    """``name`` or ``name:key=value,key=value`` (values as YAML) -> a router config."""
+def router_overrides(spec: str) -> list[str]:
+    """``name`` or ``name:key=value,key=value`` -> the ``router`` group's overrides."""
     name, _, rest = spec.partition(":")
-    cfg = {"name": name}
+    overrides = [f"router={name}"]
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"error: policy {spec!r}: {item!r} is not key=value")
-        cfg[key] = yaml.safe_load(value)
-    return cfg
+        overrides.append(f"++router.{key}={value}")
+    return overrides
 
 
-def run_policy(requests, policy, replicas, executor, capacity, scheduler_cfg, seed=0):
-    router = make_router(parse_policy(policy), seed=seed, kv_capacity=capacity)
+def setup(args):
+    """The assembled run without a router choice: its sim executor, a replica's KV capacity
+    (what the model leaves of the hardware's memory) and the scheduler config."""
+    run = assemble(compose_config(base_overrides(args)))
+    capacity = run.kv_capacity()
+    return run.build_executor(capacity), capacity, run.scheduler
+
+
+def run_policy(requests, policy, args, executor, capacity, scheduler_cfg):
+    run = assemble(compose_config(base_overrides(args) + router_overrides(policy)))
+    router = run.build_router(capacity)
     started = time.perf_counter()
-    result = simulate_cluster(requests, lambda: RadixCache(capacity), scheduler_cfg, executor,
-                              router, replicas=replicas, seed=seed, progress=False)
+    result = simulate_cluster(requests, lambda: run.build_cache(capacity, requests),
+                              scheduler_cfg, executor, router, replicas=run.replicas,
+                              seed=run.seed, progress=False)
     wall = time.perf_counter() - started
     s = summarize(cluster_records(result), ideal=float("nan"), wall_s=wall,
                   preemptions=result.preemptions)
@@ -126,7 +125,7 @@ def run_policy(requests, policy, replicas, executor, capacity, scheduler_cfg, se
         p = sum(len(r.prompt) for r in rep.reqs)
         per_hit.append(sum(r.cached_tokens or 0 for r in rep.reqs) / p if p else 0.0)
     d = result.decisions
-    return {"policy": policy, "replicas": replicas, "hit_rate": s["hit_rate"],
+    return {"policy": policy, "replicas": run.replicas, "hit_rate": s["hit_rate"],
             "throughput_req_s": s["throughput_req_s"], "throughput_tok_s": s["throughput_tok_s"],
             "ttft_p50_s": s["ttft_p50_s"], "ttft_p99_s": s["ttft_p99_s"],
             "e2e_p50_s": s["e2e_p50_s"], "makespan_s": s["makespan_s"],
@@ -162,9 +161,9 @@ def main() -> None:
         plot(df, args.plot, int(df["replicas"].iloc[0]))
         return
 
-    executor, capacity, scheduler_cfg = setup(args.model, args.hardware)
+    executor, capacity, scheduler_cfg = setup(args)
     print(f"{args.replicas} replicas of {args.model} on {args.hardware}: KV capacity "
-          f"{capacity:,} tokens each; scheduler {scheduler_cfg['name']}")
+          f"{capacity:,} tokens each; scheduler {scheduler_cfg.name}")
     rows = []
     for workload in args.workloads:
         requests, label = load(workload, args)
@@ -172,8 +171,7 @@ def main() -> None:
         print(f"\n{label}: {len(requests):,} requests, {sum(len(r.prompt) for r in requests):,} "
               f"prompt tokens, ideal hit rate {ideal:.3f}")
         for policy in args.policies:
-            row = run_policy(requests, policy, args.replicas, executor, capacity, scheduler_cfg,
-                             seed=args.seed)
+            row = run_policy(requests, policy, args, executor, capacity, scheduler_cfg)
             rows.append({"workload": workload, "label": label, "ideal_hit_rate": ideal, **row})
             print(f"  {policy:<50} hit {row['hit_rate']:.3f}  {row['throughput_req_s']:.2f} req/s  "
                   f"ttft p50 {row['ttft_p50_s']:.3f}s  imbalance {row['imbalance']:.2f}  "
@@ -187,7 +185,7 @@ def main() -> None:
 
 
 def load(workload: str, args) -> tuple[list[Request], str]:
-    if workload == "chat":
+    if workload == "chat":  # this study's own generator (above), not a config workload
         calls = multi_tenant_chat(num_sessions=args.chat_sessions, zipf=args.chat_zipf,
                                   seed=args.seed)
         requests = arrival_order(apply_arrivals(calls, "poisson", is_trace=False,
@@ -195,12 +193,13 @@ def load(workload: str, args) -> tuple[list[Request], str]:
         return requests, (f"multi-tenant chat (16 tenants, Zipf {args.chat_zipf:g}; "
                           f"{args.chat_sessions} sessions x 6 turns, "
                           f"{args.chat_rate:g} sessions/s)")
-    if workload == "mooncake":
-        requests = load_trace(args.trace, "mooncake")
+    if workload == "mooncake":  # the trace at its own timestamps, as a run config reads it
+        run = assemble(compose_config(base_overrides(args) + [
+            "workload=trace", f"workload.path={args.trace}", "workload.format=mooncake",
+            "arrival.kind=trace", f"arrival.time_scale={args.time_scale}"]))
+        requests = run.requests()
         if args.trace_limit:
             requests = requests[: args.trace_limit]
-        requests = arrival_order(apply_arrivals(requests, "trace", is_trace=True,
-                                                time_scale=args.time_scale))
         scale = f", time x{args.time_scale:g}" if args.time_scale != 1 else ""
         return requests, f"Mooncake conversation trace ({len(requests):,} requests{scale})"
     raise SystemExit(f"error: --workloads takes chat and mooncake; got {workload!r}")

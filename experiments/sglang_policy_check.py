@@ -52,7 +52,9 @@ import argparse
 import sys
 import time
 from collections import Counter
+import copy
 from dataclasses import fields
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -64,10 +66,7 @@ sys.path.insert(0, str(REPO))
 import sglang_mirror  # noqa: E402  (beside this script)
 import sglang_replay  # noqa: E402
 from sglang_mirror import SglangLoop, SglReq  # noqa: E402
-from testbed.cache import make_cache  # noqa: E402
-from testbed.cache.radix import RadixCache  # noqa: E402
-from testbed.scheduler.config import SchedulerConfig  # noqa: E402
-from testbed.scheduler.policy import QueuePolicy  # noqa: E402
+from testbed.assembly import Assembly, assemble, compose_config, plain  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
 from testbed.scheduler.scheduler import Scheduler  # noqa: E402
 from testbed.workloads import generate  # noqa: E402
@@ -94,6 +93,22 @@ CONFIGS = [("ample", 64, None, 16384), ("ample", 4, 64, 16384), ("ample", 16, 81
            ("evict", 16, None, 16384), ("evict", 8, 64, 256), ("tight", 64, None, 16384),
            ("tight", 8, 64, 16384), ("tight", 16, 256, 512)]
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
+
+
+@lru_cache(maxsize=None)
+def run_config(policy: str) -> dict:
+    """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy``."""
+    return plain(compose_config(["cache=radix", "cache.page_size=1", "eviction=lru",
+                                 f"scheduler={policy}"]))
+
+
+def assembled(policy: str, capacity: int | None = None, **scheduler) -> Assembly:
+    """`run_config` with a cache capacity and scheduler settings set, assembled (composed once
+    per policy: 120 cases would otherwise spend seconds composing)."""
+    config = copy.deepcopy(run_config(policy))
+    config["cache"]["capacity_tokens"] = capacity
+    config["scheduler"].update(scheduler)
+    return assemble(config)
 
 
 # ---------------------------------------------------------------- (a) queue order
@@ -138,7 +153,8 @@ def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]]
     alone is SGLang's order), whether the trees agree on every hit, and the two orders."""
     theirs = sgl.radix.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=None,
                                   page_size=1, disable=False)
-    ours = RadixCache(capacity=None)
+    run = assembled(policy, in_batch_hold=hold)
+    ours = run.build_cache(None, [])  # unlimited
     for seq in tree:
         theirs.insert(seq, torch.arange(len(seq)))
         arr = np.asarray(seq, dtype=TOKEN_DTYPE)
@@ -162,7 +178,9 @@ def order_once(sgl, policy: str, tree: list[list[int]], prompts: list[list[int]]
                                 np.zeros(1, dtype=TOKEN_DTYPE)),
                 prompt=np.asarray(p, dtype=TOKEN_DTYPE), submitted_s=0.0, seq=i)
             for i, p in enumerate(prompts)]
-    ordering = QueuePolicy(policy, ours, np.random.default_rng(0), in_batch_hold=hold).order(reqs)
+    c = run.scheduler  # its queue policy, built as the Scheduler builds it
+    ordering = c.queue_policy().build(cache=ours, rng=np.random.default_rng(0),
+                                      **c.settings()).order(reqs)
     got, held = [r.id for r in ordering.queue], held_ids(ordering, reqs)
     held_last = [i for i in got if i not in held] + [r.id for r in reqs if r.id in held]
     hits = {r.rid: len(r.prefix_indices) for r in sgl_queue}
@@ -208,10 +226,9 @@ def capacities(requests: list[Request]) -> dict[str, int]:
 
 
 def run_ours(requests, policy, cap, max_running, chunk, max_prefill):
-    cache = make_cache("radix", capacity_tokens=cap, page_size=1, policy="lru")
-    sched = Scheduler(cache, SchedulerConfig(name=policy, max_running_requests=max_running,
-                                             max_prefill_tokens=max_prefill,
-                                             chunked_prefill_size=chunk))
+    run = assembled(policy, cap, max_running_requests=max_running,
+                    max_prefill_tokens=max_prefill, chunked_prefill_size=chunk)
+    sched = Scheduler(run.build_cache(cap, requests), run.scheduler)
     reqs = [sched.submit(r, 0.0) for r in requests]
     steps = []
     while len(steps) < 200_000:

@@ -34,6 +34,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+# Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
+# raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
 from testbed.cache.eviction import FIFO, Requester
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay

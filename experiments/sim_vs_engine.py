@@ -31,21 +31,16 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from testbed.backends import build_cache, container  # noqa: E402
+from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,  # noqa: E402
                                median_times, synthetic_batch, timed_pass)
-from testbed.engine import make_engine_executor  # noqa: E402
 from testbed.metrics import summarize  # noqa: E402
-from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
-                                    load_fitted)
+from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape  # noqa: E402
 from testbed.sim.executor import SimExecutor  # noqa: E402
 from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
 from testbed.sim.simulate import records_of, serve  # noqa: E402
-from testbed.sim.specs import hardware_spec, model_spec  # noqa: E402
-from testbed.workloads import build_workload  # noqa: E402
 
 BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256"]
 EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)
@@ -60,25 +55,22 @@ NOISE_LIMIT = 0.25  # the engine's own makespan spread (max/min - 1) beyond whic
 
 
 def config(overrides: list[str], name: str = "config"):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(name, overrides=BASE + overrides + EXTRA)
+    return compose_config(BASE + overrides + EXTRA, name)
 
 
 class Workload:
     """One held-back workload: its config and requests, served on any executor."""
 
     def __init__(self, overrides: list[str]) -> None:
-        self.cfg = config(overrides)
-        self.requests = build_workload(container(self.cfg.workload), seed=self.cfg.seed,
-                                       arrival=container(self.cfg.arrival))
+        self.run = assemble(config(overrides))
+        self.requests = self.run.requests()
 
     def serve(self, executor):
         """(driver result, summary) of one run."""
-        cfg = self.cfg
-        scheduler, result = serve(self.requests, build_cache(cfg, CAPACITY, self.requests),
-                                  container(cfg.scheduler), executor, seed=cfg.seed,
-                                  max_in_flight=cfg.workload.get("max_in_flight"),
-                                  record_steps=True)
+        run = self.run
+        scheduler, result = serve(self.requests, run.build_cache(CAPACITY, self.requests),
+                                  run.scheduler, executor, seed=run.seed,
+                                  max_in_flight=run.max_in_flight, record_steps=True)
         return result, summarize(records_of(result.reqs), 0.0, 0.0, scheduler.preemptions)
 
 
@@ -128,15 +120,14 @@ def main() -> None:
     EXTRA.extend(args.overrides)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    cfg = config([])
-    model, hw = model_spec(container(cfg.model)), hardware_spec(container(cfg.hardware))
-    floor = RooflineCostModel(model, hw)
+    cal = config(["forced=true"], "calibrate")  # the run config with backend=engine
+    run = assemble(cal)
+    model, hw = run.model_shape, run.hardware
+    floor = RooflineCostModel(model, hw)  # the fitted model's floor, as testbed.calibrate's
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
-    steps = [] if args.fitted else grid(config([], "calibrate").calibrate)
-    engine = make_engine_executor(container(cfg.model), num_slots=max(CAPACITY, grid_slots(steps)),
-                                  device=cfg.get("device"), dtype=cfg.get("dtype"),
-                                  attention=cfg.get("attention"), seed=cfg.seed, forced=True)
-    rng = np.random.default_rng(cfg.seed)
+    steps = [] if args.fitted else grid(cal.calibrate)
+    engine = run.build_executor(max(CAPACITY, grid_slots(steps)))
+    rng = np.random.default_rng(run.seed)
     batches = [synthetic_batch(step, model.vocab_size, rng) for step in steps]
 
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
@@ -154,10 +145,12 @@ def main() -> None:
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
-    fitted = load_fitted(args.fitted, floor_model=floor)
+    fitted = assemble(config(["cost_model=fitted", f"cost_model.path={args.fitted.resolve()}"])
+                      ).build_cost_model()
 
     # Paired rounds: each round's grid pass fitted on its own and judged against that round's
-    # engine runs, seconds apart, so the machine's slower drift cancels out of the comparison.
+    # engine runs, seconds apart, so the machine's slower drift cancels out of the comparison
+    # (those per-round models are this study's own fits, built here rather than from a config).
     paired = {name: [] for name in workloads}
     for r, times in enumerate(grid_times):
         fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times))), floor_model=floor)

@@ -30,32 +30,38 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
-import yaml  # noqa: E402
 
-from testbed.cache.radix import RadixCache  # noqa: E402
-from testbed.cache.tiers import make_tiered_cache  # noqa: E402
+from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
 from testbed.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
 from testbed.replay import replay  # noqa: E402
-from testbed.sim.cost_model import make_cost_model  # noqa: E402
-from testbed.sim.executor import SimExecutor  # noqa: E402
 from testbed.sim.simulate import records_of, serve  # noqa: E402
-from testbed.sim.specs import hardware_spec, kv_capacity_tokens, mem_fraction, model_spec  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
-from testbed.workloads.traces import load_trace  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 HIT_KEYS = ["hit_rate", "hit_rate_gpu", "hit_rate_host", "hit_rate_disk"]
 
 
-def conf(group: str, name: str) -> dict:
-    return yaml.safe_load((REPO / "conf" / group / f"{name}.yaml").read_text())
+SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "scheduler=lpm"]
 
 
-def build(gpu: int | None, host: int = 0, disk: int = 0, policy: str = "write_through",
-          planner_for=None):
-    cfg = {"name": "radix", "host_tokens": host, "disk_tokens": disk, "write_policy": policy}
-    planner = planner_for(cfg) if planner_for and (host or disk) else None
-    return make_tiered_cache(cfg, gpu, planner=planner) or RadixCache(gpu)
+def trace_overrides(trace: Path) -> list[str]:
+    return ["workload=trace", f"workload.path={trace}", "workload.format=mooncake"]
+
+
+def tiers(gpu: int | None, host: int = 0, disk: int = 0, policy: str = "write_through"
+          ) -> list[str]:
+    """The ``cache`` group of one grid point: radix (LRU) with these lower tiers."""
+    return ["cache=radix", f"cache.capacity_tokens={'null' if gpu is None else gpu}",
+            f"cache.host_tokens={host}", f"cache.disk_tokens={disk}",
+            f"cache.write_policy={policy}"]
+
+
+def build(run: Assembly, requests, gpu: int | None, planned: bool = False):
+    """The run's cache of ``gpu`` tokens (tiered when it has lower tiers); ``planned``: with the
+    load planner of its model and hardware (the simulator's load-or-recompute choice)."""
+    planner = make_planner(run.config["cache"], run.model_shape, run.hardware) \
+        if planned and run.has_lower_tiers else None
+    return run.build_cache(gpu, requests, planner=planner)
 
 
 def replay_grid(requests, gpu: int, ideal: float) -> pd.DataFrame:
@@ -65,7 +71,10 @@ def replay_grid(requests, gpu: int, ideal: float) -> pd.DataFrame:
     grid += [(10_000_000, 30_000_000, "write_through"), (30_000_000, 100_000_000, "write_through")]
     rows = []
     for host, disk, policy in grid:
-        cache = build(gpu, host, disk, policy if policy != "-" else "write_through")
+        run = assemble(compose_config(["backend=replay",
+                                       *tiers(gpu, host, disk, policy if policy != "-"
+                                              else "write_through")]))
+        cache = build(run, requests, gpu)
         started = time.perf_counter()
         records = replay(requests, cache)
         seconds = time.perf_counter() - started
@@ -81,19 +90,15 @@ def replay_grid(requests, gpu: int, ideal: float) -> pd.DataFrame:
 
 
 def sim_grid(requests, time_scales: list[float], host_sizes: list[tuple[int, int]]) -> pd.DataFrame:
-    model, hw_cfg = model_spec(conf("model", "llama3_8b")), conf("hardware", "h100")
-    hw = hardware_spec(hw_cfg)
-    gpu = kv_capacity_tokens(model, hw, mem_fraction(hw_cfg))
-    scheduler = conf("scheduler", "_base") | {"name": "lpm"}
-    cost = conf("cost_model", "roofline")
+    gpu = assemble(compose_config(SIM)).kv_capacity()  # what one H100 leaves for KV
     rows = []
     for scale in time_scales:
         scaled = [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in requests]
         for host, disk in host_sizes:
-            cache = build(gpu, host, disk, planner_for=lambda c: make_planner(c, model, hw))
+            run = assemble(compose_config(SIM + tiers(gpu, host, disk)))
+            cache = build(run, scaled, gpu, planned=True)
             started = time.perf_counter()
-            sched, result = serve(scaled, cache, scheduler,
-                                  SimExecutor(make_cost_model(cost, model, hw)))
+            sched, result = serve(scaled, cache, run.scheduler, run.build_executor(gpu))
             records = records_of(result.reqs)
             if cache.lower_tiers:
                 add_tier_fields(records, sched.tier_hits)
@@ -144,7 +149,8 @@ def main() -> None:
     ap.add_argument("--no-sim", action="store_true")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[1.0, 5.0])
     args = ap.parse_args()
-    requests = load_trace(args.trace, "mooncake")[: args.limit]  # a file or data:NAME
+    requests = assemble(compose_config(["backend=replay", *trace_overrides(args.trace)])
+                        ).requests()[: args.limit]  # a file or data:NAME
     args.out.mkdir(parents=True, exist_ok=True)
     ideal = ideal_hit_rate(requests)
     replay_df = replay_grid(requests, args.gpu_tokens, ideal)
