@@ -264,6 +264,8 @@ def test_every_config_file_builds_its_router():
     from tests.test_sim import REPO
 
     for path in sorted((REPO / "conf" / "router").glob("[!_]*.yaml")):
+        if path.stem == "custom":  # needs router.target: tests/test_configs.py builds it
+            continue
         with initialize_config_dir(config_dir=str(REPO / "conf" / "router"), version_base=None):
             cfg = OmegaConf.to_container(compose(path.stem))
         router = ROUTERS.build(cfg, max_tree_size=1000)
