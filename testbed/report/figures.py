@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -207,10 +208,16 @@ def capacity_figure(ok: pd.DataFrame, path: Path) -> Path | None:
         ax.set(title=panel, xlabel="cache capacity (tokens)",
                ylabel="hit rate (cached / prompt tokens)", ylim=(0, 1.05))
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    return finish_figure(fig, axes[0][0], ok, "Hit rate vs cache capacity", path)
+
+
+def finish_figure(fig: Figure, legend_from: Axes, ok: pd.DataFrame, title: str,
+                  path: Path) -> Path:
+    """One legend for the figure (the variants, from one panel), its title, and save it."""
+    handles, labels = legend_from.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
                fontsize="small")
-    fig.suptitle("Hit rate vs cache capacity")
+    fig.suptitle(title)
     return save_figure(fig, path)
 
 
@@ -237,11 +244,7 @@ def latency_cdf_figure(ok: pd.DataFrame, root: Path, path: Path) -> Path | None:
             ax.set(title=f"{s}: {what}" if row == 0 else what, xlabel=f"{what} (s)",
                    ylabel="fraction of requests", ylim=(0, 1.02))
             ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", title="/".join(variant_parts(ok)),
-               fontsize="small")
-    fig.suptitle("Latency CDFs per request (TTFT top, end-to-end bottom)")
-    return save_figure(fig, path)
+    return finish_figure(fig, axes[0][0], ok, "Latency CDFs per request (TTFT top, end-to-end bottom)", path)
 
 
 def load_figure(ok: pd.DataFrame, path: Path) -> Path | None:
