@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from testbed.registry import Registry
 from testbed.workloads.arrivals import apply_arrivals
+from testbed.workloads.beyond_prefix import paraphrase, rag
 from testbed.workloads.mixed import mix
 from testbed.workloads.paper import chat, few_shot, self_consistency, tree_of_thought
 from testbed.workloads.request import OutputRef, Request, arrival_order
@@ -24,7 +25,8 @@ for _name, _generator in (("few_shot", few_shot), ("chat", chat),
                           ("chat_long", chat),  # long answers: conf/workload/chat_long.yaml
                           ("self_consistency", self_consistency),
                           ("tree_of_thought", tree_of_thought), ("multimodal", multimodal),
-                          ("shared_prefix", shared_prefix), ("random_tree", random_tree)):
+                          ("shared_prefix", shared_prefix), ("random_tree", random_tree),
+                          ("rag", rag), ("paraphrase", paraphrase)):
     WORKLOADS.register(_name, _generator)
 
 
