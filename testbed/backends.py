@@ -135,6 +135,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,
              "decode_steps": s.decode_steps, "busy_s": s.busy_s,
              "mean_decode_batch": s.decode_tokens / s.decode_steps if s.decode_steps else None}
+    if not engine:
+        extra |= _sim_attention(run, executor)
     if engine:
         extra |= {"device": str(executor.runner.device), "attention": run.config.get("attention"),
                   "forced": bool(run.get("forced", True))}
@@ -146,6 +148,17 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     extra |= tier_extra(cache)
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer)
+
+
+def _sim_attention(run: Assembly, executor: Any) -> dict[str, Any]:
+    """The simulator's ``attention`` when set (cascade* prices cascade decoding) and the share
+    of the decode steps' cached KV its groups left unread."""
+    if run.config.get("attention") is None:
+        return {}
+    out = {"attention": run.config["attention"]}
+    if getattr(executor, "cascade_saved", None) is not None:
+        out["cascade_saved_kv"] = executor.cascade_saved
+    return out
 
 
 def _served_by(run: Assembly, capacity: int) -> dict[str, Any]:
@@ -169,7 +182,8 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         max_in_flight=run.max_in_flight, network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
         observe=True)
-    extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label}
+    extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,
+             **_sim_attention(run, executor)}
     records = cluster_records(result, run.get("save_token_ids", False))
     sizes = aborted_sizes(records, requests)
     note = unfit_note(run, sizes, len(records), capacity,

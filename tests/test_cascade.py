@@ -90,3 +90,14 @@ def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, head
         meta.plan = backend.plan(meta)
         outs.append(backend.forward(q, k, v, kb.clone(), vb.clone(), meta, 0.3))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_engine_and_simulator_group_with_the_same_code():
+    """The runner plans, and the simulator's executor prices, the groups of one `DecodeGroups`."""
+    from testbed.engine import runner
+    from testbed.scheduler import decode_groups
+    from testbed.sim import executor
+
+    assert runner.DecodeGroups is executor.DecodeGroups is decode_groups.DecodeGroups
+    assert executor.SimExecutor(None, attention="cascade_triton").groups is not None
+    assert executor.SimExecutor(None, attention="triton").groups is None

@@ -159,6 +159,79 @@ def test_step_shape():
             StepShape(*bad)
 
 
+def test_step_shape_shared_prefixes():
+    """Cascade groups (P, members): the step reads Σcontext − Σ(members − 1)·P cached tokens."""
+    s = StepShape.decode([110, 110, 40, 120, 130, 125], shared=[(100, [0, 1]), (30, (3, 4, 5))])
+    assert s.shared == ((100, (0, 1)), (30, (3, 4, 5)))
+    assert (s.num_context, s.shared_saving, s.kv_read_context) == (635, 160, 475)
+    assert StepShape.decode([5, 7]).kv_read_context == 12
+    for bad in [((110, 110), [(100, [0])]),            # a group of one
+                ((110, 110), [(100, [0, 0])]),         # a request twice
+                ((110, 110, 90), [(50, [0, 1]), (50, [1, 2])]),  # groups overlap
+                ((110, 110), [(100, [0, 2])]),         # not in the batch
+                ((110, 90), [(100, [0, 1])]),          # longer than a member's cached KV
+                ((110, 110), [(0, [0, 1])])]:
+        with pytest.raises(ValueError, match="StepShape"):
+            StepShape.decode(*bad)
+    with pytest.raises(ValueError, match="decode steps only"):
+        StepShape(new=(1, 2), context=(110, 110), shared=[(100, [0, 1])])
+
+
+def two_sharing_a_prefix(alone: tuple[int, ...] = ()) -> tuple[StepShape, StepShape]:
+    """Two decode requests on one cached 100-token prefix with 10-token suffixes (and any
+    requests ``alone``), from the radix tree's own grouping: plain and cascade."""
+    from testbed.cache import RadixCache
+    from testbed.cache.shared_prefix import shared_prefix_groups
+
+    cache = RadixCache(1000)
+    prefix = np.arange(1000, 1100, dtype=np.int32)
+    seqs = [np.concatenate([prefix, np.arange(b, b + 10, dtype=np.int32)]) for b in (2000, 3000)]
+    for seq in seqs:
+        lease = cache.acquire(seq)
+        cache.extend(lease, len(seq) - lease.hit)
+        cache.release(lease, seq)
+    leases = [cache.acquire(seq) for seq in seqs] + [None] * len(alone)
+    groups = shared_prefix_groups(leases)
+    assert groups == [(100, [0, 1])]
+    contexts = (110, 110, *alone)
+    return StepShape.decode(contexts), StepShape.decode(contexts, shared=groups)
+
+
+@pytest.mark.parametrize("alone", [(), (300,), (50, 4000)])
+def test_roofline_cascade_reads_a_shared_prefix_once(alone):
+    """The pair's 100 shared tokens are read once, not twice: exactly 100 tokens' KV fewer bytes,
+    whatever else is in the batch (a request alone reads what it read); same FLOPs."""
+    r = roofline("llama2_7b", "a10g")
+    plain, cascade = two_sharing_a_prefix(alone)
+    kv = r.model.kv_bytes_per_token_per_gpu
+    assert r.bytes(plain) - r.bytes(cascade) == 100 * kv
+    assert r.bytes(cascade) == r._weight_bytes + kv * (100 + 2 * 11 + sum(c + 1 for c in alone)
+                                                       + cascade.num_new)
+    assert r.flops(cascade) == r.flops(plain)
+    assert r.step_time(cascade) < r.step_time(plain)  # decode on an A10G is memory-bound
+    assert r.step_time(cascade) == pytest.approx(r.step_time(plain) - 100 * kv / (
+        r.hw.mem_bw * r.mbu), rel=1e-12)
+    assert r.floor(cascade) < r.floor(plain)
+
+
+def test_without_groups_the_price_is_unchanged():
+    """No group (cascade off, or nobody shares): the same number, to the bit, as before."""
+    r = roofline("llama2_7b", "a10g")
+    step = StepShape.decode([110, 110, 300])
+    kv = r.model.kv_bytes_per_token_per_gpu
+    assert r.bytes(step) == r._weight_bytes + kv * (step.num_context + 2 * step.num_new)
+    assert r.bytes(StepShape.decode([110, 110, 300], shared=())) == r.bytes(step)
+
+
+def test_fitted_e_term_counts_a_shared_prefix_once():
+    coeffs = {"decode": {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0, "e": 5.0},
+              "prefill": dict.fromkeys("abcde", 0.0)}
+    fitted = FittedCostModel(coeffs, roofline("llama2_7b", "a10g"))
+    plain, cascade = two_sharing_a_prefix()
+    assert fitted.predict(plain) - fitted.predict(cascade) == 5 * 100
+    assert cascade.attended_pairs == plain.attended_pairs  # c: the same attention math
+
+
 # ---- roofline ----
 
 def roofline(name="llama3_8b", device="h100", **kw) -> RooflineCostModel:

@@ -179,7 +179,7 @@ def test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf(tiny_h
     pool evicts without retracting; an over-committing admission retracts (preemptions > 0).
     With cascade decoding, decode steps read the shared prefixes once (groups are formed)."""
     needs_triton(attention.removeprefix("cascade_"))
-    from testbed.engine.cascade import DecodeGroups
+    from testbed.scheduler.decode_groups import DecodeGroups
 
     grouped = []
     find = DecodeGroups.__call__

@@ -140,3 +140,56 @@ def test_records_are_in_submission_order_with_consistent_times():
         assert r.arrival_s <= r.first_token_s <= r.finish_s
         assert 0 <= r.cached_tokens < r.prompt_tokens
     assert np.isclose(max(r.finish_s for r in records), result.end_s)
+
+
+def cascade_executors() -> tuple[SimExecutor, SimExecutor]:
+    plain = a10g_llama2_executor()
+    return plain, SimExecutor(plain.cost_model, attention="cascade")
+
+
+def test_cascade_pricing_changes_durations_only():
+    """attention=cascade: the same steps of the same requests (the scheduler decides nothing
+    differently), one-token steps no longer and most shorter, chunked prefills priced as before."""
+    requests = generate(small_config("tree_of_thought") | {"num_problems": 16}, seed=0)
+    runs = []
+    for executor in cascade_executors():
+        _, result = serve(requests, RadixCache(15_745), {"name": "lpm"}, executor,
+                          max_in_flight=12, record_steps=True)
+        runs.append((result, executor))
+    (plain, _), (cascade, executor) = runs
+    shape = [(s.kind, s.ids, s.new, s.context) for s in plain.steps]
+    assert shape == [(s.kind, s.ids, s.new, s.context) for s in cascade.steps]
+    pairs = list(zip(plain.steps, cascade.steps))
+    assert all(c.duration_s <= p.duration_s for p, c in pairs)
+    # a step computing more than one token for some request is not cascaded (the engine's rule:
+    # a prefill of one-token runs, e.g. fully cached prompts, is)
+    assert all(c.duration_s == p.duration_s for p, c in pairs if max(p.new) > 1)
+    assert sum(c.duration_s < p.duration_s for p, c in pairs) > len(pairs) / 2
+    assert max(r.finish_s for r in cascade.reqs) < max(r.finish_s for r in plain.reqs)
+    assert 0 < executor.cascade_saved < 1
+
+
+def test_decode_groups_skip_steps_that_are_not_decode():
+    from testbed.scheduler.batch import BatchEntry
+    from testbed.scheduler.decode_groups import DecodeGroups
+
+    entries = [BatchEntry(None, context=0, new=n, produces_token=True) for n in (1, 5)]
+    assert DecodeGroups()(entries) == []
+
+
+def test_attention_key_in_the_sim_summary(tmp_path):
+    """Null and the non-cascade names price alike (the summary then names the key); cascade
+    reports the share of the decode steps' cached KV its groups left unread."""
+    base = ["workload.num_problems=4"]
+    runs = {a: execute(config(*base, f"attention={a}"), tmp_path / a)
+            for a in ("null", "torch", "cascade")}
+    for s in runs.values():
+        s.pop("wall_s"), s.pop("timing")
+    assert "attention" not in runs["null"] and runs["torch"].pop("attention") == "torch"
+    assert runs["null"] == runs["torch"]
+    cascade = runs["cascade"]
+    assert cascade["attention"] == "cascade" and 0 < cascade["cascade_saved_kv"] < 1
+    assert cascade["makespan_s"] < runs["null"]["makespan_s"]
+    assert cascade["decode_steps"] == runs["null"]["decode_steps"]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        execute(config(*base, "attention=flash"), tmp_path / "bad")

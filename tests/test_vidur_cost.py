@@ -289,6 +289,19 @@ def test_decode_kv_is_the_truncated_mean_rounded_up_to_the_granularity(profile_d
     assert plain.decode_attention((64, 67)) == pytest.approx((decode_ms(2, 65) + RESHAPE_MS) * ms)
 
 
+def test_cascade_decode_is_priced_at_the_mean_kv_read(profile_dir):
+    """Cascade (``StepShape.shared``): the decode kernel at the mean of the KV the batch reads,
+    each shared prefix once: (110 + 110 + 40 − 100) // 3 = 53, not (260) // 3 = 86."""
+    v, ms, L = vidur(profile_dir), 1e-3, MODEL.num_layers
+    plain = StepShape.decode([110, 110, 40])
+    cascade = StepShape.decode([110, 110, 40], shared=[(100, [0, 1])])
+    assert v.parts(plain).attention == pytest.approx(L * (decode_ms(3, 86) + RESHAPE_MS) * ms)
+    assert v.parts(cascade).attention == pytest.approx(L * (decode_ms(3, 53) + RESHAPE_MS) * ms)
+    same = ("token_ops", "all_reduce", "overhead")
+    assert [getattr(v.parts(cascade), k) for k in same] == [getattr(v.parts(plain), k)
+                                                             for k in same]
+
+
 def test_prefill_context_rounds_up_to_the_granularity(profile_dir):
     """Each chunk's cached context is rounded up as Vidur's ``_get_batch_prefill_attention_params``
     rounds its KV; nothing cached stays nothing."""

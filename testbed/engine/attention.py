@@ -30,10 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from testbed.engine.metadata import AttentionMetadata, KVRanges
-
-#: ``cascade``: cascade decoding (`testbed.engine.cascade`) on the device's default kernels
-#: (triton on CUDA, torch elsewhere); ``cascade_torch``, ``cascade_triton``: on those
-ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_triton")
+from testbed.scheduler.decode_groups import ATTENTION_BACKENDS  # the names, shared with the sim
 
 
 class AttentionBackend(Protocol):

@@ -1,11 +1,11 @@
 """Cascade decoding: requests that share a cached prefix read its KV once per step.
 
-A decode step's requests are grouped by the radix tree (`testbed.cache.shared_prefix`: the
-leases the scheduler holds). For a group of ``n`` requests sharing ``P`` tokens, the ``n``
-queries of each KV head's GQA group attend that prefix together, as one sequence with ``n``
-times the query rows (so the prefix's keys and values are read once); every request then
-attends its own suffix (positions ``P ..``; all of its KV when it is in no group, which is plain
-decode), and the two partial results merge exactly by their log-sum-exps
+A decode step's requests are grouped by the radix tree (`testbed.scheduler.decode_groups`: the
+leases the scheduler holds; the simulator prices the same groups). For a group of ``n`` requests
+sharing ``P`` tokens, the ``n`` queries of each KV head's GQA group attend that prefix together,
+as one sequence with ``n`` times the query rows (so the prefix's keys and values are read once);
+every request then attends its own suffix (positions ``P ..``; all of its KV when it is in no
+group, which is plain decode), and the two partial results merge exactly by their log-sum-exps
 (`radix_kernels.merge_states`). Both parts are the backend's ordinary `decode_part`, so the torch
 and the Triton backends cascade the same way.
 
@@ -20,37 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from testbed.cache.shared_prefix import shared_prefix_groups
 from testbed.engine.metadata import KVRanges, indptr
-from testbed.scheduler.batch import BatchEntry
-
-
-class DecodeGroups:
-    """Groups ``(shared tokens, entry indices)`` of decode steps, from the radix tree.
-
-    An entry whose slots were bound before its lease changed (the cache took over its prompt's
-    slots since) joins none: its prefix may sit in other slots than the tree's. Consecutive
-    decode steps of the same requests usually hold the same tree nodes; then the last step's
-    groups are reused. They stay right even if the tree has split a node on their paths since
-    (a split keeps the node object and where it ends; locked nodes are never evicted), though a
-    fresh pass might then pick other groups.
-    """
-
-    def __init__(self, min_tokens: int = 1) -> None:
-        self.min_tokens = min_tokens
-        self._last: tuple[tuple, list[tuple[int, list[int]]]] | None = None
-
-    def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
-        leases = []
-        for e in entries:
-            lease = e.req.lease
-            current = (lease is not None and e.gen == e.req.preemptions
-                       and e.kv_slots().base is lease.slots.base)
-            leases.append(lease if current else None)
-        key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
-        if self._last is None or self._last[0] != key:
-            self._last = key, shared_prefix_groups(leases, self.min_tokens)
-        return self._last[1]
 
 
 @dataclass

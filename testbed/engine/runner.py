@@ -21,12 +21,13 @@ import numpy as np
 import torch
 
 from testbed.engine.attention import AttentionBackend, make_attention
-from testbed.engine.cascade import CascadePlan, DecodeGroups
+from testbed.engine.cascade import CascadePlan
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
 from testbed.engine.slot_table import SlotTable
 from testbed.scheduler.batch import Batch
+from testbed.scheduler.decode_groups import DecodeGroups
 
 
 @dataclass
@@ -105,8 +106,7 @@ class ModelRunner:
             raise NotImplementedError(f"a sequence of {kv_lens.max()} tokens exceeds the model's "
                                       f"sliding_window={window}, which the engine does not implement")
         tokens = np.concatenate(ids + positions)
-        groups = (self.decode_groups(entries) if getattr(self.attention, "cascade", False)
-                  and (qo_lens == 1).all() else [])
+        groups = self.decode_groups(entries) if getattr(self.attention, "cascade", False) else []
         cascade, sizes = CascadePlan.host_arrays(groups, kv_lens, rows) if groups else ([], None)
         meta, extra = AttentionMetadata.from_table(qo_lens, kv_lens, rows, self.slots.table,
                                                    [*writes, tokens, *cascade])

@@ -17,6 +17,14 @@ group's other keys):
 - `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
   operator by operator.
 
+Cascade decoding (``attention=cascade*``; `StepShape.shared`): a decode step's requests that
+share a cached prefix read its KV once per group. Each model sees it through one number, the
+cached KV the step reads, ``kv_read_context = Σcontext − Σ_groups (members − 1)·P``: the roofline
+reads that many tokens' KV (plus the new tokens') from HBM, attention FLOPs unchanged; the fitted
+model's ``e`` term multiplies it; Vidur's decode kernel is looked up at the mean of it per
+request (the batch's mean context with each shared prefix counted once). Without groups it is
+``Σcontext``: the same prices as before, to the bit.
+
 Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
 only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
 these figures (measured time / roofline floor, per layer and per rank):
@@ -98,13 +106,23 @@ class StepShape:
     """One step's batch: request ``i`` computes ``new[i]`` tokens (≥ 1) on top of ``context[i]``
     tokens (≥ 0) already in its KV.
 
+    ``shared`` (cascade decoding, decode steps only): disjoint groups ``(P, members)`` of two or
+    more requests whose first ``P`` cached tokens are the same KV, which the step reads once per
+    group (`testbed.scheduler.decode_groups` forms them, for the engine and the simulator alike).
+    A member then reads its own suffix, ``context + 1 - P`` tokens, and the step reads
+    ``kv_read_context = Σcontext − Σ(members − 1)·P`` cached tokens instead of ``Σcontext``.
+
     >>> s = StepShape(new=(1, 1, 512), context=(100, 200, 0))
     >>> s.batch, s.num_new, s.num_context, s.is_decode
     (3, 514, 300, False)
+    >>> c = StepShape.decode((110, 110, 50), shared=((100, (0, 1)),))
+    >>> c.num_context, c.shared_saving, c.kv_read_context
+    (270, 100, 170)
     """
 
     new: tuple[int, ...]
     context: tuple[int, ...]
+    shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         new, context = tuple(int(n) for n in self.new), tuple(int(c) for c in self.context)
@@ -118,11 +136,33 @@ class StepShape:
             raise ValueError(f"StepShape: context must be >= 0, got {min(context)}")
         object.__setattr__(self, "new", new)
         object.__setattr__(self, "context", context)
+        object.__setattr__(self, "shared", self._check_shared(self.shared, new, context))
+
+    @staticmethod
+    def _check_shared(shared, new: tuple[int, ...], context: tuple[int, ...]
+                      ) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        groups = tuple((int(p), tuple(int(m) for m in members)) for p, members in shared)
+        if groups and max(new) != 1:
+            raise ValueError("StepShape: shared prefixes (cascade) are for decode steps only")
+        seen: set[int] = set()
+        for p, members in groups:
+            if len(members) < 2 or len(set(members)) != len(members):
+                raise ValueError(f"StepShape: a shared prefix needs two or more distinct "
+                                 f"requests, got {members}")
+            if seen & set(members) or min(members) < 0 or max(members) >= len(new):
+                raise ValueError(f"StepShape: shared groups must be disjoint indices into the "
+                                 f"batch of {len(new)}, got {members}")
+            seen |= set(members)
+            if p < 1 or p > min(context[m] for m in members):
+                raise ValueError(f"StepShape: a shared prefix of {p} tokens must be >= 1 and "
+                                 f"cached by every member")
+        return groups
 
     @classmethod
-    def decode(cls, contexts: tuple[int, ...] | list[int]) -> StepShape:
+    def decode(cls, contexts: tuple[int, ...] | list[int],
+               shared: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> StepShape:
         """A decode step: one new token per request."""
-        return cls(new=(1,) * len(contexts), context=tuple(contexts))
+        return cls(new=(1,) * len(contexts), context=tuple(contexts), shared=shared)
 
     @property
     def batch(self) -> int:
@@ -137,6 +177,16 @@ class StepShape:
     def num_context(self) -> int:
         """Σ context: tokens already cached before this step."""
         return sum(self.context)
+
+    @cached_property
+    def shared_saving(self) -> int:
+        """Σ (members − 1)·P over the shared groups: cached KV tokens cascade does not read."""
+        return sum((len(members) - 1) * p for p, members in self.shared)
+
+    @cached_property
+    def kv_read_context(self) -> int:
+        """Cached KV tokens the step reads: ``num_context`` less ``shared_saving``."""
+        return self.num_context - self.shared_saving
 
     @cached_property
     def new_times_context(self) -> int:
@@ -175,10 +225,14 @@ class RooflineCostModel:
       PV (causal within the chunk), at their own efficiency ``attn_mfu``: attention kernels run
       far below the matmuls on the same GPU (module docstring).
     - Bytes: the matmul weights of one rank read once per step, the KV read
-      (``Σ(context+new)``) and written (``Σnew``) at ``kv_bytes_per_token_per_gpu``. Activations
-      (~10·hidden + 5·intermediate elements per token per layer, unfused) are left out: in decode
-      they are 1–2 % of the weight bytes, and a large chunk, where they add up, does ~2000 FLOPs
-      per activation byte, far on the compute side of the ridge.
+      (``Σ(context+new)``) and written (``Σnew``) at ``kv_bytes_per_token_per_gpu``. With
+      cascade decoding (``step.shared``) a group's shared prefix is read once: the KV read is
+      ``Σ_groups (P + Σ_members (context + 1 − P)) + Σ_others (context + 1)``, i.e.
+      ``kv_read_context + Σnew``; its FLOPs are unchanged (every query still attends every key;
+      the merge's few ops per query and the prefix pass's second launch are not priced).
+      Activations (~10·hidden + 5·intermediate elements per token per layer, unfused) are left
+      out: in decode they are 1–2 % of the weight bytes, and a large chunk, where they add up,
+      does ~2000 FLOPs per activation byte, far on the compute side of the ridge.
     - With ``tp > 1``, two ring all-reduces per layer of ``Σnew·hidden·dtype_bytes`` bytes, each
       ``ALLREDUCE_LATENCY_S + 2·(tp−1)/tp · bytes / (interconnect_bw·mbu)``, not overlapped with
       compute. ``interconnect_bw`` (per direction, per GPU) and ``overhead_s`` (the CPU side:
@@ -227,9 +281,10 @@ class RooflineCostModel:
         return self.matmul_flops(step) + self.attention_flops(step)
 
     def bytes(self, step: StepShape) -> float:
-        """HBM bytes one GPU moves in the step: weights once, KV read and written."""
+        """HBM bytes one GPU moves in the step: weights once, KV read (a shared prefix once per
+        group) and written."""
         kv = self.model.kv_bytes_per_token_per_gpu
-        return self._weight_bytes + kv * (step.num_context + 2 * step.num_new)
+        return self._weight_bytes + kv * (step.kv_read_context + 2 * step.num_new)
 
     def allreduce_time(self, step: StepShape, efficiency: float = 1.0,
                        latency_s: float = ALLREDUCE_LATENCY_S) -> float:
@@ -263,7 +318,9 @@ class RooflineCostModel:
 class FittedCostModel:
     """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` seconds, with one coefficient set
     per kind (``decode`` when every request computes one token, else ``prefill``), never below
-    ``floor_model.floor(step)``."""
+    ``floor_model.floor(step)``. ``Σcontext`` is the KV the step reads, ``kv_read_context``: with
+    cascade decoding a shared prefix counts once per group (the ``c`` term, the attended pairs,
+    is the same math either way)."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
                  floor_model: RooflineCostModel) -> None:
@@ -274,7 +331,7 @@ class FittedCostModel:
         """The fitted form alone, without the floor."""
         k = self.coeffs[step.kind]
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
-                + k["d"] * step.batch + k["e"] * step.num_context)
+                + k["d"] * step.batch + k["e"] * step.kv_read_context)
 
     def step_time(self, step: StepShape) -> float:
         return max(self.predict(step), self.floor_model.floor(step))

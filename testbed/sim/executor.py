@@ -1,7 +1,8 @@
 """The executor seam: the only thing that differs between the simulator and the engine.
 
 An executor receives a `Batch` and returns how long the step took and the token each entry
-produced. `SimExecutor` asks a cost model for the duration and emits the workload's predetermined
+produced. `SimExecutor` asks a cost model for the duration (with ``attention=cascade*``, of the
+step's cascade groups: `testbed.scheduler.decode_groups`) and emits the workload's predetermined
 output tokens; the engine's executor runs the model and times it. `EXECUTORS` builds the one
 ``backend=`` names (``backend=custom backend.target=module.Class``: any class with ``execute``,
 built with the run's values it names, e.g. ``cost_model``; docs/extending.md).
@@ -14,6 +15,7 @@ from typing import Protocol
 
 from testbed.registry import Registry
 from testbed.scheduler.batch import Batch
+from testbed.scheduler.decode_groups import DecodeGroups, cascades
 from testbed.sim.cost_model import CostModel, StepShape
 
 
@@ -38,15 +40,36 @@ def predetermined_tokens(batch: Batch) -> list[int | None]:
 
 
 class SimExecutor:
-    """A GPU that takes the cost model's time and says what the workload says."""
+    """A GPU that takes the cost model's time and says what the workload says.
 
-    def __init__(self, cost_model: CostModel) -> None:
+    ``attention`` is the run's key: ``cascade*`` prices cascade decoding, each decode step's
+    shared prefixes read once per group (the engine's groups, `DecodeGroups`); any other name,
+    or None, prices every request's whole context.
+    """
+
+    def __init__(self, cost_model: CostModel, attention: str | None = None) -> None:
         self.cost_model = cost_model
+        self.groups = DecodeGroups() if cascades(attention) else None
+        self.decode_context = 0  # Σcontext of the decode steps priced so far
+        self.decode_saved = 0  # of which cascade left unread (StepShape.shared_saving)
 
     def execute(self, batch: Batch) -> StepOutcome:
         new, context = batch.shape()
-        duration = self.cost_model.step_time(StepShape(new=new, context=context))
-        return StepOutcome(duration_s=duration, tokens=predetermined_tokens(batch))
+        shared = self.groups(batch.entries) if self.groups is not None else ()
+        step = StepShape(new=new, context=context, shared=shared)
+        if step.is_decode:
+            self.decode_context += step.num_context
+            self.decode_saved += step.shared_saving
+        return StepOutcome(duration_s=self.cost_model.step_time(step),
+                           tokens=predetermined_tokens(batch))
+
+    @property
+    def cascade_saved(self) -> float | None:
+        """Share of the decode steps' cached KV (Σcontext) that cascade left unread; None
+        without cascade or before any decode step."""
+        if self.groups is None or not self.decode_context:
+            return None
+        return self.decode_saved / self.decode_context
 
 
 #: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else

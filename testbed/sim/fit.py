@@ -2,6 +2,8 @@
 
 The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
 kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
+``Σcontext`` is the cached KV a step reads (`StepShape.kv_read_context`: a cascade group's shared
+prefix once), the same term `FittedCostModel.predict` multiplies.
 The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
 its own chunk included (`StepShape.attended_pairs`): without it a long prefill's quadratic
 attention would have no term to land on.
@@ -19,7 +21,7 @@ from testbed.sim.cost_model import COEFFS, KINDS, StepShape
 
 def features(step: StepShape) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``."""
-    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.num_context])
+    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context])
 
 
 def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:

@@ -13,7 +13,12 @@ the way Vidur 0.0.26 prices a batch (``SklearnExecutionTimePredictor.get_executi
   ``kv_granularity`` (Vidur's ``kv_cache_prediction_granularity``, 256, in
   ``_get_batch_decode_attention_params``), × (1 + ``decode_batching_overhead``) when B > 1 and the
   model has fewer KV heads than query heads (Vidur's ``attention_decode_batching_overhead_fraction``,
-  0.1, GQA models only); a prefill step runs every request as a chunk over its own context (rounded
+  0.1, GQA models only). With cascade decoding (`StepShape.shared`) the mean is of the KV the
+  step reads, ``kv_read_context / B`` (each group's shared prefix once): the profiled decode
+  kernel streams its requests' KV, so a batch reading that much KV is priced as B requests of
+  the mean read. Neither the second kernel (the groups' prefix pass, its queries ``members``
+  times a GQA group's) nor the merge is priced, which Vidur, with no cascade kernel profiled,
+  could not price either; a prefill step runs every request as a chunk over its own context (rounded
   up the same way, as ``_get_batch_prefill_attention_params`` rounds): chunk n over c cached tokens
   costs the profile's ``attn_prefill(n, c)``, the attention of n new tokens × their full context.
   A cached prefix is thus paid in attention only — less than recomputing it (whose tokens pass
@@ -154,7 +159,7 @@ class VidurCostModel:
     def parts(self, step: StepShape) -> StepParts:
         layers = self.model.num_layers
         n = round_up(step.num_new, TOKEN_MULTIPLE)
-        attention = (self.decode_attention(step.context) if step.is_decode
+        attention = (self.decode_attention(step.context, step.shared_saving) if step.is_decode
                      else self.prefill_attention(step.new, step.context))
         all_reduce = 0.0
         if self.allreduce is not None:
@@ -177,10 +182,11 @@ class VidurCostModel:
             total += surface.at(n, c) - launch
         return total
 
-    def decode_attention(self, context: tuple[int, ...]) -> float:
-        """One layer's decode attention for one new token over each of ``context``."""
+    def decode_attention(self, context: tuple[int, ...], shared_saving: int = 0) -> float:
+        """One layer's decode attention for one new token over each of ``context``, of which
+        cascade decoding leaves ``shared_saving`` tokens unread (`StepShape.shared_saving`)."""
         batch = len(context)
-        kv = round_up(sum(context) // batch, self.kv_granularity)
+        kv = round_up((sum(context) - shared_saving) // batch, self.kv_granularity)
         if batch <= self._max_batch:
             seconds = self.decode.at(batch, kv)
         else:

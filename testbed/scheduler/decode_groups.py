@@ -1,0 +1,62 @@
+"""Cascade groups of a step: which of its requests read a shared cached prefix once.
+
+The ``attention`` key names how decode attention runs. Its ``cascade*`` names turn on cascade
+decoding: in a step where every request computes one token, requests whose leases share a cached
+radix node read that prefix's KV once per group (`testbed.cache.shared_prefix` picks the groups).
+The engine plans its kernels from these groups (`testbed.engine.cascade`) and the simulator
+prices the KV they do not read (`testbed.sim.cost_model.StepShape.shared`); both call the same
+`DecodeGroups`, so they agree by construction. Nothing here changes what is scheduled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from testbed.cache.shared_prefix import shared_prefix_groups
+from testbed.scheduler.batch import BatchEntry
+
+#: the ``attention`` key's names. ``cascade``: cascade decoding on the device's default kernels
+#: (triton on CUDA, torch elsewhere); ``cascade_torch``, ``cascade_triton``: on those
+ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_triton")
+
+
+def cascades(attention: Any) -> bool:
+    """Whether ``attention`` (the config key; None: the default kernels) decodes in cascade."""
+    if attention is not None and attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
+                         f"got {attention!r}")
+    return attention is not None and attention.startswith("cascade")
+
+
+class DecodeGroups:
+    """Groups ``(shared tokens, entry indices)`` of decode steps, from the radix tree.
+
+    A step with an entry that computes more than one token gets none (cascade is for decode).
+    An entry whose slots were bound before its lease changed (the cache took over its prompt's
+    slots since) joins none: its prefix may sit in other slots than the tree's. Consecutive
+    decode steps of the same requests usually hold the same tree nodes; then the last step's
+    groups are reused. They stay right even if the tree has split a node on their paths since
+    (a split keeps the node object and where it ends; locked nodes are never evicted), though a
+    fresh pass might then pick other groups. The last step's tree nodes are held, so their ids
+    (the reuse key) cannot pass to new nodes meanwhile; one instance may serve several caches
+    (the simulator's replicas share an executor).
+    """
+
+    def __init__(self, min_tokens: int = 1) -> None:
+        self.min_tokens = min_tokens
+        self._last: tuple[tuple, list[tuple[int, list[int]]], list[Any]] | None = None
+
+    def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
+        if any(e.new != 1 for e in entries):
+            return []
+        leases = []
+        for e in entries:
+            lease = e.req.lease
+            current = (lease is not None and e.gen == e.req.preemptions
+                       and e.kv_slots().base is lease.slots.base)
+            leases.append(lease if current else None)
+        key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
+        if self._last is None or self._last[0] != key:
+            held = [lease.handle for lease in leases if lease]
+            self._last = key, shared_prefix_groups(leases, self.min_tokens), held
+        return self._last[1]
