@@ -9,6 +9,7 @@ from testbed.cache.eviction import LRU
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads.request import Request
+from testbed.workloads.traces import load_mooncake
 from tests.conftest import toks
 from tests.test_radix import edges, put
 
@@ -132,3 +133,15 @@ def test_unknown_units_and_lower_tiers_with_page_are_refused_in_one_line():
     cfg = compose_config(["backend=replay", "cache=block_hash", "+cache.evict_unit=page"])
     with pytest.raises(ValueError, match="evict_unit"):
         assemble(cfg).build_cache(10, [])
+
+
+@pytest.mark.parametrize("page, expected", [(1, 0.136032), (16, 0.136100)])
+def test_mooncake_conversation_hit_rates_with_page_eviction_at_3m(mooncake_conversation, page,
+                                                                   expected):
+    # node at 3M: 0.135347 (page 1, test_replay.py), 0.135345 (page 16); the block-hash cache's
+    # LRU: 0.137664, which keeps the recency of a block a request did not use where SGLang's
+    # split refreshes the tail it cuts off (README, "Partial-leaf eviction")
+    records = replay(load_mooncake(mooncake_conversation),
+                     RadixCache(3_000_000, page_size=page, evict_unit="page"))
+    hit_rate = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)
+    assert round(hit_rate, 6) == expected
