@@ -6,6 +6,7 @@ Each property runs at least 10^4 cache operations per CI run (examples x operati
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -37,22 +38,84 @@ def peek(cache: RadixCache, key: list[int]) -> int:
         node = child
 
 
-def brute_force_victims(cache: RadixCache, n: int) -> list[int]:
-    """Node ids `evict(n)` must remove: rescan all nodes for the oldest unlocked leaf each time."""
-    children = {node.id: len(node.children) for node in cache.nodes()}
+def path_of(node: TreeNode) -> tuple[int, ...]:
+    """The tokens from the root to the end of ``node``."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key.tolist())
+        node = node.parent
+    return tuple(t for part in reversed(parts) for t in part)
+
+
+def cached_pages(cache: RadixCache) -> set[tuple[int, ...]]:
+    """Every cached page-aligned prefix, read off the tree."""
+    page = cache.page_size
+    return {path[:n] for node in cache.nodes() for path in [path_of(node)]
+            for n in range(node.start + page, len(path) + 1, page)}
+
+
+def brute_force_eviction(cache: RadixCache, n: int, unit: str) -> tuple[dict[int, int], int]:
+    """What `evict(n)` must leave (node id -> tokens) and free: rescan all nodes for the oldest
+    unlocked leaf each time; under ``unit="page"`` take only the tail pages still needed of
+    a leaf larger than that."""
     nodes = {node.id: node for node in cache.nodes()}
-    victims, freed = [], 0
+    sizes = {k: v.size for k, v in nodes.items()}
+    children = {k: len(v.children) for k, v in nodes.items()}
+    freed = 0
     while freed < n:
         leaves = [v for k, v in nodes.items() if children[k] == 0 and v.lock_ref == 0]
         if not leaves:
             break
         victim = min(leaves, key=lambda v: v.last_access)
-        victims.append(victim.id)
-        freed += len(victim.key)
+        need = -(-(n - freed) // cache.page_size) * cache.page_size
+        if unit == "page" and need < sizes[victim.id]:
+            sizes[victim.id] -= need
+            return sizes, freed + need
+        freed += sizes.pop(victim.id)
         del nodes[victim.id]
         if victim.parent is not cache.root:
             children[victim.parent.id] -= 1
-    return victims
+    return sizes, freed
+
+
+class PageModel:
+    """The cached page-aligned prefixes, kept apart from the tree: inserts add theirs; an eviction
+    (checked against the cache's, wherever the cache calls it) removes what
+    `brute_force_eviction` says, and its freed tokens must be the cache's."""
+
+    def __init__(self, cache: RadixCache, unit: str) -> None:
+        self.cache, self.unit = cache, unit
+        self.content: set[tuple[int, ...]] = set()
+        self.evicted = 0
+        self._evict = cache.evict
+        cache.evict = self.evict  # extend's evictions come here too
+
+    def hit(self, seq: list[int]) -> int:
+        page = self.cache.page_size
+        return max((n for n in range(page, len(seq) + 1, page) if tuple(seq[:n]) in self.content),
+                   default=0)
+
+    def insert(self, seq: list[int]) -> None:
+        page = self.cache.page_size
+        self.content |= {tuple(seq[:n]) for n in range(page, len(seq) + 1, page)}
+
+    def evict(self, n: int) -> int:
+        cache = self.cache
+        assert cached_pages(cache) == self.content, "the tree's content drifted from the model's"
+        sizes, freed = brute_force_eviction(cache, n, self.unit)
+        removed = {path[:k] for node in cache.nodes() for path in [path_of(node)]
+                   for k in range(node.start + sizes.get(node.id, 0) + cache.page_size,
+                                  len(path) + 1, cache.page_size)}
+        ids_before = {node.id for node in cache.nodes()}
+        got = self._evict(n)
+        assert got == freed, f"freed {got}, the brute-force model {freed}"
+        assert ids_before - {node.id for node in cache.nodes()} == ids_before - set(sizes), \
+            "victims differ from the brute-force LRU scan"
+        assert {node.id: node.size for node in cache.nodes()} == sizes, "trimmed differently"
+        self.content -= removed
+        assert cached_pages(cache) == self.content
+        self.evicted += freed
+        return got
 
 
 @SETTINGS
@@ -92,35 +155,42 @@ def held_by_leases(leases: list) -> int:
     return sum(len(lease.owned) for lease in leases)
 
 
+@pytest.mark.parametrize("unit", ["node", "page"])
 @SETTINGS
 @given(st.sampled_from([1, 2, 4]), st.integers(4, 24), st.lists(op, min_size=40, max_size=60))
-def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(page, capacity, ops):
-    cache = RadixCache(capacity, page_size=page)
+def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(unit, page, capacity,
+                                                                              ops):
+    cache = RadixCache(capacity, page_size=page, evict_unit=unit)
+    model = PageModel(cache, unit)  # checks hits, content and every eviction (tokens freed)
     capacity -= capacity % page  # whole pages only
     assert cache.pool.capacity == capacity
     held = []  # (lease, tokens of its sequence)
+    evicted_total = 0  # what extend and evict report
     for step in ops:
         kind = step[0]
         if kind in ("request", "hold"):
             key = np.asarray(step[1], dtype=np.int32)
             lease = cache.acquire(key)
+            assert lease.hit == model.hit(step[1]), "hit differs from the model's"
             evicted = cache.extend(lease, len(key) - lease.hit)
+            evicted_total += evicted or 0
             if kind == "hold" and evicted is not None and len(held) < 3:
                 held.append((lease, key))
             else:
                 cache.release(lease, key, insert=evicted is not None)
+                if evicted is not None:
+                    model.insert(step[1])
         elif kind == "drop" and held:
             lease, key = held.pop(step[1] % len(held))
             cache.release(lease, key, insert=step[2])
+            if step[2]:
+                model.insert(key.tolist())
         elif kind == "match":
-            cache.match(np.asarray(step[1], dtype=np.int32))
+            assert cache.match(np.asarray(step[1], dtype=np.int32)) == model.hit(step[1])
         elif kind == "evict":
-            expected = brute_force_victims(cache, step[1])
-            ids_before = {n.id for n in cache.nodes()}
             size_before = cache.total_size
             freed = cache.evict(step[1])
-            removed = ids_before - {n.id for n in cache.nodes()}
-            assert removed == set(expected), "victims differ from the brute-force LRU scan"
+            evicted_total += freed
             assert cache.total_size == size_before - freed
             assert freed % page == 0, "eviction freed part of a page"
         elif kind == "grow" and held:
@@ -130,7 +200,9 @@ def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(pag
             cost = cache.extension_cost(lease, len(more))
             assert cost == -(-max(0, len(more) - len(lease.spare)) // page) * page
             before = cache.available_size
-            if cache.extend(lease, len(more)) is not None:
+            evicted = cache.extend(lease, len(more))
+            evicted_total += evicted or 0
+            if evicted is not None:
                 assert cache.available_size == before - cost, "extend took other than its cost"
                 held[i] = (lease, np.concatenate([key, more]))
             else:
@@ -140,13 +212,14 @@ def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(pag
             cost = sum(cache.extension_cost(lease, 1) for lease in leases)
             if cost <= cache.available_size:  # the scheduler's check before a decode step
                 before = cache.available_size
-                cache.extend_each(leases, 1)
+                evicted_total += sum(cache.extend_each(leases, 1))
                 assert cache.available_size == before - cost
                 held = [(lease, np.append(key, np.int32(step[1]))) for lease, key in held]
         elif kind == "commit" and held:
             lease, key = held[step[1] % len(held)]
             spare, tail = lease.spare.copy(), lease.slots[len(key) - len(key) % page :].copy()
             cache.commit(lease, key)
+            model.insert(key.tolist())
             assert lease.cached == len(key) - len(key) % page
             assert np.array_equal(lease.spare, spare), "commit took the spare slots"
             assert np.array_equal(lease.slots[lease.cached :], tail), "commit took the tail"
@@ -156,8 +229,11 @@ def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(pag
         for lease, key in held:
             assert lease.num_tokens == len(key)
             assert peek(cache, key.tolist()) >= lease.hit, "a locked prefix was evicted"
+    assert evicted_total == model.evicted, "evicted tokens reported differ from the model's"
     for lease, key in held:
         cache.release(lease, key)
+        model.insert(key.tolist())
+    assert cached_pages(cache) == model.content
     cache.check_invariants()
     assert cache.protected_size == 0
     assert cache.pool.num_free + cache.total_size == capacity

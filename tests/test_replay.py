@@ -129,9 +129,10 @@ def tree_state(cache: RadixCache) -> list:
     return [nodes, live, cache.pool.free_slots().tolist(), cache._clock, cache.evictable_size]
 
 
+@pytest.mark.parametrize("unit", ["node", "page"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "gdsf", "workload_aware", "oracle"])
 @pytest.mark.parametrize("capacity", [None, 600, 150])
-def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity):
+def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity, unit):
     # RadixCache.replay_one fuses the three calls; PrefixCache.replay_one makes them. Small
     # vocabularies make accidental matches, splits and cached output tokens common.
     from testbed.cache import PrefixCache
@@ -141,7 +142,8 @@ def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity
                            seed=4)
     for i, r in enumerate(requests):
         r.priority, r.category = i % 3, f"c{i % 2}"
-    fused, calls = (RadixCache(capacity, policy=EVICTION.build(policy, requests=requests)) for _ in range(2))
+    fused, calls = (RadixCache(capacity, policy=EVICTION.build(policy, requests=requests),
+                               evict_unit=unit) for _ in range(2))
     for r in requests:
         who = Requester(r.id, r.priority, r.category)
         assert fused.replay_one(r.prompt, r.output, who) == \

@@ -35,8 +35,9 @@ __all__ = ["BlockHashCache", "CACHES", "EVICTION", "EvictionPolicy", "KVSlotPool
 
 @CACHES.register("radix")
 def radix(capacity_tokens: int | None = None, page_size: int = 1,
-          policy: EvictionPolicy | None = None) -> RadixCache:
-    return RadixCache(capacity_tokens, page_size=page_size, policy=policy or LRU())
+          policy: EvictionPolicy | None = None, evict_unit: str = "node") -> RadixCache:
+    return RadixCache(capacity_tokens, page_size=page_size, policy=policy or LRU(),
+                      evict_unit=evict_unit)
 
 
 @CACHES.register("block_hash")

@@ -11,10 +11,8 @@ last page's unused slots as ``lease.spare``, which `extend` fills before taking 
 caches the whole pages of a finished sequence and returns its unaligned tail page to the pool.
 
 Access times are a logical clock that ticks on every access, so recency is a strict total order and
-runs are deterministic. Eviction candidates (unlocked leaves) sit in a heap ordered by the eviction
-policy's priority; entries are invalidated lazily: a node is re-offered whenever its statistics or
-its leaf/lock status change, and a popped entry counts only if it is the node's latest offer and the
-node is still an unlocked leaf.
+runs are deterministic. Eviction (the heap of candidate leaves, whole-leaf or tail-page eviction by
+``evict_unit``) is `testbed.cache.leaf_eviction`.
 
 `replay_one` serves one request of the replay backend in a single pass (page size 1): the match,
 the eviction, the insert and the unlock of `acquire`/`extend`/`release` with the same effects,
@@ -23,7 +21,6 @@ touching the matched path a second time where the insert's walk would, without b
 
 from __future__ import annotations
 
-import heapq
 import math
 from itertools import count
 from typing import Iterable
@@ -32,6 +29,7 @@ import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
+from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes,
                                       matched_bytes)
@@ -88,17 +86,19 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return i if differ[i] else n
 
 
-class RadixCache(PrefixCache):
+class RadixCache(LeafEviction, PrefixCache):
     """Radix tree over token sequences with ref-counted locks and policy-ordered leaf eviction.
 
     ``capacity`` is the KV pool size in tokens (None: unbounded), rounded down to whole pages.
     ``page_size > 1`` matches, splits, inserts, allocates and evicts only whole pages.
+    ``evict_unit``: ``"node"`` frees whole leaves (SGLang), ``"page"`` only the tail pages needed.
     """
 
     name = "radix"
 
     def __init__(self, capacity: int | None = None, page_size: int = 1,
-                 policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None) -> None:
+                 policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None,
+                 evict_unit: str = "node") -> None:
         if page_size < 1:
             raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
         if pool is not None and pool.page_size != page_size:
@@ -106,6 +106,7 @@ class RadixCache(PrefixCache):
                              f"{pool.page_size} slots")
         self.pool = pool if pool is not None else KVSlotPool(capacity, page_size)
         self.page_size = page_size
+        self.evict_unit = check_evict_unit(evict_unit)
         self.policy: EvictionPolicy = policy if policy is not None else LRU()
         self._kw = page_size * TOKEN_BYTES  # bytes of a child's key (its first page)
         # the policy's hooks, None where they are the base class's no-ops (LRU and most others)
@@ -306,19 +307,6 @@ class RadixCache(PrefixCache):
                 self._offer(node)
             node = node.parent
 
-    def evict(self, num_tokens: int) -> int:
-        """Remove unlocked leaves in policy order until ``num_tokens`` are freed (whole nodes, so
-        possibly more) or nothing unlocked is left. Returns tokens freed."""
-        freed = 0
-        while freed < num_tokens and self._heap:  # (a rebuild may replace the list meanwhile)
-            key, _, offer, node = heapq.heappop(self._heap)
-            if offer != node.offer or not node.alive or node.children or node.lock_ref:
-                continue  # a stale entry: the node changed since this offer
-            freed += len(node.slots)
-            self._delete_leaf(node)
-            self.policy.on_evict(node, key)
-        return freed
-
     # ---------------------------------------------------------------- PrefixCache lifecycle
     def match(self, tokens: np.ndarray, limit: int | None = None,
               requester: Requester | None = None) -> int:
@@ -436,31 +424,6 @@ class RadixCache(PrefixCache):
         lease.handle = node
         # The unaligned tail (n is page-aligned) and the spare slots stay the request's.
         lease.reset(np.concatenate([cached_slots, slots[n:]]), cached=n, spare=lease.spare)
-
-    # ---------------------------------------------------------------- eviction bookkeeping
-    def _offer(self, node: TreeNode) -> None:
-        """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
-        if node.children or node.lock_ref or node is self.root:
-            return
-        node.offer += 1
-        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
-        if len(self._heap) > 4 * self._num_nodes + 1024:
-            self._rebuild_heap()
-
-    def _rebuild_heap(self) -> None:
-        """Drop stale entries: keep exactly one (the latest) per current candidate."""
-        self._heap = [e for e in self._heap
-                      if e[2] == e[3].offer and e[3].alive and not e[3].children and not e[3].lock_ref]
-        heapq.heapify(self._heap)
-
-    def _delete_leaf(self, node: TreeNode) -> None:
-        parent = node.parent
-        del parent.children[node.kb[: self._kw]]
-        node.alive = False
-        self._num_nodes -= 1
-        self._evictable -= len(node.slots)
-        self.pool.free(node.slots)
-        self._offer(parent)  # a parent left childless competes with its own stored statistics
 
     # ---------------------------------------------------------------- checks and views
     def nodes(self) -> Iterable[TreeNode]:

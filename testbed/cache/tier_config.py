@@ -21,6 +21,9 @@ def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     if cache_cfg.get("name") != "radix":
         raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
                          f"cache={cache_cfg.get('name')}")
+    if (cache_cfg.get("evict_unit") or "node") != "node":  # lower tiers demote whole nodes
+        raise ValueError("cache.evict_unit=page needs cache.host_tokens=0 and cache.disk_tokens=0 "
+                         "(lower tiers evict whole nodes)")
 
     def tier_policy(key: str) -> EvictionPolicy:
         cfg = cache_cfg.get(key) or "lru"
