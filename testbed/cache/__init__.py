@@ -35,9 +35,10 @@ __all__ = ["BlockHashCache", "CACHES", "EVICTION", "EvictionPolicy", "KVSlotPool
 
 @CACHES.register("radix")
 def radix(capacity_tokens: int | None = None, page_size: int = 1,
-          policy: EvictionPolicy | None = None, evict_unit: str = "node") -> RadixCache:
+          policy: EvictionPolicy | None = None, evict_unit: str = "node",
+          split_recency: str = "refresh") -> RadixCache:
     return RadixCache(capacity_tokens, page_size=page_size, policy=policy or LRU(),
-                      evict_unit=evict_unit)
+                      evict_unit=evict_unit, split_recency=split_recency)
 
 
 @CACHES.register("block_hash")

@@ -35,6 +35,11 @@ from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined
                                       matched_bytes)
 
 
+#: what a walk that stops inside an edge does to the split-off tail's access time: ``refresh``
+#: (SGLang: counts as accessed now) or ``keep`` (its time before the walk; docs/design.md §4)
+SPLIT_RECENCY = ("refresh", "keep")
+
+
 class TreeNode:
     """A run of tokens and their KV slots; the path from the root spells the cached sequence.
 
@@ -98,7 +103,7 @@ class RadixCache(LeafEviction, PrefixCache):
 
     def __init__(self, capacity: int | None = None, page_size: int = 1,
                  policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None,
-                 evict_unit: str = "node") -> None:
+                 evict_unit: str = "node", split_recency: str = "refresh") -> None:
         if page_size < 1:
             raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
         if pool is not None and pool.page_size != page_size:
@@ -107,6 +112,11 @@ class RadixCache(LeafEviction, PrefixCache):
         self.pool = pool if pool is not None else KVSlotPool(capacity, page_size)
         self.page_size = page_size
         self.evict_unit = check_evict_unit(evict_unit)
+        if split_recency not in SPLIT_RECENCY:
+            raise ValueError(f"cache.split_recency must be one of {', '.join(SPLIT_RECENCY)}; "
+                             f"got {split_recency!r}")
+        self.split_recency = split_recency
+        self._keep_tail = split_recency == "keep"
         self.policy: EvictionPolicy = policy if policy is not None else LRU()
         self._kw = page_size * TOKEN_BYTES  # bytes of a child's key (its first page)
         # the policy's hooks, None where they are the base class's no-ops (LRU and most others)
@@ -206,6 +216,7 @@ class RadixCache(LeafEviction, PrefixCache):
             if child is None:
                 break
             clock += 1
+            before = child.last_access
             child.last_access = clock
             if urgent is not None and urgent < child.priority:
                 child.priority = urgent
@@ -215,8 +226,12 @@ class RadixCache(LeafEviction, PrefixCache):
                 k = matched_bytes(edge, kb, at, end)
                 k -= k % kw
                 self._clock = clock
+                tail = child
                 child = self._split(child, k // TOKEN_BYTES)
                 clock = self._clock
+                if self._keep_tail:  # the walk did not use the tail: its recency stays
+                    tail.last_access = before
+                    self._offer(tail)
             else:
                 k = len(edge)
             if hit:  # the head of a split: its tail was only passed through

@@ -24,6 +24,9 @@ def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     if (cache_cfg.get("evict_unit") or "node") != "node":  # lower tiers demote whole nodes
         raise ValueError("cache.evict_unit=page needs cache.host_tokens=0 and cache.disk_tokens=0 "
                          "(lower tiers evict whole nodes)")
+    if (cache_cfg.get("split_recency") or "refresh") != "refresh":
+        raise ValueError("cache.split_recency=keep needs cache.host_tokens=0 and "
+                         "cache.disk_tokens=0 (the tiers' bookkeeping follows SGLang's rule)")
 
     def tier_policy(key: str) -> EvictionPolicy:
         cfg = cache_cfg.get(key) or "lru"
