@@ -1,10 +1,14 @@
 """The eviction study in one process: hit rate against cache capacity, one line per policy.
 
 Replays a workload (default: the Mooncake conversation trace beside the repository) through the
-radix cache for every eviction policy at every capacity, with the oracle (Belady's bound) and the
-unlimited-cache ideal as reference lines. Writes ``eviction.csv`` and ``eviction.png`` into
-``--out`` and prints the table at ``--report-capacity`` with each policy's fraction of the oracle
-and replay time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
+radix cache for every eviction policy at every capacity and every ``--evict-units``
+(``cache.evict_unit``: node = SGLang's whole leaves, page = only the tail pages needed; pages of
+``--page-size`` tokens), with the oracle (Belady's farthest next use: a reference, not a proven
+bound with variable-size entries) and the unlimited-cache ideal as reference lines. Writes
+``eviction.csv`` (with ``gap_closed``: the share of the gap from LRU to the oracle a policy closes at
+its capacity and unit) and ``eviction.png`` into ``--out`` and prints the table at
+``--report-capacity`` with each policy's fraction of the oracle, the gap it closes and its replay
+time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
 separate jobs.
 
     python experiments/eviction_study.py [--trace FILE --format mooncake] [--out DIR]
@@ -53,36 +57,42 @@ def main() -> None:
     ap.add_argument("--capacities", type=lambda s: [int(float(x)) for x in s.split(",")],
                     default=CAPACITIES)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(EVICTION))
+    ap.add_argument("--evict-units", type=lambda s: s.split(","), default=["node", "page"],
+                    help="cache.evict_unit values (default node,page)")
+    ap.add_argument("--page-size", type=int, default=1, help="cache.page_size (default 1)")
     ap.add_argument("--report-capacity", type=int, default=3_000_000)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
     ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
     args = ap.parse_args()
     if args.replot:
         df = pd.read_csv(args.out / "eviction.csv")
-        plot(df, df["ideal_hit_rate"].iloc[0], df["workload"].iloc[0], args.out / "eviction.png")
+        plot(with_gap_closed(df), df["ideal_hit_rate"].iloc[0], df["workload"].iloc[0],
+             args.out / "eviction.png")
         report(df, args.report_capacity)
         return
 
     # one run config per policy (eviction=NAME; the default cache, radix, and for GDSF's recompute
     # cost the default model and hardware), each built by the assembly step
-    runs = {policy: assemble(compose_config([*workload_overrides(args), f"eviction={policy}",
-                                             "backend=replay"]))
-            for policy in args.policies}
+    runs = {(policy, unit): assemble(compose_config([
+                *workload_overrides(args), f"eviction={policy}", "backend=replay",
+                f"cache.page_size={args.page_size}", f"cache.evict_unit={unit}"]))
+            for policy in args.policies for unit in args.evict_units}
     requests = next(iter(runs.values())).requests()
     name = args.workload or args.trace.stem
     prompt = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests)
     rows = []
-    grid = [(p, c) for c in args.capacities for p in args.policies]
-    for policy, capacity in tqdm(grid, desc="eviction study", unit="replay"):
-        cache = runs[policy].build_cache(capacity, requests)
+    grid = [(p, u, c) for c in args.capacities for u in args.evict_units for p in args.policies]
+    for policy, unit, capacity in tqdm(grid, desc="eviction study", unit="replay"):
+        cache = runs[policy, unit].build_cache(capacity, requests)
         started = time.perf_counter()
         records = replay(requests, cache)
-        rows.append({"workload": name, "eviction": policy, "capacity_tokens": capacity,
+        rows.append({"workload": name, "eviction": policy, "evict_unit": unit,
+                     "capacity_tokens": capacity,
                      "hit_rate": sum(r.cached_tokens for r in records) / prompt,
                      "evicted_tokens": sum(r.evicted_tokens for r in records),
                      "replay_s": time.perf_counter() - started, "ideal_hit_rate": ideal})
-    df = pd.DataFrame(rows)
+    df = with_gap_closed(pd.DataFrame(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(args.out / "eviction.csv", index=False)
     plot(df, ideal, name, args.out / "eviction.png")
@@ -90,12 +100,32 @@ def main() -> None:
     print(f"wrote {args.out / 'eviction.csv'} and {args.out / 'eviction.png'}")
 
 
+def with_gap_closed(df: pd.DataFrame) -> pd.DataFrame:
+    """``gap_closed`` = (hit − LRU's) / (oracle's − LRU's) at the same capacity and unit (NaN
+    without an LRU and an oracle row, or where they are equal)."""
+    if "evict_unit" not in df:  # a CSV written before the unit axis
+        df = df.assign(evict_unit="node")
+    key = ["capacity_tokens", "evict_unit"]
+    ref = df.pivot_table(index=key, columns="eviction", values="hit_rate")
+    lru = df.set_index(key).index.map(ref["lru"]) if "lru" in ref else float("nan")
+    oracle = df.set_index(key).index.map(ref["oracle"]) if "oracle" in ref else float("nan")
+    gap = pd.Series(oracle, index=df.index) - pd.Series(lru, index=df.index)
+    return df.assign(gap_closed=(df["hit_rate"] - pd.Series(lru, index=df.index))
+                     / gap.where(gap > 0))
+
+
 def plot(df: pd.DataFrame, ideal: float, name: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for policy, g in df.groupby("eviction", sort=False):
-        style = dict(color="black", linestyle="--", linewidth=2) if policy == "oracle" else {}
+    if "evict_unit" not in df:
+        df = df.assign(evict_unit="node")
+    units = list(dict.fromkeys(df["evict_unit"]))
+    colors = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(df["eviction"]))}
+    for (policy, unit), g in df.groupby(["eviction", "evict_unit"], sort=False):
+        style = dict(color="black", linewidth=2) if policy == "oracle" else \
+            dict(color=colors[policy])
+        label = policy if len(units) == 1 else f"{policy}, {unit}"
         ax.plot(g["capacity_tokens"] / 1e6, g["hit_rate"], marker="o", markersize=3,
-                label=f"{policy} (bound)" if policy == "oracle" else policy, **style)
+                linestyle=":" if unit == "page" else "-", label=label, **style)
     ax.axhline(ideal, color="grey", linestyle=":", label=f"unlimited cache ({ideal:.3f})")
     ax.set_xscale("log")
     ax.set_xlabel("cache capacity (million tokens, log scale)")
@@ -109,18 +139,21 @@ def plot(df: pd.DataFrame, ideal: float, name: str, path: Path) -> None:
 
 
 def report(df: pd.DataFrame, capacity: int) -> None:
-    at = df[df["capacity_tokens"] == capacity].set_index("eviction")
-    if at.empty:
-        return
-    oracle = at["hit_rate"].get("oracle")
-    lru = at.loc["lru"] if "lru" in at.index else None
-    print(f"\nat {capacity:,} tokens (ideal {at['ideal_hit_rate'].iloc[0]:.4f}):")
-    print(f"{'policy':<16}{'hit rate':>10}{'of oracle':>11}{'vs lru':>9}{'replay s':>10}{'x lru':>7}")
-    for policy, row in at.iterrows():
-        frac = row["hit_rate"] / oracle if oracle else float("nan")
-        rel = row["hit_rate"] / lru["hit_rate"] - 1 if lru is not None else float("nan")
-        t = row["replay_s"] / lru["replay_s"] if lru is not None else float("nan")
-        print(f"{policy:<16}{row['hit_rate']:>10.4f}{frac:>11.1%}{rel:>+9.1%}{row['replay_s']:>10.2f}{t:>7.2f}")
+    df = with_gap_closed(df)
+    for unit, g in df[df["capacity_tokens"] == capacity].groupby("evict_unit", sort=False):
+        at = g.set_index("eviction")
+        oracle = at["hit_rate"].get("oracle")
+        lru = at.loc["lru"] if "lru" in at.index else None
+        print(f"\nat {capacity:,} tokens, evict_unit={unit} (ideal "
+              f"{at['ideal_hit_rate'].iloc[0]:.4f}):")
+        print(f"{'policy':<16}{'hit rate':>10}{'of oracle':>11}{'vs lru':>9}{'gap closed':>12}"
+              f"{'replay s':>10}{'x lru':>7}")
+        for policy, row in at.iterrows():
+            frac = row["hit_rate"] / oracle if oracle else float("nan")
+            rel = row["hit_rate"] / lru["hit_rate"] - 1 if lru is not None else float("nan")
+            t = row["replay_s"] / lru["replay_s"] if lru is not None else float("nan")
+            print(f"{policy:<16}{row['hit_rate']:>10.4f}{frac:>11.1%}{rel:>+9.1%}"
+                  f"{row['gap_closed']:>12.1%}{row['replay_s']:>10.2f}{t:>7.2f}")
 
 
 if __name__ == "__main__":
