@@ -66,3 +66,16 @@ def test_deterministic_and_keeps_the_cache_invariants():
     assert [(r.id, r.cached_tokens) for r in ra] == [(r.id, r.cached_tokens) for r in rb]
     a.check_invariants()
     b.check_invariants()
+
+
+def test_a_hit_on_a_split_head_labels_the_entry_it_was_cut_from():
+    from tests.conftest import toks
+
+    policy = LearnedEviction(horizon=10**6)
+    cache = RadixCache(100, policy=policy)
+    for seq in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9]):  # the second walk splits [1..6] after 3
+        lease = cache.acquire(toks(*seq))
+        cache.extend(lease, len(seq) - lease.hit)
+        cache.release(lease, toks(*seq))
+    assert [gap for _, _, gap in policy.window] != []  # the reuse became a label, not censored
+    cache.check_invariants()
