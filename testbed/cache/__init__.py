@@ -12,7 +12,6 @@ from __future__ import annotations
 from testbed.cache.base import Lease, PrefixCache, Released
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.eviction import EVICTION, LRU, EvictionPolicy, Requester
-from testbed.cache.learned import LearnedEviction
 from testbed.cache.none import NoCache
 from testbed.cache.oracle import Oracle
 from testbed.cache.pool import KVSlotPool

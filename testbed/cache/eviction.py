@@ -180,3 +180,5 @@ EVICTION = Registry("eviction", methods=("priority", "on_access", "on_create", "
 for _policy in (LRU, FIFO, LFU, MRU, SLRU, PriorityLRU, GDSF, WorkloadAware):
     EVICTION.register(_policy.name, _policy)
 # "oracle" registers in testbed/cache/oracle.py: it is built from the whole workload (``requests``)
+# scikit-learn is imported only when a run chooses it (testbed/cache/learned.py)
+EVICTION.register("learned", "testbed.cache.learned:LearnedEviction")

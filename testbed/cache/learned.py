@@ -37,8 +37,13 @@ from collections import deque
 from typing import Any
 
 import numpy as np
+# scikit-learn takes seconds to import: this module is imported only when eviction=learned is
+# chosen (its registry entry is lazy, testbed/cache/eviction.py), by the assembly step, before a
+# run's timed parts
+from sklearn.ensemble import HistGradientBoostingRegressor
+from threadpoolctl import threadpool_limits
 
-from testbed.cache.eviction import EVICTION, EntryStats, EvictionPolicy
+from testbed.cache.eviction import EntryStats, EvictionPolicy
 
 Row = tuple[int, int, int, int, int]  # binned features (see `LearnedEviction.features`)
 #: the largest bin of each feature: size, start and gap bits, access count, category index
@@ -53,7 +58,6 @@ class LearnedEviction(EvictionPolicy):
     def __init__(self, retrain_every: int = 2500, window: int = 10000, horizon: int = 5000,
                  min_train: int = 1000, max_iter: int = 30, scale: float = 4.0,
                  seed: int = 0) -> None:
-        import sklearn.ensemble  # noqa: F401  (imported here, at build time, not in the replay)
         for key, value in (("retrain_every", retrain_every), ("window", window),
                            ("horizon", horizon), ("min_train", min_train), ("max_iter", max_iter)):
             if value < 1:
@@ -156,9 +160,6 @@ class LearnedEviction(EvictionPolicy):
 
     # ------------------------------------------------------------ training
     def _fit(self) -> None:
-        from sklearn.ensemble import HistGradientBoostingRegressor
-        from threadpoolctl import threadpool_limits
-
         self._new_labels = 0
         x = np.array([row for _, row, _ in self.window], dtype=np.int64)
         y = np.array([label for _, _, label in self.window])
@@ -172,5 +173,3 @@ class LearnedEviction(EvictionPolicy):
         self._predicted = dict(zip(map(tuple, grid.tolist()), gaps.tolist()))
         self.fits += 1
 
-
-EVICTION.register(LearnedEviction.name, LearnedEviction)
