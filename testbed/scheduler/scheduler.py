@@ -173,13 +173,8 @@ class Scheduler:
         held: set[int] = set()
         if self.waiting:
             ordering = self.policy.order(self.waiting, now)
-            if not isinstance(ordering, Ordering):  # a user policy may return a plain list
-                ordering = Ordering(list(ordering))
-            if len(ordering.queue) != len(self.waiting) or \
-                    {id(r) for r in ordering.queue} != {id(r) for r in self.waiting}:
-                raise ValueError(f"scheduler={c.target or c.name}: order() must return the "
-                                 f"waiting requests reordered ({len(self.waiting)} waiting, "
-                                 f"{len(ordering.queue)} returned)")
+            if c.target is not None:  # a user's policy: check what the built-ins guarantee
+                ordering = self._checked(ordering)
             self.waiting[:] = ordering.queue
             held = ordering.deferred if ordering.held else set()
         adder = PrefillAdder.for_step(self.cache, self.running, self.new_token_ratio,
@@ -227,6 +222,18 @@ class Scheduler:
             req.computed = entry.context + entry.new
             entries.append(entry.bind())
         return Batch("prefill", entries) if entries else None
+
+    def _checked(self, ordering: Ordering | list[Req]) -> Ordering:
+        """A user queue policy's answer as an `Ordering` (it may return a plain list), refused
+        in one line unless it is the waiting requests reordered."""
+        if not isinstance(ordering, Ordering):
+            ordering = Ordering(list(ordering))
+        if len(ordering.queue) != len(self.waiting) or \
+                {id(r) for r in ordering.queue} != {id(r) for r in self.waiting}:
+            raise ValueError(f"scheduler={self.config.target}: order() must return the waiting "
+                             f"requests reordered ({len(self.waiting)} waiting, "
+                             f"{len(ordering.queue)} returned)")
+        return ordering
 
     def _add_one(self, req: Req, adder: PrefillAdder, admitted: list[BatchEntry]):
         """SGLang's ``add_one_req`` for one waiting request: admit it (whole or its first chunk)

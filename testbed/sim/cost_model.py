@@ -76,6 +76,7 @@ from typing import Any, Mapping, Protocol
 
 import yaml
 
+from testbed import group_values
 from testbed.model_shape import ModelShape
 from testbed.registry import Registry
 from testbed.sim.specs import HardwareSpec
@@ -398,12 +399,11 @@ COST_MODELS = Registry("cost_model", methods=("step_time",), context_keys=("mode
 
 
 def number(key: str, value: Any, default: float | None) -> float | None:
-    """A ``cost_model`` setting as a float (``default`` when null); one line when not a number."""
+    """A ``cost_model`` setting as a float (``default`` when null); one line when not a number
+    (`testbed.group_values.number`)."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"cost_model.{key} must be a number, got {value!r}")
-    return float(value)
+    return group_values.number({key: value}, key, "cost_model")
 
 
 @COST_MODELS.register("roofline")
