@@ -11,14 +11,13 @@ import torch
 
 from testbed.cache import RadixCache
 from testbed.cache.shared_prefix import shared_prefix_groups
+from testbed.engine import attention as attention_module
 from testbed.engine.attention import make_attention
 from testbed.engine.cascade import CascadePlan
 from testbed.engine.metadata import AttentionMetadata, to_device
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not TRITON, reason="no GPU and TRITON_INTERPRET unset"))]
 
 
 def toks(start: int, n: int) -> np.ndarray:
@@ -69,13 +68,19 @@ def grouped_decode_step(seed: int, groups, kv_lens, heads=4, kv_heads=2, dim=16,
     return qo, np.asarray(kv_lens), kv_indices, q, k, v, bufs
 
 
-@pytest.mark.parametrize("kernels", BACKENDS)
+@pytest.mark.parametrize("kernels, fused", [
+    ("torch", True), ("torch", False),  # the CPU's fused kernel; the matmuls (off the CPU)
+    pytest.param("triton", True, marks=pytest.mark.skipif(
+        not TRITON, reason="no GPU and TRITON_INTERPRET unset"))], ids=["torch", "torch_matmuls", "triton"])
 @pytest.mark.parametrize("seed, groups, kv_lens, heads", [
     (0, [(30, [0, 2, 3])], [37, 5, 33, 60], 4),                   # one group, one alone
     (1, [(12, [0, 1]), (70, [2, 4, 5])], [13, 40, 71, 9, 90, 72], 4),  # two groups, GQA 2
     (2, [(20, [1, 2, 3, 4, 5])], [3, 21, 22, 50, 80, 21], 8),     # a wide group, GQA 4
 ])
-def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, heads):
+def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, heads, fused,
+                                            monkeypatch):
+    if not fused:  # the torch backend's matmul decode (its path off the CPU, or in an old torch)
+        monkeypatch.setattr(attention_module, "FUSED_CPU_DECODE", None)
     qo, kv, kv_indices, q, k, v, (kb, vb) = grouped_decode_step(seed, groups, kv_lens,
                                                                   heads=heads)
     device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.cache import BlockHashCache, RadixCache  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
+from testbed.engine import attention as attention_module  # noqa: E402
 from testbed.engine.attention import TorchAttention  # noqa: E402
 from testbed.engine.metadata import AttentionMetadata  # noqa: E402
 from testbed.engine.executor import EngineExecutor, make_engine_executor  # noqa: E402
@@ -422,7 +423,13 @@ def random_step(seed=0, qo=(5, 1, 9), prefix=(0, 7, 12), heads=4, kv_heads=2, di
     return meta, q, k, v, bufs
 
 
-def test_torch_attention_equals_the_kernels_torch_reference():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_cpu_decode", "matmul_decode"])
+def test_torch_attention_equals_the_kernels_torch_reference(fused, monkeypatch):
+    """Both decode paths of the torch backend: the CPU's fused kernel and the matmuls (CUDA's)."""
+    if not fused:
+        monkeypatch.setattr(attention_module, "FUSED_CPU_DECODE", None)
+    else:
+        assert attention_module.FUSED_CPU_DECODE is not None
     ref = reference_kernels()
     # the third step splits its long chunk behind a prefix into several query blocks
     for seed, qo, prefix in [(0, (5, 1, 9), (0, 7, 12)), (1, (1, 1, 1, 1), (3, 0, 20, 8)),

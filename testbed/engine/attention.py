@@ -10,8 +10,9 @@ aligned, which is wrong once a prefix is cached).
 Backends (``attention=``):
 
 - ``torch``: gathers KV head-major, fp32 inside, GQA without repeating K/V: decode steps padded to
-  the longest KV (two batched matmuls), prefill steps per request with fused SDPA under the
-  lower-right mask; the reference and the CPU default.
+  the longest KV (on the CPU one fused flash-attention call that also returns the LSE; elsewhere
+  two batched matmuls), prefill steps per request with fused SDPA under the lower-right mask; the
+  reference and the CPU default.
 - ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
   token, ``decode_attention``. Imported only when chosen.
 
@@ -31,6 +32,13 @@ import torch.nn.functional as F
 
 from testbed.engine.metadata import AttentionMetadata, KVRanges
 from testbed.scheduler.decode_groups import ATTENTION_BACKENDS  # the names, shared with the sim
+
+
+#: PyTorch's CPU flash-attention kernel, which returns the log-sum-exp with the output (the public
+#: SDPA does not): a decode part on the CPU is then one call instead of matmul, scale, mask,
+#: softmax, matmul and the LSE's three ops (per layer and part: what a small model's CPU decode
+#: step is mostly made of). None if this torch lacks it: the matmul path is used.
+FUSED_CPU_DECODE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class AttentionBackend(Protocol):
@@ -77,6 +85,7 @@ class PaddedKV:
     kv_rows: torch.Tensor  # [n * KH * longest] int64 rows of a ``[-1, head_dim]`` view of a KV
     #                        buffer: sequence i's KV head h at key j (some valid slot past its end)
     mask: torch.Tensor  # [n, 1, 1, longest] bool: key j < len_i
+    bias: torch.Tensor | None = None  # the mask as 0 / -inf (fp32), for the fused CPU kernel
 
 
 @dataclass
@@ -145,8 +154,11 @@ class TorchAttention:
 
     def plan_part(self, kv: KVRanges, table: torch.Tensor) -> PaddedKV:
         slots, mask = kv.padded(table)
-        return PaddedKV(kv_rows=head_major_rows(slots, self.num_kv_heads),
-                        mask=mask[:, None, None, :])
+        mask = mask[:, None, None, :]
+        bias = None
+        if FUSED_CPU_DECODE is not None and table.device.type == "cpu":
+            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, -math.inf)
+        return PaddedKV(kv_rows=head_major_rows(slots, self.num_kv_heads), mask=mask, bias=bias)
 
     @staticmethod
     def query_blocks(q_len: int, kv_len: int, device: torch.device
@@ -178,6 +190,9 @@ class TorchAttention:
         shape = (n, heads, part.mask.shape[3], dim)
         kp = k_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
         vp = v_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
+        if part.bias is not None:  # one kernel instead of eight ops; same math, LSE included
+            o, lse = FUSED_CPU_DECODE(q.float(), kp, vp, attn_mask=part.bias, scale=sm_scale)
+            return o.to(q.dtype), lse
         scores = torch.matmul(q.float(), kp.transpose(-1, -2)).mul_(sm_scale)
         scores.masked_fill_(~part.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
