@@ -120,17 +120,44 @@ RAG = ["workload=rag", "workload.num_requests=96", "workload.corpus_docs=40",
        "hardware=h100"]
 
 
+def computed(summary) -> int:
+    """Prefill tokens computed: prompt less exact and approximate hits."""
+    return summary["prompt_tokens"] - summary["cached_tokens"] - summary["approx_hit_tokens"]
+
+
 def test_blend_on_rag_computes_under_half_the_prefill_of_prefix_caching_and_cuts_ttft(tmp_path):
     prefix, row = run(tmp_path, "prefix", *RAG)
     blend, _ = run(tmp_path, "blend", *RAG, "cache.reuse=blend")
+    every, _ = run(tmp_path, "all", *RAG, "cache.reuse=blend", "cache.recompute_ratio=1")
     assert row["approx_hit_tokens"] == 0 and row["recomputed_tokens"] == 0
     assert prefix["approx_hit_tokens"] == prefix["recomputed_tokens"] == 0
-
-    def computed(s):
-        return s["prompt_tokens"] - s["cached_tokens"] - s["approx_hit_tokens"]
     assert blend["recomputed_tokens"] > 0
     assert computed(blend) <= computed(prefix) / 2
     assert blend["ttft_p50_s"] < 0.75 * prefix["ttft_p50_s"]
+    # every reused token recomputed: the KV is exact, so is the tree; the copies cost a little
+    assert every["approx_hit_tokens"] == 0 and every["recomputed_tokens"] > 0
+    assert every["cached_tokens"] == prefix["cached_tokens"]
+    assert computed(every) == computed(prefix)
+    assert prefix["ttft_p50_s"] < every["ttft_p50_s"] < 1.1 * prefix["ttft_p50_s"]
+
+
+TIMES = ("makespan_s", "throughput_req_s", "throughput_tok_s", "ttft_p50_s", "ttft_p99_s",
+         "ttft_p50_cold_s", "ttft_p99_cold_s", "ttft_p99_warm_s", "tpot_p50_s", "e2e_p50_s",
+         "e2e_p99_s", "wall_s", "timing", "busy_s", "config")
+
+
+def test_blend_at_ratio_zero_with_chunks_at_their_positions_equals_prefix_caching_but_time(
+        tmp_path):
+    """few_shot prompts are [examples, question]: the examples always open the prompt. Every
+    count is prefix caching's; the step times differ only by the priced chunk-store copies."""
+    base = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=10",
+            "workload.output_len=8", "cache.capacity_tokens=100000"]
+    prefix, _ = run(tmp_path, "prefix", *base)
+    blend, _ = run(tmp_path, "blend", *base, "cache.reuse=blend", "cache.recompute_ratio=0")
+    assert blend["approx_hit_tokens"] == blend["recomputed_tokens"] == 0
+    assert {k: v for k, v in blend.items() if k not in TIMES} == \
+        {k: v for k, v in prefix.items() if k not in TIMES}
+    assert prefix["busy_s"] < blend["busy_s"] < 1.05 * prefix["busy_s"]
 
 
 def test_semantic_matching_finds_approximate_hits_on_paraphrases(tmp_path):
