@@ -15,7 +15,8 @@ from testbed.cache.reuse import CHUNK_MARK, ReuseConfig
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads.beyond_prefix import rag
-from tests.test_radix_properties import SETTINGS, PageModel, cached_pages, held_by_leases, seqs
+from tests.test_radix_properties import (SETTINGS, PageModel, cached_pages, drop, held_by_leases,
+                                         seqs)
 from tests.test_scheduler import drive
 
 
@@ -74,10 +75,7 @@ def test_chunk_stores_and_donor_locks_keep_invariants_content_and_locked_kv(capa
                 if ok:
                     model.insert(step[1])
         elif kind == "drop" and held:
-            lease, key = held.pop(step[1] % len(held))
-            cache.release(lease, key, insert=step[2])
-            if step[2]:
-                model.insert(key.tolist())
+            drop(cache, model, held, step[1], step[2])
         elif kind == "evict":
             cache.evict(step[1])
         elif kind == "commit" and held:
