@@ -27,7 +27,6 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from testbed.cache.pool import SLOT_DTYPE
 from testbed.workloads.request import TOKEN_DTYPE
 
 #: the first token of every chunk key: no vocabulary has it, so no real prompt reaches chunk nodes
@@ -105,9 +104,6 @@ def chunk_key(tokens: np.ndarray) -> np.ndarray:
     """The tree key of a chunk: the mark, then its tokens."""
     return np.concatenate([np.array([CHUNK_MARK], dtype=TOKEN_DTYPE),
                            np.asarray(tokens, dtype=TOKEN_DTYPE)])
-
-
-EMPTY = np.zeros(0, dtype=SLOT_DTYPE)
 
 
 @dataclass(frozen=True)
