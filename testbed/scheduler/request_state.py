@@ -31,7 +31,7 @@ class Req:
     cached_tokens: int | None = None  # prompt tokens hit at first admission
     approx_hit_tokens: int = 0  # at first admission: prompt tokens reused inexactly, not recomputed
     recomputed_tokens: int = 0  # at first admission: tokens of reused spans that are recomputed
-    reuse: "ReusePlan | None" = None  # the current admission's reuse plan (beyond prefixes)
+    reuse_plan: "ReusePlan | None" = None  # the current admission's reuse (beyond prefixes)
     evicted_tokens: int = 0  # evicted to make room for this request
     inserted: bool = False
     preemptions: int = 0

@@ -75,7 +75,7 @@ class ReusePlanner:
     # ------------------------------------------------------------------ admission
     def plan(self, req: Req, hit: int) -> ReusePlan:
         """Plan the reuse of the fill's positions ``hit ..`` and lock the donors; sets
-        ``req.reuse`` (and the request's counts at its first admission)."""
+        ``req.reuse_plan``."""
         fill = req.fill()
         limit = len(fill) - 1
         plan = ReusePlan()
@@ -84,7 +84,7 @@ class ReusePlanner:
                 self._plan_chunks(req, fill, hit, limit, plan)
             elif self.index is not None:
                 self._plan_semantic(req, fill, hit, limit, plan)
-        req.reuse = plan
+        req.reuse_plan = plan
         return plan
 
     def _plan_chunks(self, req: Req, fill: np.ndarray, hit: int, limit: int,
@@ -139,7 +139,7 @@ class ReusePlanner:
     @staticmethod
     def attach(entry: BatchEntry) -> None:
         """The entry's pieces of its request's spans (positions ``context .. context+new``)."""
-        plan = entry.req.reuse
+        plan = entry.req.reuse_plan
         if plan is None or not plan.spans:
             return
         lo, hi = entry.context, entry.context + entry.new
@@ -171,7 +171,7 @@ class ReusePlanner:
     def exact_len(req: Req, n: int) -> int:
         """Of the fill's first ``n`` tokens, how many the exact tree may take: those before the
         first approximate one."""
-        until = req.reuse.exact_until if req.reuse is not None else None
+        until = req.reuse_plan.exact_until if req.reuse_plan is not None else None
         return n if until is None else min(n, until)
 
     def inserted(self, req: Req, tokens: np.ndarray) -> None:
@@ -181,7 +181,7 @@ class ReusePlanner:
 
     def release(self, req: Req) -> None:
         """Unlock the request's donors (its prefill has run, or it was retracted)."""
-        plan = req.reuse
+        plan = req.reuse_plan
         if plan is None:
             return
         for node in plan.donors:

@@ -414,7 +414,7 @@ class Scheduler:
         req.lease, req.computed = None, 0
         if self.reuse is not None:  # donors unlocked; readmission plans anew
             self.reuse.release(req)
-            req.reuse = None
+            req.reuse_plan = None
         if self.chunked is req:
             self.chunked = None
         self.waiting.append(req)
