@@ -173,3 +173,17 @@ def test_semantic_matching_finds_approximate_hits_on_paraphrases(tmp_path):
     assert semantic["approx_hit_tokens"] == 16 * (91 - 14)
     assert semantic["recomputed_tokens"] == 16 * 14
     assert semantic["cached_tokens"] == exact["cached_tokens"]
+
+
+def test_semantic_matching_of_identical_prompts_gives_exact_matchings_summary(tmp_path):
+    """Paraphrases with no edit repeat their originals: semantic matching changes nothing."""
+    base = ["workload=paraphrase", "workload.num_originals=8", "workload.paraphrases=2",
+            "workload.prompt_len=96", "workload.edits=0", "cache.capacity_tokens=1000",
+            "arrival.max_in_flight=2"]  # a small pool: evictions, so recency matters too
+    exact, _ = run(tmp_path, "exact", *base)
+    semantic, _ = run(tmp_path, "semantic", *base, "cache.match=semantic",
+                      "cache.similarity_threshold=0.2")
+    assert exact["evicted_tokens"] > 0 and exact["cached_tokens"] == 16 * 95  # all but the last
+    skip = ("wall_s", "timing", "config")
+    assert {k: v for k, v in semantic.items() if k not in skip} == \
+        {k: v for k, v in exact.items() if k not in skip}
