@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
-from testbed.cache import CACHES, EVICTION, PrefixCache
+from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.model_group import resolve_model_group
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
@@ -49,6 +49,7 @@ class Assembly:
     router: Resolved
     cost_model: Resolved
     executor: Resolved | None  # None: replay
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)  # beyond exact prefixes (scheduler)
     notes: list[str] = field(default_factory=list)  # printed before the run
 
     # ------------------------------------------------------------------ run settings
@@ -217,6 +218,13 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
                                  or capacity < 0):
         raise ValueError(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
     notes = [note] if (note := fit_vocabulary(config)) else []
+    c = config["cache"]
+    reuse = ReuseConfig.from_mapping(c)
+    reuse.check_cache(c.get("target") or c.get("name"), c.get("page_size") or 1,
+                      bool(c.get("host_tokens") or c.get("disk_tokens")))
+    if reuse.active and backend == REPLAY:
+        raise ValueError("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
+                         "(replay has no prefill steps to reuse KV in)")
     return Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),
@@ -225,4 +233,4 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         scheduler=SchedulerConfig.from_mapping(config["scheduler"]),
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
-        executor=executor, notes=notes)
+        executor=executor, notes=notes, reuse=reuse)

@@ -115,6 +115,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
                              "replica")
         if run.has_lower_tiers:
             raise ValueError("cache.host_tokens / cache.disk_tokens need replicas=1")
+        if run.reuse.active:
+            raise ValueError("cache.reuse=blend / cache.match=semantic need replicas=1")
         return _serve_cluster(run, requests, executor, capacity)
     planner = None
     if run.has_lower_tiers:
@@ -130,7 +132,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
                               generate=engine and not run.get("forced", True),
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
-                              if engine else ())
+                              if engine else (), reuse=run.reuse)
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,
              "decode_steps": s.decode_steps, "busy_s": s.busy_s,

@@ -35,6 +35,10 @@ class RequestRecord:
     inserted: bool  # false when the request could not be cached
     preemptions: int = 0  # times it was retracted and re-queued (sim, engine)
     aborted: bool = False  # could never fit in the KV cache: not served (sim, engine)
+    # beyond exact prefixes (cache.reuse=blend, cache.match=semantic), at first admission: prompt
+    # tokens whose KV came from a non-exact match and was not recomputed, and those recomputed
+    approx_hit_tokens: int = 0
+    recomputed_tokens: int = 0
     prompt_ids: list[int] | None = None
     output_ids: list[int] | None = None
     # with lower cache tiers: of cached_tokens, how many were on the GPU and how many were loaded
@@ -133,6 +137,8 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "num_requests": len(records),
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "approx_hit_tokens": sum(r.approx_hit_tokens for r in records),
+        "recomputed_tokens": sum(r.recomputed_tokens for r in records),
         "hit_rate": cached / prompt if prompt else 0.0,
         "ideal_hit_rate": ideal,
         "output_tokens": output,

@@ -47,7 +47,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             return f"{v:.6g}"
         return str(v)
 
-    keys = ["num_requests", "prompt_tokens", "cached_tokens", "hit_rate", "ideal_hit_rate",
+    keys = ["num_requests", "prompt_tokens", "cached_tokens",
+            *[k for k in ("approx_hit_tokens", "recomputed_tokens") if summary.get(k)],
+            "hit_rate", "ideal_hit_rate",
             *[k for k in ("hit_rate_gpu", "hit_rate_host", "hit_rate_disk") if k in summary],
             "output_tokens", "evicted_tokens", "uncached_requests", "aborted_requests", "preemptions", "makespan_s",
             "throughput_req_s", "throughput_tok_s", "ttft_p50_s", "e2e_p50_s", "wall_s"]

@@ -150,6 +150,15 @@ op = st.one_of(
 )
 
 
+def drop(cache: RadixCache, model: PageModel, held: list, i: int, insert: bool) -> None:
+    """End held lease ``i`` (modulo their number), inserting its sequence or not, and tell the
+    model."""
+    lease, key = held.pop(i % len(held))
+    cache.release(lease, key, insert=insert)
+    if insert:
+        model.insert(key.tolist())
+
+
 def held_by_leases(leases: list) -> int:
     """Slots the running requests own: beyond their cached prefix, spare slots included."""
     return sum(len(lease.owned) for lease in leases)
@@ -181,10 +190,7 @@ def test_invariants_hold_under_random_operations_and_locked_prefixes_survive(uni
                 if evicted is not None:
                     model.insert(step[1])
         elif kind == "drop" and held:
-            lease, key = held.pop(step[1] % len(held))
-            cache.release(lease, key, insert=step[2])
-            if step[2]:
-                model.insert(key.tolist())
+            drop(cache, model, held, step[1], step[2])
         elif kind == "match":
             assert cache.match(np.asarray(step[1], dtype=np.int32)) == model.hit(step[1])
         elif kind == "evict":

@@ -4,7 +4,8 @@
 the ``eviction`` group (the oracle needs the workload, GDSF a recompute-cost function); both are
 registries (testbed/registry.py), so ``cache=custom cache.target=module.Class`` takes a class of
 your own with `PrefixCache`'s methods. The group's lower-tier keys (``host_tokens`` ...) are read
-by `testbed.cache.tiers.make_tiered_cache` instead.
+by `testbed.cache.tiers.make_tiered_cache` instead, its reuse keys (``reuse``, ``match`` ...) by
+`ReuseConfig` (testbed/cache/reuse.py) for the scheduler.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from testbed.cache.none import NoCache
 from testbed.cache.oracle import Oracle
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache
+from testbed.cache.reuse import REUSE_KEYS, ReuseConfig
 from testbed.registry import Registry
 
 #: keys of the ``cache`` group that configure lower tiers (testbed/cache/tiers.py,
@@ -26,11 +28,12 @@ TIER_KEYS = ("host_tokens", "disk_tokens", "write_policy", "write_threshold", "h
 
 CACHES = Registry("cache", methods=("fits", "match", "acquire", "extend", "release", "commit",
                                     "evict", "check_invariants"),
-                  run_keys=("capacity_tokens", *TIER_KEYS), context_keys=("policy",),
+                  run_keys=("capacity_tokens", *TIER_KEYS, *REUSE_KEYS), context_keys=("policy",),
                   what="a prefix cache")
 
 __all__ = ["BlockHashCache", "CACHES", "EVICTION", "EvictionPolicy", "KVSlotPool", "Lease",
-           "NoCache", "PrefixCache", "RadixCache", "Released", "Requester", "TIER_KEYS"]
+           "NoCache", "PrefixCache", "RadixCache", "Released", "Requester", "ReuseConfig",
+           "TIER_KEYS"]
 
 
 @CACHES.register("radix")

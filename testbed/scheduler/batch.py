@@ -5,14 +5,20 @@ plus tokens generated before a retraction) on top of ``context`` tokens of KV it
 cached prefix, or earlier chunks). A decode batch computes one token per running request. Entries
 that finish their fill produce the request's next token. Executors read token ids and KV slots
 from here; nothing in a batch is decided by them.
+
+Reuse beyond exact prefixes (`testbed.cache.reuse`): a prefill entry's ``reuse`` are the
+`ReusedSpan`s inside its positions, whose KV the executor copies from donor slots, re-rotates and
+partly recomputes (positions outside them are computed as usual); the batch's ``kv_copies`` are
+`KVCopy`s (chunk stores) the executor runs after the step's forward pass, in order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from testbed.cache.reuse import KVCopy, ReusedSpan
 from testbed.scheduler.request_state import Req
 
 
@@ -24,6 +30,13 @@ class BatchEntry:
     produces_token: bool  # False for a chunk that does not reach the end of the fill
     gen: int = 0  # the request's retraction count when formed: a stale entry's token is dropped
     slots: np.ndarray | None = None  # KV slots when formed (the lease may end before it runs)
+    reuse: tuple[ReusedSpan, ...] = ()  # spans inside [context, context+new): KV not computed
+
+    @property
+    def computed(self) -> int:
+        """Tokens the step computes for this entry: ``new`` less the reused ones (a span's
+        recomputed tokens are computed)."""
+        return self.new - sum(s.reused for s in self.reuse)
 
     def bind(self) -> "BatchEntry":
         """Fix the entry to the request's state now, once its KV room is allocated."""
@@ -47,6 +60,7 @@ class BatchEntry:
 class Batch:
     kind: str  # "prefill" or "decode"
     entries: list[BatchEntry]
+    kv_copies: list[KVCopy] = field(default_factory=list)  # run after the forward, in order
 
     @property
     def num_new_tokens(self) -> int:

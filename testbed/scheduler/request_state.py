@@ -7,12 +7,16 @@ far, how much of the sequence has KV, and the times and counts that become its r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from testbed.cache.base import Lease
 from testbed.cache.eviction import Requester
 from testbed.workloads.request import TOKEN_DTYPE, Request
+
+if TYPE_CHECKING:
+    from testbed.scheduler.reuse_planner import ReusePlan
 
 
 @dataclass(eq=False)
@@ -25,6 +29,9 @@ class Req:
     lease: Lease | None = None
     computed: int = 0  # tokens of prompt + output whose KV exists
     cached_tokens: int | None = None  # prompt tokens hit at first admission
+    approx_hit_tokens: int = 0  # at first admission: prompt tokens reused inexactly, not recomputed
+    recomputed_tokens: int = 0  # at first admission: tokens of reused spans that are recomputed
+    reuse_plan: "ReusePlan | None" = None  # the current admission's reuse (beyond prefixes)
     evicted_tokens: int = 0  # evicted to make room for this request
     inserted: bool = False
     preemptions: int = 0

@@ -40,6 +40,10 @@ With lower cache tiers (host, disk), a request whose match continues below the G
 loaded back when it is considered for admission, unless the cache's planner finds recomputing it
 faster (`testbed.scheduler.loadback`); it rejoins the queue, in its submission place, when the
 driver reports the copy done (`load_done`).
+
+Beyond exact prefixes (``cache.reuse=blend``, ``cache.match=semantic``), a `ReusePlanner`
+(`testbed.scheduler.reuse_planner`) plans each admission's reused spans, gives prefill entries
+theirs, adds a step's chunk stores to its batch, and keeps approximate KV out of the exact tree.
 """
 
 from __future__ import annotations
@@ -50,12 +54,14 @@ from typing import Collection
 import numpy as np
 
 from testbed.cache.base import Lease, PrefixCache
+from testbed.cache.reuse import ReuseConfig
 from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
 from testbed.scheduler.request_state import Req
+from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.workloads.request import Request
 
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
@@ -64,11 +70,13 @@ _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefi
 class Scheduler:
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
                  seed: int = 0, eos_token_ids: Collection[int] = (),
-                 eos_for_all: bool = False) -> None:
+                 eos_for_all: bool = False, reuse: ReuseConfig | None = None) -> None:
         """``eos_token_ids``: a generated one ends its request (SGLang's ``check_finished``), for
         requests the model generates: those with ``max_new_tokens`` and no output, or every one
-        with ``eos_for_all`` (the engine generating). A replayed output ignores EOS."""
+        with ``eos_for_all`` (the engine generating). A replayed output ignores EOS. ``reuse``:
+        the cache group's reuse keys (None, or exact prefixes only: no planner)."""
         self.cache = cache
+        self.reuse = ReusePlanner(cache, reuse) if reuse is not None and reuse.active else None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.eos_for_all = eos_for_all
         self.config = config or SchedulerConfig()
@@ -221,7 +229,12 @@ class Scheduler:
             req.evicted_tokens += evicted + evicted_early
             req.computed = entry.context + entry.new
             entries.append(entry.bind())
-        return Batch("prefill", entries) if entries else None
+            if self.reuse is not None:
+                self.reuse.attach(entries[-1])
+        if not entries:
+            return None
+        return Batch("prefill", entries,
+                     kv_copies=self.reuse.stores(entries) if self.reuse is not None else [])
 
     def _checked(self, ordering: Ordering | list[Req]) -> Ordering:
         """A user queue policy's answer as an `Ordering` (it may return a plain list), refused
@@ -269,8 +282,12 @@ class Scheduler:
             self.cache.release(lease, fill, insert=False)
             return result
         req.lease, req.computed = lease, lease.hit
+        plan = self.reuse.plan(req, lease.hit) if self.reuse is not None else None
         if req.cached_tokens is None:
             req.cached_tokens = min(lease.hit, len(req.prompt))
+            if plan is not None:
+                req.approx_hit_tokens = sum(s.reused for s in plan.spans)
+                req.recomputed_tokens = sum(s.recompute for s in plan.spans)
             if self.cache.lower_tiers:
                 self.loads.record_first_admission(req)
         if adder.rem_chunk is None or input_tokens <= adder.rem_chunk:
@@ -395,6 +412,9 @@ class Scheduler:
         ``_extend_requests_to_queue``); it will re-prefill prompt and outputs so far."""
         self.cache.release(req.lease, req.fill(), insert=False)
         req.lease, req.computed = None, 0
+        if self.reuse is not None:  # donors unlocked; readmission plans anew
+            self.reuse.release(req)
+            req.reuse_plan = None
         if self.chunked is req:
             self.chunked = None
         self.waiting.append(req)
@@ -417,6 +437,8 @@ class Scheduler:
             req = entry.req
             if req.finished or entry.gen != req.preemptions:
                 continue  # overlap: finished or retracted since; the token is dropped
+            if self.reuse is not None and entry.context + entry.new >= req.fill_len:
+                self.reuse.release(req)  # its prefill has read the donors
             if not entry.produces_token:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
@@ -433,18 +455,31 @@ class Scheduler:
                 self._finish(req, now)
                 finished.append(req)
             elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on
-                self.cache.commit(req.lease, req.fill()[: entry.context + entry.new])
+                self._commit(req, entry.context + entry.new)
         return finished
 
     def _commit_chunk(self, req: Req) -> None:
-        self.cache.commit(req.lease, req.fill()[: req.computed])
+        self._commit(req, req.computed)
+
+    def _exact(self, req: Req, n: int) -> int:
+        """Of the fill's first ``n`` tokens, those the exact tree may take (all without reuse)."""
+        return n if self.reuse is None else self.reuse.exact_len(req, n)
+
+    def _commit(self, req: Req, n: int) -> None:
+        tokens = req.fill()[: self._exact(req, n)]
+        self.cache.commit(req.lease, tokens)
+        if self.reuse is not None:
+            self.reuse.inserted(req, tokens)
 
     def _finish(self, req: Req, now: float) -> None:
         """cache_finished_req: every token with KV (all but the last output; the whole prompt of a
         prefill-only call) enters the cache; a slot taken for a step still in flight (overlap) is
         freed."""
-        with_kv = req.fill_len - 1 if req.output else req.fill_len
+        with_kv = self._exact(req, req.fill_len - 1 if req.output else req.fill_len)
         released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
+        if self.reuse is not None:
+            self.reuse.release(req)
+            self.reuse.inserted(req, req.fill()[:with_kv])
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now

@@ -25,6 +25,15 @@ model's ``e`` term multiplies it; Vidur's decode kernel is looked up at the mean
 request (the batch's mean context with each shared prefix counted once). Without groups it is
 ``Σcontext``: the same prices as before, to the bit.
 
+Reuse beyond exact prefixes (``cache.reuse=blend``, ``cache.match=semantic``; the simulator's
+`SimExecutor` shapes the step): ``new`` counts the tokens computed (fresh and recomputed) and
+``context`` the rest of each request's positions, so the computed tokens attend the full context
+as if they stood last (exact matmuls; an upper bound on the attention pairs). The KV moves are
+priced by every model alike, as HBM traffic after the forward pass (`kv_move_bytes`): each
+``rotated`` token (of a reused span) is copied from its donor (K and V read and written) and its
+key re-rotated (read and written), each ``copied`` token (a chunk store) copied once. Without
+reuse both are 0 and every price is as before, to the bit.
+
 Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
 only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
 these figures (measured time / roofline floor, per layer and per rank):
@@ -124,8 +133,13 @@ class StepShape:
     new: tuple[int, ...]
     context: tuple[int, ...]
     shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    rotated: int = 0  # tokens of reused spans: donor KV copied in, keys re-rotated
+    copied: int = 0  # tokens of chunk stores: KV copied (and de-rotated) out
 
     def __post_init__(self) -> None:
+        if min(self.rotated, self.copied) < 0:
+            raise ValueError(f"StepShape: rotated and copied tokens must be >= 0, got "
+                             f"{self.rotated}, {self.copied}")
         new, context = tuple(int(n) for n in self.new), tuple(int(c) for c in self.context)
         if len(new) != len(context):
             raise ValueError(f"StepShape: {len(new)} new counts but {len(context)} contexts")
@@ -207,6 +221,16 @@ class StepShape:
     @property
     def kind(self) -> str:
         return "decode" if self.is_decode else "prefill"
+
+
+def kv_move_bytes(model: ModelShape, step: StepShape) -> float:
+    """HBM bytes one GPU moves for reuse beyond exact prefixes: a reused token's K and V read
+    and written (the donor copy) plus its K read and written (re-rotation), a stored chunk
+    token's K and V read and written."""
+    if not (step.rotated or step.copied):
+        return 0.0
+    kv = model.kv_bytes_per_token_per_gpu
+    return kv * (3 * step.rotated + 2 * step.copied)
 
 
 class CostModel(Protocol):
@@ -303,12 +327,18 @@ class RooflineCostModel:
                    + self.attention_flops(step) / (peak * self.attn_mfu))
         memory = self.bytes(step) / (self.hw.mem_bw * self.mbu)
         return (max(compute, memory) + self.overhead_s
-                + self.allreduce_time(step, efficiency=self.mbu))
+                + self.allreduce_time(step, efficiency=self.mbu) + self.move_time(step))
+
+    def move_time(self, step: StepShape, efficiency: float | None = None) -> float:
+        """Seconds of the step's KV moves (reuse beyond exact prefixes), at ``mbu`` of HBM."""
+        moved = kv_move_bytes(self.model, step)
+        return moved / (self.hw.mem_bw * (self.mbu if efficiency is None else efficiency)) \
+            if moved else 0.0
 
     def floor(self, step: StepShape) -> float:
         """The physical lower bound: peak FLOP/s and bandwidths, no overhead, no call latency."""
         compute = self.flops(step) / self.hw.flops
-        memory = self.bytes(step) / self.hw.mem_bw
+        memory = (self.bytes(step) + kv_move_bytes(self.model, step)) / self.hw.mem_bw
         return max(compute, memory) + self.allreduce_time(step, latency_s=0.0)
 
     def __repr__(self) -> str:
@@ -321,7 +351,8 @@ class FittedCostModel:
     per kind (``decode`` when every request computes one token, else ``prefill``), never below
     ``floor_model.floor(step)``. ``Σcontext`` is the KV the step reads, ``kv_read_context``: with
     cascade decoding a shared prefix counts once per group (the ``c`` term, the attended pairs,
-    is the same math either way)."""
+    is the same math either way). The KV moves of reuse beyond exact prefixes are not in the
+    fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
                  floor_model: RooflineCostModel) -> None:
@@ -335,7 +366,8 @@ class FittedCostModel:
                 + k["d"] * step.batch + k["e"] * step.kv_read_context)
 
     def step_time(self, step: StepShape) -> float:
-        return max(self.predict(step), self.floor_model.floor(step))
+        return max(self.predict(step) + self.floor_model.move_time(step),
+                   self.floor_model.floor(step))
 
 
 def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],

@@ -56,7 +56,10 @@ class SimExecutor:
     def execute(self, batch: Batch) -> StepOutcome:
         new, context = batch.shape()
         shared = self.groups(batch.entries) if self.groups is not None else ()
-        step = StepShape(new=new, context=context, shared=shared)
+        if batch.kv_copies or any(e.reuse for e in batch.entries):
+            step = reuse_shape(batch)
+        else:
+            step = StepShape(new=new, context=context, shared=shared)
         if step.is_decode:
             self.decode_context += step.num_context
             self.decode_saved += step.shared_saving
@@ -70,6 +73,18 @@ class SimExecutor:
         if self.groups is None or not self.decode_context:
             return None
         return self.decode_saved / self.decode_context
+
+
+def reuse_shape(batch: Batch) -> StepShape:
+    """A prefill step with reuse beyond exact prefixes, as the cost models price it: each entry
+    computes its fresh and recomputed tokens (at least one: an entry wholly reused still runs)
+    over the rest of its positions as context; the reused spans' tokens are rotated, the chunk
+    stores' copied (`testbed.sim.cost_model`)."""
+    new = tuple(max(e.computed, 1) for e in batch.entries)
+    context = tuple(e.context + e.new - n for e, n in zip(batch.entries, new))
+    rotated = sum(len(s) for e in batch.entries for s in e.reuse)
+    return StepShape(new=new, context=context, rotated=rotated,
+                     copied=sum(len(c) for c in batch.kv_copies))
 
 
 #: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else

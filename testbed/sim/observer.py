@@ -39,7 +39,7 @@ class StepRow:
     duration_s: float
     kind: str  # "prefill" or "decode"
     batch_size: int
-    new_tokens: int  # tokens computed in the step
+    new_tokens: int  # positions filled in the step (computed, or reused beyond exact prefixes)
     context_tokens: int  # KV the step's requests had before it (cached prefix, earlier chunks)
     admitted: int  # requests admitted for the first time in this step
     admitted_hit_tokens: int  # their prompt tokens hit at that admission (their cached_tokens)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
-from testbed.cache import PrefixCache
+from testbed.cache import PrefixCache, ReuseConfig
 from testbed.metrics import RequestRecord
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.request_state import Req
@@ -22,8 +22,8 @@ from testbed.workloads.request import Request
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
-          observe: bool = False, eos_token_ids: Collection[int] = ()
-          ) -> tuple[Scheduler, DriverResult]:
+          observe: bool = False, eos_token_ids: Collection[int] = (),
+          reuse: ReuseConfig | None = None) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
@@ -31,9 +31,9 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
     earlier outputs are then rebuilt from the real ones, and a generated token in
     ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
-    steps and request phases."""
+    steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes)."""
     scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
-                          eos_token_ids=eos_token_ids, eos_for_all=generate)
+                          eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse)
     rebuild = generate or any(r.generates for r in requests)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
                     progress=progress, record_steps=record_steps,
@@ -46,7 +46,8 @@ def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRec
     return [RequestRecord(
         id=r.id, program=r.request.program, arrival_s=r.submitted_s,
         first_token_s=r.first_token_s, finish_s=r.finish_s, prompt_tokens=len(r.prompt),
-        cached_tokens=r.cached_tokens or 0, output_tokens=len(r.output),
+        cached_tokens=r.cached_tokens or 0, approx_hit_tokens=r.approx_hit_tokens,
+        recomputed_tokens=r.recomputed_tokens, output_tokens=len(r.output),
         evicted_tokens=r.evicted_tokens, inserted=r.inserted, preemptions=r.preemptions,
         aborted=r.aborted,
         prompt_ids=r.prompt.tolist() if save_token_ids else None,

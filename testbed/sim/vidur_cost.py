@@ -91,7 +91,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.model_shape import ModelShape
-from testbed.sim.cost_model import StepShape
+from testbed.sim.cost_model import StepShape, kv_move_bytes
 from testbed.sim.monotone import Curve, Surface
 from testbed.sim.specs import HardwareSpec
 from testbed.sim.vidur_profile import EMB_OP, VidurProfile
@@ -113,10 +113,11 @@ class StepParts:
     attention: float
     all_reduce: float
     overhead: float
+    kv_moves: float = 0.0  # reuse beyond exact prefixes: priced from bytes (no profiled kernel)
 
     @property
     def total(self) -> float:
-        return self.token_ops + self.attention + self.all_reduce + self.overhead
+        return self.token_ops + self.attention + self.all_reduce + self.overhead + self.kv_moves
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -130,7 +131,9 @@ class VidurCostModel:
     def __init__(self, profile: VidurProfile, model: ModelShape, overhead_s: float = 0.0,
                  kv_granularity: int = KV_GRANULARITY,
                  decode_batching_overhead: float = DECODE_BATCHING_OVERHEAD,
-                 nccl_launch_s: float = NCCL_LAUNCH_S) -> None:
+                 nccl_launch_s: float = NCCL_LAUNCH_S, move_bw: float | None = None) -> None:
+        """``move_bw``: bytes/s at which the KV moves of reuse beyond exact prefixes run (Vidur
+        profiles no such kernel; None: they cost nothing)."""
         for key, value in (("overhead_s", overhead_s), ("nccl_launch_s", nccl_launch_s),
                            ("decode_batching_overhead", decode_batching_overhead)):
             if value < 0:
@@ -139,6 +142,7 @@ class VidurCostModel:
             raise ValueError(f"cost_model.kv_granularity must be a whole number >= 1, got "
                              f"{kv_granularity}")
         self.profile, self.model, self.overhead_s = profile, model, overhead_s
+        self.move_bw = move_bw
         self.kv_granularity, self.nccl_launch_s = int(kv_granularity), nccl_launch_s
         gqa = model.num_heads > model.num_kv_heads  # Vidur adds the overhead for GQA only
         self.decode_batching_overhead = decode_batching_overhead if gqa else 0.0
@@ -165,7 +169,10 @@ class VidurCostModel:
         if self.allreduce is not None:
             one = self.allreduce.at(n * self._ar_bytes_per_token) + self.nccl_launch_s
             all_reduce = 2 * layers * one
-        return StepParts(self.token_ops.at(n), layers * attention, all_reduce, self.overhead_s)
+        moved = kv_move_bytes(self.model, step)
+        moves = moved / self.move_bw if moved and self.move_bw else 0.0
+        return StepParts(self.token_ops.at(n), layers * attention, all_reduce, self.overhead_s,
+                         moves)
 
     def step_time(self, step: StepShape) -> float:
         return self.parts(step).total
@@ -207,7 +214,7 @@ def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | Non
                      nccl_launch_s: float = NCCL_LAUNCH_S) -> VidurCostModel:
     """The ``cost_model=vidur`` entry: the profile in ``profile_dir`` for ``model``; ``overhead_s``
     null takes the hardware's ``step_overhead_s``."""
-    from testbed.sim.cost_model import number, resolve_path
+    from testbed.sim.cost_model import DEFAULT_MBU, number, resolve_path
     from testbed.sim.vidur_profile import load_vidur_profile
 
     if not profile_dir:
@@ -220,4 +227,5 @@ def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | Non
         kv_granularity=number("kv_granularity", kv_granularity, KV_GRANULARITY),
         decode_batching_overhead=number("decode_batching_overhead", decode_batching_overhead,
                                         DECODE_BATCHING_OVERHEAD),
-        nccl_launch_s=number("nccl_launch_s", nccl_launch_s, NCCL_LAUNCH_S))
+        nccl_launch_s=number("nccl_launch_s", nccl_launch_s, NCCL_LAUNCH_S),
+        move_bw=hw.mem_bw * DEFAULT_MBU)
