@@ -1,0 +1,175 @@
+"""Blend prefill (`testbed.engine.blend`) against exact recomputation on a tiny random Llama, fp32:
+recomputing every reused token is exact; donor KV of the same prompt at the same positions with
+nothing recomputed is exact; a chunk moved from elsewhere is not, unless recomputed; the picked
+tokens are those whose KV deviates most; the runner routes entries with ``reuse`` through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+from testbed.engine.blend import blend_prefill  # noqa: E402
+from testbed.engine.runner import ModelRunner  # noqa: E402
+from tests.blend_helpers import (CopyBatch, ReuseEntry, ReusedSpan, make_req,  # noqa: E402
+                                 prefill, rag_prompt, tiny_model)
+
+LAYERS = 3
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(layers=LAYERS)
+
+
+def exact_run(runner, prompt, slots):
+    """Logits of an ordinary prefill of ``prompt`` into ``slots``."""
+    return prefill(runner, make_req("exact", prompt, slots))
+
+
+def donor_docs(runner, prompt, starts, doc_len, first_slot):
+    """Each document of ``prompt`` prefilled alone (at positions 0..doc_len−1) into its own slots:
+    chunk KV computed elsewhere. Returns the slots of each."""
+    out = []
+    for i, s in enumerate(starts):
+        slots = np.arange(first_slot + i * doc_len, first_slot + (i + 1) * doc_len)
+        prefill(runner, make_req(f"doc{i}", prompt[s:s + doc_len], slots))
+        out.append(slots)
+    return out
+
+
+def assert_kv_close(runner, a, b, atol=ATOL):
+    for layer in range(LAYERS):
+        for buf in (runner.kv_cache.k[layer], runner.kv_cache.v[layer]):
+            torch.testing.assert_close(buf[a], buf[b], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("context", [0, 4, 6])
+def test_recomputing_every_reused_token_reproduces_exact_recomputation(model, context):
+    """Documents computed alone and moved into the prompt, all their tokens recomputed: logits and
+    every layer's KV equal an ordinary prefill (``context``: an exact cached prefix before)."""
+    runner = ModelRunner(model, 200)
+    prompt, starts = rag_prompt(doc_len=10)
+    n = len(prompt)
+    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    donors = donor_docs(runner, prompt, starts, 10, 100)
+    req = make_req("r", prompt, np.arange(150, 150 + n))
+    if context:  # its first chunk, exact
+        prefill(runner, req, 0, context)
+    spans = [ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=10)
+             for s, d in zip(starts, donors)]
+    logits = prefill(runner, req, context, reuse=spans)
+    torch.testing.assert_close(logits, exact, rtol=0, atol=ATOL)
+    assert_kv_close(runner, np.arange(150, 150 + n), np.arange(1, n + 1))
+
+
+def test_donor_kv_of_the_same_prompt_at_the_same_positions_without_recompute_is_exact(model):
+    runner = ModelRunner(model, 200)
+    prompt, starts = rag_prompt(doc_len=10)
+    n = len(prompt)
+    exact = exact_run(runner, prompt, np.arange(1, n + 1))  # the donor: slots 1..n
+    spans = [ReusedSpan(dst=s, src_slots=np.arange(1 + s, 11 + s), src_start=s, recompute=0)
+             for s in starts]
+    logits = prefill(runner, make_req("r", prompt, np.arange(100, 100 + n)), reuse=spans)
+    torch.testing.assert_close(logits, exact, rtol=0, atol=ATOL)
+    assert_kv_close(runner, np.arange(100, 100 + n), np.arange(1, n + 1))
+
+
+def test_a_moved_chunk_without_recompute_differs_from_exact_in_layers_past_the_first(model):
+    runner = ModelRunner(model, 200)
+    prompt, starts = rag_prompt(doc_len=10)
+    n = len(prompt)
+    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    donors = donor_docs(runner, prompt, starts, 10, 100)
+    spans = [ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=0)
+             for s, d in zip(starts, donors)]
+    logits = prefill(runner, make_req("r", prompt, np.arange(150, 150 + n)), reuse=spans)
+    assert (logits - exact).abs().max() > 1e-3
+    kv = runner.kv_cache
+    doc = np.arange(150 + starts[1], 160 + starts[1])
+    torch.testing.assert_close(kv.k[0][doc], kv.k[0][1 + starts[1]:11 + starts[1]],
+                               rtol=0, atol=ATOL)  # layer 0: recomputed for every token
+    assert (kv.k[1][doc] - kv.k[1][1 + starts[1]:11 + starts[1]]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bad, picks", [((3,), 1), ((3, 7), 2), ((1, 5, 8), 3), ((2, 9), 1)])
+def test_the_tokens_whose_kv_deviates_most_are_picked_and_their_recompute_is_exact(model, bad,
+                                                                                    picks):
+    """Donor KV exact except tokens ``bad`` of the document, corrupted in layers >= 1 by growing
+    amounts: the ``picks`` most corrupted are picked, and when they are all the corrupted ones the
+    result is exact again (unpicked ones keep their corrupted KV)."""
+    runner = ModelRunner(model, 200)
+    prompt, starts = rag_prompt(doc_len=10)
+    n, s = len(prompt), starts[1]
+    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    donor = np.arange(100, 110)
+    kv = runner.kv_cache
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(LAYERS):
+        kv.k[layer][100:110] = kv.k[layer][1 + s:11 + s].clone()
+        kv.v[layer][100:110] = kv.v[layer][1 + s:11 + s].clone()
+        for rank, j in enumerate(bad):  # later entries of `bad` corrupted more
+            if layer >= 1:
+                noise = torch.randn(kv.k[layer][0].shape, generator=gen)
+                kv.k[layer][donor[j]] += (rank + 1) * noise
+                kv.v[layer][donor[j]] += (rank + 1) * noise
+    span = ReusedSpan(dst=s, src_slots=donor, src_start=s, recompute=picks)
+    req_slots = np.arange(150, 150 + n)
+    res = blend_prefill(model, kv, prompt, req_slots, 0, [span])
+    assert res.picked.tolist() == sorted(s + j for j in bad[len(bad) - picks:])
+    if picks == len(bad):
+        torch.testing.assert_close(res.logits, exact, rtol=0, atol=ATOL)
+    else:
+        assert (res.logits - exact).abs().max() > 1e-4
+
+
+def test_only_fresh_picked_and_last_tokens_are_carried_past_the_first_layer(model):
+    runner = ModelRunner(model, 200)
+    prompt, starts = rag_prompt(doc_len=10, q_len=5)
+    n = len(prompt)
+    donors = donor_docs(runner, prompt, starts, 10, 100)
+    spans = [ReusedSpan(dst=starts[0], src_slots=donors[0], src_start=0, recompute=2),
+             ReusedSpan(dst=starts[1], src_slots=donors[1], src_start=0, recompute=0)]
+    res = blend_prefill(model, runner.kv_cache, prompt, np.arange(150, 150 + n), 0, spans)
+    fresh = [*range(starts[0]), *range(starts[1] + 10, n)]
+    assert len(res.picked) == 2 and all(starts[0] <= p < starts[0] + 10 for p in res.picked)
+    assert res.computed.tolist() == sorted(fresh + res.picked.tolist())
+
+
+def test_a_batch_mixing_plain_and_blend_entries_returns_each_entrys_logits_in_order(model):
+    runner = ModelRunner(model, 300)
+    prompt, starts = rag_prompt(doc_len=10)
+    n = len(prompt)
+    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    other = np.arange(60, 75)
+    alone = prefill(runner, make_req("o", other, np.arange(30, 45)))
+    donors = donor_docs(runner, prompt, starts, 10, 100)
+    spans = tuple(ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=10)
+                  for s, d in zip(starts, donors))
+    entries = [ReuseEntry(make_req("p1", other, np.arange(200, 215)), 0, 15, True),
+               ReuseEntry(make_req("b", prompt, np.arange(150, 150 + n)), 0, n, True,
+                          reuse=spans),
+               ReuseEntry(make_req("p2", prompt, np.arange(250, 250 + n)), 0, n, True)]
+    logits = runner.run(CopyBatch("prefill", entries))
+    torch.testing.assert_close(logits[0], alone, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits[1], exact, rtol=0, atol=ATOL)
+    torch.testing.assert_close(logits[2], exact, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("spans, match", [
+    ([(6, 10, 0), (10, 10, 0)], "disjoint"),
+    ([(30, 10, 0)], "inside"),
+    ([(6, 10, 11)], "recompute must be in 0..10"),
+    ([(2, 10, 0)], "inside"),  # before the entry's context (4)
+])
+def test_bad_spans_are_refused_with_what_is_allowed(model, spans, match):
+    runner = ModelRunner(model, 100)
+    prompt, _ = rag_prompt(doc_len=10)
+    reuse = [ReusedSpan(dst=d, src_slots=np.arange(60, 60 + ln), src_start=0, recompute=r)
+             for d, ln, r in spans]
+    with pytest.raises(ValueError, match=match):
+        blend_prefill(model, runner.kv_cache, prompt, np.arange(1, len(prompt) + 1), 4, reuse)
