@@ -39,7 +39,8 @@ layer, i.e. exact recomputation; donor KV computed for the same prompt at the sa
 
 Attention here is plain torch (SDPA with an explicit position mask, fp32 inside) whatever the
 engine's backend: the Triton extend kernel assumes a request's new tokens are the contiguous tail
-of its KV, which picked tokens are not.
+of its KV, which picked tokens are not. Only the donor load uses Triton (``use_triton``, the
+runner's choice with ``attention=triton``).
 """
 
 from __future__ import annotations
@@ -110,13 +111,14 @@ def pick_by_deviation(deviation: torch.Tensor, spans: Sequence[Any], context: in
 
 @torch.inference_mode()
 def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slots: np.ndarray,
-                  context: int, spans: Sequence[Any]) -> BlendResult:
+                  context: int, spans: Sequence[Any], use_triton: bool = False) -> BlendResult:
     """One request's prefill of positions ``context .. len(slots) − 1`` reusing ``spans``.
 
     ``tokens``: the request's tokens of positions ``0 .. len(slots) − 1`` (at least); ``slots``:
     its KV slots of those positions (the first ``context`` hold its exact cached prefix; the rest
     are written here). ``spans``: `ReusedSpan`-shaped records (``dst``, ``src_slots``,
-    ``src_start``, ``recompute``) inside the new range. See the module docstring for the method.
+    ``src_start``, ``recompute``) inside the new range; ``use_triton``: load the donors' KV with
+    the Triton copy kernel (`copy_kv`). See the module docstring for the method.
     """
     end = len(slots)
     if not 0 <= context < end:
@@ -127,7 +129,7 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
     slots_d = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=device)
     for s in spans:  # 1. load each donor's KV at the span's positions
         copy_kv(kv_cache, s.src_slots, slots[s.dst:s.dst + len(s.src_slots)], s.dst - s.src_start,
-                model.inv_freq)
+                model.inv_freq, use_triton)
 
     new = end - context
     in_span = np.zeros(new, dtype=bool)

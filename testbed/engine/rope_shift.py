@@ -13,8 +13,8 @@ the first depend on the tokens the chunk attended to where it was computed, whic
 blend prefill (`testbed.engine.blend`) recomputes for a share of the tokens.
 
 The rotation is computed in fp32 and cast to the buffer's dtype (the model casts cos/sin to the
-activations' dtype before rotating; in fp32 the two agree). Torch only: no Triton kernel here,
-the copy is a gather and a scatter per layer.
+activations' dtype before rotating; in fp32 the two agree). The copy is a gather, a rotation and a
+scatter per layer in torch, or (``use_triton``) one `radix_kernels.copy_kv_rotated` launch a layer.
 """
 
 from __future__ import annotations
@@ -53,16 +53,29 @@ def _slots(slots: Ints, device: torch.device) -> torch.Tensor:
 
 
 def copy_kv(kv_cache: KVCache, src_slots: Ints, dst_slots: Ints, shift: int | Ints,
-            inv_freq: torch.Tensor) -> None:
+            inv_freq: torch.Tensor, use_triton: bool = False) -> None:
     """For every layer: K and V of ``src_slots`` written to ``dst_slots`` (one to one), keys
     turned by ``shift`` positions. ``src`` and ``dst`` may overlap (or be equal: re-rotation in
-    place): all sources are read before any destination is written."""
+    place): all sources are read before any destination is written.
+
+    ``use_triton``: one `radix_kernels.copy_kv_rotated` launch a layer instead of torch's gather,
+    rotate and scatter (same result to rounding), except where a destination is another token's
+    source (the kernel's programs run in no fixed order), which takes the torch path."""
     device = kv_cache.k[0].device
     src, dst = _slots(src_slots, device), _slots(dst_slots, device)
     if src.numel() != dst.numel():
         raise ValueError(f"a KV copy needs as many destination slots as sources, got "
                          f"{src.numel()} -> {dst.numel()}")
     if src.numel() == 0:
+        return
+    if use_triton and not _crossing(src_slots, dst_slots):
+        import radix_kernels
+
+        shifts = torch.as_tensor(np.asarray(shift.cpu() if isinstance(shift, torch.Tensor)
+                                            else shift, dtype=np.int64), device=device)
+        shifts = shifts.reshape(-1).expand(src.numel()).contiguous()
+        for k_buf, v_buf in zip(kv_cache.k, kv_cache.v):
+            radix_kernels.copy_kv_rotated(k_buf, v_buf, src, dst, shifts, inv_freq)
         return
     for k_buf, v_buf in zip(kv_cache.k, kv_cache.v):
         k = k_buf.index_select(0, src)  # index_select copies: overlap is safe
@@ -81,3 +94,11 @@ def _nonzero(shift: int | Ints) -> bool:
     if isinstance(shift, (int, np.integer)):
         return int(shift) != 0
     return bool(np.any(np.asarray(shift.cpu() if isinstance(shift, torch.Tensor) else shift)))
+
+
+def _crossing(src_slots: Ints, dst_slots: Ints) -> bool:
+    """Whether some destination slot is the source of another token (not of its own)."""
+    src, dst = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x).reshape(-1)
+                for x in (src_slots, dst_slots))
+    shared = np.isin(dst, src)
+    return bool((shared & (dst != src)).any())

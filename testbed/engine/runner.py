@@ -78,6 +78,7 @@ class ModelRunner:
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
         self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
+        self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
 
     @property
     def num_slots(self) -> int:
@@ -139,7 +140,8 @@ class ModelRunner:
         else:
             logits = self.forward(self.prepare(batch))
         for c in getattr(batch, "kv_copies", ()):
-            copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq)
+            copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
+                    self.triton_copies)
         return logits
 
     def _run_blended(self, batch: Batch, reuse: list) -> torch.Tensor:
@@ -159,5 +161,5 @@ class ModelRunner:
                     raise ValueError(f"request {e.req.id}: blend prefill needs context + new = "
                                      f"{e.context + e.new} KV slots in 1..{self.num_slots}")
                 out[i] = blend_prefill(self.model, self.kv_cache, e.req.fill(), slots,
-                                       e.context, spans).logits
+                                       e.context, spans, self.triton_copies).logits
         return torch.stack(out)
