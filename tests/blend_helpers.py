@@ -71,3 +71,16 @@ def rag_prompt(seed: int = 0, sys_len: int = 6, doc_len: int = 10, q_len: int = 
     rng = np.random.default_rng(seed)
     parts = [rng.integers(0, 256, n) for n in (sys_len, doc_len, doc_len, q_len)]
     return np.concatenate(parts).astype(np.int32), (sys_len, sys_len + doc_len)
+
+
+def moved_docs(runner: ModelRunner, prompt: np.ndarray, starts, recompute: int,
+               doc_len: int = 10, first_slot: int = 100) -> list:
+    """Each document of ``prompt`` prefilled alone (positions 0 .. doc_len − 1) into slots of its
+    own from ``first_slot`` on: chunk KV computed elsewhere. Returns the spans that reuse them at
+    their places in ``prompt``, ``recompute`` tokens each."""
+    spans = []
+    for i, s in enumerate(starts):
+        slots = np.arange(first_slot + i * doc_len, first_slot + (i + 1) * doc_len)
+        prefill(runner, make_req(f"doc{i}", prompt[s:s + doc_len], slots))
+        spans.append(ReusedSpan(dst=s, src_slots=slots, src_start=0, recompute=recompute))
+    return spans

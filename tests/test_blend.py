@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 from testbed.engine.blend import blend_prefill  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from tests.blend_helpers import (CopyBatch, ReuseEntry, ReusedSpan, make_req,  # noqa: E402
-                                 prefill, rag_prompt, tiny_model)
+                                 moved_docs, prefill, rag_prompt, tiny_model)
 
 LAYERS = 3
 ATOL = 1e-5
@@ -26,20 +26,14 @@ def model():
     return tiny_model(layers=LAYERS)
 
 
-def exact_run(runner, prompt, slots):
-    """Logits of an ordinary prefill of ``prompt`` into ``slots``."""
-    return prefill(runner, make_req("exact", prompt, slots))
-
-
-def donor_docs(runner, prompt, starts, doc_len, first_slot):
-    """Each document of ``prompt`` prefilled alone (at positions 0..doc_len−1) into its own slots:
-    chunk KV computed elsewhere. Returns the slots of each."""
-    out = []
-    for i, s in enumerate(starts):
-        slots = np.arange(first_slot + i * doc_len, first_slot + (i + 1) * doc_len)
-        prefill(runner, make_req(f"doc{i}", prompt[s:s + doc_len], slots))
-        out.append(slots)
-    return out
+def exact_setup(model, slots: int = 200):
+    """A runner with the RAG prompt prefilled ordinarily into slots 1..n: (runner, prompt, its
+    documents' starts, n, the exact logits)."""
+    runner = ModelRunner(model, slots)
+    prompt, starts = rag_prompt(doc_len=10)
+    n = len(prompt)
+    exact = prefill(runner, make_req("exact", prompt, np.arange(1, n + 1)))
+    return runner, prompt, starts, n, exact
 
 
 def assert_kv_close(runner, a, b, atol=ATOL):
@@ -52,26 +46,18 @@ def assert_kv_close(runner, a, b, atol=ATOL):
 def test_recomputing_every_reused_token_reproduces_exact_recomputation(model, context):
     """Documents computed alone and moved into the prompt, all their tokens recomputed: logits and
     every layer's KV equal an ordinary prefill (``context``: an exact cached prefix before)."""
-    runner = ModelRunner(model, 200)
-    prompt, starts = rag_prompt(doc_len=10)
-    n = len(prompt)
-    exact = exact_run(runner, prompt, np.arange(1, n + 1))
-    donors = donor_docs(runner, prompt, starts, 10, 100)
+    runner, prompt, starts, n, exact = exact_setup(model)
+    spans = moved_docs(runner, prompt, starts, recompute=10)
     req = make_req("r", prompt, np.arange(150, 150 + n))
     if context:  # its first chunk, exact
         prefill(runner, req, 0, context)
-    spans = [ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=10)
-             for s, d in zip(starts, donors)]
     logits = prefill(runner, req, context, reuse=spans)
     torch.testing.assert_close(logits, exact, rtol=0, atol=ATOL)
     assert_kv_close(runner, np.arange(150, 150 + n), np.arange(1, n + 1))
 
 
 def test_donor_kv_of_the_same_prompt_at_the_same_positions_without_recompute_is_exact(model):
-    runner = ModelRunner(model, 200)
-    prompt, starts = rag_prompt(doc_len=10)
-    n = len(prompt)
-    exact = exact_run(runner, prompt, np.arange(1, n + 1))  # the donor: slots 1..n
+    runner, prompt, starts, n, exact = exact_setup(model)  # the donor: slots 1..n
     spans = [ReusedSpan(dst=s, src_slots=np.arange(1 + s, 11 + s), src_start=s, recompute=0)
              for s in starts]
     logits = prefill(runner, make_req("r", prompt, np.arange(100, 100 + n)), reuse=spans)
@@ -80,13 +66,8 @@ def test_donor_kv_of_the_same_prompt_at_the_same_positions_without_recompute_is_
 
 
 def test_a_moved_chunk_without_recompute_differs_from_exact_in_layers_past_the_first(model):
-    runner = ModelRunner(model, 200)
-    prompt, starts = rag_prompt(doc_len=10)
-    n = len(prompt)
-    exact = exact_run(runner, prompt, np.arange(1, n + 1))
-    donors = donor_docs(runner, prompt, starts, 10, 100)
-    spans = [ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=0)
-             for s, d in zip(starts, donors)]
+    runner, prompt, starts, n, exact = exact_setup(model)
+    spans = moved_docs(runner, prompt, starts, recompute=0)
     logits = prefill(runner, make_req("r", prompt, np.arange(150, 150 + n)), reuse=spans)
     assert (logits - exact).abs().max() > 1e-3
     kv = runner.kv_cache
@@ -102,10 +83,8 @@ def test_the_tokens_whose_kv_deviates_most_are_picked_and_their_recompute_is_exa
     """Donor KV exact except tokens ``bad`` of the document, corrupted in layers >= 1 by growing
     amounts: the ``picks`` most corrupted are picked, and when they are all the corrupted ones the
     result is exact again (unpicked ones keep their corrupted KV)."""
-    runner = ModelRunner(model, 200)
-    prompt, starts = rag_prompt(doc_len=10)
-    n, s = len(prompt), starts[1]
-    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    runner, prompt, starts, n, exact = exact_setup(model)
+    s = starts[1]
     donor = np.arange(100, 110)
     kv = runner.kv_cache
     gen = torch.Generator().manual_seed(1)
@@ -131,9 +110,8 @@ def test_only_fresh_picked_and_last_tokens_are_carried_past_the_first_layer(mode
     runner = ModelRunner(model, 200)
     prompt, starts = rag_prompt(doc_len=10, q_len=5)
     n = len(prompt)
-    donors = donor_docs(runner, prompt, starts, 10, 100)
-    spans = [ReusedSpan(dst=starts[0], src_slots=donors[0], src_start=0, recompute=2),
-             ReusedSpan(dst=starts[1], src_slots=donors[1], src_start=0, recompute=0)]
+    spans = moved_docs(runner, prompt, starts, recompute=0)
+    spans[0] = ReusedSpan(dst=starts[0], src_slots=spans[0].src_slots, src_start=0, recompute=2)
     res = blend_prefill(model, runner.kv_cache, prompt, np.arange(150, 150 + n), 0, spans)
     fresh = [*range(starts[0]), *range(starts[1] + 10, n)]
     assert len(res.picked) == 2 and all(starts[0] <= p < starts[0] + 10 for p in res.picked)
@@ -141,15 +119,10 @@ def test_only_fresh_picked_and_last_tokens_are_carried_past_the_first_layer(mode
 
 
 def test_a_batch_mixing_plain_and_blend_entries_returns_each_entrys_logits_in_order(model):
-    runner = ModelRunner(model, 300)
-    prompt, starts = rag_prompt(doc_len=10)
-    n = len(prompt)
-    exact = exact_run(runner, prompt, np.arange(1, n + 1))
+    runner, prompt, starts, n, exact = exact_setup(model, slots=300)
     other = np.arange(60, 75)
     alone = prefill(runner, make_req("o", other, np.arange(30, 45)))
-    donors = donor_docs(runner, prompt, starts, 10, 100)
-    spans = tuple(ReusedSpan(dst=s, src_slots=d, src_start=0, recompute=10)
-                  for s, d in zip(starts, donors))
+    spans = tuple(moved_docs(runner, prompt, starts, recompute=10))
     entries = [ReuseEntry(make_req("p1", other, np.arange(200, 215)), 0, 15, True),
                ReuseEntry(make_req("b", prompt, np.arange(150, 150 + n)), 0, n, True,
                           reuse=spans),

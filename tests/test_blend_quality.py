@@ -18,8 +18,8 @@ from testbed.engine.executor import EngineExecutor  # noqa: E402
 from testbed.engine.quality import (exact_logits, greedy_continuation,  # noqa: E402
                                     kl_per_position, measure)
 from testbed.engine.runner import ModelRunner  # noqa: E402
-from tests.blend_helpers import (CopyBatch, ReuseEntry, ReusedSpan, make_req,  # noqa: E402
-                                 prefill, rag_prompt, tiny_model)
+from tests.blend_helpers import (CopyBatch, ReuseEntry, make_req, moved_docs,  # noqa: E402
+                                 rag_prompt, tiny_model)
 
 OUT = 6
 
@@ -71,11 +71,7 @@ def serve_blend(executor: EngineExecutor, prompt, reuse, output=(0,) * OUT,
 def blend_executor(model, recompute: int, forced: bool):
     runner = ModelRunner(model, 300)
     prompt, starts = rag_prompt(doc_len=10)
-    spans = []
-    for i, s in enumerate(starts):  # each document computed alone, then moved into the prompt
-        slots = np.arange(100 + 10 * i, 110 + 10 * i)
-        prefill(runner, make_req(f"doc{i}", prompt[s:s + 10], slots))
-        spans.append(ReusedSpan(dst=s, src_slots=slots, src_start=0, recompute=recompute))
+    spans = moved_docs(runner, prompt, starts, recompute)
     return EngineExecutor(runner, forced=forced), prompt, spans
 
 

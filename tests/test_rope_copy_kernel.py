@@ -109,7 +109,7 @@ def test_a_blend_prefill_under_the_triton_backend_recomputing_everything_is_exac
     """The runner with ``attention=triton`` (extend kernel for the donors and the exact run, the
     copy kernel for the donor load, torch attention inside the blend)."""
     from testbed.engine.runner import ModelRunner
-    from tests.blend_helpers import ReusedSpan, make_req, prefill, rag_prompt, tiny_model
+    from tests.blend_helpers import make_req, moved_docs, prefill, rag_prompt, tiny_model
 
     model = tiny_model(layers=3)
     runner = ModelRunner(model, 200, attention="triton")
@@ -117,10 +117,6 @@ def test_a_blend_prefill_under_the_triton_backend_recomputing_everything_is_exac
     prompt, starts = rag_prompt(doc_len=10)
     n = len(prompt)
     exact = prefill(runner, make_req("exact", prompt, np.arange(1, n + 1)))
-    spans = []
-    for i, s in enumerate(starts):
-        slots = np.arange(100 + 10 * i, 110 + 10 * i)
-        prefill(runner, make_req(f"doc{i}", prompt[s:s + 10], slots))
-        spans.append(ReusedSpan(dst=s, src_slots=slots, src_start=0, recompute=10))
+    spans = moved_docs(runner, prompt, starts, recompute=10)
     logits = prefill(runner, make_req("r", prompt, np.arange(150, 150 + n)), reuse=spans)
     torch.testing.assert_close(logits, exact, rtol=0, atol=1e-4)

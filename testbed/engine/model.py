@@ -172,6 +172,7 @@ class LlamaModel(nn.Module):
         return self.logits(h[meta.last_token_index])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The final norm and the LM head: logits ``[n, vocab]`` of hidden states ``[n, hidden]``."""
+        """The final norm and the LM head: logits ``[n, vocab]`` of hidden states ``[n, hidden]``
+        (the model's last step, for callers that run the layers themselves: the blend prefill)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(self.norm(h), weight)

@@ -6,7 +6,9 @@ only place a step's inputs are built: the new tokens of every entry concatenated
 that bring each entry's row up to its KV slots (``entry.kv_slots()``: positions ``0 .. context +
 new - 1``, of which the last ``new`` are written in this step), and the `AttentionMetadata` —
 all in one host-to-device transfer; the index arrays the kernels read are gathered on the device.
-The slots come from the prefix cache; the runner only checks the new ones exist.
+The slots come from the prefix cache; the runner only checks the new ones exist. Entries that
+reuse chunks' KV (``reuse``) run through `testbed.engine.blend` instead, and a batch's
+``kv_copies`` after the forward (`run`).
 
 On CUDA without a given ``num_slots`` the KV pool takes what the device's free memory leaves
 once the weights are loaded (`kv_slots_for_free_memory`).
