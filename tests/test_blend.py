@@ -138,11 +138,13 @@ def test_a_batch_mixing_plain_and_blend_entries_returns_each_entrys_logits_in_or
     ([(30, 10, 0)], "inside"),
     ([(6, 10, 11)], "recompute must be in 0..10"),
     ([(2, 10, 0)], "inside"),  # before the entry's context (4)
+    ([(6, 10, 0)], "donor slots must not"),  # donor slots 11..20: among those it writes
 ])
 def test_bad_spans_are_refused_with_what_is_allowed(model, spans, match):
     runner = ModelRunner(model, 100)
     prompt, _ = rag_prompt(doc_len=10)
-    reuse = [ReusedSpan(dst=d, src_slots=np.arange(60, 60 + ln), src_start=0, recompute=r)
+    donor = 60 if match != "donor slots must not" else 11
+    reuse = [ReusedSpan(dst=d, src_slots=np.arange(donor, donor + ln), src_start=0, recompute=r)
              for d, ln, r in spans]
     with pytest.raises(ValueError, match=match):
         blend_prefill(model, runner.kv_cache, prompt, np.arange(1, len(prompt) + 1), 4, reuse)

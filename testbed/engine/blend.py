@@ -64,16 +64,22 @@ class BlendResult:
     computed: np.ndarray  # positions carried through every layer: fresh, picked and the last
 
 
-def check_spans(spans: Sequence[Any], context: int, end: int) -> list[Any]:
-    """The spans sorted by ``dst``; each inside ``[context, end)``, disjoint, with ``0 <=
-    recompute <= length``."""
+def check_spans(spans: Sequence[Any], context: int, slots: np.ndarray) -> list[Any]:
+    """The spans sorted by ``dst``; each inside ``[context, len(slots))``, disjoint, with ``0 <=
+    recompute <= length``, its donor slots none of the slots this prefill writes (the donor's KV
+    stays as the cache holds it)."""
     out = sorted(spans, key=lambda s: s.dst)
-    prev_end = context
+    end, prev_end = len(slots), context
+    written = slots[context:]
     for s in out:
         length = len(s.src_slots)
         if s.dst < prev_end or s.dst + length > end or length == 0:
             raise ValueError(f"reused spans must be non-empty, disjoint and inside the entry's new "
                              f"positions [{context}, {end}), got dst={s.dst} length={length}")
+        if np.isin(np.asarray(s.src_slots), written).any():
+            raise ValueError(f"a reused span's donor slots must not be among the slots the "
+                             f"prefill writes (its positions {context}..{end - 1}): the span at "
+                             f"dst={s.dst} reads some of them")
         if not 0 <= s.recompute <= length:
             raise ValueError(f"a span's recompute must be in 0..{length} (its length), "
                              f"got {s.recompute}")
@@ -124,7 +130,7 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
     if not 0 <= context < end:
         raise ValueError(f"a blend prefill needs 0 <= context < len(slots), got context={context} "
                          f"with {end} slots")
-    spans = check_spans(spans, context, end)
+    spans = check_spans(spans, context, np.asarray(slots))
     device = model.device
     slots_d = torch.as_tensor(np.asarray(slots, dtype=np.int64), device=device)
     for s in spans:  # 1. load each donor's KV at the span's positions
