@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-from testbed.engine.blend import blend_prefill  # noqa: E402
+from testbed.engine import blend  # noqa: E402
+from testbed.engine.blend import attend_by_position, blend_prefill  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from tests.blend_helpers import (CopyBatch, ReuseEntry, ReusedSpan, make_req,  # noqa: E402
                                  moved_docs, prefill, rag_prompt, tiny_model)
@@ -42,10 +43,13 @@ def assert_kv_close(runner, a, b, atol=ATOL):
             torch.testing.assert_close(buf[a], buf[b], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("context", [0, 4, 6])
-def test_recomputing_every_reused_token_reproduces_exact_recomputation(model, context):
+@pytest.mark.parametrize("context, block", [(0, 256), (4, 256), (6, 256), (0, 4), (6, 5)])
+def test_recomputing_every_reused_token_reproduces_exact_recomputation(model, context, block,
+                                                                        monkeypatch):
     """Documents computed alone and moved into the prompt, all their tokens recomputed: logits and
-    every layer's KV equal an ordinary prefill (``context``: an exact cached prefix before)."""
+    every layer's KV equal an ordinary prefill (``context``: an exact cached prefix before;
+    ``block``: queries per attention call)."""
+    monkeypatch.setattr(blend, "EXTEND_QUERY_BLOCK", block)
     runner, prompt, starts, n, exact = exact_setup(model)
     spans = moved_docs(runner, prompt, starts, recompute=10)
     req = make_req("r", prompt, np.arange(150, 150 + n))
@@ -148,3 +152,21 @@ def test_bad_spans_are_refused_with_what_is_allowed(model, spans, match):
              for d, ln, r in spans]
     with pytest.raises(ValueError, match=match):
         blend_prefill(model, runner.kv_cache, prompt, np.arange(1, len(prompt) + 1), 4, reuse)
+
+
+@pytest.mark.parametrize("block", [1, 3, 1000])
+def test_position_masked_attention_in_query_blocks_equals_a_naive_softmax(block, monkeypatch):
+    """Queries at scattered positions over 20 keys, GQA 4:2, against softmax(q·k) over keys at
+    positions <= the query's, computed one query at a time."""
+    monkeypatch.setattr(blend, "EXTEND_QUERY_BLOCK", block)
+    gen = torch.Generator().manual_seed(0)
+    k_buf, v_buf = torch.randn(30, 2, 16, generator=gen), torch.randn(30, 2, 16, generator=gen)
+    slots = torch.arange(5, 25)
+    pos = np.array([0, 3, 4, 11, 12, 19])
+    q = torch.randn(len(pos), 4, 16, generator=gen)
+    got = attend_by_position(q, pos, k_buf, v_buf, slots, 0.25)
+    for i, p in enumerate(pos):
+        for h in range(4):
+            keys, vals = k_buf[slots[:p + 1], h // 2], v_buf[slots[:p + 1], h // 2]
+            want = torch.softmax(keys @ q[i, h] * 0.25, 0) @ vals
+            torch.testing.assert_close(got[i, h], want, rtol=1e-5, atol=1e-5)

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from testbed.engine.attention import EXTEND_QUERY_BLOCK
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
@@ -87,17 +88,27 @@ def check_spans(spans: Sequence[Any], context: int, slots: np.ndarray) -> list[A
     return out
 
 
-def attend_by_position(q: torch.Tensor, q_pos: torch.Tensor, k_buf: torch.Tensor,
+def attend_by_position(q: torch.Tensor, q_pos: np.ndarray, k_buf: torch.Tensor,
                        v_buf: torch.Tensor, slots: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Attention of queries ``q [t, heads, dim]`` at positions ``q_pos [t]`` over the KV of
-    ``slots [N]`` (slot ``j`` holds position ``j``), each query seeing keys at positions
-    ``<= `` its own; fp32 inside, GQA as in HF. Returns ``[t, heads, dim]`` in q's dtype."""
+    """Attention of queries ``q [t, heads, dim]`` at ascending positions ``q_pos [t]`` (host)
+    over the KV of ``slots [N]`` (slot ``j`` holds position ``j``), each query seeing keys at
+    positions ``<= `` its own; fp32 inside, GQA as in HF. Returns ``[t, heads, dim]`` in q's dtype.
+
+    Queries go in blocks of `EXTEND_QUERY_BLOCK`, each against keys up to its last position (as
+    the torch backend's prefill does), so the masked-out tail is mostly not computed."""
     k = k_buf.index_select(0, slots).float().transpose(0, 1)[None]  # [1, KH, N, D]
     v = v_buf.index_select(0, slots).float().transpose(0, 1)[None]
-    mask = torch.arange(slots.numel(), device=q.device)[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k, v, attn_mask=mask,
-                                       scale=sm_scale, enable_gqa=True)
-    return o[0].transpose(0, 1).to(q.dtype)
+    qh = q.float().transpose(0, 1)[None]  # [1, H, t, D]
+    pos = torch.as_tensor(q_pos, device=q.device)
+    outs = []
+    for start in range(0, len(q_pos), EXTEND_QUERY_BLOCK):
+        end = min(start + EXTEND_QUERY_BLOCK, len(q_pos))
+        keys = int(q_pos[end - 1]) + 1
+        mask = torch.arange(keys, device=q.device)[None, :] <= pos[start:end, None]
+        o = F.scaled_dot_product_attention(qh[:, :, start:end], k[:, :, :keys], v[:, :, :keys],
+                                           attn_mask=mask, scale=sm_scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
 
 
 def pick_by_deviation(deviation: torch.Tensor, spans: Sequence[Any], context: int) -> np.ndarray:
@@ -145,7 +156,8 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
     ids = torch.as_tensor(np.asarray(tokens[context:end], dtype=np.int64), device=device)
     h = model.embed_tokens(ids)
     cos, sin = model.rope(positions, h.dtype)
-    rows = torch.arange(new, device=device)  # new-token rows carried on (all, until layer 1)
+    rows_host = np.arange(new)  # new-token rows carried on (all, until layer 1)
+    rows = torch.as_tensor(rows_host, device=device)
     picked = np.zeros(0, dtype=np.int64)
     for i, layer in enumerate(model.layers):
         attn, k_buf, v_buf = layer.self_attn, kv_cache.k[i], kv_cache.v[i]
@@ -160,13 +172,14 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
             keep = ~in_span
             keep[picked - context] = True
             keep[-1] = True
-            rows = torch.as_tensor(np.flatnonzero(keep), device=device)
+            rows_host = np.flatnonzero(keep)
+            rows = torch.as_tensor(rows_host, device=device)
             h, q, k, v = h[rows], q[rows], k[rows], v[rows]
         out_slots = slots_d[context + rows]
         k_buf[out_slots] = k.to(k_buf.dtype)
         v_buf[out_slots] = v.to(v_buf.dtype)
-        o = attend_by_position(q, context + rows, k_buf, v_buf, slots_d, attn.sm_scale)
+        o = attend_by_position(q, context + rows_host, k_buf, v_buf, slots_d, attn.sm_scale)
         h = h + attn.o_proj(o.reshape(len(rows), attn.q_size))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     logits = model.logits(h[-1:])[0]
-    return BlendResult(logits=logits, picked=picked, computed=context + rows.cpu().numpy())
+    return BlendResult(logits=logits, picked=picked, computed=context + rows_host)
