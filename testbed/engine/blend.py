@@ -23,7 +23,8 @@ its tokens to compute again). `blend_prefill` runs such an entry on its own:
    recomputed tokens (keys at positions ``<= `` the query's). Unpicked span tokens keep the reused
    K/V from layer 1 on.
 
-The result is the last position's logits, as a normal prefill returns.
+The result is the last position's logits, as a normal prefill returns. (A one-layer model has
+no layer 1: every token is computed, which is exact.)
 
 Where this departs from the CacheBlend paper (Yao et al., EuroSys 2025): the paper filters
 gradually — a somewhat larger share is picked at the first layers and narrowed layer by layer
@@ -159,7 +160,7 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
     rows_host = np.arange(new)  # new-token rows carried on (all, until layer 1)
     rows = torch.as_tensor(rows_host, device=device)
     picked = np.zeros(0, dtype=np.int64)
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.layers):  # 2. layer 0 for all; 4. then the carried rows
         attn, k_buf, v_buf = layer.self_attn, kv_cache.k[i], kv_cache.v[i]
         q, k, v = attn.project(layer.input_layernorm(h), cos[rows], sin[rows])
         if i == 1 and in_span.any():  # 3. select, then carry only fresh + picked + last
