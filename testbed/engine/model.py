@@ -53,9 +53,11 @@ def rope_inv_freq(config: ModelShape) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``, with ``sin`` given
+    sign-folded (`LlamaModel.rope`): ``rotate_half(x) * sin`` is ``roll(x, D/2) * [-sin, sin]``,
+    the same products (a sign flip is exact), in two ops instead of four."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class RMSNorm(nn.Module):
@@ -83,13 +85,14 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[T, heads, dim]``, k, v ``[T, kv_heads, dim]`` of ``x [T, hidden]``, q and k rotated
-        (RoPE) by ``cos, sin`` of their positions."""
+        (RoPE) by ``cos``, sign-folded ``sin`` of their positions (`rope`)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # queries and keys take the same rotation: one pass over both heads' runs
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                 v_buf: torch.Tensor, meta: AttentionMetadata,
@@ -151,12 +154,13 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, head_dim]`` for ``positions [T]`` (computed once per step)."""
+        """cos and sign-folded sin ``[T, 1, head_dim]`` for ``positions [T]`` (once per step):
+        ``cos(θ)`` twice, and ``[-sin(θ), sin(θ)]`` for `apply_rope`."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = (positions.float()[:, None] * self.inv_freq[None, :])[:, None, :]
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, attention: AttentionBackend) -> torch.Tensor:
