@@ -10,12 +10,15 @@ Triton):
 - ``extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, sm_scale=None, ...)``
 - ``decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, sm_scale=None, ...)``
 - ``merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse)``
+- ``copy_kv_rotated(k_buf, v_buf, src, dst, shift, inv_freq)`` (KV moved to other positions,
+  keys re-rotated: RoPE)
 
 ``radix_kernels.reference`` holds the torch references with the same signatures (torch only);
 ``triton_available()`` says whether the Triton versions can be imported here. Kernel modules:
-``store``, ``extend``, ``decode``, ``merge`` (named apart from the functions so that importing a
-module never shadows the function of the same name on the package). On a GPU machine,
-``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times them.
+``store``, ``extend``, ``decode``, ``merge``, ``rope_copy`` (named apart from the functions so
+that importing a module never shadows the function of the same name on the package). On a GPU
+machine, ``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times
+them.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ import importlib
 
 from . import reference
 
-__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "reference",
-           "triton_available"]
+__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated",
+           "reference", "triton_available"]
 
 _LAZY = {
     "store_kv": "store",
     "extend_attention": "extend",
     "decode_attention": "decode",
     "merge_states": "merge",
+    "copy_kv_rotated": "rope_copy",
 }
 
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states"]
+__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated"]
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
@@ -120,3 +120,18 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     safe = torch.where(total > 0, total, torch.ones_like(total))
     o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / safe[..., None]
     return o.to(o_a.dtype), m + torch.log(total)
+
+
+def copy_kv_rotated(k_buf: torch.Tensor, v_buf: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    """Copy K and V of slots ``src`` to slots ``dst`` (``[n]``), keys turned by ``shift``
+    (``[n]``) positions: in each pair ``(j, j + head_dim/2)`` by the angle ``shift · inv_freq[j]``
+    (RoPE's ``rotate_half`` convention), in fp32, cast to the buffer's dtype."""
+    src, dst = src.long(), dst.long()
+    angle = shift.float()[:, None, None] * inv_freq.float().to(k_buf.device)[None, None, :]
+    k = k_buf[src].float()
+    x1, x2 = k.chunk(2, dim=-1)
+    cos, sin = angle.cos(), angle.sin()
+    v = v_buf[src]
+    k_buf[dst] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k_buf.dtype)
+    v_buf[dst] = v

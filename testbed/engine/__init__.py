@@ -3,7 +3,9 @@
 One idea per module: `model` (the decoder over a flattened batch), `kv_cache` (per-layer KV
 buffers indexed by cache slot), `slot_table` (each request's token -> slot row on the device),
 `metadata` (a step's attention layout), `attention` (torch and Triton backends), `cascade`
-(decode groups that share a prefix read it once),
+(decode groups that share a prefix read it once), `rope_shift` (KV moved to other positions,
+keys re-rotated), `blend` (the prefill that reuses chunks' KV, CacheBlend-style), `quality`
+(approximate requests against exact recomputation),
 `loader` (HF checkpoints, random and tiny models, the ``model`` config group), `sampler`,
 `runner` (`ModelRunner`: a `Batch` in, logits out), `executor` (`EngineExecutor`: the
 simulator's `Executor` seam with measured step times) and `host_memory` (steady CPU allocation).

@@ -7,7 +7,8 @@ which the driver advances virtual time. With ``forced=True`` the workload's pred
 are returned instead of the model's (the model still runs and samples, so the step costs the
 same): engine and simulator then see identical sequences and make identical decisions. A request
 without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens
-either way.
+either way. Requests that reused donor KV (blend prefill) are measured against exact
+recomputation by ``self.quality`` (`testbed.engine.quality.QualityMonitor`), outside the timed part.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from testbed.engine.attention import ATTENTION_BACKENDS
 from testbed.engine.host_memory import keep_freed_memory
 from testbed.engine.loader import model_from_group, parse_dtype
+from testbed.engine.quality import QualityMonitor
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.scheduler.batch import Batch
@@ -40,6 +42,8 @@ class EngineExecutor:
         self.busy_s = 0.0
         self.forced_tokens = 0  # forced mode: tokens imposed, and how many the model agreed with
         self.forced_agreed = 0
+        # approximate (KV-reusing) requests against exact recomputation: records(), summary()
+        self.quality = QualityMonitor(runner.model, forced)
 
     def execute(self, batch: Batch) -> StepOutcome:
         cuda = self.runner.device.type == "cuda"
@@ -64,6 +68,7 @@ class EngineExecutor:
                 tokens.append(tok)
             else:
                 tokens.append(int(own))
+        self.quality.observe(batch, logits, tokens)  # after the timed part: not in duration_s
         return StepOutcome(duration_s=duration, tokens=tokens)
 
 

@@ -82,17 +82,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.o_bias, **factory)
         self.sm_scale = c.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, heads, dim]``, k, v ``[T, kv_heads, dim]`` of ``x [T, hidden]``, q and k rotated
+        (RoPE) by ``cos``, sign-folded ``sin`` of their positions (`rope`)."""
         t = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # queries and keys take the same rotation: one pass over both heads' runs
         qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
+                v_buf: torch.Tensor, meta: AttentionMetadata,
+                attention: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
         o = attention.forward(q, k, v, k_buf, v_buf, meta, self.sm_scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -166,6 +173,10 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions, h.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], meta, attention)
-        h = self.norm(h[meta.last_token_index])
+        return self.logits(h[meta.last_token_index])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head: logits ``[n, vocab]`` of hidden states ``[n, hidden]``
+        (the model's last step, for callers that run the layers themselves: the blend prefill)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)
+        return F.linear(self.norm(h), weight)

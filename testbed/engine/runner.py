@@ -6,7 +6,9 @@ only place a step's inputs are built: the new tokens of every entry concatenated
 that bring each entry's row up to its KV slots (``entry.kv_slots()``: positions ``0 .. context +
 new - 1``, of which the last ``new`` are written in this step), and the `AttentionMetadata` —
 all in one host-to-device transfer; the index arrays the kernels read are gathered on the device.
-The slots come from the prefix cache; the runner only checks the new ones exist.
+The slots come from the prefix cache; the runner only checks the new ones exist. Entries that
+reuse chunks' KV (``reuse``) run through `testbed.engine.blend` instead, and a batch's
+``kv_copies`` after the forward (`run`).
 
 On CUDA without a given ``num_slots`` the KV pool takes what the device's free memory leaves
 once the weights are loaded (`kv_slots_for_free_memory`).
@@ -15,16 +17,18 @@ once the weights are loaded (`kv_slots_for_free_memory`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from testbed.engine.attention import AttentionBackend, make_attention
+from testbed.engine.blend import blend_prefill
 from testbed.engine.cascade import CascadePlan
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
+from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import SlotTable
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
@@ -76,6 +80,7 @@ class ModelRunner:
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
         self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
+        self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
 
     @property
     def num_slots(self) -> int:
@@ -124,5 +129,39 @@ class ModelRunner:
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits ``[len(batch.entries), vocab]`` of each entry's last new token; the entries'
-        new K/V are written into their slots."""
-        return self.forward(self.prepare(batch))
+        new K/V are written into their slots.
+
+        A prefill entry with a non-empty ``reuse`` (spans of donor KV, `testbed.engine.blend`)
+        runs as its own forward through `blend_prefill`, after the step's other entries have run
+        together; then the batch's ``kv_copies`` are executed (`copy_kv`, every layer, keys
+        re-rotated by each copy's ``shift``). Both fields are read with defaults, so a batch
+        without them runs as before."""
+        reuse = [getattr(e, "reuse", ()) for e in batch.entries]
+        if any(reuse):
+            logits = self._run_blended(batch, reuse)
+        else:
+            logits = self.forward(self.prepare(batch))
+        for c in getattr(batch, "kv_copies", ()):
+            copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
+                    self.triton_copies)
+        return logits
+
+    def _run_blended(self, batch: Batch, reuse: list) -> torch.Tensor:
+        out: list[torch.Tensor | None] = [None] * len(batch.entries)
+        plain = [i for i, r in enumerate(reuse) if not r]
+        if plain:
+            logits = self.forward(self.prepare(replace(batch, entries=[batch.entries[i]
+                                                                       for i in plain])))
+            for row, i in enumerate(plain):
+                out[i] = logits[row]
+        for i, spans in enumerate(reuse):
+            if spans:
+                e = batch.entries[i]
+                slots = e.kv_slots()
+                if len(slots) != e.context + e.new or slots.min(initial=1) < 1 \
+                        or slots.max(initial=1) > self.num_slots:
+                    raise ValueError(f"request {e.req.id}: blend prefill needs context + new = "
+                                     f"{e.context + e.new} KV slots in 1..{self.num_slots}")
+                out[i] = blend_prefill(self.model, self.kv_cache, e.req.fill(), slots,
+                                       e.context, spans, self.triton_copies).logits
+        return torch.stack(out)
