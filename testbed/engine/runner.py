@@ -135,14 +135,13 @@ class ModelRunner:
         A prefill entry with a non-empty ``reuse`` (spans of donor KV, `testbed.engine.blend`)
         runs as its own forward through `blend_prefill`, after the step's other entries have run
         together; then the batch's ``kv_copies`` are executed (`copy_kv`, every layer, keys
-        re-rotated by each copy's ``shift``). Both fields are read with defaults, so a batch
-        without them runs as before."""
-        reuse = [getattr(e, "reuse", ()) for e in batch.entries]
+        re-rotated by each copy's ``shift``)."""
+        reuse = [e.reuse for e in batch.entries]
         if any(reuse):
             logits = self._run_blended(batch, reuse)
         else:
             logits = self.forward(self.prepare(batch))
-        for c in getattr(batch, "kv_copies", ()):
+        for c in batch.kv_copies:
             copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
                     self.triton_copies)
         return logits
