@@ -13,6 +13,9 @@ separate jobs.
 
     python experiments/eviction_study.py [--trace FILE --format mooncake] [--out DIR]
     python experiments/eviction_study.py --workload chat     # a generated workload instead
+    python experiments/eviction_study.py --workload chat --set workload.num_sessions=400
+    python experiments/eviction_study.py --combine docs/eviction_*/eviction.csv \
+        --out docs/eviction_all      # one figure (a panel per workload) and the table of all cells
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_0
 def workload_overrides(args) -> list[str]:
     """The workload of the study as config overrides: a generated one, or the trace file."""
     if args.workload:
-        return [f"workload={args.workload}"]
-    return ["workload=trace", f"workload.path={args.trace}", f"workload.format={args.format}"]
+        return [f"workload={args.workload}", *args.set]
+    return ["workload=trace", f"workload.path={args.trace}", f"workload.format={args.format}",
+            *args.set]
 
 
 def main() -> None:
@@ -54,6 +58,11 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--format", default="mooncake")
     ap.add_argument("--workload", help="a generated workload name instead of a trace")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the workload (repeatable), e.g. "
+                         "workload.num_sessions=400")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="CSV",
+                    help="draw one figure from these studies' eviction.csv into --out and stop")
     ap.add_argument("--capacities", type=lambda s: [int(float(x)) for x in s.split(",")],
                     default=CAPACITIES)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(EVICTION))
@@ -64,6 +73,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
     ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
     if args.replot:
         df = pd.read_csv(args.out / "eviction.csv")
         plot(with_gap_closed(df), df["ideal_hit_rate"].iloc[0], df["workload"].iloc[0],
@@ -78,7 +90,7 @@ def main() -> None:
                 f"cache.page_size={args.page_size}", f"cache.evict_unit={unit}"]))
             for policy in args.policies for unit in args.evict_units}
     requests = next(iter(runs.values())).requests()
-    name = args.workload or args.trace.stem
+    name = " ".join([args.workload or args.trace.stem, *args.set])
     prompt = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests)
     rows = []
@@ -136,6 +148,50 @@ def plot(df: pd.DataFrame, ideal: float, name: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def combine(paths: list[Path], out: Path) -> None:
+    """One figure of several studies (a panel per workload: hit rate against capacity, a line
+    per policy, node solid and page dotted) and ``eviction_all.csv`` with every cell's hit rate,
+    gap closed, replay time and replay time relative to LRU's in the same cell; prints where a
+    policy is above the oracle."""
+    df = pd.concat([with_gap_closed(pd.read_csv(p)) for p in paths], ignore_index=True)
+    key = ["workload", "capacity_tokens", "evict_unit"]
+    at = df.set_index(key).index
+    for ref in ("lru", "oracle"):
+        cell = df[df["eviction"] == ref].set_index(key)
+        df[f"{ref}_hit_rate"] = at.map(cell["hit_rate"])
+        if ref == "lru":
+            df["replay_x_lru"] = df["replay_s"].to_numpy() / at.map(cell["replay_s"]).to_numpy()
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "eviction_all.csv", index=False)
+    above = df[(df["eviction"] != "oracle") & (df["hit_rate"] > df["oracle_hit_rate"])]
+    print(f"{len(df)} cells; a policy above the oracle in {len(above)}:")
+    if len(above):
+        print(above[[*key, "eviction", "hit_rate", "oracle_hit_rate"]].to_string(index=False))
+    names = list(dict.fromkeys(df["workload"]))
+    colors = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(df["eviction"]))}
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for (policy, unit), g in df[df["workload"] == name].groupby(["eviction", "evict_unit"],
+                                                                    sort=False):
+            style = dict(color="black", linewidth=2) if policy == "oracle" else \
+                dict(color=colors[policy])
+            ax.plot(g["capacity_tokens"] / 1e6, g["hit_rate"], marker="o", markersize=2,
+                    linestyle=":" if unit == "page" else "-",
+                    label=policy if unit == "node" else None, **style)
+        ax.axhline(df.loc[df["workload"] == name, "ideal_hit_rate"].iloc[0], color="grey",
+                   linestyle=":")
+        ax.set_xscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("capacity (million tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("hit rate (solid: evict_unit=node, dotted: page)")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "eviction_all.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'eviction_all.csv'} and {out / 'eviction_all.png'}")
 
 
 def report(df: pd.DataFrame, capacity: int) -> None:
