@@ -1,7 +1,7 @@
 """The eviction study in one process: hit rate against cache capacity, one line per policy.
 
-Replays a workload (default: the Mooncake conversation trace beside the repository) through the
-radix cache for every eviction policy at every capacity and every ``--evict-units``
+Replays a workload (default: the Mooncake conversation trace, ``data:mooncake_conversation``)
+through the radix cache for every eviction policy at every capacity and every ``--evict-units``
 (``cache.evict_unit``: node = SGLang's whole leaves, page = only the tail pages needed; pages of
 ``--page-size`` tokens), with the oracle (Belady's farthest next use: a reference, not a proven
 bound with variable-size entries) and the unlimited-cache ideal as reference lines. Writes
@@ -11,7 +11,7 @@ its capacity and unit) and ``eviction.png`` into ``--out`` and prints the table 
 time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
 separate jobs.
 
-    python experiments/eviction_study.py [--trace FILE --format mooncake] [--out DIR]
+    python experiments/eviction_study.py [--trace FILE|data:NAME --format mooncake] [--out DIR]
     python experiments/eviction_study.py --workload chat     # a generated workload instead
     python experiments/eviction_study.py --workload chat --set workload.num_sessions=400
     python experiments/eviction_study.py --combine docs/eviction_*/eviction.csv \
@@ -37,10 +37,11 @@ from tqdm import tqdm  # noqa: E402
 
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache import EVICTION  # noqa: E402
+from testbed.data.fetch import lookup  # noqa: E402
 from testbed.metrics import ideal_hit_rate  # noqa: E402
 from testbed.replay import replay  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = "data:mooncake_conversation"  # fetched into $TESTBED_DATA on first use
 CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
               20_000_000, 50_000_000]
 
@@ -55,7 +56,8 @@ def workload_overrides(args) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help="a trace file, or data:NAME (python -m testbed.data lists them)")
     ap.add_argument("--format", default="mooncake")
     ap.add_argument("--workload", help="a generated workload name instead of a trace")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -90,7 +92,7 @@ def main() -> None:
                 f"cache.page_size={args.page_size}", f"cache.evict_unit={unit}"]))
             for policy in args.policies for unit in args.evict_units}
     requests = next(iter(runs.values())).requests()
-    name = " ".join([args.workload or args.trace.stem, *args.set])
+    name = " ".join([args.workload or trace_name(args.trace), *args.set])
     prompt = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests)
     rows = []
@@ -110,6 +112,13 @@ def main() -> None:
     plot(df, ideal, name, args.out / "eviction.png")
     report(df, args.report_capacity)
     print(f"wrote {args.out / 'eviction.csv'} and {args.out / 'eviction.png'}")
+
+
+def trace_name(trace: str) -> str:
+    """The trace file's stem (for data:NAME, the file the data folder holds it as)."""
+    if trace.startswith("data:"):
+        return Path(lookup(trace[len("data:"):]).filename).stem
+    return Path(trace).stem
 
 
 def with_gap_closed(df: pd.DataFrame) -> pd.DataFrame:
