@@ -182,8 +182,21 @@ def test_a_ghost_older_than_the_horizon_is_labelled_not_reused_and_forgotten():
     serve(cache, [1, 2, 3])  # too late: no label 1
     assert policy.window[0] == (9, (log_bin(3), 0, 1, 0, 0, 1, 0, 1, log_bin(3)), 0)
     assert [label for _, _, label in policy.window] == [0] * 7
-    # ghosts older than the horizon are forgotten (when another node is evicted)
+    # ghosts older than the horizon are forgotten (when another node is evicted), keys and all
     assert sorted(g.id for ghosts in policy._ghosts.values() for g in ghosts) == [4, 5, 6, 7]
+    assert policy._ghosts_under == {0: dict.fromkeys(policy._ghosts)}  # all under the root
+
+
+def test_runs_on_block_hash_blocks_which_have_no_tree():
+    """Blocks have no parent: no turn, tail or ghosts; an evicted block is labelled 0."""
+    from testbed.cache.block_hash import BlockHashCache
+
+    policy = EVICTION.build({**SMALL, "retrain_every": 50, "min_train": 50})
+    cache = BlockHashCache(160, block_size=4, policy=policy)
+    records = replay(workload(seed=2), cache)
+    assert policy.fits > 0 and not policy._ghosts and not policy._turn
+    assert sum(r.cached_tokens for r in records) > 0
+    assert {row[5:8] for _, row, _ in policy.window} == {(0, 0, 0)}
 
 
 def test_deterministic_and_keeps_the_cache_invariants():

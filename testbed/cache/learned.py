@@ -136,7 +136,8 @@ class LearnedEviction(EvictionPolicy):
         # node evicted with ghosts below it carries them, so a conversation re-created from
         # higher up still labels its evicted leaf and keeps its turn
         self._ghosts: dict[tuple[int, bytes], list[Ghost]] = {}
-        self._ghosts_under: dict[int, list[tuple[int, bytes]]] = {}  # parent id -> ghost keys
+        # parent id -> its ghosts' keys (a dict: insertion order, for labels in a fixed order)
+        self._ghosts_under: dict[int, dict[tuple[int, bytes], None]] = {}
         self._buried: deque[tuple[int, tuple[int, bytes]]] = deque()  # (time, key), oldest first
         self._turn: dict[int, int] = {}  # id -> its turn: nodes above it, evicted ones included
         self._keys: dict[int, tuple[int, int, float]] = {}  # id -> (last_access, size, key)
@@ -215,7 +216,7 @@ class LearnedEviction(EvictionPolicy):
             self._expire()  # (a ghost older than the horizon is labelled 0 first)
             turn = self._turn.get(parent.id, 0) + 1
             kb = entry.kb
-            for ghost in self._ghosts.pop((parent.id, kb[:TOKEN_BYTES]), ()):
+            for ghost in self._unbury((parent.id, kb[:TOKEN_BYTES])):
                 if kb[ghost.offset * TOKEN_BYTES : (ghost.offset + 1) * TOKEN_BYTES] == ghost.token:
                     self._reused(ghost.id)  # an evicted entry's tokens were wanted again
                     turn = max(turn, ghost.turn + 1)
@@ -256,12 +257,11 @@ class LearnedEviction(EvictionPolicy):
         below it (shifted by its size); forget ghosts older than the horizon."""
         now, first = self.now, entry.kb[:TOKEN_BYTES]
         records = [Ghost(0, first, entry.id, self._turn.get(entry.id, 0), now)]
-        for key in self._ghosts_under.pop(entry.id, ()):
-            records.extend(g._replace(offset=entry.size + g.offset)
-                           for g in self._ghosts.pop(key, ()))
+        for key in list(self._ghosts_under.get(entry.id, ())):
+            records.extend(g._replace(offset=entry.size + g.offset) for g in self._unbury(key))
         key = (parent.id, first)
         self._ghosts.setdefault(key, []).extend(records)
-        self._ghosts_under.setdefault(parent.id, []).append(key)
+        self._ghosts_under.setdefault(parent.id, {})[key] = None
         buried, limit = self._buried, now - self.horizon
         buried.append((now, key))
         while buried and buried[0][0] <= limit:
@@ -270,7 +270,16 @@ class LearnedEviction(EvictionPolicy):
             if old is not None:
                 old[:] = [g for g in old if g.evicted > limit]
                 if not old:
-                    del self._ghosts[key]
+                    self._unbury(key)
+
+    def _unbury(self, key: tuple[int, bytes]) -> list[Ghost]:
+        """Remove and return the ghosts under ``key`` (parent id, first token)."""
+        under = self._ghosts_under.get(key[0])
+        if under is not None:
+            under.pop(key, None)
+            if not under:
+                del self._ghosts_under[key[0]]
+        return self._ghosts.pop(key, [])
 
     # ------------------------------------------------------------ training
     def _fit(self) -> None:
