@@ -1,7 +1,7 @@
 """The eviction study in one process: hit rate against cache capacity, one line per policy.
 
-Replays a workload (default: the Mooncake conversation trace beside the repository) through the
-radix cache for every eviction policy at every capacity and every ``--evict-units``
+Replays a workload (default: the Mooncake conversation trace, ``data:mooncake_conversation``)
+through the radix cache for every eviction policy at every capacity and every ``--evict-units``
 (``cache.evict_unit``: node = SGLang's whole leaves, page = only the tail pages needed; pages of
 ``--page-size`` tokens), with the oracle (Belady's farthest next use: a reference, not a proven
 bound with variable-size entries) and the unlimited-cache ideal as reference lines. Writes
@@ -11,8 +11,11 @@ its capacity and unit) and ``eviction.png`` into ``--out`` and prints the table 
 time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
 separate jobs.
 
-    python experiments/eviction_study.py [--trace FILE --format mooncake] [--out DIR]
+    python experiments/eviction_study.py [--trace FILE|data:NAME --format mooncake] [--out DIR]
     python experiments/eviction_study.py --workload chat     # a generated workload instead
+    python experiments/eviction_study.py --workload chat --set workload.num_sessions=400
+    python experiments/eviction_study.py --combine docs/eviction_*/eviction.csv \
+        --out docs/eviction_all      # one figure (a panel per workload) and the table of all cells
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from tqdm import tqdm  # noqa: E402
 
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache import EVICTION  # noqa: E402
+from testbed.data.fetch import lookup  # noqa: E402
 from testbed.metrics import ideal_hit_rate  # noqa: E402
 from testbed.replay import replay  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = "data:mooncake_conversation"  # fetched into $TESTBED_DATA on first use
 CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
               20_000_000, 50_000_000]
 
@@ -45,15 +49,22 @@ CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_0
 def workload_overrides(args) -> list[str]:
     """The workload of the study as config overrides: a generated one, or the trace file."""
     if args.workload:
-        return [f"workload={args.workload}"]
-    return ["workload=trace", f"workload.path={args.trace}", f"workload.format={args.format}"]
+        return [f"workload={args.workload}", *args.set]
+    return ["workload=trace", f"workload.path={args.trace}", f"workload.format={args.format}",
+            *args.set]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace", default=DEFAULT_TRACE,
+                    help="a trace file, or data:NAME (python -m testbed.data lists them)")
     ap.add_argument("--format", default="mooncake")
     ap.add_argument("--workload", help="a generated workload name instead of a trace")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the workload (repeatable), e.g. "
+                         "workload.num_sessions=400")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="CSV",
+                    help="draw one figure from these studies' eviction.csv into --out and stop")
     ap.add_argument("--capacities", type=lambda s: [int(float(x)) for x in s.split(",")],
                     default=CAPACITIES)
     ap.add_argument("--policies", type=lambda s: s.split(","), default=list(EVICTION))
@@ -64,6 +75,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
     ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out)
+        return
     if args.replot:
         df = pd.read_csv(args.out / "eviction.csv")
         plot(with_gap_closed(df), df["ideal_hit_rate"].iloc[0], df["workload"].iloc[0],
@@ -78,7 +92,7 @@ def main() -> None:
                 f"cache.page_size={args.page_size}", f"cache.evict_unit={unit}"]))
             for policy in args.policies for unit in args.evict_units}
     requests = next(iter(runs.values())).requests()
-    name = args.workload or args.trace.stem
+    name = " ".join([args.workload or trace_name(args.trace), *args.set])
     prompt = sum(len(r.prompt) for r in requests)
     ideal = ideal_hit_rate(requests)
     rows = []
@@ -98,6 +112,13 @@ def main() -> None:
     plot(df, ideal, name, args.out / "eviction.png")
     report(df, args.report_capacity)
     print(f"wrote {args.out / 'eviction.csv'} and {args.out / 'eviction.png'}")
+
+
+def trace_name(trace: str) -> str:
+    """The trace file's stem (for data:NAME, the file the data folder holds it as)."""
+    if trace.startswith("data:"):
+        return Path(lookup(trace[len("data:"):]).filename).stem
+    return Path(trace).stem
 
 
 def with_gap_closed(df: pd.DataFrame) -> pd.DataFrame:
@@ -136,6 +157,50 @@ def plot(df: pd.DataFrame, ideal: float, name: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def combine(paths: list[Path], out: Path) -> None:
+    """One figure of several studies (a panel per workload: hit rate against capacity, a line
+    per policy, node solid and page dotted) and ``eviction_all.csv`` with every cell's hit rate,
+    gap closed, replay time and replay time relative to LRU's in the same cell; prints where a
+    policy is above the oracle."""
+    df = pd.concat([with_gap_closed(pd.read_csv(p)) for p in paths], ignore_index=True)
+    key = ["workload", "capacity_tokens", "evict_unit"]
+    at = df.set_index(key).index
+    for ref in ("lru", "oracle"):
+        cell = df[df["eviction"] == ref].set_index(key)
+        df[f"{ref}_hit_rate"] = at.map(cell["hit_rate"])
+        if ref == "lru":
+            df["replay_x_lru"] = df["replay_s"].to_numpy() / at.map(cell["replay_s"]).to_numpy()
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "eviction_all.csv", index=False)
+    above = df[(df["eviction"] != "oracle") & (df["hit_rate"] > df["oracle_hit_rate"])]
+    print(f"{len(df)} cells; a policy above the oracle in {len(above)}:")
+    if len(above):
+        print(above[[*key, "eviction", "hit_rate", "oracle_hit_rate"]].to_string(index=False))
+    names = list(dict.fromkeys(df["workload"]))
+    colors = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(df["eviction"]))}
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for (policy, unit), g in df[df["workload"] == name].groupby(["eviction", "evict_unit"],
+                                                                    sort=False):
+            style = dict(color="black", linewidth=2) if policy == "oracle" else \
+                dict(color=colors[policy])
+            ax.plot(g["capacity_tokens"] / 1e6, g["hit_rate"], marker="o", markersize=2,
+                    linestyle=":" if unit == "page" else "-",
+                    label=policy if unit == "node" else None, **style)
+        ax.axhline(df.loc[df["workload"] == name, "ideal_hit_rate"].iloc[0], color="grey",
+                   linestyle=":")
+        ax.set_xscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("capacity (million tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("hit rate (solid: evict_unit=node, dotted: page)")
+    axes[0][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "eviction_all.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'eviction_all.csv'} and {out / 'eviction_all.png'}")
 
 
 def report(df: pd.DataFrame, capacity: int) -> None:

@@ -1,81 +1,145 @@
-"""The learned eviction policy: evict entries predicted to be reused late, learned online.
+"""The learned eviction policy: keep the entries predicted to be reused soon, learned online.
 
 What it is for: a deployable step from LRU towards Belady's rule (`testbed.cache.oracle`) that
-learns from the past only. scikit-learn's HistGradientBoostingRegressor predicts the log of an
-entry's time to its next reuse (in the cache's logical clock) from features the cache keeps or the
-policy keeps cheaply, each binned to a small integer (largest bins in `CAPS`):
+learns from the past only. On a conversation trace what the oracle knows is *which* histories will
+be continued; this policy estimates, per entry, the probability ``p`` that it is used again within
+``horizon`` accesses (the cache's logical clock), from features the cache keeps or the policy
+keeps cheaply, each binned to a small integer (largest bins in `CAPS`):
 
-- ``size`` and ``start`` (depth) as ``int.bit_length``;
-- ``access_count`` (creation counts one);
-- the gap between the entry's last two accesses as ``bit_length`` (0 before a second access);
-- the request category, an index by first appearance (0: none).
+- ``size``, ``start`` (tokens before it) and ``start + size`` in `log_bin`s (four per octave);
+  ``access_count`` (creation counts one); the gap between the entry's last two accesses as
+  ``bit_length`` (0 before a second access); the request category, an index by first appearance
+  (0: none);
+- on a radix tree (entries with a ``parent``): its *turn*, the number of nodes above it counting
+  evicted ones (a new leaf's is its parent's plus one, or more if it re-creates evicted nodes: a
+  conversation's turn, which the tree's depth forgets once a history is evicted), whether it is a
+  split's tail (its parent is younger than it: a walk used its head and went elsewhere) and how
+  many children its parent has.
 
-Labels come from the past as it arrives. Each access (creation or hit) leaves the entry *pending*
-with the binned features it has then; its next hit, ``g`` ticks later, labels them ``g`` (a hit on
-the head of a split labels the entry it was cut from); an entry
-evicted, or not hit within ``horizon`` ticks, is labelled ``horizon`` (censored). The last
-``window`` labels are the training set; the model is refit every ``retrain_every`` new labels, and
-each fit predicts the whole feature grid at once, so a key costs a dict look-up, never a call into
-scikit-learn.
+Labels come from the past as it arrives. Each access (creation or hit) of a leaf leaves it
+*pending* with the binned features it has then (a node with children is not a candidate, and
+labelling the shared system prompt's hits would fill the window); a hit within ``horizon`` labels
+them 1 (a hit on the new head of a split labels the entry it was cut from, and the cut-off tail,
+passed by the walk, becomes pending as a tail). An evicted radix node becomes a `Ghost` under its
+parent, keyed by its first token, for ``horizon`` accesses; a node evicted with ghosts below it
+carries them along, shifted by its size. A new leaf that starts in a ghost's place and runs
+through a carried ghost's first token means a request wanted those tokens again: it labels each
+such ghost still pending 1 and takes its turn. So the labels do not depend on what the policy
+itself evicted. Not reused within ``horizon`` labels 0 (as does the eviction of an entry without a
+parent, a block). The last ``window`` labels train a regression tree (scikit-learn's
+DecisionTreeRegressor, ``max_depth``, ``min_samples_leaf``: its leaves' means are the
+probabilities) every ``retrain_every`` new labels once ``min_train`` are held; its documented
+arrays are walked in Python (`TreeModel`), so a key costs a few comparisons (memoised per feature
+row), never a call into scikit-learn.
 
 The key is computed when an entry is (re)offered (`testbed.cache.eviction`) and must stay
-meaningful in the heap: ``last_access - scale * predicted gap``, smallest evicted first (LRU whose
-clock runs faster for entries expected to be reused late). Belady's literal form, ``-(last_access +
-predicted gap)`` (farthest predicted next use first), evicts the most recent entry of each
-predicted class first and measured 0.089 against LRU's 0.135 on the Mooncake conversation trace
-(README). Before the first model the key is ``last_access - 2**60``: exactly LRU, and below every
-learned key, so entries offered before the first fit go first. A key is memoised per entry until
-its last access or size changes, so a refit never changes keys already in the heap
+meaningful in the heap: ``last_access + scale * p``, smallest evicted first (LRU in which an entry
+likely to be reused counts as ``scale * p`` accesses younger). Before the first model the key is
+``last_access - 2**60``: exactly LRU, and below every learned key. A key is memoised per entry
+until its last access or size changes, so a refit never changes keys already in the heap
 (`RadixCache.check_invariants` holds).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 # scikit-learn takes seconds to import: this module is imported only when eviction=learned is
 # chosen (its registry entry is lazy, testbed/cache/eviction.py), by the assembly step, before a
 # run's timed parts
-from sklearn.ensemble import HistGradientBoostingRegressor
-from threadpoolctl import threadpool_limits
+from sklearn.tree import DecisionTreeRegressor
 
 from testbed.cache.eviction import EntryStats, EvictionPolicy
+from testbed.cache.token_runs import TOKEN_BYTES
 
-Row = tuple[int, int, int, int, int]  # binned features (see `LearnedEviction.features`)
-#: the largest bin of each feature: size, start and gap bits, access count, category index
-CAPS = (17, 17, 4, 17, 3)
+Row = tuple[int, ...]  # binned features (see `LearnedEviction.features`)
+#: the largest bin of each feature: size and start log bins, access count, gap bits, category
+#: index, turn, split tail (0/1), the parent's children, start + size log bin
+CAPS = (80, 80, 4, 17, 3, 15, 1, 7, 80)
+
+
+def log_bin(n: int) -> int:
+    """Four bins per octave: ``4 * bit_length`` plus the two bits below the leading one."""
+    bits = n.bit_length()
+    return 4 * bits + ((n << 2 >> (bits - 1)) & 3 if bits else 0)
+
+
+def tree_features(entry: Any) -> tuple[int, int]:
+    """Where a radix node sits: whether it is a split's tail (1 if its parent was created after
+    it) and its parent's children (up to ``CAPS[7]``). Zeros for an entry without a parent."""
+    parent = getattr(entry, "parent", None)
+    if parent is None:
+        return 0, 0
+    return int(parent.created > entry.created), min(len(parent.children), CAPS[7])
+
+
+class Ghost(NamedTuple):
+    """An evicted radix node, remembered for ``horizon`` accesses under its place in the tree."""
+
+    offset: int  # tokens from the start of the place (an evicted ancestor's) to the node
+    token: bytes  # its first token
+    id: int
+    turn: int
+    evicted: int  # when (the policy's clock)
+
+
+class TreeModel:
+    """A fitted regression tree as plain lists: `predict` walks it in Python (microseconds)."""
+
+    def __init__(self, fitted: DecisionTreeRegressor) -> None:
+        tree = fitted.tree_
+        self.left = tree.children_left.tolist()
+        self.right = tree.children_right.tolist()
+        self.feature = tree.feature.tolist()
+        self.threshold = tree.threshold.tolist()
+        self.value = tree.value[:, 0, 0].tolist()
+
+    def predict(self, row: Row) -> float:
+        node, left = 0, self.left
+        while left[node] != -1:  # -1: a leaf (scikit-learn's TREE_LEAF)
+            node = left[node] if row[self.feature[node]] <= self.threshold[node] \
+                else self.right[node]
+        return self.value[node]
 
 
 class LearnedEviction(EvictionPolicy):
-    """Farthest predicted next reuse first, from a model refit online on past reuses."""
+    """Likely-reused entries kept longer, by a reuse probability refit online on past reuses."""
 
     name = "learned"
 
-    def __init__(self, retrain_every: int = 2500, window: int = 10000, horizon: int = 5000,
-                 min_train: int = 1000, max_iter: int = 30, scale: float = 4.0,
-                 seed: int = 0) -> None:
+    def __init__(self, retrain_every: int = 500, window: int = 20000, horizon: int = 5000,
+                 min_train: int = 1000, max_depth: int = 6, min_samples_leaf: int = 50,
+                 scale: float = 30000.0, seed: int = 0) -> None:
         for key, value in (("retrain_every", retrain_every), ("window", window),
-                           ("horizon", horizon), ("min_train", min_train), ("max_iter", max_iter)):
+                           ("horizon", horizon), ("min_train", min_train),
+                           ("max_depth", max_depth), ("min_samples_leaf", min_samples_leaf)):
             if value < 1:
                 raise ValueError(f"eviction.{key} must be >= 1, got {value}")
-        self.retrain_every, self.horizon = retrain_every, horizon
         if scale <= 0:
             raise ValueError(f"eviction.scale must be > 0, got {scale}")
-        self.min_train, self.max_iter, self.scale, self.seed = min_train, max_iter, scale, seed
+        self.retrain_every, self.horizon, self.min_train = retrain_every, horizon, min_train
+        self.max_depth, self.min_samples_leaf = max_depth, min_samples_leaf
+        self.scale, self.seed = scale, seed
         self.now = 0  # the latest access time seen (the cache's logical clock)
-        # the training window: (time the label became known, features, log1p(gap))
-        self.window: deque[tuple[int, Row, float]] = deque(maxlen=window)
+        # the training window: (time the label became known, features, 1 reused / 0 not)
+        self.window: deque[tuple[int, Row, int]] = deque(maxlen=window)
         self._new_labels = 0
         self.fits = 0  # models fitted so far
-        self.model: Any = None
-        self._predicted: dict[Row, float] = {}  # memoised gap predictions of the current model
+        self.model: TreeModel | None = None
+        self._predicted: dict[Row, float] = {}  # memoised probabilities of the current model
         self._prev: dict[int, tuple[int, int]] = {}  # id -> (previous access, latest access)
         self._pending: dict[int, tuple[int, Row]] = {}  # id -> (access time, features then)
         self._expiry: deque[tuple[int, int]] = deque()  # (access time, id), oldest first
+        # evicted radix nodes by the place a new leaf would take, (parent id, first token); a
+        # node evicted with ghosts below it carries them, so a conversation re-created from
+        # higher up still labels its evicted leaf and keeps its turn
+        self._ghosts: dict[tuple[int, bytes], list[Ghost]] = {}
+        # parent id -> its ghosts' keys (a dict: insertion order, for labels in a fixed order)
+        self._ghosts_under: dict[int, dict[tuple[int, bytes], None]] = {}
+        self._buried: deque[tuple[int, tuple[int, bytes]]] = deque()  # (time, key), oldest first
+        self._turn: dict[int, int] = {}  # id -> its turn: nodes above it, evicted ones included
         self._keys: dict[int, tuple[int, int, float]] = {}  # id -> (last_access, size, key)
         self._categories: dict[str | None, int] = {None: 0}
 
@@ -86,15 +150,18 @@ class LearnedEviction(EvictionPolicy):
         cat = self._categories.get(entry.category)
         if cat is None:
             cat = self._categories[entry.category] = min(len(self._categories), CAPS[4])
-        return (min(entry.size.bit_length(), CAPS[0]), min(entry.start.bit_length(), CAPS[1]),
-                min(entry.access_count, CAPS[2]), min(gap.bit_length(), CAPS[3]), cat)
+        return (min(log_bin(entry.size), CAPS[0]), min(log_bin(entry.start), CAPS[1]),
+                min(entry.access_count, CAPS[2]), min(gap.bit_length(), CAPS[3]), cat,
+                min(self._turn.get(entry.id, 0), CAPS[5]), *tree_features(entry),
+                min(log_bin(entry.start + entry.size), CAPS[8]))
 
-    def predicted_gap(self, entry: EntryStats) -> float:
-        """The current model's gap for the entry's features (a category newer than the model's
-        grid counts as category 0)."""
+    def reuse_probability(self, entry: EntryStats) -> float:
+        """The current model's probability that the entry is used again within the horizon."""
         row = self.features(entry)
-        gap = self._predicted.get(row)
-        return gap if gap is not None else self._predicted[row[:4] + (0,)]
+        p = self._predicted.get(row)
+        if p is None:
+            p = self._predicted[row] = self.model.predict(row)
+        return p
 
     def priority(self, entry: EntryStats) -> Any:
         memo = self._keys.get(entry.id)
@@ -102,8 +169,8 @@ class LearnedEviction(EvictionPolicy):
             return memo[2]
         if self.model is None:
             key: float = entry.last_access - 2**60  # no model yet: LRU
-        else:  # not -(last_access + gap): see the module docstring
-            key = entry.last_access - self.scale * self.predicted_gap(entry)
+        else:
+            key = entry.last_access + self.scale * self.reuse_probability(entry)
         self._keys[entry.id] = (entry.last_access, entry.size, key)
         return key
 
@@ -112,64 +179,115 @@ class LearnedEviction(EvictionPolicy):
         now = self.now = max(self.now, entry.last_access)
         prev = self._prev.get(entry.id)
         self._prev[entry.id] = (prev[1] if prev is not None else -1, now)
+        self._expire()
+        if getattr(entry, "children", None):
+            # a node on a longer path: not a candidate now, and its reuse says little about
+            # candidates' (the shared system prompt alone would fill half the window)
+            self._pending.pop(entry.id, None)
+            return
         self._pending[entry.id] = (now, self.features(entry))
         self._expiry.append((now, entry.id))
-        self._expire()
 
-    def _label(self, row: Row, gap: int) -> None:
-        self.window.append((self.now, row, math.log1p(gap)))
+    def _label(self, row: Row, reused: int) -> None:
+        self.window.append((self.now, row, reused))
         self._new_labels += 1
         if self._new_labels >= self.retrain_every and len(self.window) >= self.min_train:
             self._fit()
 
+    def _reused(self, entry_id: int) -> None:
+        pending = self._pending.pop(entry_id, None)
+        if pending is not None:
+            self._label(pending[1], 1)
+
     def _expire(self) -> None:
-        """Censor the pending entries not reused within the horizon."""
+        """Label 0 the pending entries (and ghosts) not reused within the horizon."""
         expiry, limit = self._expiry, self.now - self.horizon
         while expiry and expiry[0][0] <= limit:
             at, entry_id = expiry.popleft()
             pending = self._pending.get(entry_id)
             if pending is not None and pending[0] == at:
-                del self._pending[entry_id]
-                self._label(pending[1], self.horizon)
+                del self._pending[entry_id]  # (a ghost of it, if any, now labels nothing)
+                self._label(pending[1], 0)
 
     def on_create(self, entry: EntryStats) -> None:
+        parent = getattr(entry, "parent", None)
+        if parent is not None:
+            self.now = max(self.now, entry.last_access)
+            self._expire()  # (a ghost older than the horizon is labelled 0 first)
+            turn = self._turn.get(parent.id, 0) + 1
+            kb = entry.kb
+            for ghost in self._unbury((parent.id, kb[:TOKEN_BYTES])):
+                if kb[ghost.offset * TOKEN_BYTES : (ghost.offset + 1) * TOKEN_BYTES] == ghost.token:
+                    self._reused(ghost.id)  # an evicted entry's tokens were wanted again
+                    turn = max(turn, ghost.turn + 1)
+            self._turn[entry.id] = turn
         self._access(entry)
 
     def on_hit(self, entry: EntryStats) -> None:
-        pending = self._pending.pop(entry.id, None)
-        if pending is None and entry.id not in self._prev:
+        self.now = max(self.now, entry.last_access)
+        self._expire()
+        if entry.id not in self._pending and entry.id not in self._prev:
             # the head of a split (radix tree): the reuse is of the entry it was cut from, its
             # only child, which kept the id, the pending label and the access history
-            for child in getattr(entry, "children", {}).values():
-                pending = self._pending.pop(child.id, None)
+            for child in list(getattr(entry, "children", {}).values()):
+                self._reused(child.id)
+                self._turn[entry.id] = self._turn.get(child.id, 0)
                 if child.id in self._prev:
                     self._prev[entry.id] = self._prev[child.id]
-        if pending is not None:
-            self.now = max(self.now, entry.last_access)
-            self._label(pending[1], min(self.now - pending[0], self.horizon))
+                    self._access(child)  # the tail, passed by the walk: pending as a tail now
+        self._reused(entry.id)
         self._access(entry)
 
     def on_evict(self, entry: EntryStats, key: Any) -> None:
         if getattr(entry, "alive", False):
             return  # trimmed (evict_unit=page), not removed: it competes again, no label yet
-        pending = self._pending.pop(entry.id, None)
-        if pending is not None:
-            self._label(pending[1], self.horizon)
+        parent = getattr(entry, "parent", None)
+        if parent is not None:
+            self._bury(entry, parent)
+        else:
+            pending = self._pending.pop(entry.id, None)
+            if pending is not None:
+                self._label(pending[1], 0)
         self._prev.pop(entry.id, None)
         self._keys.pop(entry.id, None)
+        self._turn.pop(entry.id, None)
+
+    def _bury(self, entry: Any, parent: Any) -> None:
+        """Leave a ghost of evicted radix node ``entry`` under its parent, carrying the ghosts
+        below it (shifted by its size); forget ghosts older than the horizon."""
+        now, first = self.now, entry.kb[:TOKEN_BYTES]
+        records = [Ghost(0, first, entry.id, self._turn.get(entry.id, 0), now)]
+        for key in list(self._ghosts_under.get(entry.id, ())):
+            records.extend(g._replace(offset=entry.size + g.offset) for g in self._unbury(key))
+        key = (parent.id, first)
+        self._ghosts.setdefault(key, []).extend(records)
+        self._ghosts_under.setdefault(parent.id, {})[key] = None
+        buried, limit = self._buried, now - self.horizon
+        buried.append((now, key))
+        while buried and buried[0][0] <= limit:
+            key = buried.popleft()[1]
+            old = self._ghosts.get(key)
+            if old is not None:
+                old[:] = [g for g in old if g.evicted > limit]
+                if not old:
+                    self._unbury(key)
+
+    def _unbury(self, key: tuple[int, bytes]) -> list[Ghost]:
+        """Remove and return the ghosts under ``key`` (parent id, first token)."""
+        under = self._ghosts_under.get(key[0])
+        if under is not None:
+            under.pop(key, None)
+            if not under:
+                del self._ghosts_under[key[0]]
+        return self._ghosts.pop(key, [])
 
     # ------------------------------------------------------------ training
     def _fit(self) -> None:
         self._new_labels = 0
         x = np.array([row for _, row, _ in self.window], dtype=np.int64)
-        y = np.array([label for _, _, label in self.window])
-        with threadpool_limits(1):  # small fits: OpenMP threads cost more than they save
-            self.model = HistGradientBoostingRegressor(
-                max_iter=self.max_iter, categorical_features=[4], early_stopping=False,
-                random_state=self.seed).fit(x, y)
-            grid = np.array(list(itertools.product(
-                *(range(cap + 1) for cap in CAPS[:4]), range(max(self._categories.values()) + 1))))
-            gaps = np.expm1(self.model.predict(grid))
-        self._predicted = dict(zip(map(tuple, grid.tolist()), gaps.tolist()))
+        y = np.array([label for _, _, label in self.window], dtype=np.float64)
+        self.model = TreeModel(DecisionTreeRegressor(
+            max_depth=self.max_depth, min_samples_leaf=self.min_samples_leaf,
+            random_state=self.seed).fit(x, y))
+        self._predicted = {}
         self.fits += 1
-
