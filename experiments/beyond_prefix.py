@@ -17,7 +17,8 @@ The thresholds: MinHash estimates the Jaccard similarity of token 3-gram sets. A
 shares 3 of its 4 documents (and the system prompt) with an earlier one is about 0.5–0.6 similar,
 one with all 4 documents in another order about 0.9; 0.5 (the default) thus takes donors sharing
 most of the prompt, 0.8 only near-duplicates. The script prints, per workload, the share of prompts
-whose most similar earlier prompt reaches each threshold. Writes ``beyond_prefix.csv`` and
+whose most similar earlier prompt reaches each threshold, and how flat the tiny model's
+next-token distributions are (why its KL is tiny and its agreement fragile). Writes ``beyond_prefix.csv`` and
 ``beyond_prefix.png`` (sim TTFT p50 against engine KL, one point per mode, a panel per workload)
 into ``--out``; the run dirs go under ``--runs`` (``python -m testbed.report`` reads them).
 
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache.similarity import MinHashIndex  # noqa: E402
+from testbed.engine.quality import exact_logits  # noqa: E402
 from testbed.run import execute  # noqa: E402
 
 SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "cache=radix", "scheduler=lpm",
@@ -142,6 +144,21 @@ def donor_shares(workload: str) -> dict[float, float]:
     return {t: float((best_arr >= t).mean()) for t in THRESHOLDS}
 
 
+def model_spread(workload: str) -> dict[str, float]:
+    """How flat the engine's model's next-token distributions are on the small workload's first
+    prompt (exact forward): mean entropy against the uniform one's, mean top-1 probability,
+    median gap between the two most likely tokens. Flat distributions make KL tiny and argmax
+    agreement fragile (README: what the tiny model can tell)."""
+    run = assemble(compose_config(ENGINE + [f"workload={workload}"] + SMALL[workload]))
+    prompt = run.requests()[0].prompt
+    model = run.build_executor(len(prompt) + 1).runner.model
+    logp = torch.log_softmax(exact_logits(model, prompt).float(), -1)
+    p = logp.exp()
+    top2 = p.topk(2, -1).values
+    return {"entropy": float(-(p * logp).sum(-1).mean()), "uniform": float(np.log(p.shape[-1])),
+            "top1": float(top2[:, 0].mean()), "gap": float((top2[:, 0] - top2[:, 1]).median())}
+
+
 def _family_color(mode: str) -> str:
     return {"prefix": "black", "blend": "C0", "semantic": "C1"}[mode.split()[0]]
 
@@ -214,6 +231,10 @@ def main() -> None:
         shares = donor_shares(w)
         print(f"{w}: prompts whose most similar earlier prompt reaches the threshold: "
               + ", ".join(f"{t:g}: {s:.1%}" for t, s in shares.items()), flush=True)
+        spread = model_spread(w)
+        print(f"{w}: engine model's next-token entropy {spread['entropy']:.4f} nats (uniform "
+              f"{spread['uniform']:.4f}), top-1 probability {spread['top1']:.4f}, median top-1 - "
+              f"top-2 gap {spread['gap']:.2e}", flush=True)
         for mode in MODES:
             t0 = time.perf_counter()
             row = {"workload": w, "mode": mode.name, "reuse": mode.reuse, "match": mode.match,
