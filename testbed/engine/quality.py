@@ -132,7 +132,7 @@ class QualityMonitor:
     def observe(self, batch: Batch, logits: torch.Tensor, tokens: Sequence[int | None]) -> None:
         for row, (e, tok) in enumerate(zip(batch.entries, tokens)):
             req = e.req
-            if getattr(e, "reuse", ()):
+            if e.reuse:
                 self._rows.setdefault(req, {})  # approximate from this prefill on
             if tok is None or req not in self._rows or e.gen != req.preemptions:
                 continue  # no token, exact request, or a stale entry whose token is dropped

@@ -68,9 +68,9 @@ def kv_pool_slots(model: LlamaModel, mem_fraction: float, max_slots: int | None 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_slots: int | None,
                  attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
-                 max_slots: int | None = None) -> None:
+                 max_slots: int | None = None, cascade_min_saved: int = 0) -> None:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
-        at most ``max_slots``."""
+        at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`."""
         self.model = model
         self.device = model.device
         self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
@@ -79,7 +79,8 @@ class ModelRunner:
             num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
-        self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
+        # cascade decoding: who shares a cached prefix
+        self.decode_groups = DecodeGroups(min_saved=cascade_min_saved)
         self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
 
     @property
@@ -134,14 +135,13 @@ class ModelRunner:
         A prefill entry with a non-empty ``reuse`` (spans of donor KV, `testbed.engine.blend`)
         runs as its own forward through `blend_prefill`, after the step's other entries have run
         together; then the batch's ``kv_copies`` are executed (`copy_kv`, every layer, keys
-        re-rotated by each copy's ``shift``). Both fields are read with defaults, so a batch
-        without them runs as before."""
-        reuse = [getattr(e, "reuse", ()) for e in batch.entries]
+        re-rotated by each copy's ``shift``)."""
+        reuse = [e.reuse for e in batch.entries]
         if any(reuse):
             logits = self._run_blended(batch, reuse)
         else:
             logits = self.forward(self.prepare(batch))
-        for c in getattr(batch, "kv_copies", ()):
+        for c in batch.kv_copies:
             copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
                     self.triton_copies)
         return logits
