@@ -2,7 +2,8 @@
 
 - ``replay``: requests one at a time in arrival order, no time (hit-rate studies);
 - ``sim``: the shared scheduler and cache in SimPy, steps timed by a cost model;
-- ``engine``: the same scheduler and cache, steps run by the real model and timed;
+- ``engine``: the same scheduler and cache, steps run by the real model and timed; with reuse
+  beyond exact prefixes the records carry the quality the engine measured (`add_quality_fields`);
 - ``custom``: the shared scheduler and cache, steps run by ``backend.target`` (an executor).
 
 KV capacity for ``sim`` and ``engine`` is ``cache.capacity_tokens`` when given, else what the
@@ -20,7 +21,7 @@ from typing import Any
 
 from testbed.assembly import REPLAY, Assembly
 from testbed.cache import PrefixCache, RadixCache
-from testbed.metrics import RequestRecord, add_tier_fields
+from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_generating
@@ -123,6 +124,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         from testbed.sim.transfer import make_planner
         planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
     cache = run.build_cache(capacity, requests, planner=planner, record_transfers=engine)
+    quality = executor.quality if engine else None  # before a tier wrapper hides it
     pool_tokens = cache.available_size  # capacity in whole pages, before anything is cached
     if engine and cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor
@@ -147,6 +149,9 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     records = records_of(result.reqs, run.get("save_token_ids", False))
     if cache.lower_tiers:
         add_tier_fields(records, scheduler.tier_hits)
+    if quality is not None and run.reuse.active:  # requests that reused KV, against exact
+        add_quality_fields(records, {rid: (q.token_agreement, q.kl_mean)
+                                     for rid, q in quality.records().items()})
     extra |= tier_extra(cache)
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer)

@@ -7,7 +7,9 @@ has no time (replay). ``throughput_tok_s`` counts prompt plus output tokens per 
 A request is cache-cold when its ``cached_tokens`` (hit at first admission) is under half its
 prompt, cache-warm otherwise; ``cold_requests`` counts the cold ones served and ``ttft_p50_cold_s``,
 ``ttft_p99_cold_s``, ``ttft_p99_warm_s`` split TTFT between the two (LPM starves the cold ones
-under load, SGLang issue 31954).
+under load, SGLang issue 31954). An engine run with approximate reuse carries each request's
+quality against exact recomputation (``token_agreement``, ``kl_mean``; measured by the engine,
+`testbed.engine.quality`) and the summary their means; other runs leave those fields out.
 """
 
 from __future__ import annotations
@@ -47,15 +49,24 @@ class RequestRecord:
     host_hit_tokens: int | None = None
     disk_hit_tokens: int | None = None
     load_s: float | None = None
+    # engine with approximate reuse (cache.reuse=blend, cache.match=semantic): quality against
+    # exact recomputation of the same prompt; None for a request that reused no KV
+    token_agreement: float | None = None
+    kl_mean: float | None = None
+    quality_measured: bool = False  # the run measured quality: the two fields above are written
 
     def to_json(self) -> dict[str, Any]:
         """The requests.jsonl line: every field in order, less the token ids and tier fields
-        when they are None."""
+        when they are None and the quality fields when the run did not measure quality."""
         row = {name: getattr(self, name) for name in _field_names(type(self))}
+        del row["quality_measured"]
         if self.prompt_ids is None:
             del row["prompt_ids"], row["output_ids"]
         if self.gpu_hit_tokens is None:
             for key in TIER_FIELDS:
+                del row[key]
+        if not self.quality_measured:
+            for key in QUALITY_FIELDS:
                 del row[key]
         return row
 
@@ -66,6 +77,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 TIER_FIELDS = ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "load_s")
+QUALITY_FIELDS = ("token_agreement", "kl_mean")
 
 
 def tier_fields(hit: int, loaded: Mapping[str, int] | None,
@@ -86,6 +98,27 @@ def add_tier_fields(records: list[RequestRecord],
         hit, loaded, load_s = hits.get(r.id, (r.cached_tokens, None, None))
         for key, value in tier_fields(hit, loaded, load_s).items():
             setattr(r, key, value)
+
+
+def add_quality_fields(records: list[RequestRecord],
+                       quality: Mapping[str, tuple[float, float]]) -> None:
+    """Mark ``records`` as of a run that measured quality and fill in ``quality``: request id to
+    (token agreement, mean KL) for the requests that reused KV; the others keep None."""
+    for r in records:
+        r.quality_measured = True
+        r.token_agreement, r.kl_mean = quality.get(r.id, (None, None))
+
+
+def quality_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """With quality measured: ``token_agreement_mean`` and ``kl_mean``, the means over the
+    requests that reused KV (None when none did); nothing otherwise."""
+    if not records or not records[0].quality_measured:
+        return {}
+    measured = [r for r in records if r.kl_mean is not None]
+    if not measured:
+        return {"token_agreement_mean": None, "kl_mean": None}
+    return {"token_agreement_mean": float(np.mean([r.token_agreement for r in measured])),
+            "kl_mean": float(np.mean([r.kl_mean for r in measured]))}
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -156,7 +189,7 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "e2e_p50_s": _percentile(e2e, 50),
         "e2e_p99_s": _percentile(e2e, 99),
         "wall_s": wall_s,
-    } | tier_summary(records, prompt)
+    } | tier_summary(records, prompt) | quality_summary(records)
 
 
 def tier_summary(records: list[RequestRecord], prompt: int) -> dict[str, Any]:
