@@ -12,13 +12,12 @@ process on:
   and the whole run's wall time (which includes the tree's bookkeeping) are compared.
 
     python experiments/bench_engine.py [--problems 8] [--questions 16]
-    python experiments/bench_engine.py --cli-default [--min-saved 8192]
+    python experiments/bench_engine.py --cli-default
 
 ``--cli-default`` instead runs what ``python -m testbed.run backend=engine model=tiny`` runs (the
 2-layer tiny model, the default tree-of-thought: 64 problems, 12 in flight), radix+lpm plain, with
-cascade, with cascade only where a step saves at least ``--min-saved`` KV reads
-(``cascade_min_saved``), and none+fcfs, each alone and in turn, and compares makespans (the
-simulated clock the engine's measured steps advance).
+cascade, and none+fcfs, each alone and in turn, and compares makespans (the simulated clock the
+engine's measured steps advance).
 """
 
 from __future__ import annotations
@@ -78,16 +77,12 @@ def compare(name: str, workload: list[str], repeats: int,
     return res
 
 
-def cli_default(repeats: int, min_saved: int) -> None:
+def cli_default(repeats: int) -> None:
     """The literal CLI default on the engine: makespans, the fastest of ``repeats`` each."""
-    variants = {"radix+lpm": VARIANTS["radix+lpm"], "radix+cascade": VARIANTS["radix+cascade"],
-                f"+min_saved={min_saved}": VARIANTS["radix+cascade"]
-                + [f"cascade_min_saved={min_saved}"],
-                "none+fcfs": VARIANTS["none+fcfs"]}
     run_once(["workload.num_problems=4"], CLI_DEFAULT)  # untimed: one-time imports, allocations
     best: dict[str, dict] = {}
     for _ in range(repeats):
-        for name, extra in variants.items():
+        for name, extra in VARIANTS.items():
             s = run_once(extra, CLI_DEFAULT)
             if name not in best or s["makespan_s"] < best[name]["makespan_s"]:
                 best[name] = s
@@ -114,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.cli_default:
-        cli_default(args.repeats, args.min_saved)
+        cli_default(args.repeats)
         return
     workloads = {
         "tree_of_thought": ["workload=tree_of_thought", f"workload.num_problems={args.problems}"],
