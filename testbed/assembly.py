@@ -114,7 +114,8 @@ class Assembly:
     def recompute_cost(self) -> Callable[[int, int], float]:
         """Seconds to recompute ``size`` tokens after ``start`` cached ones (GDSF's cost): the
         roofline floor of that prefill on the configured model and hardware."""
-        from testbed.sim.cost_model import RooflineCostModel, StepShape
+        from testbed.sim.cost_model import RooflineCostModel
+        from testbed.sim.step_shape import StepShape
 
         floor = RooflineCostModel(self.model_shape, self.hardware).floor
         return lambda start, size: floor(StepShape(new=(max(size, 1),), context=(start,)))

@@ -37,9 +37,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
-from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape,  # noqa: E402
-                                    save_fitted)
+from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
+from testbed.sim.step_shape import StepShape  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402
 
 

@@ -78,8 +78,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
@@ -89,6 +87,7 @@ from testbed import group_values
 from testbed.model_shape import ModelShape
 from testbed.registry import Registry
 from testbed.sim.specs import HardwareSpec
+from testbed.sim.step_shape import StepShape, kv_move_bytes  # noqa: F401 (also importable here)
 
 #: Defaults of the roofline model, fitted to Vidur's A100 profile (CodeLlama-34B, TP2; above).
 #: MFU 0.65: the matmul FLOPs' share of peak that the token-level operators reach (matmuls alone
@@ -109,128 +108,6 @@ ALLREDUCE_LATENCY_S = 5e-5
 
 KINDS = ("decode", "prefill")
 COEFFS = ("a", "b", "c", "d", "e")
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """One step's batch: request ``i`` computes ``new[i]`` tokens (≥ 1) on top of ``context[i]``
-    tokens (≥ 0) already in its KV.
-
-    ``shared`` (cascade decoding, decode steps only): disjoint groups ``(P, members)`` of two or
-    more requests whose first ``P`` cached tokens are the same KV, which the step reads once per
-    group (`testbed.scheduler.decode_groups` forms them, for the engine and the simulator alike).
-    A member then reads its own suffix, ``context + 1 - P`` tokens, and the step reads
-    ``kv_read_context = Σcontext − Σ(members − 1)·P`` cached tokens instead of ``Σcontext``.
-
-    >>> s = StepShape(new=(1, 1, 512), context=(100, 200, 0))
-    >>> s.batch, s.num_new, s.num_context, s.is_decode
-    (3, 514, 300, False)
-    >>> c = StepShape.decode((110, 110, 50), shared=((100, (0, 1)),))
-    >>> c.num_context, c.shared_saving, c.kv_read_context
-    (270, 100, 170)
-    """
-
-    new: tuple[int, ...]
-    context: tuple[int, ...]
-    shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    rotated: int = 0  # tokens of reused spans: donor KV copied in, keys re-rotated
-    copied: int = 0  # tokens of chunk stores: KV copied (and de-rotated) out
-
-    def __post_init__(self) -> None:
-        if min(self.rotated, self.copied) < 0:
-            raise ValueError(f"StepShape: rotated and copied tokens must be >= 0, got "
-                             f"{self.rotated}, {self.copied}")
-        new, context = tuple(int(n) for n in self.new), tuple(int(c) for c in self.context)
-        if len(new) != len(context):
-            raise ValueError(f"StepShape: {len(new)} new counts but {len(context)} contexts")
-        if not new:
-            raise ValueError("StepShape: a step needs at least one request")
-        if min(new) < 1:
-            raise ValueError(f"StepShape: new tokens must be >= 1, got {min(new)}")
-        if min(context) < 0:
-            raise ValueError(f"StepShape: context must be >= 0, got {min(context)}")
-        object.__setattr__(self, "new", new)
-        object.__setattr__(self, "context", context)
-        object.__setattr__(self, "shared", self._check_shared(self.shared, new, context))
-
-    @staticmethod
-    def _check_shared(shared, new: tuple[int, ...], context: tuple[int, ...]
-                      ) -> tuple[tuple[int, tuple[int, ...]], ...]:
-        groups = tuple((int(p), tuple(int(m) for m in members)) for p, members in shared)
-        if groups and max(new) != 1:
-            raise ValueError("StepShape: shared prefixes (cascade) are for decode steps only")
-        seen: set[int] = set()
-        for p, members in groups:
-            if len(members) < 2 or len(set(members)) != len(members):
-                raise ValueError(f"StepShape: a shared prefix needs two or more distinct "
-                                 f"requests, got {members}")
-            if seen & set(members) or min(members) < 0 or max(members) >= len(new):
-                raise ValueError(f"StepShape: shared groups must be disjoint indices into the "
-                                 f"batch of {len(new)}, got {members}")
-            seen |= set(members)
-            if p < 1 or p > min(context[m] for m in members):
-                raise ValueError(f"StepShape: a shared prefix of {p} tokens must be >= 1 and "
-                                 f"cached by every member")
-        return groups
-
-    @classmethod
-    def decode(cls, contexts: tuple[int, ...] | list[int],
-               shared: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> StepShape:
-        """A decode step: one new token per request."""
-        return cls(new=(1,) * len(contexts), context=tuple(contexts), shared=shared)
-
-    @property
-    def batch(self) -> int:
-        return len(self.new)
-
-    @cached_property
-    def num_new(self) -> int:
-        """Σ new: tokens computed this step."""
-        return sum(self.new)
-
-    @cached_property
-    def num_context(self) -> int:
-        """Σ context: tokens already cached before this step."""
-        return sum(self.context)
-
-    @cached_property
-    def shared_saving(self) -> int:
-        """Σ (members − 1)·P over the shared groups: cached KV tokens cascade does not read."""
-        return sum((len(members) - 1) * p for p, members in self.shared)
-
-    @cached_property
-    def kv_read_context(self) -> int:
-        """Cached KV tokens the step reads: ``num_context`` less ``shared_saving``."""
-        return self.num_context - self.shared_saving
-
-    @cached_property
-    def new_times_context(self) -> int:
-        """Σ new·context: query–key pairs against the cached part."""
-        return sum(n * c for n, c in zip(self.new, self.context))
-
-    @cached_property
-    def attended_pairs(self) -> float:
-        """Σ new·(context + (new+1)/2): query–key pairs, the chunk's causal triangle included."""
-        return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
-
-    @cached_property
-    def is_decode(self) -> bool:
-        """Every request computes exactly one token (a mixed step counts as prefill)."""
-        return self.num_new == self.batch
-
-    @property
-    def kind(self) -> str:
-        return "decode" if self.is_decode else "prefill"
-
-
-def kv_move_bytes(model: ModelShape, step: StepShape) -> float:
-    """HBM bytes one GPU moves for reuse beyond exact prefixes: a reused token's K and V read
-    and written (the donor copy) plus its K read and written (re-rotation), a stored chunk
-    token's K and V read and written."""
-    if not (step.rotated or step.copied):
-        return 0.0
-    kv = model.kv_bytes_per_token_per_gpu
-    return kv * (3 * step.rotated + 2 * step.copied)
 
 
 class CostModel(Protocol):

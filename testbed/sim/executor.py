@@ -16,7 +16,8 @@ from typing import Protocol
 from testbed.registry import Registry
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups, cascades
-from testbed.sim.cost_model import CostModel, StepShape
+from testbed.sim.cost_model import CostModel
+from testbed.sim.step_shape import StepShape
 
 
 @dataclass(frozen=True)

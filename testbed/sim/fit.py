@@ -16,7 +16,8 @@ from typing import Iterable
 
 import numpy as np
 
-from testbed.sim.cost_model import COEFFS, KINDS, StepShape
+from testbed.sim.cost_model import COEFFS, KINDS
+from testbed.sim.step_shape import StepShape
 
 
 def features(step: StepShape) -> np.ndarray:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from testbed.model_shape import ModelShape
-from testbed.sim.cost_model import RooflineCostModel, StepShape
+from testbed.sim.cost_model import RooflineCostModel
+from testbed.sim.step_shape import StepShape
 from testbed.sim.specs import HardwareSpec
 
 

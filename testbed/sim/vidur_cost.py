@@ -91,7 +91,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.model_shape import ModelShape
-from testbed.sim.cost_model import StepShape, kv_move_bytes
+from testbed.sim.step_shape import StepShape, kv_move_bytes
 from testbed.sim.monotone import Curve, Surface
 from testbed.sim.specs import HardwareSpec
 from testbed.sim.vidur_profile import EMB_OP, VidurProfile
