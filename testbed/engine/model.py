@@ -53,6 +53,15 @@ def rope_inv_freq(config: ModelShape) -> torch.Tensor:
     return inv_freq
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[T, 1, head_dim]`` for (possibly negative or fractional)
+    ``positions [T]``: ``cos(θ)`` twice, and ``[-sin(θ), sin(θ)]`` for `apply_rope`."""
+    freqs = (positions.float()[:, None] * inv_freq[None, :].to(positions.device))[:, None, :]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``, with ``sin`` given
     sign-folded (`LlamaModel.rope`): ``rotate_half(x) * sin`` is ``roll(x, D/2) * [-sin, sin]``,
@@ -154,13 +163,10 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin ``[T, 1, head_dim]`` for ``positions [T]`` (once per step):
-        ``cos(θ)`` twice, and ``[-sin(θ), sin(θ)]`` for `apply_rope`."""
+        """`rope_tables` of ``positions [T]`` (once per step)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = (positions.float()[:, None] * self.inv_freq[None, :])[:, None, :]
-        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
-        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return rope_tables(positions, self.inv_freq, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, attention: AttentionBackend) -> torch.Tensor:

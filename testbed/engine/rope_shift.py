@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from testbed.engine.model import apply_rope
+from testbed.engine.model import apply_rope, rope_tables
 
 if TYPE_CHECKING:
     from testbed.engine.kv_cache import KVCache
@@ -41,9 +41,8 @@ def rotate_keys(k: torch.Tensor, delta: int | Ints, inv_freq: torch.Tensor) -> t
     delta_t = delta_t.expand(n) if delta_t.numel() == 1 else delta_t
     if delta_t.numel() != n:
         raise ValueError(f"delta must be an int or one per key ({n}), got {delta_t.numel()}")
-    angles = (delta_t[:, None] * inv_freq.to(k.device, torch.float32)[None, :])[:, None, :]
-    cos, sin = angles.cos(), angles.sin()  # [n, 1, head_dim / 2]; the model's sign-folded form:
-    return apply_rope(k.float(), torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)).to(k.dtype)
+    cos, sin = rope_tables(delta_t, inv_freq.to(k.device, torch.float32), torch.float32)
+    return apply_rope(k.float(), cos, sin).to(k.dtype)
 
 
 def _slots(slots: Ints, device: torch.device) -> torch.Tensor:
