@@ -62,6 +62,10 @@ class Assembly:
         return self.get("seed", 0)
 
     @property
+    def cascade_min_saved(self) -> int:
+        return self.get("cascade_min_saved", 0)
+
+    @property
     def replicas(self) -> int:
         return self.get("replicas", 1)
 
@@ -160,7 +164,8 @@ class Assembly:
         return self.executor.build(
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
-            attention=c.get("attention"), seed=self.seed, forced=bool(c.get("forced", True)),
+            attention=c.get("attention"), cascade_min_saved=self.cascade_min_saved,
+            seed=self.seed, forced=bool(c.get("forced", True)),
             temperature=float(c.get("temperature", 0.0)), top_p=float(c.get("top_p", 1.0)))
 
     def build_router(self, kv_capacity: int | None):
@@ -218,6 +223,9 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise ValueError(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
+    saved = config.get("cascade_min_saved")
+    if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 0):
+        raise ValueError(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")
     notes = [note] if (note := fit_vocabulary(config)) else []
     c = config["cache"]
     reuse = ReuseConfig.from_mapping(c)

@@ -106,3 +106,17 @@ def test_engine_and_simulator_group_with_the_same_code():
     assert runner.DecodeGroups is executor.DecodeGroups is decode_groups.DecodeGroups
     assert executor.SimExecutor(None, attention="cascade_triton").groups is not None
     assert executor.SimExecutor(None, attention="triton").groups is None
+
+
+@pytest.mark.parametrize("backend", ["sim", "engine"])
+def test_cascade_min_saved_reaches_the_groups_of_either_backend(backend, compose):
+    from testbed.assembly import assemble
+
+    run = assemble(compose(f"backend={backend}", "model=tiny", "attention=cascade",
+                           "cascade_min_saved=500"))
+    executor = run.build_executor(1000)
+    groups = executor.groups if backend == "sim" else executor.runner.decode_groups
+    assert groups.min_saved == 500
+    with pytest.raises(ValueError, match=r"^cascade_min_saved must be an integer >= 0 \(KV "
+                                         r"tokens\), got -1$"):
+        assemble(compose(f"backend={backend}", "cascade_min_saved=-1"))

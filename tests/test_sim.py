@@ -169,6 +169,50 @@ def test_cascade_pricing_changes_durations_only():
     assert 0 < executor.cascade_saved < 1
 
 
+class SavingRecorder(SimExecutor):
+    """Records the KV reads each step's groups save before the threshold (test instrument)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.saved: list[int] = []
+
+    def execute(self, batch):
+        from testbed.scheduler.decode_groups import DecodeGroups, saved_reads
+
+        self.saved.append(saved_reads(DecodeGroups()(batch.entries)))
+        return super().execute(batch)
+
+
+def test_cascade_min_saved_prices_steps_saving_less_as_plain_decode():
+    """A step whose groups would save fewer KV reads than ``cascade_min_saved`` is priced as
+    plain decode, the others as cascade; above every step's saving the run is the plain one."""
+    requests = generate(small_config("tree_of_thought") | {"num_problems": 16}, seed=0)
+    plain = a10g_llama2_executor()
+    always = SavingRecorder(plain.cost_model, attention="cascade")
+
+    def steps(executor):
+        _, result = serve(requests, RadixCache(15_745), {"name": "lpm"}, executor,
+                          max_in_flight=12, record_steps=True)
+        return [s.duration_s for s in result.steps]
+
+    base, cascaded = steps(plain), steps(always)
+    savings = [s for s in always.saved if s > 0]
+    threshold = int(np.median(savings))
+    some = SimExecutor(plain.cost_model, attention="cascade", cascade_min_saved=threshold)
+    mixed = steps(some)
+    kinds = {"plain": 0, "cascade": 0}
+    for b, c, m, saved in zip(base, cascaded, mixed, always.saved):
+        if saved >= threshold:
+            assert m == c
+            kinds["cascade"] += c < b
+        else:
+            assert m == b
+            kinds["plain"] += c < b  # cascade would have been cheaper in the model: not taken
+    assert kinds["cascade"] > 0 and kinds["plain"] > 0
+    never = SimExecutor(plain.cost_model, attention="cascade", cascade_min_saved=max(savings) + 1)
+    assert steps(never) == base and never.cascade_saved == 0
+
+
 def test_decode_groups_skip_steps_that_are_not_decode():
     from testbed.scheduler.batch import BatchEntry
     from testbed.scheduler.decode_groups import DecodeGroups

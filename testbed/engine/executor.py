@@ -76,7 +76,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          device: str | None = None, dtype: str | None = None,
                          attention: str | None = None, seed: int = 0, forced: bool = True,
                          temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
-                         max_slots: int | None = None) -> EngineExecutor:
+                         max_slots: int | None = None, cascade_min_saved: int = 0
+                         ) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
     of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
     CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
@@ -97,6 +98,6 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
     runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
-                         max_slots=max_slots)
+                         max_slots=max_slots, cascade_min_saved=cascade_min_saved)
     return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                           forced=forced)

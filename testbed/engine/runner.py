@@ -68,9 +68,9 @@ def kv_pool_slots(model: LlamaModel, mem_fraction: float, max_slots: int | None 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_slots: int | None,
                  attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
-                 max_slots: int | None = None) -> None:
+                 max_slots: int | None = None, cascade_min_saved: int = 0) -> None:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
-        at most ``max_slots``."""
+        at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`."""
         self.model = model
         self.device = model.device
         self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
@@ -79,7 +79,8 @@ class ModelRunner:
             num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
-        self.decode_groups = DecodeGroups()  # cascade decoding: who shares a cached prefix
+        # cascade decoding: who shares a cached prefix
+        self.decode_groups = DecodeGroups(min_saved=cascade_min_saved)
         self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
 
     @property

@@ -40,10 +40,16 @@ class DecodeGroups:
     fresh pass might then pick other groups. The last step's tree nodes are held, so their ids
     (the reuse key) cannot pass to new nodes meanwhile; one instance may serve several caches
     (the simulator's replicas share an executor).
+
+    ``min_saved`` (the ``cascade_min_saved`` key): a step whose groups would save fewer KV reads
+    than this runs as plain decode. Cascade costs a second attention pass and a merge per layer
+    whatever it saves; where those cost more than the reads saved (small groups on the CPU
+    engine, whose steps are bound by per-operation overhead), plain decode is faster.
     """
 
-    def __init__(self, min_tokens: int = 1) -> None:
+    def __init__(self, min_tokens: int = 1, min_saved: int = 0) -> None:
         self.min_tokens = min_tokens
+        self.min_saved = min_saved  # a step saving fewer KV reads than this decodes plainly
         self._last: tuple[tuple, list[tuple[int, list[int]]], list[Any]] | None = None
 
     def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
@@ -58,5 +64,13 @@ class DecodeGroups:
         key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
         if self._last is None or self._last[0] != key:
             held = [lease.handle for lease in leases if lease]
-            self._last = key, shared_prefix_groups(leases, self.min_tokens), held
+            groups = shared_prefix_groups(leases, self.min_tokens)
+            if saved_reads(groups) < self.min_saved:
+                groups = []
+            self._last = key, groups, held
         return self._last[1]
+
+
+def saved_reads(groups: list[tuple[int, list[int]]]) -> int:
+    """KV tokens a cascade step does not read: ``(n - 1) · P`` per group."""
+    return sum((len(members) - 1) * shared for shared, members in groups)

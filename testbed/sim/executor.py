@@ -45,12 +45,14 @@ class SimExecutor:
 
     ``attention`` is the run's key: ``cascade*`` prices cascade decoding, each decode step's
     shared prefixes read once per group (the engine's groups, `DecodeGroups`); any other name,
-    or None, prices every request's whole context.
+    or None, prices every request's whole context. ``cascade_min_saved``: as the engine's, a
+    step whose groups save fewer KV reads is priced plain (`DecodeGroups`).
     """
 
-    def __init__(self, cost_model: CostModel, attention: str | None = None) -> None:
+    def __init__(self, cost_model: CostModel, attention: str | None = None,
+                 cascade_min_saved: int = 0) -> None:
         self.cost_model = cost_model
-        self.groups = DecodeGroups() if cascades(attention) else None
+        self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
         self.decode_context = 0  # Σcontext of the decode steps priced so far
         self.decode_saved = 0  # of which cascade left unread (StepShape.shared_saving)
 
@@ -90,7 +92,8 @@ def reuse_shape(batch: Batch) -> StepShape:
 
 #: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
-                    "dtype", "attention", "seed", "forced", "temperature", "top_p")
+                    "dtype", "attention", "cascade_min_saved", "seed", "forced", "temperature",
+                    "top_p")
 EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,
                      what="an executor (execute(Batch) -> StepOutcome)")
 EXECUTORS.register("sim", SimExecutor)
