@@ -233,3 +233,31 @@ def test_presets_compose_to_the_documented_sweeps(preset):
     assert proc.returncode == 0, proc.stderr
     assert "mode: MULTIRUN" in proc.stdout and f"dir: multirun/{preset}" in proc.stdout
     assert "JoblibLauncher" in proc.stdout and "n_jobs: -1" in proc.stdout
+
+
+def test_repeated_runs_of_one_config_are_replicates_whose_bars_show_the_mean(tmp_path):
+    """Two runs of the same config (an engine run repeated for its noise, a re-run) report
+    without error; a bar is the replicates' mean with a whisker over their range."""
+    from testbed.report.figures import _grouped_bars, new_figure, replicates
+
+    for name in ("r1", "r2"):
+        proc = subprocess.run([sys.executable, "-m", "testbed.run", "backend=replay", *SMALL,
+                               f"hydra.run.dir={tmp_path / name}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+    proc = report(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert matplotlib.image.imread(tmp_path / "figures" / "hit_rate.png").ndim == 3
+    table = pd.read_csv(tmp_path / "results.csv")
+    assert len(table) == 2 and table["hit_rate"].nunique() == 1
+
+    runs = pd.DataFrame({"variant": ["radix/lpm"] * 3 + ["none/fcfs"],
+                         "setting": ["a", "a", "b", "a"], "hit_rate": [0.2, 0.5, 0.7, 0.1]})
+    got = replicates(runs[runs["variant"] == "radix/lpm"], "hit_rate")
+    assert got.loc["a"].tolist() == [0.35, 0.2, 0.5, 2] and got.loc["b"].tolist() == [0.7] * 3 + [1]
+    fig, axes = new_figure(1, 1, (4, 3))
+    _grouped_bars(runs, "hit_rate", axes[0][0], marker=lambda groups: None)
+    heights = sorted(round(p.get_height(), 9) for p in axes[0][0].patches)
+    assert heights == [0.1, 0.35, 0.7]
+    whiskers = [c for c in axes[0][0].containers if getattr(c, "has_yerr", False)]
+    assert len(whiskers) == 1  # only radix/lpm has replicates

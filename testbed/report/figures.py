@@ -60,15 +60,26 @@ def save_figure(fig: Figure, path: Path) -> Path:
     return path
 
 
+def replicates(runs: pd.DataFrame, value: str) -> pd.DataFrame:
+    """``value`` per setting over runs of one variant: ``mean``, ``min``, ``max``, ``count``
+    (repeated runs of one config, e.g. engine runs, are replicates: a bar shows their mean and a
+    whisker their range)."""
+    return runs.dropna(subset=[value]).groupby("setting")[value].agg(
+        ["mean", "min", "max", "count"])
+
+
 def _grouped_bars(ok: pd.DataFrame, value: str, ax, marker: Callable | None = None) -> None:
     names, groups = variants(ok), settings(ok)
     col = colors(names)
     width = 0.8 / len(names)
     for j, v in enumerate(names):
-        rows = ok[ok["variant"] == v].set_index("setting")[value]
-        xs = [i for i, s in enumerate(groups) if s in rows.index and rows[s] == rows[s]]
-        ax.bar([x - 0.4 + width * (j + 0.5) for x in xs], [rows[groups[x]] for x in xs],
-               width, label=v, color=col[v], edgecolor="black", linewidth=0.3)
+        runs = replicates(ok[ok["variant"] == v], value)
+        xs = [i for i, s in enumerate(groups) if s in runs.index]
+        got = runs.loc[[groups[x] for x in xs]]
+        spread = (got["mean"] - got["min"], got["max"] - got["mean"])
+        ax.bar([x - 0.4 + width * (j + 0.5) for x in xs], got["mean"], width, label=v,
+               color=col[v], edgecolor="black", linewidth=0.3,
+               yerr=spread if (got["count"] > 1).any() else None, capsize=2)
     if marker:
         marker(groups)
     else:  # label the best bar of each group
@@ -139,9 +150,8 @@ def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ax = axes[0][0]
     width = 0.8 / len(names)
     for j, v in enumerate(names):
-        rows = ok[ok["variant"] == v].set_index("setting")
         for k, metric in enumerate(("ttft_p99_cold_s", "ttft_p99_warm_s")):
-            got = rows[metric].dropna()
+            got = replicates(ok[ok["variant"] == v], metric)["mean"]  # replicates: their mean
             xs = [i for i, s in enumerate(groups) if s in got.index]
             warm = k == 1  # hatched in the variant's colour, so dark colours still show it
             ax.bar([x - 0.4 + width * (j + 0.25 + 0.5 * k) for x in xs],
