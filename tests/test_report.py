@@ -261,3 +261,6 @@ def test_repeated_runs_of_one_config_are_replicates_whose_bars_show_the_mean(tmp
     assert heights == [0.1, 0.35, 0.7]
     whiskers = [c for c in axes[0][0].containers if getattr(c, "has_yerr", False)]
     assert len(whiskers) == 1  # only radix/lpm has replicates
+    fig, axes = new_figure(1, 1, (4, 3))
+    _grouped_bars(runs, "hit_rate", axes[0][0])  # no marker: the best mean is labelled
+    assert sorted(t.get_text() for t in axes[0][0].texts) == ["0.35×", "0.70×"]

@@ -84,10 +84,9 @@ def _grouped_bars(ok: pd.DataFrame, value: str, ax, marker: Callable | None = No
         marker(groups)
     else:  # label the best bar of each group
         for i, s in enumerate(groups):
-            g = ok[(ok["setting"] == s) & ok[value].notna()]
-            if len(g):
-                j = names.index(g.loc[g[value].idxmax(), "variant"])
-                top = g[value].max()
+            means = ok[(ok["setting"] == s) & ok[value].notna()].groupby("variant")[value].mean()
+            if len(means):  # the best bar: the highest mean of a variant's replicates
+                j, top = names.index(means.idxmax()), means.max()
                 ax.annotate(f"{top:.2f}×", (i - 0.4 + width * (j + 0.5), top), ha="center",
                             va="bottom", fontsize="small")
     _setting_axis(ok, ax, groups)
