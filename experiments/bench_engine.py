@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from testbed.assembly import compose_config  # noqa: E402
@@ -50,9 +51,15 @@ CLI_DEFAULT = ["backend=engine", "model=tiny", "progress=false"]
 
 
 def run_once(overrides: list[str], base: list[str] = MODEL) -> dict:
+    """The run's summary, with its decode steps' mean duration (s) by batch size under
+    ``decode_s_by_batch``."""
     cfg = compose_config(base + overrides)
     with tempfile.TemporaryDirectory() as tmp:  # execute assembles the run (testbed/assembly.py)
-        return execute(cfg, tmp)
+        summary = execute(cfg, tmp)
+        steps = pd.read_json(Path(tmp) / "steps.jsonl", lines=True)
+    decode = steps[steps["kind"] == "decode"]
+    summary["decode_s_by_batch"] = decode.groupby("batch_size")["duration_s"].mean().to_dict()
+    return summary
 
 
 VARIANTS = {"radix+lpm": ["cache=radix", "scheduler=lpm"],
@@ -96,6 +103,13 @@ def cli_default(repeats: int, min_saved: int) -> None:
     for name, s in best.items():
         print(f"{name:<22}{s['makespan_s']:>11.3f}{base / s['makespan_s']:>9.2f}x"
               f"{s['hit_rate']:>9.3f}{s['decode_steps']:>8}", flush=True)
+    # where cascade gains and where its second pass and merge cost more than the reads it saves
+    sizes = sorted(best["radix+lpm"]["decode_s_by_batch"])
+    print("\nmean decode step (ms) by batch size, each variant's fastest run")
+    print(f"{'variant':<22}" + "".join(f"{b:>7}" for b in sizes))
+    for name, s in best.items():
+        by = s["decode_s_by_batch"]
+        print(f"{name:<22}" + "".join(f"{by.get(b, float('nan')) * 1e3:>7.2f}" for b in sizes))
 
 
 def main() -> None:
