@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from testbed.model_shape import ModelShape
+from testbed.scheduler.decode_groups import saved_reads
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class StepShape:
     @cached_property
     def shared_saving(self) -> int:
         """Σ (members − 1)·P over the shared groups: cached KV tokens cascade does not read."""
-        return sum((len(members) - 1) * p for p, members in self.shared)
+        return saved_reads(self.shared)
 
     @cached_property
     def kv_read_context(self) -> int:
