@@ -177,3 +177,81 @@ def test_block_keys_are_the_same_however_a_sequence_is_cut():
         known = cache.block_keys(tokens[: 4 * head])
         assert cache.block_keys(tokens, known=known).tolist() == whole.tolist()
     assert cache.block_keys(tokens[:7]).tolist() == whole[:1].tolist()
+
+
+# ---------------------------------------------------------------- against vLLM's rules, brute force
+def sibling_tree(num_requests: int = 1200):
+    """Random-tree calls whose siblings repeat their parent's continuation (no fresh segment), so
+    many blocks are registered again under a key another block holds: duplicates that a tight
+    pool pops together."""
+    from testbed.workloads.synthetic import random_tree
+
+    return random_tree(num_requests=num_requests, root_len=64, segment_len=0, output_len=16,
+                       seed=1)
+
+
+def capacities(requests, block_size: int) -> list[int | None]:
+    """From the smallest pool that holds the largest request (whole blocks) to unbounded."""
+    b = block_size
+    total = sum(len(r.prompt) + len(r.output) for r in requests)
+    fit = -(-max(len(r.prompt) + len(r.output) for r in requests) // b) * b
+    return [fit, fit + b, fit * 5 // 4 // b * b, fit * 3 // 2 // b * b, 2 * fit,
+            total // 50 // b * b, total // 10 // b * b, None]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_tight_pools_replay_hits_and_evictions_exactly_as_vllms_rules(block_size):
+    # Before the fix, 13 of these 16 replays stopped in _forget with "list.remove(x): x not in
+    # list": a pop took a key's first holder and then its heir, already promoted in the same pop.
+    from tests.vllm_blocks import VllmBlocks
+
+    requests = sibling_tree()
+    for capacity in capacities(requests, block_size):
+        cache = BlockHashCache(capacity, block_size)
+        reference = VllmBlocks(None if capacity is None else capacity // block_size, block_size)
+        got = [(r.cached_tokens, r.evicted_tokens) for r in replay(requests, cache)]
+        want = [reference.serve(r.prompt.tolist(), r.output.tolist()) for r in requests]
+        assert got == want, f"capacity {capacity}"
+        cache.check_invariants()
+        assert sum(e for _, e in want) > 0 or capacity is None or capacity > 20000
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(block_size=st.sampled_from([1, 2, 3, 4, 16]), extra_blocks=st.integers(0, 4),
+       unbounded=st.booleans(), vocab=st.sampled_from([1, 2, 3]),
+       calls=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 12), st.integers(0, 8),
+                                st.integers(0, 2**16)), min_size=1, max_size=40))
+def test_batched_replay_equals_a_brute_force_model_of_vllms_rules(block_size, extra_blocks,
+                                                                  unbounded, vocab, calls):
+    # Requests continue earlier ones (shared prefixes, repeated prompts, duplicate keys), over a
+    # vocabulary of 1-3 token ids (token 0 included); the pool is as small as the largest request,
+    # in whole blocks, or a few blocks more, or unbounded.
+    from tests.vllm_blocks import VllmBlocks
+
+    rng = np.random.default_rng(calls[0][3])
+    seqs: list[list[int]] = []
+    requests = []
+    for parent, prompt_len, output_len, _ in calls:
+        head = seqs[parent % len(seqs)][: prompt_len] if seqs and parent % 3 else []
+        prompt = head + rng.integers(0, vocab, max(prompt_len - len(head), 0)).tolist()
+        output = rng.integers(0, vocab, output_len).tolist()
+        seqs.append(prompt + output)
+        requests.append(Request(f"r{len(requests)}", toks(*prompt), toks(*output)))
+    longest = max(len(s) for s in seqs)
+    num_blocks = None if unbounded else -(-longest // block_size) + extra_blocks
+    cache = BlockHashCache(None if unbounded else num_blocks * block_size, block_size)
+    reference = VllmBlocks(num_blocks, block_size)
+    for r in requests:
+        (rec,) = replay([r], cache)
+        assert (rec.cached_tokens, rec.evicted_tokens) == \
+            reference.serve(r.prompt.tolist(), r.output.tolist())
+        cache.check_invariants()
+
+
+def test_a_leading_block_of_token_zero_is_not_keyed_like_no_block():
+    # The digest of an all-zero block was 0 and the chain starts from 0, so [0] + X was keyed
+    # like X: a request starting with X hit the blocks of one starting with 0.
+    cache = BlockHashCache(capacity=64, block_size=1)
+    serve(cache, [0, 1, 2, 3])
+    assert cache.match(toks(1, 2, 3, 4)) == 0
+    assert cache.match(toks(0, 1, 2, 9)) == 3

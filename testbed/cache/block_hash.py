@@ -38,12 +38,15 @@ from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
 # key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
 # invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
 # digest is a random odd linear form of its tokens (Σ_j R_j t_j mod 2^64: two blocks that differ
-# collide with probability ~2^-58 over R, whatever their tokens), then mixed by splitmix64's
-# finalizer so that the chain's sums see uncorrelated values.
+# collide with probability ~2^-58 over R, whatever their tokens), plus a constant, then mixed by
+# splitmix64's finalizer so that the chain's sums see uncorrelated values. The constant keeps an
+# all-zero block's digest off 0: with key_{-1} = 0, a zero digest would make a leading block of
+# token 0s invisible (its key 0, and [zeros, X] keyed like [X]).
 CHAIN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 _SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+_OFFSET = np.uint64(0x9E3779B97F4A7C15)
 _powers = np.ones(1, np.uint64)  # CHAIN^i mod 2^64
 _inverse_powers = np.ones(1, np.uint64)  # CHAIN^-i mod 2^64
 
@@ -55,10 +58,11 @@ def _forms(block_size: int) -> np.ndarray:
 
 
 def _digests(kb: bytes, block_size: int, forms: np.ndarray) -> np.ndarray:
-    """Per whole block of the token bytes ``kb``: splitmix64(Σ_j R_j t_j) mod 2^64."""
+    """Per whole block of the token bytes ``kb``: splitmix64(Σ_j R_j t_j + OFFSET) mod 2^64."""
     n = len(kb) // (block_size * TOKEN_BYTES)
     tokens = np.frombuffer(kb, np.uint32, n * block_size).reshape(n, block_size)
     z = tokens @ forms
+    z += _OFFSET
     z ^= z >> _SHIFTS[0]
     z *= _MIX[0]
     z ^= z >> _SHIFTS[1]
@@ -356,28 +360,45 @@ class BlockHashCache(PrefixCache):
         self._keyed[popped] = False
         self._cached_tokens -= len(popped) * self.block_size
         if self._dups:  # where a key has later holders: the next one takes over, or it leaves them
-            gone = np.ones(len(blocks), bool)
-            first = self._first.holds(blocks)
-            old, heirs = [], []
-            for i, (key, block) in enumerate(zip(keys.tolist(), blocks.tolist())):
-                later = self._dups.get(key)
-                if later is None:
-                    continue
-                gone[i] = False
-                if first[i]:
-                    old.append(block)
-                    heirs.append(later.pop(0))
-                else:
-                    later.remove(block)
-                if not later:
-                    del self._dups[key]
-            if old:
-                self._first.replace_values(np.array(old, BLOCK_DTYPE), np.array(heirs, BLOCK_DTYPE))
-            blocks = blocks[gone]
+            blocks = self._forget_duplicates(blocks, keys)
         self._first.remove_values(blocks)
         if not self._fifo:
             for block, key in zip(popped.tolist(), evict_keys):
                 self.policy.on_evict(self._stats.pop(block), key)
+
+    def _forget_duplicates(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Update the key index for popped ``blocks`` whose key other blocks also hold; returns
+        the popped blocks whose key leaves the index with them.
+
+        Several holders of one key can be popped at once (a pop takes many blocks), so each key's
+        popped holders are taken out of its holder list together, and the earliest holder that
+        stays becomes the key's block if its old one left."""
+        popped: dict[int, list[int]] = {}  # key with later holders -> its popped blocks' indices
+        for i, key in enumerate(keys.tolist()):
+            if key in self._dups:
+                popped.setdefault(key, []).append(i)
+        if not popped:
+            return blocks
+        gone = np.ones(len(blocks), bool)
+        first = self._first.holds(blocks)
+        old, heirs = [], []
+        for key, idx in popped.items():
+            leaving = {int(blocks[i]) for i in idx}
+            stay = [b for b in self._dups[key] if b not in leaving]
+            gone[idx] = False
+            lead = [i for i in idx if first[i]]
+            if lead and stay:  # the key's block left: its earliest remaining holder takes over
+                old.append(int(blocks[lead[0]]))
+                heirs.append(stay.pop(0))
+            elif lead:  # every holder left: the key leaves the index with its block
+                gone[lead[0]] = True
+            if stay:
+                self._dups[key] = stay
+            else:
+                del self._dups[key]
+        if old:
+            self._first.replace_values(np.array(old, BLOCK_DTYPE), np.array(heirs, BLOCK_DTYPE))
+        return blocks[gone]
 
     def _give_back(self, blocks: np.ndarray) -> None:
         """A request lets go of its blocks, last to first (a sequence's tail is reused first):
