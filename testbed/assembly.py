@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
+from testbed.errors import BadInput
 from testbed.model_group import resolve_model_group
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
@@ -222,7 +223,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     capacity = config["cache"].get("capacity_tokens")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
-        raise ValueError(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
+        raise BadInput(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
     saved = config.get("cascade_min_saved")
     if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 0):
         raise ValueError(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")

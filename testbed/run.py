@@ -23,9 +23,19 @@ from omegaconf import DictConfig
 from testbed.assembly import assemble, plain
 from testbed.backends import run_backend
 from testbed.cli import check_group_choices
+from testbed.errors import BadInput, failure_kind
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.rundir import RUN_FILES, format_summary, write_run
 from testbed.timeline import write_timeline
+
+def failure_line(error: BaseException, failed: Path) -> str:
+    """The one line a failed run prints: the message of refused input, or for a defect its type,
+    message and where the traceback is."""
+    if failure_kind(error) == "bad_input":
+        return f"error: {error}"
+    what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return f"error: internal error: {what}; traceback in {failed}"
+
 
 def execute(cfg: DictConfig, run_dir: str | Path,
             notes: list[str] | None = None) -> dict[str, Any]:
@@ -35,9 +45,9 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     run = assemble(cfg)  # every group read and checked once (testbed/assembly.py)
     timeline = run.config.get("timeline", False)
     if timeline not in (True, False):
-        raise ValueError(f"timeline must be true or false, got {timeline!r}")
+        raise BadInput(f"timeline must be true or false, got {timeline!r}")
     if timeline and run.backend == "replay":
-        raise ValueError("timeline=true needs backend=sim or backend=engine (replay has no time)")
+        raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
     for note in run.notes:
         print(note, file=sys.stderr)
     loading = time.perf_counter()
@@ -71,7 +81,8 @@ def main(cfg: DictConfig) -> None:
     """One run. In a sweep (``-m``) a run whose directory already has the ``summary.json`` of
     the same config is skipped, and a failing run is recorded in ``failed.json`` (error, traceback,
     overrides, config) while the sweep goes on; a single run records a failure too and exits
-    non-zero (2 with one ``error:`` line for a bad value, 1 otherwise)."""
+    non-zero: 2 with one ``error:`` line for refused input (`testbed.errors.BadInput`), 1 with
+    ``error: internal error: ...`` for anything else (a defect of the testbed)."""
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     sweeping = hydra_cfg.mode == RunMode.MULTIRUN
@@ -99,18 +110,17 @@ def main(cfg: DictConfig) -> None:
         except Exception:  # an unresolvable interpolation: the overrides still say what ran
             config = None
         run_dir.mkdir(parents=True, exist_ok=True)
+        kind = failure_kind(e)
         failed.write_text(json.dumps({
-            "error_type": type(e).__name__, "message": str(e),
+            "kind": kind, "error_type": type(e).__name__, "message": str(e),
             "traceback": traceback.format_exc(), "overrides": overrides, "config": config},
             indent=2) + "\n")
-        bad_value = isinstance(e, ValueError)  # bad config values, malformed traces: one line
-        what = str(e) if bad_value else f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        line = failure_line(e, failed)
         if sweeping:
-            print(f"error: {what} [{' '.join(overrides)}]; recorded in {failed}", file=sys.stderr)
+            print(f"{line} [{' '.join(overrides)}]; recorded in {failed}", file=sys.stderr)
             return
-        print(f"error: {what}" if bad_value else f"error: run failed with {what}; see {failed}",
-              file=sys.stderr)
-        sys.exit(2 if bad_value else 1)
+        print(line, file=sys.stderr)
+        sys.exit(2 if kind == "bad_input" else 1)
     failed.unlink(missing_ok=True)  # an earlier failure of this run, now superseded
     if sweeping:
         span = summary["makespan_s"]

@@ -136,7 +136,8 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "error: cache.capacity_tokens must be >= 0 or null, got -1" in proc.stderr
     failed = json.loads((tmp_path / "0" / "failed.json").read_text())
-    assert failed["error_type"] == "ValueError" and "Traceback" in failed["traceback"]
+    assert failed["error_type"] == "BadInput" and "Traceback" in failed["traceback"]
+    assert failed["kind"] == "bad_input"
     assert failed["message"] == "cache.capacity_tokens must be >= 0 or null, got -1"
     assert "cache.capacity_tokens=-1" in failed["overrides"]
     assert failed["config"]["cache"]["capacity_tokens"] == -1
@@ -145,11 +146,13 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert report(tmp_path).returncode == 0
     table = pd.read_csv(tmp_path / "results.csv").set_index("run")
     assert table.loc[0, "status"] == "failed" and table.loc[1, "status"] == "ok"
-    assert table.loc[0, "error"] == "ValueError: cache.capacity_tokens must be >= 0 or null, got -1"
+    assert table.loc[0, "error"] == "BadInput: cache.capacity_tokens must be >= 0 or null, got -1"
+    assert table.loc[0, "failure"] == "bad_input" and pd.isna(table.loc[1, "failure"])
     assert table.loc[0, "capacity_tokens"] == -1 and table.loc[0, "workload"] == "tree_of_thought"
     assert np.isnan(table.loc[0, "hit_rate"]) and table.loc[1, "hit_rate"] > 0
     text = (tmp_path / "report.md").read_text()
-    assert "| failed |" in text and "1 of 2 runs failed" in text
+    assert "| failed |" in text and "1 of 2 runs failed (1 refused inputs;" in text
+    assert "## Failed runs" in text
     assert (tmp_path / "figures" / "hit_rate.png").is_file()  # drawn from the ok run
 
 
@@ -190,14 +193,28 @@ def test_an_unexpected_error_is_recorded_in_a_single_run_and_in_a_sweep(tmp_path
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip() == \
-        f"error: run failed with RuntimeError: boom; see {single / 'failed.json'}"
-    assert json.loads((single / "failed.json").read_text())["error_type"] == "RuntimeError"
+        f"error: internal error: RuntimeError: boom; traceback in {single / 'failed.json'}"
+    failed = json.loads((single / "failed.json").read_text())
+    assert failed["error_type"] == "RuntimeError" and failed["kind"] == "internal"
     multi = tmp_path / "multi"
     proc = subprocess.run([sys.executable, "-c", BOOM, "-m", "hydra/launcher=basic", "seed=0,1",
                            f"hydra.sweep.dir={multi}"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert (multi / "0" / "failed.json").is_file() and (multi / "1" / "failed.json").is_file()
+    assert json.loads((multi / "0" / "failed.json").read_text())["kind"] == "internal"
+
+
+def test_the_report_lists_internal_errors_before_refused_inputs(tmp_path):
+    from testbed.report.markdown import failures_table
+
+    df = pd.DataFrame({"run": ["a", "b", "c", "d"], "status": ["failed", "ok", "failed", "failed"],
+                       "failure": ["bad_input", None, "internal", "unknown"],
+                       "error": ["BadInput: x", None, "KeyError: y", "ValueError: z"]})
+    lines = failures_table(df).splitlines()
+    assert lines[0] == "| failure | run | error |"
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["internal", "unknown",
+                                                                   "bad_input"]
 
 
 def test_capacity_and_load_figures_appear_when_the_sweep_varies_them(tmp_path):

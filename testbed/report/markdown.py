@@ -58,8 +58,28 @@ def findings(df: pd.DataFrame) -> list[str]:
         lines.append("- no variant is best by more than 1% in any setting.")
     failed = int((df["status"] == "failed").sum())
     if failed:
-        lines.append(f"- {failed} of {len(df)} runs failed (status `failed` in the table).")
+        kinds = df.loc[df["status"] == "failed", "failure"].value_counts()
+        parts = [f"{kinds[k]} {FAILURE_NAMES.get(k, k)}" for k in FAILURE_ORDER if k in kinds]
+        lines.append(f"- {failed} of {len(df)} runs failed ({', '.join(parts)}; status `failed` "
+                     "in the table, listed under Failed runs).")
     return lines
+
+
+# Internal errors are defects of the testbed: listed before refused inputs, which are the user's.
+FAILURE_ORDER = ("internal", "unknown", "bad_input")
+FAILURE_NAMES = {"internal": "internal errors", "bad_input": "refused inputs",
+                 "unknown": "of unknown kind"}
+
+
+def failures_table(df: pd.DataFrame) -> str:
+    """Failed runs, internal errors first, each with its run dir and error."""
+    failed = df[df["status"] == "failed"]
+    if failed.empty:
+        return ""
+    rank = {k: i for i, k in enumerate(FAILURE_ORDER)}
+    failed = failed.assign(_k=failed["failure"].map(rank).fillna(len(rank)))
+    failed = failed.sort_values(["_k", "run"], kind="stable")
+    return markdown_table(failed, ["failure", "run", "error"])
 
 
 FORMATS = {"hit_rate": ".3f", "ideal_hit_rate": ".3f", "hit_vs_ideal": ".1%",
@@ -139,6 +159,8 @@ def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[st
             "## Findings", "", *(findings(df) or ["- no successful runs"]), ""]
     if (command := sweep_command(root)) is not None:
         text[2:2] = [f"Sweep: `{command}`.", ""]
+    if failures := failures_table(df):
+        text += ["## Failed runs", "", failures, ""]
     for value, title in (("throughput_vs_nocache", "Throughput relative to no cache (×)"),
                          ("hit_rate", "Hit rate")):
         table = pivot_table(df, value)

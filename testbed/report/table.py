@@ -82,7 +82,7 @@ def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]
                                     and failed_p.stat().st_mtime > summary_p.stat().st_mtime):
         summary = json.loads(summary_p.read_text())
         flat = _flatten(summary.pop("config", None) or {})
-        row |= {"status": "ok", "error": None}
+        row |= {"status": "ok", "error": None, "failure": None}
         row |= {k: v for k, v in summary.items()
                 if k not in CHOICES and not isinstance(v, (dict, list))}
     else:
@@ -90,7 +90,9 @@ def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]
         config = failed.get("config")
         flat = _flatten(config) if config else _config_of_overrides(failed.get("overrides", []))
         row |= {"status": "failed",
-                "error": f"{failed.get('error_type', 'Error')}: {failed.get('message', '')}"}
+                "error": f"{failed.get('error_type', 'Error')}: {failed.get('message', '')}",
+                # internal (a defect) or bad_input; failed.json files older than the kind: unknown
+                "failure": failed.get("kind", "unknown")}
     return row, flat
 
 
