@@ -67,6 +67,11 @@ class Assembly:
         return self.get("cascade_min_saved", 0)
 
     @property
+    def check_invariants(self) -> bool:
+        """``debug.check_invariants``: the cache checked after every step (checked in assemble)."""
+        return bool((self.config.get("debug") or {}).get("check_invariants", False))
+
+    @property
     def replicas(self) -> int:
         return self.get("replicas", 1)
 
@@ -227,6 +232,12 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     saved = config.get("cascade_min_saved")
     if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 0):
         raise ValueError(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")
+    debug = config.get("debug") or {}
+    if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
+        raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")
+    if debug.get("check_invariants", False) not in (True, False):
+        raise BadInput("debug.check_invariants must be true or false, got "
+                       f"{debug['check_invariants']!r}")
     notes = [note] if (note := fit_vocabulary(config)) else []
     c = config["cache"]
     reuse = ReuseConfig.from_mapping(c)

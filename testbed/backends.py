@@ -49,7 +49,8 @@ def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
         unfit = [] if run.cache.label == "none" else [n for n in sizes if not cache.fits(n)]
         note = unfit_note(run, unfit, len(requests), capacity, cache.available_size)
         records = replay(requests, cache, save_token_ids=run.get("save_token_ids", False),
-                         progress=run.get("progress", False))
+                         progress=run.get("progress", False),
+                         check_invariants=run.check_invariants)
         return BackendResult(records, extra=tier_extra(cache), notes=note,
                              ideal_hit_rate=own_hit_rate_is_ideal(cache, records))
     return _serve(run, requests, engine=run.backend == "engine")
@@ -134,7 +135,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
                               generate=engine and not run.get("forced", True),
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
-                              if engine else (), reuse=run.reuse)
+                              if engine else (), reuse=run.reuse,
+                              check_invariants=run.check_invariants)
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,
              "decode_steps": s.decode_steps, "busy_s": s.busy_s,
@@ -188,7 +190,7 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         executor, run.build_router(capacity), replicas=run.replicas, seed=run.seed,
         max_in_flight=run.max_in_flight, network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
-        observe=True)
+        observe=True, check_invariants=run.check_invariants)
     extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,
              **_sim_attention(run, executor)}
     records = cluster_records(result, run.get("save_token_ids", False))

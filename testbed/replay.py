@@ -24,8 +24,9 @@ from testbed.workloads.request import Request
 
 
 def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool = False,
-           progress: bool = False) -> list[RequestRecord]:
-    """One record per request, in order (``requests`` may be any iterable, read once)."""
+           progress: bool = False, check_invariants: bool = False) -> list[RequestRecord]:
+    """One record per request, in order (``requests`` may be any iterable, read once); with
+    ``check_invariants`` the cache checks its bookkeeping after every request."""
     records = []
     tiered = bool(cache.lower_tiers)
     serve = cache.replay_one
@@ -43,5 +44,7 @@ def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool
                 for key, value in tier_fields(hit, loaded).items():
                     setattr(record, key, value)
             records.append(record)
+            if check_invariants:
+                cache.check_invariants()
     return records
 

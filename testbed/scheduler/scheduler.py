@@ -70,11 +70,15 @@ _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefi
 class Scheduler:
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
                  seed: int = 0, eos_token_ids: Collection[int] = (),
-                 eos_for_all: bool = False, reuse: ReuseConfig | None = None) -> None:
+                 eos_for_all: bool = False, reuse: ReuseConfig | None = None,
+                 check_invariants: bool = False) -> None:
         """``eos_token_ids``: a generated one ends its request (SGLang's ``check_finished``), for
         requests the model generates: those with ``max_new_tokens`` and no output, or every one
         with ``eos_for_all`` (the engine generating). A replayed output ignores EOS. ``reuse``:
-        the cache group's reuse keys (None, or exact prefixes only: no planner)."""
+        the cache group's reuse keys (None, or exact prefixes only: no planner).
+        ``check_invariants``: check the cache's bookkeeping against the held leases after every
+        `next_batch` and `complete` (``debug.check_invariants``; slow, for tests and the fuzzer)."""
+        self.check_invariants = check_invariants
         self.cache = cache
         self.reuse = ReusePlanner(cache, reuse) if reuse is not None and reuse.active else None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -150,6 +154,8 @@ class Scheduler:
             self._pending = None
             self._finished_out += self._apply(done, tokens, now)
         self._in_flight = batch
+        if self.check_invariants:
+            self.cache.check_invariants(self.leases())
         return batch
 
     def take_finished(self) -> list[Req]:
@@ -427,8 +433,12 @@ class Scheduler:
         self._in_flight = None
         if self.config.overlap:
             self._pending = (batch, list(tokens))
-            return []
-        return self._apply(batch, tokens, now)
+            finished = []
+        else:
+            finished = self._apply(batch, tokens, now)
+        if self.check_invariants:
+            self.cache.check_invariants(self.leases())
+        return finished
 
     def _apply(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
         """SGLang's ``process_batch_result_prefill/decode``."""

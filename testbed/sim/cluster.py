@@ -257,10 +257,12 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      scheduler_cfg: Mapping[str, Any], executor: Executor, router: Router,
                      replicas: int, seed: int = 0, max_in_flight: int | None = None,
                      network_delay_s: float = 0.0, progress: bool = False,
-                     transfer_s_per_token: float = 0.0, observe: bool = False) -> ClusterResult:
+                     transfer_s_per_token: float = 0.0, observe: bool = False,
+                     check_invariants: bool = False) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
     scheduler, seeded ``seed + i``) behind ``router``, in virtual time; with ``observe`` the
-    result carries a `RunObserver`'s steps and request phases."""
+    result carries a `RunObserver`'s steps and request phases; with ``check_invariants`` every
+    scheduler checks its cache after every step."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = SchedulerConfig.of(scheduler_cfg)
@@ -268,7 +270,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     if len({id(c) for c in caches}) != replicas:
         raise ValueError("make_cache must build a new cache on every call")
     router.bind(replicas, caches)
-    schedulers = [Scheduler(c, config, seed=seed + i) for i, c in enumerate(caches)]
+    schedulers = [Scheduler(c, config, seed=seed + i, check_invariants=check_invariants)
+                  for i, c in enumerate(caches)]
     driver = ClusterDriver(requests, schedulers, executor, router, max_in_flight=max_in_flight,
                            network_delay_s=network_delay_s,
                            transfer_s_per_token=transfer_s_per_token, progress=progress,

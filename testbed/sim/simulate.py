@@ -23,7 +23,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
           observe: bool = False, eos_token_ids: Collection[int] = (),
-          reuse: ReuseConfig | None = None) -> tuple[Scheduler, DriverResult]:
+          reuse: ReuseConfig | None = None,
+          check_invariants: bool = False) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
@@ -31,9 +32,11 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
     earlier outputs are then rebuilt from the real ones, and a generated token in
     ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
-    steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes)."""
+    steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
+    ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
     scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
-                          eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse)
+                          eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse,
+                          check_invariants=check_invariants)
     rebuild = generate or any(r.generates for r in requests)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
                     progress=progress, record_steps=record_steps,
