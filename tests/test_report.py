@@ -136,7 +136,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "error: cache.capacity_tokens must be >= 0 or null, got -1" in proc.stderr
     failed = json.loads((tmp_path / "0" / "failed.json").read_text())
-    assert failed["error_type"] == "ValueError" and "Traceback" in failed["traceback"]
+    assert failed["error_type"] == "BadInput" and "Traceback" in failed["traceback"]
     assert failed["message"] == "cache.capacity_tokens must be >= 0 or null, got -1"
     assert "cache.capacity_tokens=-1" in failed["overrides"]
     assert failed["config"]["cache"]["capacity_tokens"] == -1
@@ -145,7 +145,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert report(tmp_path).returncode == 0
     table = pd.read_csv(tmp_path / "results.csv").set_index("run")
     assert table.loc[0, "status"] == "failed" and table.loc[1, "status"] == "ok"
-    assert table.loc[0, "error"] == "ValueError: cache.capacity_tokens must be >= 0 or null, got -1"
+    assert table.loc[0, "error"] == "BadInput: cache.capacity_tokens must be >= 0 or null, got -1"
     assert table.loc[0, "capacity_tokens"] == -1 and table.loc[0, "workload"] == "tree_of_thought"
     assert np.isnan(table.loc[0, "hit_rate"]) and table.loc[1, "hit_rate"] > 0
     text = (tmp_path / "report.md").read_text()
