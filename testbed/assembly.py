@@ -18,9 +18,12 @@ from functools import cached_property
 from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.errors import BadInput
+from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
@@ -33,8 +36,16 @@ REPLAY = "replay"  # the backend without an executor: requests one at a time, no
 
 
 def plain(node: Any) -> Any:
-    """A config node as plain Python values (interpolations resolved)."""
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    """A config node as plain Python values (interpolations resolved); an interpolation that does
+    not resolve is BadInput naming its key."""
+    if not isinstance(node, DictConfig):
+        return node
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        what = str(getattr(e, "msg", None) or e).strip().splitlines()[0]
+        raise BadInput(f"{key}: {what}" if key else what) from None
 
 
 @dataclass
@@ -89,7 +100,13 @@ class Assembly:
     def max_in_flight(self) -> int | None:
         """Programs allowed at once: ``arrival.max_in_flight``, else the workload's own."""
         value = (self.config.get("arrival") or {}).get("max_in_flight")
-        return value if value is not None else self.config["workload"].get("max_in_flight")
+        if value is not None:
+            return value  # checked with the arrivals (testbed/workloads/arrivals.py)
+        value = check_setting("workload.max_in_flight", "int",
+                              self.config["workload"].get("max_in_flight"))
+        if value is not None and value < 1:
+            raise BadInput(f"workload.max_in_flight must be >= 1 or null, got {value}")
+        return value
 
     def labels(self) -> dict[str, Any]:
         """The summary's names of the run's choices (a user class by its import path)."""
@@ -141,8 +158,8 @@ class Assembly:
 
         policy = self.build_policy(requests)
         if self.has_lower_tiers and self.cache.label != "radix":
-            raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
-                             f"cache={self.cache.label}")
+            raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
+                           f"cache={self.cache.label}")
         tiered = make_tiered_cache(self.config["cache"], capacity, policy, planner=planner,
                                    record_transfers=record_transfers)
         if tiered is not None:
@@ -172,7 +189,8 @@ class Assembly:
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
             attention=c.get("attention"), cascade_min_saved=self.cascade_min_saved,
             seed=self.seed, forced=bool(c.get("forced", True)),
-            temperature=float(c.get("temperature", 0.0)), top_p=float(c.get("top_p", 1.0)))
+            temperature=group_values.number(c, "temperature", "", 0.0),
+            top_p=group_values.number(c, "top_p", "", 1.0))
 
     def build_router(self, kv_capacity: int | None):
         """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""
@@ -185,7 +203,7 @@ class Assembly:
 def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "config"
                    ) -> DictConfig:
     """The config ``conf/NAME.yaml`` with these overrides, composed as ``python -m testbed.run``
-    composes it (for scripts, experiments and tests); a bad override is one ValueError line."""
+    composes it (for scripts, experiments and tests); a bad override is one BadInput line."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -194,8 +212,10 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "con
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return compose(name, overrides=list(overrides))
-    except HydraException as e:
-        raise ValueError(str(e).strip().splitlines()[0]) from None
+    except HydraException as e:  # Hydra's own advice, without its search path and links
+        lines = str(e).strip().split("\n\n")[0].splitlines()
+        advice = [line.strip() for line in lines if not line.startswith("See https://")]
+        raise BadInput(" ".join(advice)) from None
 
 
 def fit_vocabulary(config: dict[str, Any]) -> str | None:
@@ -215,7 +235,10 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     config = dict(plain(cfg))
     for group in ("backend", "workload", "cache", "eviction", "scheduler", "model", "hardware",
                   "cost_model", "router"):
-        config[group] = dict(config.get(group) or {})
+        found = config.get(group) or {}
+        if not isinstance(found, Mapping):
+            raise BadInput(f"{group} must be a config group (a mapping), got {found!r}")
+        config[group] = dict(found)
     config["model"] = resolve_model_group(config["model"])
     backend = config["backend"].get("name")
     if backend == REPLAY:
@@ -223,15 +246,17 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     elif backend in EXECUTORS or backend == CUSTOM:
         executor = EXECUTORS.resolve(config["backend"])
     else:
-        raise ValueError(f"backend must be one of {', '.join([*EXECUTORS, REPLAY])} or "
-                         f"{CUSTOM}; got {backend!r}")
+        raise BadInput(f"backend must be one of {', '.join([*EXECUTORS, REPLAY])} or "
+                       f"{CUSTOM}; got {backend!r}")
+    group_values.integer(config, "seed", "", minimum=0, default=0)
+    group_values.integer(config, "replicas", "", minimum=1, default=1)
     capacity = config["cache"].get("capacity_tokens")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise BadInput(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
     saved = config.get("cascade_min_saved")
     if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 0):
-        raise ValueError(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")
+        raise BadInput(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")
     debug = config.get("debug") or {}
     if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
         raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")
@@ -244,8 +269,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     reuse.check_cache(c.get("target") or c.get("name"), c.get("page_size") or 1,
                       bool(c.get("host_tokens") or c.get("disk_tokens")))
     if reuse.active and backend == REPLAY:
-        raise ValueError("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
-                         "(replay has no prefill steps to reuse KV in)")
+        raise BadInput("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
+                       "(replay has no prefill steps to reuse KV in)")
     return Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),

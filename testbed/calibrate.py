@@ -19,7 +19,7 @@ import datetime as dt
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import hydra
 import matplotlib
@@ -28,8 +28,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from testbed import group_values
 from testbed.cli import check_group_choices
 from testbed.assembly import assemble
+from testbed.errors import BadInput
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -43,15 +45,30 @@ from testbed.sim.step_shape import StepShape  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402
 
 
+#: the ``calibrate`` lists that span the grid, and the least value each may hold
+GRID_KEYS = {"prefill_batch": 1, "prefill_new": 1, "prefill_context": 0, "decode_batch": 1,
+             "decode_context": 0}
+
+
+def grid_values(cfg: Any, key: str) -> list[int]:
+    """``calibrate.KEY``: a non-empty list of integers, each at least `GRID_KEYS`'s."""
+    values, least = cfg.get(key), GRID_KEYS[key]
+    if not isinstance(values, Sequence) or isinstance(values, str) or not values \
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in values):
+        raise BadInput(f"calibrate.{key} must be a non-empty list of integers >= {least}, "
+                       f"got {values!r}")
+    return list(values)
+
+
 def grid(cfg: Any) -> list[StepShape]:
     """The steps to measure: every prefill and decode shape of the ``calibrate`` config."""
     steps = []
-    for batch in cfg.prefill_batch:
-        for new in cfg.prefill_new:
-            for context in cfg.prefill_context:
+    for batch in grid_values(cfg, "prefill_batch"):
+        for new in grid_values(cfg, "prefill_new"):
+            for context in grid_values(cfg, "prefill_context"):
                 steps.append(StepShape(new=(new,) * batch, context=(context,) * batch))
-    for batch in cfg.decode_batch:
-        for context in cfg.decode_context:
+    for batch in grid_values(cfg, "decode_batch"):
+        for context in grid_values(cfg, "decode_context"):
             steps.append(StepShape.decode((context,) * batch))
     return steps
 
@@ -161,13 +178,14 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
 def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     run = assemble(cfg)
     if run.backend != "engine":
-        raise ValueError(f"testbed.calibrate measures the engine: backend must be engine, got "
-                         f"{run.backend}")
+        raise BadInput(f"testbed.calibrate measures the engine: backend must be engine, got "
+                       f"{run.backend}")
     c = cfg.calibrate
     steps = grid(c)
+    repeats = group_values.integer(c, "repeats", "calibrate", minimum=1)
     executor = run.build_executor(grid_slots(steps))
     model, hw = run.model_shape, run.hardware
-    samples = measure(executor, steps, c.repeats, model.vocab_size, run.seed,
+    samples = measure(executor, steps, repeats, model.vocab_size, run.seed,
                       run.get("progress", False))
     return fit_and_write(samples, engine_meta(executor, model, hw), RooflineCostModel(model, hw),
                          run_dir)
@@ -178,7 +196,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         result = calibrate(cfg, run_dir)
-    except ValueError as e:
+    except BadInput as e:  # anything else is a defect: its traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"calibrated {result['meta']['model']} on {result['meta']['device']}: "

@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from testbed.errors import BadInput
+
 #: HF ``model_type``s the engine implements (testbed/engine/model.py)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -35,11 +37,14 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def read_config_json(path: str | Path) -> dict[str, Any]:
     config = Path(path) / "config.json"
     if not config.is_file():
-        raise FileNotFoundError(f"model.path: no config.json in {path}")
+        raise BadInput(f"model.path: no config.json in {path}")
     try:
-        return json.loads(config.read_text())
+        hf = json.loads(config.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"model.path: {config} is not valid JSON ({e.msg})") from None
+        raise BadInput(f"model.path: {config}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(hf, dict):
+        raise BadInput(f"model.path: {config} must hold a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 def checkpoint_shape(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,18 +56,23 @@ def checkpoint_shape(hf: Mapping[str, Any]) -> dict[str, Any]:
     return shape
 
 
+def require_shape(hf: Mapping[str, Any], path: str | Path) -> None:
+    """BadInput unless a checkpoint's config.json states the shapes `checkpoint_shape` reads."""
+    missing = [k for k in ("num_attention_heads", "num_hidden_layers", "hidden_size",
+                           "intermediate_size", "vocab_size") if k not in hf]
+    if missing:
+        raise BadInput(f"model.path={path}: config.json lacks {', '.join(missing)}")
+
+
 def checkpoint_group(path: str | Path) -> dict[str, Any]:
     """A ``model`` group for the checkpoint at ``path``: its shape, RoPE base, norm epsilon,
     tied embeddings and dtype (``dtype_bytes``), tp 1, named after the directory."""
     hf = read_config_json(path)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model.path={path}: model_type must be one of "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
-    missing = [k for k in ("num_attention_heads", "num_hidden_layers", "hidden_size",
-                           "intermediate_size", "vocab_size") if k not in hf]
-    if missing:
-        raise ValueError(f"model.path={path}: config.json lacks {', '.join(missing)}")
+        raise BadInput(f"model.path={path}: model_type must be one of "
+                       f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    require_shape(hf, path)
     rope = hf.get("rope_parameters") or {}
     dtype = hf.get("torch_dtype") or hf.get("dtype")
     return {"name": Path(path).resolve().name or str(path), **checkpoint_shape(hf),
@@ -79,10 +89,10 @@ def check_preset(model: Mapping[str, Any], shape: Mapping[str, Any]) -> None:
     wrong = [f"{key}={model[key]} but the checkpoint has {shape[key]}" for key in SHAPE_KEYS
              if model.get(key) is not None and model.get(key) != shape[key]]
     if wrong:
-        raise ValueError(f"model={model.get('name')} does not match "
-                         f"model.path={model.get('path')}: " + "; ".join(wrong)
-                         + " (pick the model group of this checkpoint, or leave model= out to "
-                         "take its shape)")
+        raise BadInput(f"model={model.get('name')} does not match "
+                       f"model.path={model.get('path')}: " + "; ".join(wrong)
+                       + " (pick the model group of this checkpoint, or leave model= out to "
+                       "take its shape)")
 
 
 def resolve_model_group(model: Mapping[str, Any]) -> dict[str, Any]:
@@ -93,5 +103,7 @@ def resolve_model_group(model: Mapping[str, Any]) -> dict[str, Any]:
         return model
     if model.get("by_default"):
         return checkpoint_group(path)
-    check_preset(model, checkpoint_shape(read_config_json(path)))
+    hf = read_config_json(path)
+    require_shape(hf, path)
+    check_preset(model, checkpoint_shape(hf))
     return model

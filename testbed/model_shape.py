@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from testbed import group_values
+from testbed.errors import BadInput
 from testbed.model_group import DTYPE_BYTES, SUPPORTED_MODEL_TYPES
 
 #: RoPE variants the engine implements (``rope_scaling["rope_type"]``; HF's names)
@@ -64,24 +65,24 @@ class ModelShape:
     def __post_init__(self) -> None:
         for key in (*SHAPE_INTS, "tp"):
             if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+                raise BadInput(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.dtype_bytes not in (1, 2, 4):
-            raise ValueError(f"model.dtype_bytes must be one of 1, 2, 4, got {self.dtype_bytes}")
+            raise BadInput(f"model.dtype_bytes must be one of 1, 2, 4, got {self.dtype_bytes}")
         heads, kv_heads, tp = self.num_heads, self.num_kv_heads, self.tp
         if heads % kv_heads:
-            raise ValueError(f"model.num_heads ({heads}) must be a multiple of model.num_kv_heads "
-                             f"({kv_heads})")
+            raise BadInput(f"model.num_heads ({heads}) must be a multiple of model.num_kv_heads "
+                           f"({kv_heads})")
         if heads % tp:
-            raise ValueError(f"model.tp must divide model.num_heads ({heads}), got {tp}")
+            raise BadInput(f"model.tp must divide model.num_heads ({heads}), got {tp}")
         if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"model.tp must divide model.num_kv_heads ({kv_heads}) or be a "
-                             f"multiple of it, got {tp}")
+            raise BadInput(f"model.tp must divide model.num_kv_heads ({kv_heads}) or be a "
+                           f"multiple of it, got {tp}")
         if self.head_dim % 2:  # RoPE rotates pairs of dimensions
-            raise ValueError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+            raise BadInput(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         rope_type = self.rope_scaling.get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"model.rope_scaling type must be one of {', '.join(ROPE_TYPES)}; "
-                             f"got {rope_type!r}")
+            raise BadInput(f"model.rope_scaling type must be one of {', '.join(ROPE_TYPES)}; "
+                           f"got {rope_type!r}")
 
     # ---- what the simulator prices: parameters, FLOPs and bytes ----
 
@@ -147,11 +148,12 @@ class ModelShape:
         name is the checkpoint directory's (else the ``model_type``), ``tp`` is 1."""
         model_type = getattr(hf, "model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type must be one of {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                             f"got {model_type!r}")
+            raise BadInput(f"model.path: config.json's model_type must be one of "
+                           f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {act!r}")
+            raise BadInput(f"model.path: config.json's hidden_act must be 'silu' (SwiGLU), "
+                           f"got {act!r}")
         heads = hf.num_attention_heads
         theta, scaling = _rope_settings(hf)
         bias = bool(getattr(hf, "attention_bias", False))
@@ -208,7 +210,8 @@ def _rope_settings(hf: Any) -> tuple[float, dict[str, Any]]:
     if "type" in scaling and "rope_type" not in scaling:  # the older spelling
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("rope partial_rotary_factor != 1 is not supported")
+        raise BadInput("model.path: config.json's rope partial_rotary_factor must be 1 (a "
+                       "partial rotation is not supported)")
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
     return float(theta), scaling

@@ -13,7 +13,9 @@ reads one config group and `Resolved.build` makes the object:
 - a class without one of the family's methods is refused in one line naming the method (a factory
   function's product is checked instead);
 - every other key of the group is a keyword argument of the entry, and a key it does not take is
-  refused in one line listing the keys it does;
+  refused in one line listing the keys it does, and a value of the wrong type for a parameter
+  annotated ``int``, ``float`` or ``bool`` in one line naming the key
+  (`testbed.group_values.check_setting`);
 - the entry's parameters that the run offers (``context``: the seed, the workload, the model shape,
   the cache, ...) and the group leaves unset (absent or null) are filled from it.
 
@@ -33,6 +35,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
+
 CUSTOM = "custom"  # the group option that takes ``target``
 
 
@@ -48,18 +53,18 @@ def import_target(path: str, key: str) -> Any:
     """The object at ``module.Name`` (or ``module:Name``); one-line errors name ``key``."""
     module_name, sep, attr = path.replace(":", ".").rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(f"{key}={path!r} must be an import path module.Name")
+        raise BadInput(f"{key}={path!r} must be an import path module.Name")
     if os.getcwd() not in sys.path and "" not in sys.path:  # python -m puts it there; scripts don't
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"{key}={path}: cannot import {module_name} ({e}); is its folder on "
-                         "PYTHONPATH or the working directory?") from None
+        raise BadInput(f"{key}={path}: cannot import {module_name} ({e}); is its folder on "
+                       "PYTHONPATH or the working directory?") from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ValueError(f"{key}={path}: module {module_name} has no {attr}") from None
+        raise BadInput(f"{key}={path}: module {module_name} has no {attr}") from None
 
 
 def _parameters(entry: Callable) -> tuple[list[str], bool]:
@@ -73,6 +78,15 @@ def _parameters(entry: Callable) -> tuple[list[str], bool]:
         params = params[1:]  # self
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _annotations(entry: Callable) -> dict[str, Any]:
+    """Parameter name -> annotation (a string under ``from __future__ import annotations``)."""
+    try:
+        params = inspect.signature(entry.__init__ if inspect.isclass(entry) else entry).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: p.annotation for name, p in params.items()}
 
 
 class Lazy:
@@ -108,7 +122,7 @@ class Resolved:
         try:
             inspect.signature(self.entry).bind(**kwargs)
         except TypeError as e:  # a required setting missing
-            raise ValueError(f"{self.key}={self.label}: {e}") from None
+            raise BadInput(f"{self.key}={self.label}: {e}") from None
         except ValueError:  # no signature to check against
             pass
         built = self.entry(**kwargs)
@@ -162,8 +176,8 @@ class Registry:
         for method in self.methods:
             if not callable(getattr(obj, method, None)):
                 kind = "class" if inspect.isclass(obj) else type(obj).__name__
-                raise ValueError(f"{self.family}={label}: {kind} does not implement {method}(), "
-                                 f"which {self.what} must have ({', '.join(self.methods)})")
+                raise BadInput(f"{self.family}={label}: {kind} does not implement {method}(), "
+                               f"which {self.what} must have ({', '.join(self.methods)})")
 
     def resolve(self, group: Mapping[str, Any] | str, run_keys: tuple[str, ...] = ()
                 ) -> Resolved:
@@ -177,15 +191,15 @@ class Registry:
             entry = import_target(str(target), f"{self.family}.target")
             label = str(target)
             if not callable(entry):
-                raise ValueError(f"{self.family}.target={target} is not a class or function")
+                raise BadInput(f"{self.family}.target={target} is not a class or function")
             if inspect.isclass(entry):
                 self.check_methods(entry, label)
         elif name == CUSTOM:
-            raise ValueError(f"{self.family}={CUSTOM} needs {self.family}.target=module.Name, "
-                             f"a class on PYTHONPATH implementing {self.what} (docs/extending.md)")
+            raise BadInput(f"{self.family}={CUSTOM} needs {self.family}.target=module.Name, "
+                           f"a class on PYTHONPATH implementing {self.what} (docs/extending.md)")
         elif name not in self._entries:
-            raise ValueError(f"{self.family} must be one of {', '.join(self._entries)} or "
-                             f"{CUSTOM}; got {name!r}")
+            raise BadInput(f"{self.family} must be one of {', '.join(self._entries)} or "
+                           f"{CUSTOM}; got {name!r}")
         else:
             entry, label = self._entries[name], name
             if isinstance(entry, str):
@@ -197,8 +211,11 @@ class Registry:
         if unknown:
             allowed = ["name", *(["target"] if target else []), *settings,
                        *self.run_keys, *run_keys]
-            raise ValueError(f"{self.family}.{unknown[0]} is not a setting of "
-                             f"{self.family}={label}; allowed: {', '.join(dict.fromkeys(allowed))}")
+            raise BadInput(f"{self.family}.{unknown[0]} is not a setting of "
+                           f"{self.family}={label}; allowed: {', '.join(dict.fromkeys(allowed))}")
+        annotations = _annotations(entry)
+        params = {k: check_setting(f"{self.family}.{k}", annotations.get(k), v)
+                  for k, v in params.items()}
         return Resolved(self, label, entry, params)
 
     def build(self, group: Mapping[str, Any] | str, **context: Any) -> Any:

@@ -28,6 +28,7 @@ from testbed.engine.loader import (build_model, check_model_group, config_from_m
                                    load_model, load_state_dict,
                                    save_random_hf_model, tiny_config)
 from testbed.engine.model import LlamaModel  # noqa: E402
+from testbed.errors import BadInput  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from testbed.engine.sampler import Sampler, sample  # noqa: E402
 from testbed.model_shape import ModelShape  # noqa: E402
@@ -329,7 +330,7 @@ def test_a_missing_unexpected_or_misshapen_tensor_is_named(tmp_path, tiny_hf):
                                          r"\(64, 64\), expected \(32, 64\)"):
         load_state_dict(model, bad)
     extra = state | {"model.layers.2.self_attn.q_proj.weight": torch.zeros(64, 64)}
-    with pytest.raises(KeyError, match=r"unexpected tensor 'model.layers.2.self_attn.q_proj.weight'"):
+    with pytest.raises(BadInput, match=r"unexpected tensor 'model.layers.2.self_attn.q_proj.weight'"):
         load_state_dict(model, extra)
     # on disk: a checkpoint whose file lacks a tensor
     from safetensors.torch import save_file
@@ -338,7 +339,7 @@ def test_a_missing_unexpected_or_misshapen_tensor_is_named(tmp_path, tiny_hf):
     with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'.*"
                                          + str(tmp_path.name)):
         load_model(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(BadInput, match="model.path: no config.json"):
         load_model(tmp_path / "nowhere")
 
 
@@ -398,7 +399,7 @@ def test_unsupported_configs_are_refused_with_the_key():
     with pytest.raises(ValueError, match="rope_scaling type must be one of default, linear, llama3"):
         ModelShape.from_hf(tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0,
                                                       "original_max_position_embeddings": 64}))
-    with pytest.raises(ValueError, match="hidden_act must be 'silu'"):
+    with pytest.raises(BadInput, match="model.path: config.json's hidden_act must be 'silu'"):
         ModelShape.from_hf(tiny_config(hidden_act="gelu"))
 
 

@@ -18,6 +18,7 @@ from testbed.cache.oracle import Oracle
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache
 from testbed.cache.reuse import REUSE_KEYS, ReuseConfig
+from testbed.errors import BadInput
 from testbed.registry import Registry
 
 #: keys of the ``cache`` group that configure lower tiers (testbed/cache/tiers.py,
@@ -48,7 +49,7 @@ def radix(capacity_tokens: int | None = None, page_size: int = 1,
 def block_hash(capacity_tokens: int | None = None, block_size: int = 16,
                policy: EvictionPolicy | None = None) -> BlockHashCache:
     if isinstance(policy, Oracle):
-        raise ValueError("eviction=oracle works with cache=radix only")
+        raise BadInput("eviction=oracle works with cache=radix only")
     return BlockHashCache(capacity_tokens, block_size=block_size, policy=policy or LRU())
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Protocol
 
+from testbed.errors import BadInput
 from testbed.registry import Registry
 
 
@@ -151,7 +152,7 @@ class WorkloadAware(EvictionPolicy):
 
     def __init__(self, tau: float = 20000.0) -> None:
         if tau <= 0:
-            raise ValueError(f"eviction.tau must be > 0, got {tau}")
+            raise BadInput(f"eviction.tau must be > 0, got {tau}")
         self.tau = tau
         self.created: dict[str | None, int] = {}
         self.reused: dict[str | None, int] = {}

@@ -19,6 +19,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 from testbed.cache.token_runs import TOKEN_BYTES
+from testbed.errors import BadInput
 
 if TYPE_CHECKING:
     from testbed.cache.eviction import EvictionPolicy
@@ -31,8 +32,8 @@ EVICT_UNITS = ("node", "page")
 
 def check_evict_unit(evict_unit: str) -> str:
     if evict_unit not in EVICT_UNITS:
-        raise ValueError(f"cache.evict_unit must be one of {', '.join(EVICT_UNITS)}; "
-                         f"got {evict_unit!r}")
+        raise BadInput(f"cache.evict_unit must be one of {', '.join(EVICT_UNITS)}; "
+                       f"got {evict_unit!r}")
     return evict_unit
 
 

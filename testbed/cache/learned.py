@@ -53,6 +53,7 @@ from sklearn.tree import DecisionTreeRegressor
 
 from testbed.cache.eviction import EntryStats, EvictionPolicy
 from testbed.cache.token_runs import TOKEN_BYTES
+from testbed.errors import BadInput
 
 Row = tuple[int, ...]  # binned features (see `LearnedEviction.features`)
 #: the largest bin of each feature: size and start log bins, access count, gap bits, category
@@ -116,9 +117,9 @@ class LearnedEviction(EvictionPolicy):
                            ("horizon", horizon), ("min_train", min_train),
                            ("max_depth", max_depth), ("min_samples_leaf", min_samples_leaf)):
             if value < 1:
-                raise ValueError(f"eviction.{key} must be >= 1, got {value}")
+                raise BadInput(f"eviction.{key} must be >= 1, got {value}")
         if scale <= 0:
-            raise ValueError(f"eviction.scale must be > 0, got {scale}")
+            raise BadInput(f"eviction.scale must be > 0, got {scale}")
         self.retrain_every, self.horizon, self.min_train = retrain_every, horizon, min_train
         self.max_depth, self.min_samples_leaf = max_depth, min_samples_leaf
         self.scale, self.seed = scale, seed

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.errors import BadInput
+
 SLOT_DTYPE = np.int32
 
 
@@ -32,7 +34,7 @@ class KVSlotPool:
         if capacity is not None and capacity < 0:
             raise ValueError(f"pool capacity must be >= 0 or None, got {capacity}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"cache.page_size must be an integer >= 1, got {page_size!r}")
+            raise BadInput(f"cache.page_size must be an integer >= 1, got {page_size!r}")
         self.page_size = page_size
         self.capacity = None if capacity is None else capacity - capacity % page_size
         # Stack of the first slot ids of free pages; the top is at index `_top - 1`. Laid out so

@@ -33,6 +33,7 @@ from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes,
                                       matched_bytes)
+from testbed.errors import BadInput
 
 
 #: what a walk that stops inside an edge does to the split-off tail's access time: ``refresh``
@@ -105,7 +106,7 @@ class RadixCache(LeafEviction, PrefixCache):
                  policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None,
                  evict_unit: str = "node", split_recency: str = "refresh") -> None:
         if page_size < 1:
-            raise ValueError(f"cache.page_size must be >= 1, got {page_size}")
+            raise BadInput(f"cache.page_size must be >= 1, got {page_size}")
         if pool is not None and pool.page_size != page_size:
             raise ValueError(f"cache.page_size is {page_size} but the KV pool's pages are "
                              f"{pool.page_size} slots")
@@ -113,8 +114,8 @@ class RadixCache(LeafEviction, PrefixCache):
         self.page_size = page_size
         self.evict_unit = check_evict_unit(evict_unit)
         if split_recency not in SPLIT_RECENCY:
-            raise ValueError(f"cache.split_recency must be one of {', '.join(SPLIT_RECENCY)}; "
-                             f"got {split_recency!r}")
+            raise BadInput(f"cache.split_recency must be one of {', '.join(SPLIT_RECENCY)}; "
+                           f"got {split_recency!r}")
         self.split_recency = split_recency
         self._keep_tail = split_recency == "keep"
         self.policy: EvictionPolicy = policy if policy is not None else LRU()

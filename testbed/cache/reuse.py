@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.request import TOKEN_DTYPE
 
 #: the first token of every chunk key: no vocabulary has it, so no real prompt reaches chunk nodes
@@ -135,23 +136,23 @@ class ReuseConfig:
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
-            raise ValueError(f"cache.reuse must be one of {', '.join(REUSE_MODES)}; "
-                             f"got {self.reuse!r}")
+            raise BadInput(f"cache.reuse must be one of {', '.join(REUSE_MODES)}; "
+                           f"got {self.reuse!r}")
         if self.match not in MATCH_MODES:
-            raise ValueError(f"cache.match must be one of {', '.join(MATCH_MODES)}; "
-                             f"got {self.match!r}")
+            raise BadInput(f"cache.match must be one of {', '.join(MATCH_MODES)}; "
+                           f"got {self.match!r}")
         for key in ("recompute_ratio", "similarity_threshold"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0.0 <= value <= 1.0:
-                raise ValueError(f"cache.{key} must be a number in [0, 1], got {value!r}")
+                raise BadInput(f"cache.{key} must be a number in [0, 1], got {value!r}")
         b = self.chunk_boundaries
         if b != "segments" and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"cache.chunk_boundaries must be segments or a whole number >= 1, "
-                             f"got {b!r}")
+            raise BadInput(f"cache.chunk_boundaries must be segments or a whole number >= 1, "
+                           f"got {b!r}")
         if self.reuse == "blend" and self.match == "semantic":
-            raise ValueError("cache.match=semantic works with cache.reuse=prefix only (blend "
-                             "and semantic spans are not combined); got cache.reuse=blend")
+            raise BadInput("cache.match=semantic works with cache.reuse=prefix only (blend "
+                           "and semantic spans are not combined); got cache.reuse=blend")
 
     def check_cache(self, cache_name: str | None, page_size: int, tiered: bool) -> None:
         """Only the radix cache at page size 1 without lower tiers reuses beyond prefixes."""
@@ -159,9 +160,9 @@ class ReuseConfig:
             return
         key = "cache.reuse=blend" if self.reuse != "prefix" else "cache.match=semantic"
         if cache_name != "radix":
-            raise ValueError(f"{key} needs cache=radix, got cache={cache_name}")
+            raise BadInput(f"{key} needs cache=radix, got cache={cache_name}")
         if page_size != 1:
-            raise ValueError(f"{key} needs cache.page_size=1, got {page_size}")
+            raise BadInput(f"{key} needs cache.page_size=1, got {page_size}")
         if tiered:
-            raise ValueError(f"{key} does not work with lower tiers (cache.host_tokens, "
-                             "cache.disk_tokens must be 0)")
+            raise BadInput(f"{key} does not work with lower tiers (cache.host_tokens, "
+                           "cache.disk_tokens must be 0)")

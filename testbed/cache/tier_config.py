@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from testbed.cache.eviction import EVICTION, EvictionPolicy
+from testbed.errors import BadInput
 
 
 def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -19,23 +20,23 @@ def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     if not host and not disk:
         return None
     if cache_cfg.get("name") != "radix":
-        raise ValueError(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
-                         f"cache={cache_cfg.get('name')}")
+        raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
+                       f"cache={cache_cfg.get('name')}")
     if (cache_cfg.get("evict_unit") or "node") != "node":  # lower tiers demote whole nodes
-        raise ValueError("cache.evict_unit=page needs cache.host_tokens=0 and cache.disk_tokens=0 "
-                         "(lower tiers evict whole nodes)")
+        raise BadInput("cache.evict_unit=page needs cache.host_tokens=0 and cache.disk_tokens=0 "
+                       "(lower tiers evict whole nodes)")
     if (cache_cfg.get("split_recency") or "refresh") != "refresh":
-        raise ValueError("cache.split_recency=keep needs cache.host_tokens=0 and "
-                         "cache.disk_tokens=0 (the tiers' bookkeeping follows SGLang's rule)")
+        raise BadInput("cache.split_recency=keep needs cache.host_tokens=0 and "
+                       "cache.disk_tokens=0 (the tiers' bookkeeping follows SGLang's rule)")
 
     def tier_policy(key: str) -> EvictionPolicy:
         cfg = cache_cfg.get(key) or "lru"
         if (cfg if isinstance(cfg, str) else cfg.get("name")) == "oracle":
-            raise ValueError(f"cache.{key}=oracle is not supported (the oracle is GPU-only)")
+            raise BadInput(f"cache.{key}=oracle is not supported (the oracle is GPU-only)")
         try:
             return EVICTION.build(cfg)
-        except ValueError as e:
-            raise ValueError(f"cache.{key}: {e}") from None
+        except BadInput as e:  # eviction.KEY ... of this tier's policy
+            raise BadInput(f"cache.{key}: {e}") from None
 
     return {"host_tokens": host, "disk_tokens": disk,
             "write_policy": cache_cfg.get("write_policy") or "write_through",

@@ -49,6 +49,7 @@ from testbed.cache.radix import RadixCache, TreeNode
 from testbed.cache.tier_config import tier_options
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
 from testbed.cache.tier_state import GPU, WRITE_POLICIES, LowerTier, TierState, Transfer
+from testbed.errors import BadInput
 
 
 class TieredRadixCache(RadixCache):
@@ -66,16 +67,16 @@ class TieredRadixCache(RadixCache):
         super().__init__(capacity, page_size, policy, pool)
         for key, value in (("cache.host_tokens", host_tokens), ("cache.disk_tokens", disk_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
+                raise BadInput(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
         if not host_tokens and not disk_tokens:
             raise ValueError("TieredRadixCache needs cache.host_tokens or cache.disk_tokens > 0 "
                              "(use RadixCache without lower tiers)")
         if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"cache.write_policy must be one of {', '.join(WRITE_POLICIES)}; "
-                             f"got {write_policy!r}")
+            raise BadInput(f"cache.write_policy must be one of {', '.join(WRITE_POLICIES)}; "
+                           f"got {write_policy!r}")
         if isinstance(write_threshold, bool) or not isinstance(write_threshold, int) \
                 or write_threshold < 1:
-            raise ValueError(f"cache.write_threshold must be an integer >= 1, got {write_threshold!r}")
+            raise BadInput(f"cache.write_threshold must be an integer >= 1, got {write_threshold!r}")
         self.tiers: list[LowerTier | None] = [None]
         for name, size, tier_policy in (("host", host_tokens, host_policy),
                                         ("disk", disk_tokens, disk_policy)):

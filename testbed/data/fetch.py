@@ -24,13 +24,14 @@ from urllib.request import urlopen
 from tqdm import tqdm
 
 from testbed.data.registry import TRACES, Trace
+from testbed.errors import BadInput
 
 PREFIX = "data:"  # workload.path=data:NAME
 CHUNK = 1 << 16
 TIMEOUT_S = 60  # per socket operation, not for the whole download
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     """A trace that cannot be had; the message is one line saying what to do."""
 
 
@@ -104,11 +105,11 @@ def download(url: str, dest: Path, sha256: str | None, size: int | None = None,
                             digest.update(chunk)
                             bar.update(len(chunk))
             except HTTPError as e:
-                raise _offline(url, dest, f"HTTP {e.code} {e.reason}") from None
+                raise _offline(url, dest, f"HTTP {e.code} {e.reason}", desc) from None
             except URLError as e:
-                raise _offline(url, dest, e.reason) from None
+                raise _offline(url, dest, e.reason, desc) from None
             except (OSError, HTTPException) as e:  # timeouts, resets, truncated bodies
-                raise _offline(url, dest, e or type(e).__name__) from None
+                raise _offline(url, dest, e or type(e).__name__, desc) from None
         got = digest.hexdigest()
         if sha256 is not None and got != sha256:
             raise DataError(f"{url}: sha256 mismatch, expected {sha256}, got {got}; "
@@ -121,9 +122,13 @@ def download(url: str, dest: Path, sha256: str | None, size: int | None = None,
         raise
 
 
-def _offline(url: str, dest: Path, reason: object) -> DataError:
+def _offline(url: str, dest: Path, reason: object, name: str | None = None) -> DataError:
+    """What to do without the network: fetch the trace ``name`` where its URL is reachable, or
+    put its file where the run looks for it."""
+    elsewhere = f"run python -m testbed.data fetch {name} where it is reachable, or " \
+        if name else ""
     return DataError(f"could not download {url} ({_one_line(reason)}); "
-                     f"put the file there by hand: {dest}")
+                     f"{elsewhere}put the file there by hand: {dest}")
 
 
 def fetch(trace: Trace) -> Fetched:

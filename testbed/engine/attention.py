@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from testbed.engine.metadata import AttentionMetadata, KVRanges
+from testbed.errors import BadInput
 from testbed.scheduler.decode_groups import ATTENTION_BACKENDS  # the names, shared with the sim
 
 
@@ -258,12 +259,12 @@ class TritonAttention:
         try:
             import radix_kernels
         except ImportError as e:
-            raise ImportError("attention=triton needs the radix_kernels package (kernels/, "
-                              "installed with this project); use attention=torch") from e
+            raise BadInput("attention=triton needs the radix_kernels package (kernels/, "
+                           "installed with this project); use attention=torch") from e
         missing = [f for f in KERNEL_FUNCTIONS if not hasattr(radix_kernels, f)]
         if missing:
-            raise ImportError(f"attention=triton: radix_kernels does not provide "
-                              f"{', '.join(missing)}; use attention=torch")
+            raise BadInput(f"attention=triton: radix_kernels does not provide "
+                           f"{', '.join(missing)}; use attention=torch")
         self.kernels = radix_kernels
 
     def plan(self, meta: AttentionMetadata) -> Any:
@@ -304,7 +305,7 @@ def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "c
                    ) -> AttentionBackend:
     """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``."""
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+        raise BadInput(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
     cascade = name.startswith("cascade")
     if name == "cascade":
         name = "triton" if torch.device(device).type == "cuda" else "torch"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 
 
@@ -16,7 +17,8 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if num_slots < 1:
-            raise ValueError(f"the engine needs >= 1 KV slot, got num_slots={num_slots}")
+            raise BadInput(f"the engine needs >= 1 KV slot (cache.capacity_tokens), got "
+                           f"{num_slots}")
         self.num_slots = num_slots
         shape = (num_slots + 1, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

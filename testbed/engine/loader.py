@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from testbed.engine.model import LlamaModel
+from testbed.errors import BadInput
 from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
 from testbed.model_shape import ModelShape
 
@@ -28,7 +29,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+        raise BadInput(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
     return DTYPES[name]
 
 
@@ -63,8 +64,8 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]],
                  where: str = "the state dict") -> None:
     """Copy HF-named ``(name, tensor)`` pairs into ``model`` (casting to its dtype and device).
 
-    Raises KeyError for a tensor the table does not know, ValueError for a shape mismatch or a
-    weight that never came.
+    Raises BadInput for a tensor the table does not know, a shape mismatch or a weight that never
+    came (``where`` names the checkpoint).
     """
     table = weight_table(model.config)
     params = dict(model.named_parameters())
@@ -76,13 +77,13 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]],
         if name not in table:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # a tied checkpoint that also stored the head: the embedding is used
-            raise KeyError(f"unexpected tensor {name!r} in {where}: not a weight of this "
+            raise BadInput(f"unexpected tensor {name!r} in {where}: not a weight of this "
                            f"{model.config.num_layers}-layer model")
         param_name, start, end = table[name]
         target = params[param_name].data[start:end]
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(target.shape)}")
+            raise BadInput(f"tensor {name!r} in {where} has shape {tuple(tensor.shape)}, "
+                           f"expected {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(tensor)
         seen.add(name)
@@ -90,7 +91,7 @@ def load_weights(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]],
     missing = sorted(set(table) - seen, key=list(table).index)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"missing tensor {missing[0]!r}{more} in {where}")
+        raise BadInput(f"missing tensor {missing[0]!r}{more} in {where}")
     unfilled = [n for n, rows in ours_total.items() if rows != params[n].shape[0]]
     assert not unfilled, f"weight table leaves rows of {unfilled} unfilled"  # a table bug
 
@@ -107,7 +108,7 @@ def load_hf_config(path: str | Path) -> Any:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: no config.json in {path}")
+        raise BadInput(f"model.path: no config.json in {path}")
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
@@ -116,13 +117,18 @@ def safetensors_files(path: str | Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in dict.fromkeys(weight_map.values())]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / f for f in dict.fromkeys(weight_map.values())]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise BadInput(f"model.path: {index} is not a safetensors index (a JSON object with "
+                           f"a weight_map of tensor name -> file; {type(e).__name__}: {e})"
+                           ) from None
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(f"model.path: no model.safetensors or model.safetensors.index.json "
-                            f"in {path} (only safetensors checkpoints are supported)")
+    raise BadInput(f"model.path: no model.safetensors or model.safetensors.index.json "
+                   f"in {path} (only safetensors checkpoints are supported)")
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

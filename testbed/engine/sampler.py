@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from testbed.errors import BadInput
+
 
 def _per_row(value: float | torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=torch.float32, device=device)
@@ -47,9 +49,9 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  device: torch.device | str = "cpu") -> None:
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+            raise BadInput(f"temperature must be >= 0, got {temperature}")
         if not 0 <= top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+            raise BadInput(f"top_p must be in [0, 1], got {top_p}")
         self.temperature, self.top_p = temperature, top_p
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
 from testbed.registry import Registry
 from testbed.router.approx_tree import ApproxTree
 from testbed.router.base import LOAD_UNITS, Loads, Router, is_imbalanced, least_loaded
@@ -36,8 +38,8 @@ def cluster_delays(cfg: Mapping[str, Any] | str) -> tuple[float, float]:
     params = {} if isinstance(cfg, str) else dict(cfg)
     out = []
     for key in CLUSTER_KEYS:
-        value = float(params.get(key) or 0.0)
+        value = float(check_setting(f"router.{key}", "float", params.get(key)) or 0.0)
         if value < 0:
-            raise ValueError(f"router.{key} must be >= 0, got {value}")
+            raise BadInput(f"router.{key} must be >= 0, got {value}")
         out.append(value)
     return out[0], out[1]

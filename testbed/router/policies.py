@@ -16,6 +16,7 @@ from testbed.cache.base import PrefixCache
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.none import NoCache
 from testbed.cache.radix import RadixCache, common_prefix_length
+from testbed.errors import BadInput
 from testbed.router.approx_tree import ApproxTree
 from testbed.router.base import LOAD_UNITS, Router, is_imbalanced, least_loaded
 
@@ -52,19 +53,19 @@ class RandomRouter(Router):
 
 def _check_load(load: str) -> None:
     if load not in LOAD_UNITS:
-        raise ValueError(f"router.load must be one of {', '.join(LOAD_UNITS)}; got {load!r}")
+        raise BadInput(f"router.load must be one of {', '.join(LOAD_UNITS)}; got {load!r}")
 
 
 def _check_balance(abs_threshold: float, rel_threshold: float) -> None:
     if abs_threshold < 0:
-        raise ValueError(f"router.balance_abs_threshold must be >= 0, got {abs_threshold}")
+        raise BadInput(f"router.balance_abs_threshold must be >= 0, got {abs_threshold}")
     if rel_threshold < 1:
-        raise ValueError(f"router.balance_rel_threshold must be >= 1, got {rel_threshold}")
+        raise BadInput(f"router.balance_rel_threshold must be >= 1, got {rel_threshold}")
 
 
 def _check_threshold(value: float) -> None:
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"router.cache_threshold must be in [0, 1], got {value}")
+        raise BadInput(f"router.cache_threshold must be in [0, 1], got {value}")
 
 
 class LeastLoad(Router):
@@ -116,14 +117,14 @@ class CacheAware(Router):
         _check_balance(balance_abs_threshold, balance_rel_threshold)
         _check_load(load)
         if fallback not in FALLBACKS:
-            raise ValueError(f"router.fallback must be one of {', '.join(FALLBACKS)}; "
-                             f"got {fallback!r}")
+            raise BadInput(f"router.fallback must be one of {', '.join(FALLBACKS)}; "
+                           f"got {fallback!r}")
         if max_tree_size is not None and max_tree_size < 0:
-            raise ValueError(f"router.max_tree_size must be >= 0 or null, got {max_tree_size}")
+            raise BadInput(f"router.max_tree_size must be >= 0 or null, got {max_tree_size}")
         if eviction_interval_s < 0:
-            raise ValueError(f"router.eviction_interval_s must be >= 0, got {eviction_interval_s}")
+            raise BadInput(f"router.eviction_interval_s must be >= 0, got {eviction_interval_s}")
         if update_delay_s < 0:
-            raise ValueError(f"router.update_delay_s must be >= 0, got {update_delay_s}")
+            raise BadInput(f"router.update_delay_s must be >= 0, got {update_delay_s}")
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -204,8 +205,8 @@ def peek_match(cache: PrefixCache, tokens: np.ndarray, limit: int | None = None)
         return len(cache._lookup(cache.block_keys(tokens), len(tokens))) * cache.block_size
     if isinstance(cache, NoCache):
         return 0
-    raise ValueError(f"router=oracle cannot read a {type(cache).__name__}; "
-                     "use cache=radix, block_hash or none")
+    raise BadInput(f"router=oracle cannot read a {type(cache).__name__}; "
+                   "use cache=radix, block_hash or none")
 
 
 class Oracle(Router):

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
 from testbed.registry import Resolved
 from testbed.scheduler.policy import QUEUE_POLICIES
 
@@ -39,8 +41,9 @@ class SchedulerConfig:
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "SchedulerConfig":
-        known = {f.name for f in fields(cls)} - {"policy_settings"}
-        config = cls(**{k: v for k, v in cfg.items() if k in known},
+        known = {f.name: f.type for f in fields(cls) if f.name != "policy_settings"}
+        config = cls(**{k: check_setting(f"scheduler.{k}", known[k], v)
+                        for k, v in cfg.items() if k in known},
                      policy_settings={k: v for k, v in cfg.items() if k not in known})
         config.validate()
         return config
@@ -64,20 +67,20 @@ class SchedulerConfig:
     def validate(self) -> None:
         self.queue_policy()
         if self.retract_order not in RETRACT_ORDERS:
-            raise ValueError(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
-                             f"got {self.retract_order!r}")
+            raise BadInput(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
+                           f"got {self.retract_order!r}")
         positive = ["max_prefill_tokens", "clip_max_new_tokens", "new_token_ratio_decay_steps",
                     "lpm_fallback_threshold", "retract_decode_steps"]
         optional_positive = ["max_running_requests", "chunked_prefill_size"]
         for key in positive + optional_positive:
             value = getattr(self, key)
             if (value is not None or key in positive) and (value is None or value < 1):
-                raise ValueError(f"scheduler.{key} must be >= 1{' or null' if key in optional_positive else ''}, got {value}")
+                raise BadInput(f"scheduler.{key} must be >= 1{' or null' if key in optional_positive else ''}, got {value}")
         if self.lpm_aging < 0:
-            raise ValueError(f"scheduler.lpm_aging must be >= 0, got {self.lpm_aging}")
+            raise BadInput(f"scheduler.lpm_aging must be >= 0, got {self.lpm_aging}")
         for key in ["in_batch_prefix_caching", "in_batch_hold", "overlap"]:
             if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"scheduler.{key} must be true or false, got {getattr(self, key)!r}")
+                raise BadInput(f"scheduler.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ["init_new_token_ratio", "min_new_token_ratio_factor"]:
             if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ValueError(f"scheduler.{key} must be in [0, 1], got {getattr(self, key)}")
+                raise BadInput(f"scheduler.{key} must be in [0, 1], got {getattr(self, key)}")

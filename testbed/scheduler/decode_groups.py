@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from testbed.cache.shared_prefix import shared_prefix_groups
+from testbed.errors import BadInput
 from testbed.scheduler.batch import BatchEntry
 
 #: the ``attention`` key's names. ``cascade``: cascade decoding on the device's default kernels
@@ -23,8 +24,8 @@ ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_tr
 def cascades(attention: Any) -> bool:
     """Whether ``attention`` (the config key; None: the default kernels) decodes in cascade."""
     if attention is not None and attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
-                         f"got {attention!r}")
+        raise BadInput(f"attention must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
+                       f"got {attention!r}")
     return attention is not None and attention.startswith("cascade")
 
 

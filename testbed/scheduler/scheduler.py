@@ -55,6 +55,7 @@ import numpy as np
 
 from testbed.cache.base import Lease, PrefixCache
 from testbed.cache.reuse import ReuseConfig
+from testbed.errors import BadInput
 from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
@@ -92,9 +93,9 @@ class Scheduler:
             4096 if math.isinf(capacity) else max(1, min(int(capacity) // 2, 4096)))
         self.page_size = getattr(cache, "page_size", 1)  # SGLang's pages (radix); 1 otherwise
         if c.chunked_prefill_size is not None and c.chunked_prefill_size < self.page_size:
-            raise ValueError(f"scheduler.chunked_prefill_size={c.chunked_prefill_size} must be at "
-                             f"least cache.page_size={self.page_size} (a chunk is cut at whole "
-                             "pages)")
+            raise BadInput(f"scheduler.chunked_prefill_size={c.chunked_prefill_size} must be at "
+                           f"least cache.page_size={self.page_size} (a chunk is cut at whole "
+                           "pages)")
         self.waiting: list[Req] = []  # SGLang's waiting_queue: the policy re-sorts it in place
         self.running: list[Req] = []  # the running batch; finished ones stay until a decode step
         self.chunked: Req | None = None
@@ -249,9 +250,9 @@ class Scheduler:
             ordering = Ordering(list(ordering))
         if len(ordering.queue) != len(self.waiting) or \
                 {id(r) for r in ordering.queue} != {id(r) for r in self.waiting}:
-            raise ValueError(f"scheduler={self.config.target}: order() must return the waiting "
-                             f"requests reordered ({len(self.waiting)} waiting, "
-                             f"{len(ordering.queue)} returned)")
+            raise BadInput(f"scheduler={self.config.target}: order() must return the waiting "
+                           f"requests reordered ({len(self.waiting)} waiting, "
+                           f"{len(ordering.queue)} returned)")
         return ordering
 
     def _add_one(self, req: Req, adder: PrefillAdder, admitted: list[BatchEntry]):

@@ -84,6 +84,7 @@ from typing import Any, Mapping, Protocol
 import yaml
 
 from testbed import group_values
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 from testbed.registry import Registry
 from testbed.sim.specs import HardwareSpec
@@ -148,16 +149,16 @@ class RooflineCostModel:
                  attn_mfu: float = DEFAULT_ATTN_MFU) -> None:
         for key, value in (("mfu", mfu), ("mbu", mbu), ("attn_mfu", attn_mfu)):
             if not 0 < value <= 1:
-                raise ValueError(f"cost_model.{key} must be in (0, 1], got {value}")
+                raise BadInput(f"cost_model.{key} must be in (0, 1], got {value}")
         overhead_s = hw.step_overhead_s if overhead_s is None else overhead_s
         if overhead_s < 0:
-            raise ValueError(f"cost_model.overhead_s must be >= 0, got {overhead_s}")
+            raise BadInput(f"cost_model.overhead_s must be >= 0, got {overhead_s}")
         interconnect_bw = hw.interconnect_bw if interconnect_bw is None else interconnect_bw
         if interconnect_bw is None and model.tp > 1:
-            raise ValueError(f"model.tp={model.tp} needs hardware.interconnect_bw (or "
-                             f"cost_model.interconnect_bw): the bandwidth between the GPUs")
+            raise BadInput(f"model.tp={model.tp} needs hardware.interconnect_bw (or "
+                           f"cost_model.interconnect_bw): the bandwidth between the GPUs")
         if interconnect_bw is not None and interconnect_bw <= 0:
-            raise ValueError(f"cost_model.interconnect_bw must be > 0, got {interconnect_bw}")
+            raise BadInput(f"cost_model.interconnect_bw must be > 0, got {interconnect_bw}")
         self.model, self.hw = model, hw
         self.mfu, self.mbu, self.attn_mfu, self.overhead_s = mfu, mbu, attn_mfu, overhead_s
         self.interconnect_bw = interconnect_bw
@@ -267,39 +268,48 @@ def load_fitted(path: str | Path, floor_model: RooflineCostModel) -> FittedCostM
     """A `FittedCostModel` from a file written by `save_fitted`."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"cost_model.path: no such file: {path}")
-    doc = yaml.safe_load(path.read_text())
+        raise BadInput(f"cost_model.path: no such file: {path}")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise BadInput(f"cost_model.path: {path}{line}: not valid YAML ({problem})") from None
     if not isinstance(doc, dict) or "coeffs" not in doc:
-        raise ValueError(f"{path}: missing key 'coeffs' (expected coeffs: {{decode: {{a..e}}, "
-                         f"prefill: {{a..e}}}})")
-    return FittedCostModel(_check_coeffs(doc["coeffs"], where=str(path)), floor_model)
+        raise BadInput(f"cost_model.path={path}: missing key 'coeffs' (expected coeffs: "
+                       f"{{decode: {{a..e}}, prefill: {{a..e}}}})")
+    coeffs = _check_coeffs(doc["coeffs"], where=f"cost_model.path={path}", error=BadInput)
+    return FittedCostModel(coeffs, floor_model)
 
 
-def _check_coeffs(coeffs: Any, where: str) -> dict[str, dict[str, float]]:
+def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
+                  ) -> dict[str, dict[str, float]]:
+    """The coefficients as floats, checked; ``error``: BadInput for a user's file."""
     if not isinstance(coeffs, Mapping):
-        raise ValueError(f"{where}: coeffs must be a mapping of {', '.join(KINDS)}")
+        raise error(f"{where}: coeffs must be a mapping of {', '.join(KINDS)}")
     out: dict[str, dict[str, float]] = {}
     for kind in KINDS:
         if kind not in coeffs:
-            raise ValueError(f"{where}: missing coeffs.{kind} (need {', '.join(KINDS)})")
+            raise error(f"{where}: missing coeffs.{kind} (need {', '.join(KINDS)})")
         row = coeffs[kind]
         if not isinstance(row, Mapping):
-            raise ValueError(f"{where}: coeffs.{kind} must map {', '.join(COEFFS)} to numbers")
+            raise error(f"{where}: coeffs.{kind} must map {', '.join(COEFFS)} to numbers")
         out[kind] = {}
         for c in COEFFS:
             if c not in row:
-                raise ValueError(f"{where}: missing coeffs.{kind}.{c}")
+                raise error(f"{where}: missing coeffs.{kind}.{c}")
             value = row[c]
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
-                raise ValueError(f"{where}: coeffs.{kind}.{c} must be a number, got {value!r}")
+                raise error(f"{where}: coeffs.{kind}.{c} must be a number, got {value!r}")
             if value < 0:
-                raise ValueError(f"{where}: coeffs.{kind}.{c} must be >= 0, got {value}")
+                raise error(f"{where}: coeffs.{kind}.{c} must be >= 0, got {value}")
             out[kind][c] = float(value)
         extra = set(row) - set(COEFFS)
         if extra:
-            raise ValueError(f"{where}: unknown coeffs.{kind} keys {sorted(extra)} "
-                             f"(allowed: {', '.join(COEFFS)})")
+            raise error(f"{where}: unknown coeffs.{kind} keys {sorted(extra)} "
+                        f"(allowed: {', '.join(COEFFS)})")
     return out
 
 
@@ -334,8 +344,8 @@ def fitted(model: ModelShape, hw: HardwareSpec, path: str | None = None,
            interconnect_bw: float | None = None) -> FittedCostModel:
     """Coefficients from ``path``, floored by the roofline of the other settings."""
     if not path:
-        raise ValueError("cost_model.path is required with cost_model=fitted (a YAML file written "
-                         "by testbed.sim.cost_model.save_fitted)")
+        raise BadInput("cost_model.path is required with cost_model=fitted (a YAML file written "
+                       "by testbed.sim.cost_model.save_fitted)")
     return load_fitted(resolve_path(path), floor_model=roofline(
         model, hw, mfu, attn_mfu, mbu, overhead_s, interconnect_bw))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from testbed import group_values
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 
 
@@ -43,11 +44,11 @@ def kv_capacity_tokens(model: ModelShape, hw: HardwareSpec, mem_fraction: float 
     ``max_total_num_tokens``): ``(memory × mem_fraction − weights per GPU) / KV bytes per token per
     GPU``, floored. Activations and CUDA graphs are taken out of ``1 − mem_fraction``."""
     if not 0 < mem_fraction <= 1:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+        raise BadInput(f"hardware.mem_fraction must be in (0, 1], got {mem_fraction}")
     usable = hw.memory_bytes * mem_fraction
     free = usable - model.weight_bytes_per_gpu
     if free < 0:
-        raise ValueError(
+        raise BadInput(
             f"model does not fit: weights {model.weight_bytes_per_gpu / 1e9:.2f} GB per GPU "
             f"({model.name}, tp={model.tp}) > memory × mem_fraction {usable / 1e9:.2f} GB "
             f"({hw.name}: {hw.memory_bytes / 1e9:.2f} GB × {mem_fraction}); raise model.tp or "
@@ -70,10 +71,10 @@ def hardware_spec(cfg: Mapping[str, Any]) -> HardwareSpec:
     mem_fraction(cfg)
     for key, hint in _HARDWARE_HINTS.items():
         if group_values.value(cfg, key, g, None) is None:
-            raise ValueError(f"{g}.{key} is required: {hint}")
+            raise BadInput(f"{g}.{key} is required: {hint}")
     overhead = group_values.number(cfg, "step_overhead_s", g)
     if overhead < 0:
-        raise ValueError(f"hardware.step_overhead_s must be >= 0, got {overhead:g}")
+        raise BadInput(f"hardware.step_overhead_s must be >= 0, got {overhead:g}")
     return HardwareSpec(name=group_values.name(cfg, g),
                         flops=group_values.positive(cfg, "flops", g),
                         mem_bw=group_values.positive(cfg, "mem_bw", g),
@@ -94,5 +95,5 @@ def mem_fraction(cfg: Mapping[str, Any]) -> float:
     """The ``hardware.mem_fraction`` share of device memory for weights plus KV (default 0.9)."""
     fraction = group_values.number(cfg, "mem_fraction", "hardware", default=0.9)
     if not 0 < fraction <= 1:
-        raise ValueError(f"hardware.mem_fraction must be in (0, 1], got {fraction}")
+        raise BadInput(f"hardware.mem_fraction must be in (0, 1], got {fraction}")
     return fraction

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.step_shape import StepShape
@@ -66,7 +67,7 @@ def tier_link(name: str, key: str, overrides: Mapping[str, Any] | None = None) -
     """The preset ``name`` (config key ``key``), with ``read_bw``/``write_bw``/``latency_s``
     overridden where given."""
     if name not in LINKS:
-        raise ValueError(f"{key} must be one of {', '.join(LINKS)}; got {name!r}")
+        raise BadInput(f"{key} must be one of {', '.join(LINKS)}; got {name!r}")
     link = LINKS[name]
     changes = {}
     for field in ("read_bw", "write_bw", "latency_s"):
@@ -75,7 +76,7 @@ def tier_link(name: str, key: str, overrides: Mapping[str, Any] | None = None) -
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 \
                 or (value == 0 and field != "latency_s"):
-            raise ValueError(f"{key}.{field} must be a number > 0, got {value!r}")
+            raise BadInput(f"{key}.{field} must be a number > 0, got {value!r}")
         changes[field] = float(value)
     return replace(link, **changes) if changes else link
 
@@ -149,7 +150,7 @@ def make_planner(cache_cfg: Mapping[str, Any], model: ModelShape, hw: HardwareSp
     prefill compute as the cost of recomputing (``load_back: cost``; ``always`` loads every run)."""
     mode = cache_cfg.get("load_back") or "cost"
     if mode not in ("cost", "always"):
-        raise ValueError(f"cache.load_back must be one of cost, always; got {mode!r}")
+        raise BadInput(f"cache.load_back must be one of cost, always; got {mode!r}")
     host = cache_cfg.get("host_link") or HOST_LINK_OF_HARDWARE.get(hw.name, "pcie4")
     pcie = tier_link(host, "cache.host_link", cache_cfg.get("host_link_overrides"))
     disk = None

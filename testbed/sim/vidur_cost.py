@@ -90,6 +90,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 from testbed.sim.step_shape import StepShape, kv_move_bytes
 from testbed.sim.monotone import Curve, Surface
@@ -137,10 +138,10 @@ class VidurCostModel:
         for key, value in (("overhead_s", overhead_s), ("nccl_launch_s", nccl_launch_s),
                            ("decode_batching_overhead", decode_batching_overhead)):
             if value < 0:
-                raise ValueError(f"cost_model.{key} must be >= 0, got {value}")
+                raise BadInput(f"cost_model.{key} must be >= 0, got {value}")
         if kv_granularity != int(kv_granularity) or kv_granularity < 1:
-            raise ValueError(f"cost_model.kv_granularity must be a whole number >= 1, got "
-                             f"{kv_granularity}")
+            raise BadInput(f"cost_model.kv_granularity must be a whole number >= 1, got "
+                           f"{kv_granularity}")
         self.profile, self.model, self.overhead_s = profile, model, overhead_s
         self.move_bw = move_bw
         self.kv_granularity, self.nccl_launch_s = int(kv_granularity), nccl_launch_s
@@ -218,8 +219,8 @@ def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | Non
     from testbed.sim.vidur_profile import load_vidur_profile
 
     if not profile_dir:
-        raise ValueError("cost_model.profile_dir is required with cost_model=vidur (a directory "
-                         "of Vidur's profiling CSVs: mlp.csv, attention.csv, all_reduce.csv)")
+        raise BadInput("cost_model.profile_dir is required with cost_model=vidur (a directory "
+                       "of Vidur's profiling CSVs: mlp.csv, attention.csv, all_reduce.csv)")
     overhead = number("overhead_s", overhead_s, None)
     return VidurCostModel(
         load_vidur_profile(resolve_path(profile_dir), model), model,

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from testbed.errors import BadInput
 from testbed.model_shape import ModelShape
 
 #: Operators of one decoder layer in ``mlp.csv`` and how many times a layer runs each (``add``:
@@ -45,7 +46,7 @@ ATTN_SHAPE = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers")
 MS = 1e-3  # Vidur's times are in milliseconds
 
 
-class ProfileError(ValueError):
+class ProfileError(BadInput):
     """A profile directory that cannot serve the model asked for, or a malformed file."""
 
 

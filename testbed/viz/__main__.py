@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from testbed.assembly import Assembly, assemble, compose_config
 from testbed.cache.radix import RadixCache
 from testbed.cli import check_group_choices
+from testbed.errors import BadInput
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
 from testbed.workloads import WORKLOADS
@@ -57,8 +58,8 @@ def source_overrides(source: str) -> list[str]:
     if source in WORKLOADS and not Path(source).exists():
         return [f"workload={source}"]
     if not Path(source).is_file():
-        raise ValueError(f"{source!r} is neither a trace file nor a workload "
-                         f"({', '.join(WORKLOADS)})")
+        raise BadInput(f"{source!r} is neither a trace file nor a workload "
+                       f"({', '.join(WORKLOADS)})")
     return ["workload=trace", f"workload.path={Path(source).resolve()}", "workload.format=tokens"]
 
 
@@ -66,17 +67,17 @@ def parse_at(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--at must be request counts separated by commas, got {text!r}") from None
+        raise BadInput(f"--at must be request counts separated by commas, got {text!r}") from None
 
 
 def radix_cache(run: Assembly, requests) -> RadixCache:
     """The configured radix cache (its capacity, page size and eviction policy)."""
     if run.cache.label != "radix":
-        raise ValueError(f"testbed.viz draws the radix tree: cache must be radix, got "
-                         f"{run.cache.label!r}")
+        raise BadInput(f"testbed.viz draws the radix tree: cache must be radix, got "
+                       f"{run.cache.label!r}")
     if run.has_lower_tiers:
-        raise ValueError("testbed.viz draws the GPU tree alone: cache.host_tokens and "
-                         "cache.disk_tokens must be 0")
+        raise BadInput("testbed.viz draws the GPU tree alone: cache.host_tokens and "
+                       "cache.disk_tokens must be 0")
     return run.build_cache(run.capacity_tokens, requests)
 
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         check_group_choices(overrides)
         at = parse_at(args.at)
         if args.cols < 1 or args.tokens < 1:
-            raise ValueError("--cols and --tokens must be >= 1")
+            raise BadInput("--cols and --tokens must be >= 1")
         cfg = compose_config(overrides)
         run = assemble(cfg)
         requests = run.requests()
@@ -103,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = radix_cache(run, requests)
         panels = replay_panels(requests, cache, at)
         if args.caption and len(args.caption) != len(panels):
-            raise ValueError(f"{len(args.caption)} --caption for {len(panels)} panels")
-    except (ValueError, OSError) as e:
+            raise BadInput(f"{len(args.caption)} --caption for {len(panels)} panels")
+    except (BadInput, OSError) as e:  # anything else is a defect: its traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.text:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from testbed.cache.radix import RadixCache, TreeNode
+from testbed.errors import BadInput
 from testbed.replay import replay
 from testbed.workloads.request import Request
 
@@ -69,10 +70,10 @@ def parse_steps(at: Sequence[int], num_requests: int) -> list[int]:
     """The panels' request counts, sorted and without repeats; each in 0 .. ``num_requests``."""
     for n in at:
         if n < 0 or n > num_requests:
-            raise ValueError(f"--at {n} is outside 0..{num_requests} (the workload has "
-                             f"{num_requests} requests; N draws the tree after the first N)")
+            raise BadInput(f"--at {n} is outside 0..{num_requests} (the workload has "
+                           f"{num_requests} requests; N draws the tree after the first N)")
     if not at:
-        raise ValueError("--at needs at least one request count")
+        raise BadInput("--at needs at least one request count")
     return sorted(set(at))
 
 

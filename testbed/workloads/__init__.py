@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from testbed.errors import BadInput
 from testbed.registry import Registry
-from testbed.workloads.arrivals import apply_arrivals
+from testbed.workloads.arrivals import ARRIVAL_KEYS, apply_arrivals
 from testbed.workloads.beyond_prefix import paraphrase, rag
 from testbed.workloads.mixed import mix
 from testbed.workloads.paper import chat, few_shot, self_consistency, tree_of_thought
@@ -45,10 +46,10 @@ def trace(path: str | None = None, format: str | None = None,
           tokenizer: str | None = None) -> list[Request]:
     """A recorded trace file, or ``data:NAME`` (docs/design.md §3)."""
     if not path:
-        raise ValueError("workload.path must name a trace file (or data:NAME) for workload=trace")
+        raise BadInput("workload.path must name a trace file (or data:NAME) for workload=trace")
     if format is not None and format not in TRACE_FORMATS:
-        raise ValueError(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
-                         f"got {format!r}")
+        raise BadInput(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
+                       f"got {format!r}")
     return load_trace(path, format, **({"tokenizer": tokenizer} if tokenizer else {}))
 
 
@@ -61,8 +62,8 @@ def generate(cfg: Mapping[str, Any], seed: int = 0) -> list[Request]:
     resolved = WORKLOADS.resolve(cfg)
     requests = resolved.build(seed=seed)
     if not isinstance(requests, list) or not all(isinstance(r, Request) for r in requests):
-        raise ValueError(f"workload={resolved.label} must return a list of "
-                         "testbed.workloads.Request")
+        raise BadInput(f"workload={resolved.label} must return a list of "
+                       "testbed.workloads.Request")
     return requests
 
 
@@ -71,6 +72,10 @@ def build_workload(cfg: Mapping[str, Any], seed: int = 0,
     """Generate or load the workload, apply the arrival process, and sort by arrival."""
     requests = generate(cfg, seed=seed)
     arrival = dict(arrival or {})
+    unknown = sorted(set(arrival) - set(ARRIVAL_KEYS))
+    if unknown:
+        raise BadInput(f"arrival.{unknown[0]} is not a setting of arrival; allowed: "
+                       f"{', '.join(ARRIVAL_KEYS)}")
     requests = apply_arrivals(requests, kind=arrival.pop("kind", "auto"),
                               is_trace=cfg.get("name") == "trace", seed=seed, **arrival)
     return arrival_order(requests)

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from testbed.assembly import assemble
 from testbed.cli import check_group_choices
+from testbed.errors import BadInput
 from testbed.workloads import save_tokens
 from testbed.workloads.describe import describe, format_table
 
@@ -17,7 +18,7 @@ from testbed.workloads.describe import describe, format_table
 def main(cfg: DictConfig) -> None:
     try:
         requests = assemble(cfg).requests()
-    except ValueError as e:
+    except BadInput as e:  # anything else is a defect: its traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"workload={cfg.workload.name} seed={cfg.seed}")

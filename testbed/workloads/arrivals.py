@@ -13,9 +13,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
 from testbed.workloads.request import Request
 
 ARRIVALS = ("auto", "offline", "poisson", "trace")
+#: the keys of the ``arrival`` config group
+ARRIVAL_KEYS = ("kind", "rate", "time_scale", "max_in_flight")
 
 
 def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: float | None = None,
@@ -23,20 +27,23 @@ def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: flo
                    seed: int = 0) -> list[Request]:
     """Requests with ``arrival_s`` set by the arrival process (all calls of a program share their
     program's arrival; requests without a program are programs of their own)."""
+    rate = check_setting("arrival.rate", "float", rate)
+    time_scale = check_setting("arrival.time_scale", "float", time_scale)
+    max_in_flight = check_setting("arrival.max_in_flight", "int", max_in_flight)
     if kind not in ARRIVALS:
-        raise ValueError(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
+        raise BadInput(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
     if max_in_flight is not None and max_in_flight < 1:
-        raise ValueError(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
+        raise BadInput(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
     if kind == "auto":
         kind = "trace" if is_trace else "offline"
     if kind == "trace":
         if time_scale < 0:
-            raise ValueError(f"arrival.time_scale must be >= 0, got {time_scale}")
+            raise BadInput(f"arrival.time_scale must be >= 0, got {time_scale}")
         return [replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
     if kind == "offline":
         return [replace(r, arrival_s=0.0) for r in requests]
     if rate is None or rate <= 0:
-        raise ValueError(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
+        raise BadInput(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
     programs = list(dict.fromkeys(_program(r) for r in requests))
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(programs))
     start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
@@ -38,10 +39,10 @@ def rag(num_requests: int = 512, corpus_docs: int = 200, docs_per_prompt: int = 
     check_nonnegative(num_requests=num_requests, doc_len=doc_len, question_len=question_len,
                       system_prompt_len=system_prompt_len, output_len=output_len, zipf=zipf)
     if corpus_docs < 1:
-        raise ValueError(f"workload.corpus_docs must be >= 1, got {corpus_docs}")
+        raise BadInput(f"workload.corpus_docs must be >= 1, got {corpus_docs}")
     if not 0 <= docs_per_prompt <= corpus_docs:
-        raise ValueError(f"workload.docs_per_prompt must be in [0, workload.corpus_docs="
-                         f"{corpus_docs}], got {docs_per_prompt}")
+        raise BadInput(f"workload.docs_per_prompt must be in [0, workload.corpus_docs="
+                       f"{corpus_docs}], got {docs_per_prompt}")
     rng = np.random.default_rng(seed)
     tokens = TokenSource(rng, vocab_size)
     system = tokens(system_prompt_len)
@@ -92,12 +93,12 @@ def paraphrase(num_originals: int = 64, paraphrases: int = 3, prompt_len: int = 
                       prompt_len=prompt_len, edits=edits, system_prompt_len=system_prompt_len,
                       output_len=output_len)
     if edit_kind not in EDIT_KINDS:
-        raise ValueError(f"workload.edit_kind must be one of {', '.join(EDIT_KINDS)}; "
-                         f"got {edit_kind!r}")
+        raise BadInput(f"workload.edit_kind must be one of {', '.join(EDIT_KINDS)}; "
+                       f"got {edit_kind!r}")
     if edit_at is not None and not 0.0 <= edit_at <= 1.0:
-        raise ValueError(f"workload.edit_at must be in [0, 1] or null, got {edit_at}")
+        raise BadInput(f"workload.edit_at must be in [0, 1] or null, got {edit_at}")
     if prompt_len < 1 and edits:
-        raise ValueError("workload.prompt_len must be >= 1 to edit it")
+        raise BadInput("workload.prompt_len must be >= 1 to edit it")
     rng = np.random.default_rng(seed)
     tokens = TokenSource(rng, vocab_size)
     system = tokens(system_prompt_len)

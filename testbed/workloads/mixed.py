@@ -7,6 +7,8 @@ from typing import Mapping
 
 import numpy as np
 
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
 from testbed.workloads.request import OutputRef, Request
 
 
@@ -18,11 +20,11 @@ def mix(components: Mapping[str, list[Request]], weights: Mapping[str, float],
     name as prefix, so ids stay unique."""
     unknown = set(weights) - set(components)
     if unknown:
-        raise ValueError(f"workload.weights names {sorted(unknown)}, not among the components "
-                         f"{sorted(components)}")
+        raise BadInput(f"workload.weights names {sorted(unknown)}, not among the components "
+                       f"{sorted(components)}")
     for name, w in weights.items():
-        if w < 0:
-            raise ValueError(f"workload.weights.{name} must be >= 0, got {w}")
+        if check_setting(f"workload.weights.{name}", "float", w) < 0:
+            raise BadInput(f"workload.weights.{name} must be >= 0, got {w}")
     queues = {name: _programs(calls) for name, calls in components.items() if weights.get(name, 0) > 0}
     rng = np.random.default_rng(seed)
     out: list[Request] = []

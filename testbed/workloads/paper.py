@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative, check_range
 from testbed.workloads.request import OutputRef, Request
 
@@ -94,7 +95,7 @@ def tree_of_thought(num_problems: int = 64, depth: int = 4, branching: int = 2,
                       instruction_len=instruction_len, problem_len=problem_len,
                       step_prompt_len=step_prompt_len, thought_len=thought_len)
     if depth < 1:
-        raise ValueError(f"workload.depth must be >= 1, got {depth}")
+        raise BadInput(f"workload.depth must be >= 1, got {depth}")
     tokens = TokenSource(np.random.default_rng(seed), vocab_size)
     instruction = tokens(instruction_len)
     calls = []

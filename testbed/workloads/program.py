@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.request import TOKEN_DTYPE, OutputRef, Request, Segment, materialize
 
 
@@ -19,7 +20,7 @@ class TokenSource:
 
     def __init__(self, rng: np.random.Generator, vocab_size: int) -> None:
         if vocab_size < 1:
-            raise ValueError(f"workload.vocab_size must be >= 1, got {vocab_size}")
+            raise BadInput(f"workload.vocab_size must be >= 1, got {vocab_size}")
         self.rng = rng
         self.vocab_size = vocab_size
 
@@ -61,13 +62,13 @@ class ProgramBuilder:
 
 
 def check_nonnegative(**sizes: int | float) -> None:
-    """Raise a ValueError naming the first ``workload.KEY`` that is negative."""
+    """Raise BadInput naming the first ``workload.KEY`` that is negative."""
     for key, value in sizes.items():
         if value < 0:
-            raise ValueError(f"workload.{key} must be >= 0, got {value}")
+            raise BadInput(f"workload.{key} must be >= 0, got {value}")
 
 
 def check_range(low_key: str, low: int, high_key: str, high: int) -> None:
     check_nonnegative(**{low_key: low, high_key: high})
     if low > high:
-        raise ValueError(f"workload.{low_key} ({low}) must be <= workload.{high_key} ({high})")
+        raise BadInput(f"workload.{low_key} ({low}) must be <= workload.{high_key} ({high})")

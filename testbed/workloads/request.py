@@ -18,6 +18,8 @@ from typing import Union
 
 import numpy as np
 
+from testbed.errors import BadInput
+
 TOKEN_DTYPE = np.int32
 
 
@@ -82,9 +84,9 @@ def refuse_generating(requests: list[Request], backend: str) -> None:
     """Only the engine generates: one line naming the first call that has no output."""
     call = next((r for r in requests if r.generates), None)
     if call is not None:
-        raise ValueError(f"request {call.id} has 'max_new_tokens' and no 'output': only "
-                         f"backend=engine generates outputs; backend={backend} needs concrete "
-                         "output ids")
+        raise BadInput(f"request {call.id} has 'max_new_tokens' and no 'output': only "
+                       f"backend=engine generates outputs; backend={backend} needs concrete "
+                       "output ids")
 
 
 def materialize(segments: tuple[Segment, ...], outputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -97,13 +99,13 @@ def as_tokens(ids, where: str) -> np.ndarray:
     """Token ids as the project's dtype; ``where`` names the source in the error message."""
     arr = np.asarray(ids)
     if arr.ndim != 1:
-        raise ValueError(f"{where}: token ids must be a flat list of integers")
+        raise BadInput(f"{where}: token ids must be a flat list of integers")
     if arr.size == 0:
         return np.zeros(0, dtype=TOKEN_DTYPE)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{where}: token ids must be integers, got {arr.dtype}")
+        raise BadInput(f"{where}: token ids must be integers, got {arr.dtype}")
     if arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max:
-        raise ValueError(f"{where}: token ids must lie in [0, 2^31)")
+        raise BadInput(f"{where}: token ids must lie in [0, 2^31)")
     return arr.astype(TOKEN_DTYPE, copy=False)
 
 

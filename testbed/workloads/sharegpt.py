@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.request import TOKEN_DTYPE, Request
 from testbed.workloads.trace_format import TraceError, require_file
 
@@ -39,10 +40,10 @@ def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Reques
     empty ones), and gpt messages whose text is empty or tokenizes to nothing (they add nothing to
     later prompts). Human/system messages after the last gpt message make no request.
     Malformed JSON or structure raises `TraceError` naming the file and the line the conversation
-    starts on; a missing or unloadable tokenizer directory raises ValueError.
+    starts on; a missing or unloadable tokenizer directory raises BadInput.
     """
     if not tokenizer:
-        raise ValueError(MISSING_TOKENIZER)
+        raise BadInput(MISSING_TOKENIZER)
     path = Path(path)
     convs = _parse(path)
     tok = _load_tokenizer(tokenizer)
@@ -79,13 +80,13 @@ def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Reques
 def _load_tokenizer(directory: str):
     d = Path(directory)
     if not d.is_dir():
-        raise ValueError(f"workload.tokenizer: no such directory: {d} ({MISSING_TOKENIZER})")
+        raise BadInput(f"workload.tokenizer: no such directory: {d} ({MISSING_TOKENIZER})")
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"workload.tokenizer: cannot load a tokenizer from {d}: {e}") from None
+        raise BadInput(f"workload.tokenizer: cannot load a tokenizer from {d}: {e}") from None
 
 
 def _parse(path: Path) -> list[tuple[str, int, list[dict]]]:

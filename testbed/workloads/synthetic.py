@@ -8,6 +8,7 @@ import hashlib
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative
 from testbed.workloads.request import OutputRef, Request
 
@@ -41,9 +42,9 @@ def random_tree(num_requests: int = 512, root_prob: float = 0.1, max_burst: int 
     check_nonnegative(num_requests=num_requests, root_len=root_len, segment_len=segment_len,
                       output_len=output_len)
     if not 0.0 <= root_prob <= 1.0:
-        raise ValueError(f"workload.root_prob must be in [0, 1], got {root_prob}")
+        raise BadInput(f"workload.root_prob must be in [0, 1], got {root_prob}")
     if max_burst < 1:
-        raise ValueError(f"workload.max_burst must be >= 1, got {max_burst}")
+        raise BadInput(f"workload.max_burst must be >= 1, got {max_burst}")
     rng = np.random.default_rng(seed)
     tokens = TokenSource(rng, vocab_size)
     calls: list[Request] = []
@@ -81,7 +82,7 @@ def multimodal(num_requests: int = 256, num_images: int = 32, images_per_request
                       system_prompt_len=system_prompt_len, question_len=question_len,
                       output_len=output_len)
     if num_images < 1:
-        raise ValueError(f"workload.num_images must be >= 1, got {num_images}")
+        raise BadInput(f"workload.num_images must be >= 1, got {num_images}")
     rng = np.random.default_rng(seed)
     tokens = TokenSource(rng, vocab_size)
     weights = 1.0 / np.arange(1, num_images + 1) ** popularity

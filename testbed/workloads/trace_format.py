@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.errors import BadInput
 
-class TraceError(ValueError):
+
+class TraceError(BadInput):
     """A trace file that cannot be read; the message names file and line."""
 
 

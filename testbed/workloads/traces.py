@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from testbed.data import resolve_trace
+from testbed.errors import BadInput
 from testbed.workloads.request import (TOKEN_DTYPE, OutputRef, Request, as_tokens,
                                        fresh_token_ids, materialize)
 from testbed.workloads.sharegpt import load_sharegpt
@@ -46,8 +47,13 @@ AZURE_HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
     require_file(path)
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TraceError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte "
+                                 f"{e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -135,8 +141,8 @@ def load_tokens(path: str | Path) -> list[Request]:
                 output = np.zeros(0, dtype=TOKEN_DTYPE)
             else:
                 raise TraceError(f"{where}: missing field 'output' (or 'max_new_tokens')")
-        except ValueError as e:
-            raise TraceError(str(e)) from None
+        except ValueError as e:  # also numpy's, on a ragged list of token ids
+            raise TraceError(str(e) if isinstance(e, BadInput) else f"{where}: {e}") from None
         arrival = _seconds(rec, "arrival_s", where, default=0.0)
         think = _seconds(rec, "think_time_s", where, default=0.0)
         priority = _field(rec, "priority", int, where) if "priority" in rec else 0
@@ -374,8 +380,8 @@ def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Requ
     try:
         spec = TRACE_FORMATS[fmt]
     except KeyError:
-        raise ValueError(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
-                         f"got {fmt!r}") from None
+        raise BadInput(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
+                       f"got {fmt!r}") from None
     unknown = sorted(set(options) - set(TRACE_OPTIONS))
     if unknown:
         raise ValueError(f"unknown trace option(s) {', '.join(unknown)}; "

@@ -1,0 +1,151 @@
+"""Refused input raises `testbed.errors.BadInput` with one line naming the key (or the file and
+line) and, where there is a fixed set, the allowed values; a violated internal invariant stays a
+plain ValueError, which the entry points report as a defect (`testbed.errors.failure_kind`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from testbed.assembly import assemble
+from testbed.cache.radix import RadixCache
+from testbed.errors import BadInput, failure_kind
+from testbed.workloads.traces import load_trace
+
+SMALL = ["workload=chat", "workload.num_sessions=2", "workload.turns=2"]  # unless one is named
+
+# What each case exercises once the config is assembled (``compose``: composing it fails).
+STAGES = {
+    "assemble": lambda run: None,
+    "requests": lambda run: run.requests(),
+    "cache": lambda run: run.build_cache(run.capacity_tokens, run.requests()),
+    "hardware": lambda run: run.hardware,
+    "model": lambda run: run.model_shape,
+    "cost_model": lambda run: run.build_cost_model(),
+    "router": lambda run: (run.cluster_delays(), run.build_router(1000)),
+}
+
+# (overrides, stage, the whole message)
+CONFIG_CASES = [
+    (["cache.capacity_tokens=-5"], "assemble",
+     "cache.capacity_tokens must be >= 0 or null, got -5"),
+    (["cache.page_size=0"], "cache", "cache.page_size must be >= 1, got 0"),
+    (["cache.split_recency=sometimes"], "cache",
+     "cache.split_recency must be one of refresh, keep; got 'sometimes'"),
+    (["cache=block_hash", "+cache.host_tokens=100"], "cache",
+     "cache.host_tokens / cache.disk_tokens need cache=radix, got cache=block_hash"),
+    (["cache.reuse=copy"], "assemble", "cache.reuse must be one of prefix, blend; got 'copy'"),
+    (["cache.recompute_ratio=2"], "assemble",
+     "cache.recompute_ratio must be a number in [0, 1], got 2"),
+    (["scheduler.max_prefill_tokens=0"], "assemble",
+     "scheduler.max_prefill_tokens must be >= 1, got 0"),
+    (["scheduler.max_prefill_tokens=many"], "assemble",
+     "scheduler.max_prefill_tokens must be an integer, got 'many'"),
+    (["scheduler.retract_order=oldest"], "assemble",
+     "scheduler.retract_order must be one of newest, longest_prompt, most_remaining; "
+     "got 'oldest'"),
+    (["eviction=learned", "eviction.window=wide"], "assemble",
+     "eviction.window must be an integer, got 'wide'"),
+    (["eviction=workload_aware", "eviction.tau=0"], "cache", "eviction.tau must be > 0, got 0"),
+    (["workload.num_sessions=two"], "assemble",
+     "workload.num_sessions must be an integer, got 'two'"),
+    (["workload=trace", "+workload.speed=2"], "assemble",
+     "workload.speed is not a setting of workload=trace; allowed: name, path, format, "
+     "tokenizer, max_in_flight"),
+    (["workload=trace"], "requests",
+     "workload.path must name a trace file (or data:NAME) for workload=trace"),
+    (["workload=trace", "workload.path=t.jsonl", "workload.format=csv"], "requests",
+     "workload.format must be one of tokens, mooncake, bailian, azure, sharegpt; got 'csv'"),
+    (["arrival.kind=poisson"], "requests",
+     "arrival.rate must be > 0 for arrival.kind=poisson, got None"),
+    (["arrival.kind=poisson", "arrival.rate=fast"], "requests",
+     "arrival.rate must be a number, got 'fast'"),
+    (["+arrival.burst=3"], "requests",
+     "arrival.burst is not a setting of arrival; allowed: kind, rate, time_scale, max_in_flight"),
+    (["hardware.flops=0"], "hardware", "hardware.flops must be > 0, got 0"),
+    (["hardware.mem_bw=fast"], "hardware", "hardware.mem_bw must be a number, got 'fast'"),
+    (["model.num_layers=0"], "model", "model.num_layers must be >= 1, got 0"),
+    (["cache=custom", "cache.target=no_such_module.Cache"], "assemble",
+     "cache.target=no_such_module.Cache: cannot import no_such_module (No module named "
+     "'no_such_module'); is its folder on PYTHONPATH or the working directory?"),
+    (["cost_model=fitted"], "cost_model",
+     "cost_model.path is required with cost_model=fitted (a YAML file written by "
+     "testbed.sim.cost_model.save_fitted)"),
+    (["router.network_delay_s=-1"], "router", "router.network_delay_s must be >= 0, got -1.0"),
+    (["router=cache_aware", "router.load=bytes"], "router",
+     "router.load must be one of tokens, requests; got 'bytes'"),
+    (["backend=replay", "cache.reuse=blend"], "assemble",
+     "cache.reuse=blend / cache.match=semantic need backend=sim or engine (replay has no "
+     "prefill steps to reuse KV in)"),
+    (["seed=-1"], "assemble", "seed must be >= 0, got -1"),
+    (["seed=${oc.env:TESTBED_NO_SUCH_VARIABLE}"], "assemble",
+     "seed: KeyError raised while resolving interpolation: \"Environment variable "
+     "'TESTBED_NO_SUCH_VARIABLE' not found\""),
+    (["workload.num_sessions_typo=3"], "compose",
+     "Could not override 'workload.num_sessions_typo'. To append to your config use "
+     "+workload.num_sessions_typo=3"),
+]
+
+
+@pytest.mark.parametrize("overrides, stage, message", CONFIG_CASES,
+                         ids=[" ".join(c[0]) for c in CONFIG_CASES])
+def test_a_bad_config_value_is_bad_input_naming_the_key(compose, monkeypatch, overrides, stage,
+                                                        message):
+    monkeypatch.delenv("TESTBED_NO_SUCH_VARIABLE", raising=False)
+    with pytest.raises(BadInput) as refused:
+        small = [] if any(o.startswith("workload=") for o in overrides) else SMALL
+        run = assemble(compose(*small, *overrides))
+        STAGES[stage](run)
+        pytest.fail(f"{stage} accepted {overrides}")
+    assert str(refused.value) == message
+    assert failure_kind(refused.value) == "bad_input"
+
+
+# (format, file contents, the message after "PATH:")
+TRACE_CASES = [
+    ("tokens", b'{"prompt": [1, 2], "output": [3]}\nnot json\n',
+     "2: not valid JSON (Expecting value)"),
+    ("tokens", b'[1, 2, 3]\n', "1: expected a JSON object"),
+    ("tokens", b'{"prompt": [1, -2], "output": [3]}\n', "1: prompt: token ids must lie in [0, 2^31)"),
+    ("tokens", b'{"prompt": [1, 2]}\n', "1: missing field 'output' (or 'max_new_tokens')"),
+    ("tokens", b'{"prompt": [1], "output": [2], "max_new_tokens": 4}\n',
+     "1: give 'output' (replayed) or 'max_new_tokens' (generated by the engine), not both"),
+    ("tokens", b'{"prompt": [1], "output": [2]}\n{"prompt": "\xff"}\n',
+     "2: not UTF-8 text (invalid start byte at byte 12 of the line)"),
+    ("mooncake", b'{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0, 1]}\n',
+     "1: 2 hash_ids for input_length 10 (expected ceil(10/512))"),
+    ("bailian", b'{"parent_chat_id": -1, "timestamp": 0}\n', "1: missing field 'chat_id'"),
+    ("azure", b"TIMESTAMP,ContextTokens\n",
+     "1: expected the header TIMESTAMP,ContextTokens,GeneratedTokens, got 'TIMESTAMP,ContextTokens'"),
+    ("azure", b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,ten,5\n",
+     "2: ContextTokens must be a non-negative integer, got 'ten'"),
+]
+
+
+@pytest.mark.parametrize("fmt, contents, message", TRACE_CASES,
+                         ids=[f"{c[0]}-{c[2][:30]}" for c in TRACE_CASES])
+def test_a_malformed_trace_is_bad_input_naming_file_and_line(tmp_path, fmt, contents, message):
+    path = tmp_path / "trace.txt"
+    path.write_bytes(contents)
+    with pytest.raises(BadInput) as refused:
+        load_trace(path, fmt)
+    assert str(refused.value) == f"{path}:{message}"
+
+
+def test_a_missing_trace_file_is_bad_input_naming_workload_path(tmp_path, compose):
+    missing = tmp_path / "missing.jsonl"
+    run = assemble(compose("workload=trace", f"workload.path={missing}"))
+    with pytest.raises(BadInput) as refused:
+        run.requests()
+    assert str(refused.value) == f"workload.path: no such file: {missing}"
+
+
+def test_a_broken_internal_invariant_is_not_bad_input():
+    cache = RadixCache(100)
+    prompt = np.arange(1, 6, dtype=np.int32)
+    lease = cache.acquire(prompt)
+    cache.extend(lease, 3)
+    with pytest.raises(ValueError, match=r"^release: 5 tokens for a lease of 3 slots$") as broken:
+        cache.release(lease, prompt)
+    assert not isinstance(broken.value, BadInput)
+    assert failure_kind(broken.value) == "internal"
