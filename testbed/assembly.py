@@ -230,6 +230,23 @@ def fit_vocabulary(config: dict[str, Any]) -> str | None:
     return f"note: workload.vocab_size {wanted} > model vocabulary {vocab}; using {vocab}"
 
 
+def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> None:
+    """Replicas run only in the simulator, one cache each, without lower tiers or reuse beyond
+    prefixes (checked before anything is generated)."""
+    replicas = config.get("replicas") or 1
+    if replicas == 1:
+        return
+    if backend == REPLAY:
+        raise BadInput("replicas > 1 needs backend=sim (replay serves one cache)")
+    if backend == "engine":
+        raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
+    c = config["cache"]
+    if c.get("host_tokens") or c.get("disk_tokens"):
+        raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
+    if reuse.active:
+        raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
+
+
 def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     """Read and check a composed run config (module docstring)."""
     config = dict(plain(cfg))
@@ -271,6 +288,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if reuse.active and backend == REPLAY:
         raise BadInput("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
                        "(replay has no prefill steps to reuse KV in)")
+    check_replicas(config, backend, reuse)
     return Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),

@@ -40,8 +40,6 @@ class BackendResult:
 def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
     if run.backend != "engine":
         refuse_generating(requests, run.backend)
-    if run.backend == REPLAY and run.replicas != 1:
-        raise ValueError("replicas > 1 needs backend=sim (replay serves one cache)")
     if run.backend == REPLAY:
         capacity = run.capacity_tokens
         cache = run.build_cache(capacity, requests)
@@ -112,13 +110,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
             capacity = run.kv_capacity()
         executor = run.build_executor(capacity, requests)
     if run.replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
-        if engine:
-            raise ValueError(f"replicas={run.replicas} needs backend=sim; the engine serves one "
-                             "replica")
-        if run.has_lower_tiers:
-            raise ValueError("cache.host_tokens / cache.disk_tokens need replicas=1")
-        if run.reuse.active:
-            raise ValueError("cache.reuse=blend / cache.match=semantic need replicas=1")
+        # (assemble refused replicas with replay, the engine, lower tiers or reuse)
         return _serve_cluster(run, requests, executor, capacity)
     planner = None
     if run.has_lower_tiers:

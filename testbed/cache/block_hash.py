@@ -34,6 +34,7 @@ from testbed.cache.free_queue import BLOCK_DTYPE, BlockStats, FreeBlockQueue
 from testbed.cache.key_table import KeyTable
 from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
+from testbed.errors import BadInput
 
 # key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
 # invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
@@ -122,7 +123,7 @@ class BlockHashCache(PrefixCache):
     def __init__(self, capacity: int | None = None, block_size: int = 16,
                  policy: EvictionPolicy | None = None) -> None:
         if block_size < 1:
-            raise ValueError(f"cache.block_size must be >= 1, got {block_size}")
+            raise BadInput(f"cache.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.num_blocks = None if capacity is None else capacity // block_size
         self.policy = policy if policy is not None else LRU()

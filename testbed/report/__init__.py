@@ -23,6 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from testbed.errors import BadInput
 from testbed.report.figures import make_figures
 from testbed.report.markdown import write_report
 from testbed.report.table import load_results
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = build(args.dir, args.out)
-    except FileNotFoundError as e:
+    except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     df = result["table"]

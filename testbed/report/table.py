@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from testbed.errors import BadInput
+
 # The config choices a study sweeps: column name -> dotted key in the composed config.
 CHOICES = {
     "backend": "backend.name", "workload": "workload.name", "cache": "cache.name",
@@ -74,19 +76,27 @@ def _config_of_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     return flat
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A run file's JSON object; a corrupt one is refused naming the file and where."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BadInput(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+
+
 def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(row, flat config) of one run dir. The newer of summary.json and failed.json wins."""
     summary_p, failed_p = run_dir / "summary.json", run_dir / "failed.json"
     row: dict[str, Any] = {"run": str(run_dir.relative_to(root)) or "."}
     if summary_p.is_file() and not (failed_p.is_file()
                                     and failed_p.stat().st_mtime > summary_p.stat().st_mtime):
-        summary = json.loads(summary_p.read_text())
+        summary = read_json(summary_p)
         flat = _flatten(summary.pop("config", None) or {})
         row |= {"status": "ok", "error": None, "failure": None}
         row |= {k: v for k, v in summary.items()
                 if k not in CHOICES and not isinstance(v, (dict, list))}
     else:
-        failed = json.loads(failed_p.read_text())
+        failed = read_json(failed_p)
         config = failed.get("config")
         flat = _flatten(config) if config else _config_of_overrides(failed.get("overrides", []))
         row |= {"status": "failed",
@@ -118,7 +128,7 @@ def load_results(root: str | Path, progress: bool | None = None) -> pd.DataFrame
     root = Path(root)
     dirs = find_runs(root)
     if not dirs:
-        raise FileNotFoundError(f"no runs under {root} (no summary.json or failed.json found)")
+        raise BadInput(f"no runs under {root} (no summary.json or failed.json found)")
     rows, flats = [], []
     for d in tqdm(dirs, desc="loading runs", unit="run", disable=None if progress is None
                   else not progress):
