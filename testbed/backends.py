@@ -122,12 +122,16 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     if engine and cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor
         executor = TieredEngineExecutor(executor, cache)
+    limits = None
+    if engine:  # what its model can take: refused before the first step (BadInput)
+        from testbed.engine.limits import ModelLimits
+        limits = ModelLimits.for_group(run.config["model"], executor.runner.model.config.vocab_size)
     scheduler, result = serve(requests, cache, run.scheduler, executor, seed=run.seed,
                               max_in_flight=run.max_in_flight,
                               generate=engine and not run.get("forced", True),
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
-                              if engine else (), reuse=run.reuse,
+                              if engine else (), reuse=run.reuse, limits=limits,
                               check_invariants=run.check_invariants)
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,

@@ -172,6 +172,29 @@ def test_overlap_decodes_a_finished_request_one_step_more_and_inserts_after_the_
     cache.check_invariants()
 
 
+def test_overlap_never_decodes_a_prefill_only_call_and_forms_again_once_its_results_free_room():
+    """A prefill-only call (SGLang's fork, no output) makes no token, so the batch formed while
+    its prefill is in flight must not decode it (there is no input token: the engine crashed on
+    an empty ``input_ids``). And when no batch forms until its results are applied, which
+    unlocks its 50 tokens, the step forms again at once: b fits only then, and nothing else
+    would wake the driver."""
+    cache = RadixCache(100)
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", overlap=True))
+    fork = s.submit(Request("fork", toks(*range(50)), toks()), 0.0)
+    b1 = s.next_batch(0.0)
+    assert [e.req.id for e in b1.entries] == ["fork"]
+    b = s.submit(Request("b", toks(*range(200, 260)), np.arange(1, 11, dtype=np.int32)), 0.5)
+    s.complete(b1, [None], 1.0)
+    b2 = s.next_batch(1.0)  # before fork's results: 60 + 10 > 100 - 50 locked; after: it fits
+    assert fork.finished and s.take_finished() == [fork] and fork.output == []
+    assert b2.kind == "prefill" and [e.req.id for e in b2.entries] == ["b"]
+    assert all(len(e.input_ids()) == e.new for e in b2.entries)
+    drive(s)
+    assert b.finished and b.output == list(range(1, 11))
+    cache.check_invariants()
+    assert cache.protected_size == 0
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_request_finishes_with_its_tokens_under_eviction_and_retraction(overlap):
     cache = RadixCache(90)

@@ -7,6 +7,7 @@ buffers indexed by cache slot), `slot_table` (each request's token -> slot row o
 keys re-rotated), `blend` (the prefill that reuses chunks' KV, CacheBlend-style), `quality`
 (approximate requests against exact recomputation),
 `loader` (HF checkpoints, random and tiny models, the ``model`` config group), `sampler`,
+`limits` (requests the model cannot take, refused before any step),
 `runner` (`ModelRunner`: a `Batch` in, logits out), `executor` (`EngineExecutor`: the
 simulator's `Executor` seam with measured step times) and `host_memory` (steady CPU allocation).
 """

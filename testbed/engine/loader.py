@@ -168,7 +168,8 @@ def tiny_config(**overrides: Any) -> Any:
 
 def config_from_model_group(model: Mapping[str, Any]) -> Any:
     """A `LlamaConfig` from the project's ``model`` config group (conf/model/*.yaml) for a random
-    model (``model.path`` null). Optional keys: rope_theta, rms_norm_eps, tie_word_embeddings."""
+    model (``model.path`` null). Optional keys: rope_theta, rms_norm_eps, tie_word_embeddings,
+    max_position_embeddings (the context the engine holds requests to, `testbed.engine.limits`)."""
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_heads"]
     return tiny_config(
         num_hidden_layers=model["num_layers"], hidden_size=model["hidden_size"],
@@ -176,7 +177,8 @@ def config_from_model_group(model: Mapping[str, Any]) -> Any:
         head_dim=head_dim, intermediate_size=model["intermediate_size"],
         vocab_size=model["vocab_size"], rope_theta=float(model.get("rope_theta", 10000.0)),
         rms_norm_eps=float(model.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(model.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(model.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(model.get("max_position_embeddings") or 4096))
 
 
 def check_model_group(model: Mapping[str, Any], hf: Any) -> None:

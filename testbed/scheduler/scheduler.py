@@ -26,7 +26,9 @@ Each step is a prefill batch or a decode batch, prefill first whenever one can b
 - **Overlap** (``scheduler.overlap``, SGLang's default ``event_loop_overlap``): a batch's results
   (tokens, finishes, the insert after prefill) are applied only after the next batch is formed,
   so that batch decodes requests whose last token is still in flight, and one step more for a
-  request that has just finished (its extra token is dropped, as SGLang frees it).
+  request that has just finished (its extra token is dropped, as SGLang frees it). A
+  prefill-only call (no output) is never decoded: there is no token to feed it. When no batch
+  forms until those results are applied, the step is formed again at once (SGLang's loop).
 
 Beyond SGLang: when nothing runs and the first request's reservation does not fit, it is admitted
 anyway (SGLang clips ``max_new_tokens`` at submission so that this cannot happen; without the
@@ -136,7 +138,26 @@ class Scheduler:
     # ------------------------------------------------------------------ the next step
     def next_batch(self, now: float = 0.0) -> Batch | None:
         """Form the next step (``get_next_batch_to_run``). With ``overlap``, the previous step's
-        results are applied right after it is formed; `take_finished` returns what they finished."""
+        results are applied right after it is formed; `take_finished` returns what they finished.
+
+        When no batch forms but applying those results changed the state (a request finished
+        and unlocked or freed its KV), the step is formed again at once: SGLang's overlap loop
+        goes round again without waiting for input. The driver would otherwise wait for an
+        arrival that may never come while admissible requests sit in the queue."""
+        batch = self._form(now)
+        if self._pending is not None:
+            done, tokens = self._pending
+            self._pending = None
+            self._finished_out += self._apply(done, tokens, now)
+            if batch is None:
+                batch = self._form(now)
+        self._in_flight = batch
+        if self.check_invariants:
+            self.cache.check_invariants(self.leases())
+        return batch
+
+    def _form(self, now: float) -> Batch | None:
+        """SGLang's ``get_next_batch_to_run``: a prefill batch if one forms, else a decode."""
         if self.chunked is not None and self.config.overlap:
             self._commit_chunk(self.chunked)
         self._merge_last_prefill()
@@ -150,13 +171,6 @@ class Scheduler:
                     batch = self._prefill_batch(now)
         if batch is not None and batch.kind == "prefill":
             self._last_prefill = batch
-        if self._pending is not None:
-            done, tokens = self._pending
-            self._pending = None
-            self._finished_out += self._apply(done, tokens, now)
-        self._in_flight = batch
-        if self.check_invariants:
-            self.cache.check_invariants(self.leases())
         return batch
 
     def take_finished(self) -> list[Req]:
@@ -167,12 +181,18 @@ class Scheduler:
     def _merge_last_prefill(self) -> None:
         """The last prefill batch joins the running batch, less its finished requests and its
         chunked one; a smaller batch, or a new running batch, is not full (SGLang's
-        ``filter_batch`` and ``merge_batch`` in ``get_next_batch_to_run``)."""
+        ``filter_batch`` and ``merge_batch`` in ``get_next_batch_to_run``).
+
+        A prefill-only call (``max_new_tokens`` 0) never joins: it makes no token, so there is
+        nothing to decode, and it finishes when its prefill's results are applied. Under overlap
+        those results are not applied yet here, so ``finished`` cannot tell; without this check
+        the next decode step would feed it a token that does not exist (no input ids)."""
         last, self._last_prefill = self._last_prefill, None
         if last is None:
             return
         keep = [e.req for e in last.entries
-                if e.produces_token and not e.req.finished and e.gen == e.req.preemptions]
+                if e.produces_token and not e.req.finished and e.gen == e.req.preemptions
+                and e.req.remaining_new_tokens > 0]
         if len(keep) < len(last.entries) or (keep and not self.running):
             self.batch_is_full = False
         self.running += keep

@@ -14,6 +14,7 @@ request rejoins the queue when its copy is done. The cache's planner says how lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import simpy
@@ -68,7 +69,10 @@ class Driver:
     def __init__(self, requests: list[Request], scheduler: Scheduler, executor: Executor,
                  max_in_flight: int | None = None, generate: bool = False,
                  progress: bool = False, record_steps: bool = False,
-                 observer: RunObserver | None = None) -> None:
+                 observer: RunObserver | None = None,
+                 check_prompt: Callable[[Request, np.ndarray], None] | None = None) -> None:
+        """``check_prompt``: called on each prompt rebuilt from real outputs before its call is
+        submitted (the engine refuses one its model cannot take)."""
         self.env = simpy.Environment()
         self.requests = requests
         self.scheduler = scheduler
@@ -77,6 +81,7 @@ class Driver:
         self.generate = generate  # rebuild prompts from actual outputs (the engine generating)
         self.record_steps = record_steps
         self.observer = observer  # watches steps and request phases; decides nothing
+        self.check_prompt = check_prompt
         self.stats = StepStats()
         self.reqs: list[Req] = []
         self.steps: list[StepRecord] = []
@@ -141,6 +146,8 @@ class Driver:
         if when > self.env.now:
             yield self.env.timeout(when - self.env.now)
         prompt = materialize(call.segments, self._outputs) if self.generate and call.segments else None
+        if prompt is not None and self.check_prompt is not None:
+            self.check_prompt(call, prompt)
         req = self.scheduler.submit(call, self.env.now, prompt=prompt)
         self.reqs.append(req)
         if self.observer is not None:

@@ -6,7 +6,7 @@ hardware: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (as SGLa
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from testbed.cache import PrefixCache, ReuseConfig
 from testbed.metrics import RequestRecord
@@ -18,12 +18,15 @@ from testbed.sim.executor import Executor
 from testbed.sim.observer import RunObserver
 from testbed.workloads.request import Request
 
+if TYPE_CHECKING:
+    from testbed.engine.limits import ModelLimits
+
 
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
           observe: bool = False, eos_token_ids: Collection[int] = (),
-          reuse: ReuseConfig | None = None,
+          reuse: ReuseConfig | None = None, limits: "ModelLimits | None" = None,
           check_invariants: bool = False) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
@@ -33,14 +36,19 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     earlier outputs are then rebuilt from the real ones, and a generated token in
     ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
     steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
+    ``limits`` (the engine): requests its model cannot take are refused before anything runs,
+    and a rebuilt prompt again when its call is formed (`testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
+    rebuild = generate or any(r.generates for r in requests)
+    if limits is not None:
+        limits.check_workload(requests, rebuilt=rebuild, forced=not generate)
     scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
                           eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse,
                           check_invariants=check_invariants)
-    rebuild = generate or any(r.generates for r in requests)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
                     progress=progress, record_steps=record_steps,
-                    observer=RunObserver([scheduler]) if observe else None)
+                    observer=RunObserver([scheduler]) if observe else None,
+                    check_prompt=limits.check_submitted if limits is not None else None)
     return scheduler, driver.run()
 
 
