@@ -207,3 +207,20 @@ def test_look_ups_do_not_move_the_oracles_now():
     assert cache.policy.now == 0
     cache.match(toks(2, 2, 3), requester=Requester("r3"))
     assert cache.policy.now == 0
+
+
+def test_invariants_hold_for_gdsf_after_its_clock_has_risen():
+    # GDSF values an entry with the clock L of when it was queued; an eviction raises L, so a
+    # value recomputed later differs from the queued one. The check used to demand equality.
+    from testbed.cache import RadixCache
+    from testbed.cache.eviction import GDSF
+    from testbed.replay import replay
+    from testbed.workloads.request import Request
+    from tests.conftest import toks
+
+    cache = RadixCache(capacity=12, policy=GDSF())
+    requests = [Request("a", toks(1, 2, 3, 4), toks()), Request("b", toks(5, 6, 7, 8), toks()),
+                Request("c", toks(9, 10, 11, 12), toks()),  # full: the next one evicts
+                Request("d", toks(13, 14, 15, 16), toks())]
+    replay(requests, cache, check_invariants=True)
+    assert cache.policy.clock > 0 and cache.evictable_size == 12

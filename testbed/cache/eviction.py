@@ -48,6 +48,10 @@ class EvictionPolicy:
     """Base policy: LRU. Subclasses override `priority` and the hooks they need."""
 
     name = "lru"
+    # Whether priority() also reads state of the policy that changes as entries come and go
+    # (GDSF's aging clock, the workload-aware estimates): a queued entry then keeps the value it
+    # had when it was queued, as those algorithms specify, and a recomputed one may differ.
+    priority_drifts = False
 
     def priority(self, entry: EntryStats) -> Any:
         return entry.last_access
@@ -67,6 +71,15 @@ class EvictionPolicy:
     def path_key_needed(self) -> bool:
         """Whether the cache must tell the policy the tokens leading into an entry (oracle)."""
         return False
+
+
+def queued_as_valued(policy: EvictionPolicy, queued: dict[int, Any], entry: EntryStats) -> bool:
+    """Invariant checks: whether an evictable entry is queued (``queued``: entry id -> the
+    priority it was queued with) at the priority the policy gives it now, or at all where the
+    policy's priorities drift (`EvictionPolicy.priority_drifts`)."""
+    if getattr(policy, "priority_drifts", False):
+        return entry.id in queued
+    return queued.get(entry.id) == policy.priority(entry)
 
 
 class LRU(EvictionPolicy):
@@ -128,6 +141,7 @@ class GDSF(EvictionPolicy):
     whose attention spans a long prefix, are costlier per token."""
 
     name = "gdsf"
+    priority_drifts = True  # the clock L at the time an entry was valued
 
     def __init__(self, cost_fn: Callable[[int, int], float] | None = None) -> None:
         self.cost_fn = cost_fn or (lambda start, size: size * (1.0 + start / 4096.0))
@@ -149,6 +163,7 @@ class WorkloadAware(EvictionPolicy):
     LRU); ``tau`` (in accesses) trades the estimate against recency."""
 
     name = "workload_aware"
+    priority_drifts = True  # the reuse estimate at the time an entry was queued
 
     def __init__(self, tau: float = 20000.0) -> None:
         if tau <= 0:

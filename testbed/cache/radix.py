@@ -28,7 +28,7 @@ from typing import Iterable
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
-from testbed.cache.eviction import LRU, EvictionPolicy, Requester
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester, queued_as_valued
 from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import (TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes,
@@ -474,7 +474,7 @@ class RadixCache(LeafEviction, PrefixCache):
             else:
                 evictable += len(node.key)
                 if not node.children:
-                    assert candidates.get(node.id) == self.policy.priority(node), \
+                    assert queued_as_valued(self.policy, candidates, node), \
                         f"evictable leaf without a current heap entry: {node!r}"
             owned.append(node.slots)
         assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"

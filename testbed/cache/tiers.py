@@ -43,7 +43,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease
-from testbed.cache.eviction import LRU, EvictionPolicy, Requester
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester, queued_as_valued
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, TreeNode
 from testbed.cache.tier_config import tier_options
@@ -452,7 +452,7 @@ class TieredRadixCache(RadixCache):
             else:
                 evictable += len(node.slots)
             if self._candidate(node, top):
-                assert current[top].get(node.id) == policies[top].priority(node), \
+                assert queued_as_valued(policies[top], current[top], node), \
                     f"tier {top} candidate without a current heap entry: {node!r}"
             owned.append(node.slots)
         for node in [self.root] + nodes:
