@@ -515,6 +515,16 @@ class Scheduler:
         req.lease = None
         req.finish_s = now
 
+    def check_drained(self) -> None:
+        """At the end of a run: every request finished, no lease held, nothing locked in the
+        cache (``debug.check_invariants``); raises AssertionError naming what is left."""
+        left = [r.id for r in self.waiting + self.running if not r.finished]
+        assert not left and self.chunked is None, f"requests left unfinished: {left[:5]}"
+        assert not self.leases(), f"{len(self.leases())} leases still held at the end"
+        assert self.cache.protected_size == 0, \
+            f"{self.cache.protected_size} tokens still locked in the cache at the end"
+        self.cache.check_invariants()
+
     def leases(self) -> list[Lease]:
         """Leases of every request holding KV, batches in flight included (invariant checks)."""
         holders = self.running + ([self.chunked] if self.chunked else []) + self.loading

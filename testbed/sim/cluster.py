@@ -276,7 +276,10 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                            network_delay_s=network_delay_s,
                            transfer_s_per_token=transfer_s_per_token, progress=progress,
                            observer=RunObserver(schedulers) if observe else None)
-    return driver.run()
+    result = driver.run()
+    for scheduler in schedulers if check_invariants else ():
+        scheduler.check_drained()
+    return result
 
 
 # ---------------------------------------------------------------------- results

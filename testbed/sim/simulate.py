@@ -49,7 +49,10 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
                     progress=progress, record_steps=record_steps,
                     observer=RunObserver([scheduler]) if observe else None,
                     check_prompt=limits.check_submitted if limits is not None else None)
-    return scheduler, driver.run()
+    result = driver.run()
+    if check_invariants:
+        scheduler.check_drained()
+    return scheduler, result
 
 
 def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRecord]:
