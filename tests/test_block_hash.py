@@ -255,3 +255,20 @@ def test_a_leading_block_of_token_zero_is_not_keyed_like_no_block():
     serve(cache, [0, 1, 2, 3])
     assert cache.match(toks(1, 2, 3, 4)) == 0
     assert cache.match(toks(0, 1, 2, 9)) == 3
+
+
+def test_popping_every_holder_of_a_key_at_once_evicts_them_all():
+    # Three requests compute the same prompt at once: three holders of each key. One pop then
+    # takes all six blocks; it used to promote a holder popped in the same call as the heir.
+    cache = BlockHashCache(capacity=24, block_size=4)
+    prompt = toks(*range(8))
+    leases = [cache.acquire(prompt) for _ in range(3)]  # all miss: three holders of each key
+    for lease in leases:
+        cache.extend(lease, 8)
+    for lease in leases:
+        cache.release(lease, prompt)
+    cache.check_invariants()
+    big = cache.acquire(toks(*range(100, 124)))  # every block of the pool, all six cached
+    assert cache.extend(big, 24) == 24
+    cache.check_invariants([big])
+    assert cache.match(prompt) == 0
