@@ -243,3 +243,21 @@ def test_ordering_the_queue_counts_no_hits_for_frequency_policies(policy):
     for _ in range(5):
         s.policy.order(s.waiting)
     assert sorted(n.access_count for n in cache.nodes()) == counts
+
+
+def test_under_overlap_a_request_needing_its_last_tokens_slot_beyond_the_pool_is_aborted():
+    # Overlap decodes a request once more after its last token (the finish is applied a step
+    # late), so it holds prompt + output slots, one more than without overlap. A 30-token
+    # prompt with 3 outputs fits 8 pages of 4 (32 slots) without overlap, not with it: the
+    # decode step used to find no room for the lone request ("extend_each: could not make room").
+    from testbed.cache import RadixCache
+    from testbed.scheduler.config import SchedulerConfig
+    from testbed.scheduler.scheduler import Scheduler
+    from testbed.workloads.request import Request
+    from tests.conftest import toks
+
+    request = Request("r", toks(*range(30)), toks(1, 2, 3))
+    plain = Scheduler(RadixCache(capacity=34, page_size=4), SchedulerConfig(overlap=False))
+    overlap = Scheduler(RadixCache(capacity=34, page_size=4), SchedulerConfig(overlap=True))
+    assert not plain.submit(request, 0.0).aborted
+    assert overlap.submit(request, 0.0).aborted

@@ -80,6 +80,11 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 @EVICTION.register("oracle")
 class Oracle(EvictionPolicy):
     name = "oracle"
+    # A leaf is queued with its next use as of then. Each use touches the node and queues it
+    # anew, so in replay (requests in order) the queued value is current; in the simulator "now"
+    # can pass a next use that never touched the node (calls arrive out of list order), and a
+    # queued leaf then ranks by that earlier next use until it is queued again.
+    priority_drifts = True
 
     def __init__(self, requests: Sequence[Any]) -> None:
         self.index = FutureIndex([r.prompt for r in requests])

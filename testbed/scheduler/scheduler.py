@@ -115,13 +115,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request, now: float, prompt: np.ndarray | None = None) -> Req:
-        """Queue a request. One that could never fit in the KV cache is aborted at once."""
+        """Queue a request. One that could never fit in the KV cache is aborted at once: under
+        overlap it needs one slot more, its last token's, as it is decoded once more before its
+        finish is applied."""
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
                   submitted_s=now, seq=self._seq)
         if self.eos_for_all or request.generates:
             req.stop_token_ids = self.eos_token_ids
         self._seq += 1
-        if not self.cache.fits(req.kv_needed):
+        extra = 1 if self.config.overlap and req.max_new_tokens > 0 else 0
+        if not self.cache.fits(req.kv_needed + extra):
             req.aborted = True
             req.finish_s = now
             return req
