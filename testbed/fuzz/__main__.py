@@ -1,0 +1,5 @@
+import sys
+
+from testbed.fuzz.cli import main
+
+sys.exit(main())

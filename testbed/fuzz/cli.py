@@ -1,0 +1,163 @@
+"""``python -m testbed.fuzz --runs N --seed S``: random configs run in-process, each checked.
+
+Every run composes its overrides like ``python -m testbed.run`` does, with
+``debug.check_invariants=true`` (the cache checked after every step, no lease or lock left at the
+end) and ``save_token_ids=true``, and goes through the same `testbed.run.execute`. A run passes
+when it finishes with consistent files (`testbed.fuzz.checks`) or is refused with a one-line
+`BadInput`; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
+other outcome is a failure, printed with the command line that reproduces it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from testbed.assembly import assemble
+from testbed.cli import CONF_DIR
+from testbed.errors import BadInput
+from testbed.fuzz.checks import check_run, comparable
+from testbed.fuzz.space import capacity_overrides, draw
+from testbed.run import execute
+
+ALWAYS = ["debug.check_invariants=true", "save_token_ids=true", "progress=false"]
+
+
+@dataclass
+class Outcome:
+    overrides: list[str]
+    status: str  # ok | refused | failed
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python -m testbed.run", *self.overrides, *ALWAYS])
+
+
+def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
+            repeat: bool) -> Outcome:
+    """Run and check one config (twice with ``repeat``); ``cfg`` is its composed config (None:
+    composing it failed, and composing again reports why)."""
+    started = time.perf_counter()
+    outcome = Outcome(overrides, "ok")
+    try:
+        summaries = []
+        for attempt in range(2 if repeat else 1):
+            if cfg is None:
+                cfg = compose("config", overrides=[*overrides, *ALWAYS])
+            target = run_dir / str(attempt)
+            execute(copy.deepcopy(cfg), target, notes=[])
+            summaries.append(json.loads((target / "summary.json").read_text()))
+            outcome.problems += check_run(target, summaries[-1])
+        if repeat and comparable(summaries[0]) != comparable(summaries[1]):
+            first, second = comparable(summaries[0]), comparable(summaries[1])
+            diff = sorted(k for k in first if first.get(k) != second.get(k))
+            outcome.problems.append(f"the same seed gave another summary: {diff[:6]}")
+    except BadInput as e:
+        outcome.status = "refused"
+        if "\n" in str(e) or not str(e):
+            outcome.problems.append(f"a refusal not in one line: {str(e)!r}")
+    except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
+        tb = traceback.format_exc(limit=-4)
+        outcome.problems.append(f"internal error: {type(e).__name__}: {e}\n{tb}")
+    if outcome.problems:
+        outcome.status = "failed"
+    outcome.seconds = time.perf_counter() - started
+    return outcome
+
+
+def draw_config(rng: np.random.Generator, workdir: Path,
+                index: int) -> tuple[list[str], DictConfig | None]:
+    """A config with its capacity drawn against the workload's requests: its overrides and its
+    composed config (None where composing or generating failed: `run_one` reports why)."""
+    overrides = draw(rng, workdir, index)
+    try:
+        cfg = compose("config", overrides=[*overrides, *ALWAYS])
+        requests = assemble(cfg).requests()
+    except Exception:  # refused or broken: let run_one find and report it
+        return overrides, None
+    backend = overrides[0].partition("=")[2]
+    capacity = capacity_overrides(rng, requests, backend)
+    for item in capacity:
+        key, _, value = item.partition("=")
+        OmegaConf.update(cfg, key, None if value == "null" else int(value), merge=False)
+    return overrides + capacity, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testbed.fuzz", description=__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200, help="configs to draw and run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    parser.add_argument("--repeat", type=float, default=0.25,
+                        help="share of runs run twice to check the same seed's summary")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write every outcome here as JSON lines (failures in full)")
+    parser.add_argument("--verbose", action="store_true", help="print every config drawn")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or not 0.0 <= args.repeat <= 1.0:
+        print("error: --runs must be >= 1 and --repeat in [0, 1]", file=sys.stderr)
+        return 2
+    rng = np.random.default_rng(args.seed)
+    outcomes: list[Outcome] = []
+    started = time.perf_counter()
+    log = args.out.open("w") if args.out else None
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp, \
+            initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        workdir = Path(tmp)
+        bar = tqdm(range(args.runs), desc="fuzz", unit="run", disable=None)
+        for i in bar:
+            overrides, cfg = draw_config(rng, workdir, i)
+            outcome = run_one(overrides, cfg, workdir / f"run{i}",
+                              repeat=rng.random() < args.repeat)
+            shutil.rmtree(workdir / f"run{i}", ignore_errors=True)
+            outcomes.append(outcome)
+            if args.verbose:
+                tqdm.write(f"{outcome.status}: {' '.join(overrides)}")
+            if outcome.status == "failed":
+                tqdm.write(f"FAILED #{i}: {outcome.problems[0].splitlines()[0]}\n  {outcome.command}")
+            if log is not None:
+                log.write(json.dumps({"index": i, "status": outcome.status,
+                                      "seconds": round(outcome.seconds, 4),
+                                      "overrides": overrides, "problems": outcome.problems}) + "\n")
+            bar.set_postfix(Counter(o.status for o in outcomes))
+    if log is not None:
+        log.close()
+    return report(outcomes, time.perf_counter() - started)
+
+
+def report(outcomes: list[Outcome], seconds: float) -> int:
+    """Print what was drawn and what failed; exit status 1 if anything failed."""
+    counts = Counter(o.status for o in outcomes)
+    drawn = Counter(part.split("=")[0] + "=" + part.split("=")[1] for o in outcomes
+                    for part in o.overrides if part.split("=")[0] in (
+                        "backend", "workload", "cache", "eviction", "scheduler", "router"))
+    print(f"{len(outcomes)} configs in {seconds:.0f} s: {counts['ok']} ran, "
+          f"{counts['refused']} refused in one line, {counts['failed']} failed")
+    print("drawn: " + ", ".join(f"{k} {v}" for k, v in sorted(drawn.items())))
+    failures = [o for o in outcomes if o.status == "failed"]
+    distinct: dict[str, Outcome] = {}
+    for o in failures:
+        distinct.setdefault(o.problems[0].splitlines()[0][:120], o)
+    for first, o in distinct.items():
+        print(f"\nFAILED: {first}\n  {o.command}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
