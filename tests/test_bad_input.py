@@ -149,3 +149,26 @@ def test_a_broken_internal_invariant_is_not_bad_input():
         cache.release(lease, prompt)
     assert not isinstance(broken.value, BadInput)
     assert failure_kind(broken.value) == "internal"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["backend=replay", "replicas=2"], "replicas > 1 needs backend=sim (replay serves one cache)"),
+    (["backend=engine", "model=tiny", "replicas=2"],
+     "replicas=2 needs backend=sim; the engine serves one replica"),
+    (["replicas=2", "cache.host_tokens=64"], "cache.host_tokens / cache.disk_tokens need replicas=1"),
+    (["replicas=2", "cache.reuse=blend"],
+     "cache.reuse=blend / cache.match=semantic need replicas=1"),
+])
+def test_replicas_that_cannot_run_are_refused_before_the_workload_is_generated(
+        compose, monkeypatch, overrides, message):
+    import testbed.assembly
+
+    def generated(*args, **kwargs):
+        raise AssertionError("the workload was generated before the config was checked")
+
+    monkeypatch.setattr(testbed.assembly, "build_workload", generated)
+    from testbed.run import execute
+
+    with pytest.raises(BadInput) as refused:
+        execute(compose(*overrides), "/nonexistent-run-dir")
+    assert str(refused.value) == message
