@@ -53,6 +53,25 @@ FOUND = {
                          "scheduler.overlap=true scheduler.retract_order=longest_prompt "
                          "model=llama3_8b hardware=a10g arrival.kind=poisson arrival.rate=50.0 "
                          "arrival.max_in_flight=4 cache.capacity_tokens=34",
+    # nothing runs and the full flag was cleared after a load-back: prefill is tried at once
+    "full_flag_after_load": "backend=sim seed=732 eviction=lfu workload=multimodal "
+                            "workload.num_requests=8 workload.num_images=2 "
+                            "workload.images_per_request=2 workload.image_len=11 "
+                            "workload.system_prompt_len=2 workload.question_len=1 "
+                            "workload.output_len=4 workload.vocab_size=256 cache=radix "
+                            "cache.page_size=4 cache.host_tokens=512 cache.disk_tokens=256 "
+                            "cache.write_policy=write_back cache.load_back=cost scheduler=lof "
+                            "model=llama3_8b hardware=a10g cache.capacity_tokens=29",
+    # blend donors whose locks leave no room: the admission reuses nothing instead of stalling
+    "blend_donors_no_room": "backend=sim seed=292 eviction=slru workload=random_tree "
+                            "workload.num_requests=22 workload.root_prob=0.2 "
+                            "workload.max_burst=4 workload.root_len=5 workload.segment_len=7 "
+                            "workload.output_len=0 workload.vocab_size=2 cache=radix "
+                            "cache.split_recency=keep cache.reuse=blend cache.recompute_ratio=1.0 "
+                            "cache.chunk_boundaries=4 scheduler=lpm "
+                            "scheduler.max_running_requests=1 model=tiny hardware=h100 "
+                            "arrival.kind=poisson arrival.rate=1000.0 arrival.max_in_flight=1 "
+                            "cache.capacity_tokens=35",
 }
 
 

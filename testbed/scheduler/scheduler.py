@@ -64,7 +64,7 @@ from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
 from testbed.scheduler.request_state import Req
-from testbed.scheduler.reuse_planner import ReusePlanner
+from testbed.scheduler.reuse_planner import ReusePlan, ReusePlanner
 from testbed.workloads.request import Request
 
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
@@ -166,11 +166,14 @@ class Scheduler:
         self._merge_last_prefill()
         batch = self._prefill_batch(now)
         if batch is None:
-            before = len(self.running)
+            before, full = len(self.running), self.batch_is_full
             batch = self._decode_batch()
             if batch is None:
                 self.new_token_ratio = self.config.init_new_token_ratio  # idle: SGLang resets it
-                if before:  # the running batch emptied: the next loop iteration tries prefill
+                # The running batch emptied, or nothing runs and the full flag was just cleared
+                # (set while a load-back or a failed extend held the KV): SGLang's next loop
+                # iteration tries prefill at once; waiting for an arrival here could wait forever.
+                if before or full:
                     batch = self._prefill_batch(now)
         if batch is not None and batch.kind == "prefill":
             self._last_prefill = batch
@@ -313,6 +316,13 @@ class Scheduler:
             return result
         req.lease, req.computed = lease, lease.hit
         plan = self.reuse.plan(req, lease.hit) if self.reuse is not None else None
+        if plan is not None and plan.donors:
+            first = extend if adder.rem_chunk is None else min(extend, int(adder.rem_chunk))
+            if self.cache.extension_cost(lease, first) > self.cache.available_size:
+                # The donors' locks leave no room for the tokens this step computes: reusing
+                # would fail every time it is tried, so this admission reuses nothing.
+                self.reuse.release(req)
+                plan = req.reuse_plan = ReusePlan()
         if req.cached_tokens is None:
             req.cached_tokens = min(lease.hit, len(req.prompt))
             if plan is not None:
