@@ -172,3 +172,16 @@ def test_replicas_that_cannot_run_are_refused_before_the_workload_is_generated(
     with pytest.raises(BadInput) as refused:
         execute(compose(*overrides), "/nonexistent-run-dir")
     assert str(refused.value) == message
+
+
+def test_a_call_waiting_for_another_programs_call_is_refused(tmp_path, compose):
+    # It used to stop the simulator with "min() arg is an empty sequence" (its program had no
+    # call to start with).
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"id": "a", "prompt": [1, 2, 3], "output": [4]}\n'
+                    '{"id": "b", "prompt": [1, 2, 3, 4, 5], "output": [6], "after": ["a"]}\n')
+    run = assemble(compose("workload=trace", f"workload.path={path}", "workload.format=tokens"))
+    with pytest.raises(BadInput) as refused:
+        run.requests()
+    assert str(refused.value) == ("request b waits for a ('after') of another program ('a', not "
+                                  "'b'); calls that wait for each other must share a 'program'")

@@ -1,7 +1,6 @@
 """Trace loaders: Bailian (ATC'25) blocks and conversations, Azure 2023 CSV, ShareGPT, token extras."""
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -173,13 +172,11 @@ def test_azure_conversation_trace_loads_every_row():
     path = SHARED_TRACES / "azure_llm_inference_2023_conv.csv"
     if not path.is_file():
         pytest.skip(f"real trace not present: {path}")
-    start = time.perf_counter()
     reqs = load_azure(path)
     assert len(reqs) == 19366
     assert (len(reqs[0].prompt), len(reqs[0].output)) == (374, 44)  # the first data row
     assert reqs[0].arrival_s == 0.0 and reqs[-1].arrival_s == pytest.approx(3501.721937)
     assert sum(len(r.prompt) for r in reqs) == 22361870
-    assert time.perf_counter() - start < 3.0
 
 
 # --- sharegpt -------------------------------------------------------------------------------------

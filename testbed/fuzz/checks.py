@@ -88,8 +88,30 @@ WALL_CLOCK = {"wall_s", "timing"}
 ENGINE_TIMED = ("_s", "throughput", "tpot", "ttft", "itl", "e2e", "busy", "imbalance")
 
 
+def schedule_follows_the_clock(config: dict[str, Any]) -> bool:
+    """Whether an engine run's schedule depends on measured step times: arrivals or think times
+    in (virtual) seconds, load-backs timed against steps, or LPM's aging by waiting time. The
+    engine's virtual time advances by what each step measured, so such runs interleave
+    differently from one run to the next; offline runs without them do not."""
+    arrival = (config.get("arrival") or {}).get("kind", "auto")
+    workload = config.get("workload") or {}
+    timed_arrivals = arrival not in ("offline", "auto") or (
+        arrival == "auto" and workload.get("name") == "trace")
+    think = any(isinstance(v, dict) and v.get("think_time_s") for v in
+                [workload, *(workload.get("components") or {}).values()])
+    cache = config.get("cache") or {}
+    tiers = bool(cache.get("host_tokens") or cache.get("disk_tokens"))
+    aging = bool((config.get("scheduler") or {}).get("lpm_aging"))
+    return timed_arrivals or think or tiers or aging
+
+
 def comparable(summary: dict[str, Any]) -> dict[str, Any]:
-    """The summary without what legitimately differs between two runs of one config."""
-    engine = summary.get("backend") == "engine"
-    return {k: v for k, v in summary.items() if k not in WALL_CLOCK
-            and not (engine and any(t in k for t in ENGINE_TIMED))}
+    """The summary without what legitimately differs between two runs of one config: wall-clock
+    fields; on the engine its timed fields, and where its schedule follows the clock
+    (`schedule_follows_the_clock`) everything but what the workload fixes."""
+    if summary.get("backend") == "engine":
+        if schedule_follows_the_clock(summary.get("config") or {}):
+            return {k: summary.get(k) for k in ("num_requests", "backend", "workload")}
+        return {k: v for k, v in summary.items() if k not in WALL_CLOCK and k != "config"
+                and not any(t in k for t in ENGINE_TIMED)}
+    return {k: v for k, v in summary.items() if k not in WALL_CLOCK}

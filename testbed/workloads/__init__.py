@@ -78,4 +78,18 @@ def build_workload(cfg: Mapping[str, Any], seed: int = 0,
                        f"{', '.join(ARRIVAL_KEYS)}")
     requests = apply_arrivals(requests, kind=arrival.pop("kind", "auto"),
                               is_trace=cfg.get("name") == "trace", seed=seed, **arrival)
+    check_dependencies(requests)
     return arrival_order(requests)
+
+
+def check_dependencies(requests: list[Request]) -> None:
+    """A call waits (``after``) only for calls of its own program: programs start as units (a
+    closed loop counts them), so a program needs a call that waits for none of another's."""
+    program_of = {r.id: r.program if r.program is not None else r.id for r in requests}
+    for r in requests:
+        mine = program_of[r.id]
+        for a in r.after:
+            if a in program_of and program_of[a] != mine:
+                raise BadInput(f"request {r.id} waits for {a} ('after') of another program "
+                               f"({program_of[a]!r}, not {mine!r}); calls that wait for each "
+                               "other must share a 'program'")
