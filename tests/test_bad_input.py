@@ -185,3 +185,16 @@ def test_a_call_waiting_for_another_programs_call_is_refused(tmp_path, compose):
         run.requests()
     assert str(refused.value) == ("request b waits for a ('after') of another program ('a', not "
                                   "'b'); calls that wait for each other must share a 'program'")
+
+
+def test_an_empty_prompt_is_refused_in_the_simulator(compose):
+    # It used to reach the cost model as a prefill of 0 new tokens (internal: StepShape).
+    from testbed.backends import run_backend
+
+    run = assemble(compose("backend=sim", "workload=random_tree", "workload.num_requests=3",
+                           "workload.root_len=0", "workload.segment_len=0",
+                           "workload.output_len=1", "cache.capacity_tokens=100"))
+    with pytest.raises(BadInput) as refused:
+        run_backend(run, run.requests())
+    assert str(refused.value) == ("request tree0/n0: empty prompt (backend=sim serves a call by "
+                                  "prefilling at least one prompt token)")

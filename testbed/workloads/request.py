@@ -89,6 +89,15 @@ def refuse_generating(requests: list[Request], backend: str) -> None:
                        "output ids")
 
 
+def refuse_empty_prompts(requests: list[Request], backend: str) -> None:
+    """A served call computes at least one prompt token (its prefill makes the first output):
+    one line naming the first call whose prompt is empty. (Replay only counts tokens.)"""
+    call = next((r for r in requests if len(r.prompt) == 0), None)
+    if call is not None:
+        raise BadInput(f"request {call.id}: empty prompt (backend={backend} serves a call by "
+                       "prefilling at least one prompt token)")
+
+
 def materialize(segments: tuple[Segment, ...], outputs: dict[str, np.ndarray]) -> np.ndarray:
     """The prompt spelled by ``segments``, with each `OutputRef` replaced by ``outputs[call]``."""
     parts = [outputs[s.call] if isinstance(s, OutputRef) else s for s in segments]
