@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -43,6 +44,7 @@ class Outcome:
     status: str  # ok | refused | failed
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    refusal: str | None = None  # the one line a refused config got
 
     @property
     def command(self) -> str:
@@ -70,6 +72,7 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
             outcome.problems.append(f"the same seed gave another summary: {diff[:6]}")
     except BadInput as e:
         outcome.status = "refused"
+        outcome.refusal = str(e)
         if "\n" in str(e) or not str(e):
             outcome.problems.append(f"a refusal not in one line: {str(e)!r}")
     except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             if log is not None:
                 log.write(json.dumps({"index": i, "status": outcome.status,
                                       "seconds": round(outcome.seconds, 4),
-                                      "overrides": overrides, "problems": outcome.problems}) + "\n")
+                                      "overrides": overrides, "problems": outcome.problems,
+                                      "refusal": outcome.refusal}) + "\n")
             bar.set_postfix(Counter(o.status for o in outcomes))
     if log is not None:
         log.close()
@@ -150,6 +154,11 @@ def report(outcomes: list[Outcome], seconds: float) -> int:
     print(f"{len(outcomes)} configs in {seconds:.0f} s: {counts['ok']} ran, "
           f"{counts['refused']} refused in one line, {counts['failed']} failed")
     print("drawn: " + ", ".join(f"{k} {v}" for k, v in sorted(drawn.items())))
+    reasons = Counter(re.sub(r"\d+", "N", o.refusal) for o in outcomes if o.refusal)
+    if reasons:
+        print("refused, most common first:")
+        for reason, n in reasons.most_common(8):
+            print(f"  {n:5d}  {reason[:150]}")
     failures = [o for o in outcomes if o.status == "failed"]
     distinct: dict[str, Outcome] = {}
     for o in failures:
