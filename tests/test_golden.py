@@ -1,0 +1,172 @@
+"""Golden digests: representative runs give byte-for-byte the summary and per-request records
+they gave when these were recorded (2026-12-02, before issue 28's redesign moves any code).
+
+Each case runs in-process through `testbed.run.execute`; its digest is a SHA-256 over the
+summary (wall-clock fields aside; on the engine, its timed fields too) and requests.jsonl, with
+floats rounded to 10 significant digits so that a last-bit difference of a library does not
+count. A change that moves a digest changes what the testbed computes: if that is intended,
+say so in the commit and print the new digests with ``python tests/test_golden.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if __package__ in (None, ""):  # run as a script: the repo root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from testbed.fuzz.checks import ENGINE_TIMED, WALL_CLOCK  # noqa: E402
+
+TINY = ["workload.vocab_size=256"]
+CASES: dict[str, list[str]] = {
+    "default_sim": [],
+    "chat": ["workload=chat", "workload.num_sessions=6", "workload.turns=3",
+             "workload.min_question_len=16", "workload.max_question_len=64",
+             "cache.capacity_tokens=1200"],
+    "chat_long": ["workload=chat_long", "workload.num_sessions=4", "workload.turns=2",
+                  "cache.capacity_tokens=3000"],
+    "few_shot": ["workload=few_shot", "workload.num_tasks=3", "workload.questions_per_task=6"],
+    "self_consistency": ["workload=self_consistency", "workload.num_questions=4",
+                         "workload.num_samples=3", "cache.capacity_tokens=2500"],
+    "tree_of_thought": ["workload.num_problems=8", "scheduler=fcfs", "cache.capacity_tokens=3000"],
+    "multimodal": ["workload=multimodal", "workload.num_requests=24"],
+    "shared_prefix": ["workload=shared_prefix", "workload.num_groups=4",
+                      "workload.prompts_per_group=4", "workload.system_prompt_len=256",
+                      "workload.output_len=16"],
+    "random_tree": ["workload=random_tree", "workload.num_requests=60",
+                    "cache.capacity_tokens=2000"],
+    "rag": ["workload=rag", "workload.num_requests=24", "workload.corpus_docs=12"],
+    "paraphrase": ["workload=paraphrase", "workload.num_originals=6"],
+    "mixed": ["workload=mixed", "workload.num_programs=8"],
+    "mooncake_replay": ["backend=replay", "workload=trace", "workload.path={mooncake}",
+                        "workload.format=mooncake", "cache.capacity_tokens=40960"],
+    "block_hash_replay": ["backend=replay", "workload=random_tree", "workload.num_requests=300",
+                          "cache=block_hash", "cache.block_size=16", "cache.capacity_tokens=6000"],
+    "block_hash_sim": ["cache=block_hash", "workload.num_problems=8",
+                       "cache.capacity_tokens=3000"],
+    "tiers": ["workload=chat", "workload.num_sessions=6", "workload.turns=3",
+              "cache.capacity_tokens=1024", "cache.host_tokens=4096", "cache.disk_tokens=16384"],
+    "blend": ["workload=rag", "workload.num_requests=24", "workload.corpus_docs=12",
+              "cache.reuse=blend"],
+    "cluster_cache_aware": ["replicas=4", "router=cache_aware", "workload.num_problems=16"],
+    "engine_tiny": ["backend=engine", "model=tiny", "device=cpu", "workload.num_problems=2",
+                    "workload.depth=2", *TINY],
+}
+
+
+def write_mooncake(path: Path) -> Path:
+    """A small Mooncake-format trace: 120 requests over shared 512-token blocks."""
+    lines = []
+    for i in range(120):
+        blocks = [b for b in range(i % 7 + 1)] + [1000 + i] * (i % 3 == 0)
+        length = 512 * (len(blocks) - 1) + 100 + i % 50
+        lines.append(json.dumps({"timestamp": 250 * i, "input_length": length,
+                                 "output_length": 20 + i % 9, "hash_ids": blocks}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.10g}")
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def digest(run_dir: Path) -> str:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    engine = summary.get("backend") == "engine"
+    timed = (lambda k: any(t in k for t in ENGINE_TIMED)) if engine else (lambda k: False)
+    summary = {k: v for k, v in summary.items() if k not in WALL_CLOCK and not timed(k)}
+    records = [{k: v for k, v in json.loads(line).items() if not timed(k)}
+               for line in (run_dir / "requests.jsonl").read_text().splitlines()]
+    text = json.dumps(_rounded([summary, records]), sort_keys=True)
+    text = text.replace(str(run_dir.parent), "<tmp>")  # a trace's path names the temporary folder
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_case(name: str, tmp: Path) -> str:
+    from hydra import compose, initialize_config_dir
+
+    from testbed.cli import CONF_DIR
+    from testbed.run import execute
+
+    mooncake = write_mooncake(tmp / "mooncake.jsonl")
+    overrides = [o.format(mooncake=mooncake) for o in CASES[name]]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[*overrides, "progress=false"])
+    execute(cfg, tmp / name)
+    return digest(tmp / name)
+
+
+def report_digest(tmp: Path) -> str:
+    """A sweep's report table: three runs of one sweep (cache x scheduler) as
+    `python -m testbed.report` tabulates them, wall-clock columns aside."""
+    from hydra import compose, initialize_config_dir
+
+    from testbed.cli import CONF_DIR
+    from testbed.report import build
+    from testbed.run import execute
+
+    sweep = tmp / "sweep"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        for i, choice in enumerate(["cache=radix scheduler=lpm", "cache=radix scheduler=fcfs",
+                                    "cache=none scheduler=fcfs"]):
+            cfg = compose("config", overrides=[*choice.split(), "workload.num_problems=8",
+                                               "progress=false"])
+            execute(cfg, sweep / str(i))
+    table = build(sweep, progress=False)["table"]
+    table = table[[c for c in table.columns if c not in WALL_CLOCK and not c.startswith("timing")]]
+    text = json.dumps(_rounded(json.loads(table.to_json(orient="records"))), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+GOLDEN = {
+    "blend": "6fb3c372e836cf6d",
+    "block_hash_replay": "29557210e79e46e4",
+    "block_hash_sim": "7d8bc240b59d968d",
+    "chat": "338640f07d7813d8",
+    "chat_long": "90b3b1518a52eeff",
+    "cluster_cache_aware": "fa556b8ca96d0c83",
+    "default_sim": "473a9a31e195b35e",
+    "engine_tiny": "35262495c2d217c5",
+    "few_shot": "6e274620dfe8a7c8",
+    "mixed": "114091728cf33826",
+    "mooncake_replay": "103dbe7dc2f32b2f",
+    "multimodal": "62e500efc85af0de",
+    "paraphrase": "c5a743250ec96ed5",
+    "rag": "0a2eb52115db1ea0",
+    "random_tree": "8e20791a5d60c237",
+    "self_consistency": "b7c3b90877666076",
+    "shared_prefix": "4b4f8ad68a09a574",
+    "tiers": "c58065028f288b0b",
+    "tree_of_thought": "82200fc4ab12b2fb",
+    "sweep_report": "6bc0e1e87893d000",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_representative_runs_give_the_recorded_results(name, tmp_path):
+    assert run_case(name, tmp_path) == GOLDEN[name]
+
+
+def test_a_sweeps_report_table_is_the_recorded_one(tmp_path):
+    assert report_digest(tmp_path) == GOLDEN["sweep_report"]
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in sorted(CASES):
+            print(f'    "{case}": "{run_case(case, Path(tmp))}",')
+        print(f'    "sweep_report": "{report_digest(Path(tmp))}",')
