@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
+from testbed.cache.tier_config import has_lower_tiers
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
@@ -93,8 +94,7 @@ class Assembly:
 
     @property
     def has_lower_tiers(self) -> bool:
-        c = self.config["cache"]
-        return bool(c.get("host_tokens") or c.get("disk_tokens"))
+        return has_lower_tiers(self.config["cache"])
 
     @property
     def max_in_flight(self) -> int | None:
@@ -241,7 +241,7 @@ def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> 
     if backend == "engine":
         raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
     c = config["cache"]
-    if c.get("host_tokens") or c.get("disk_tokens"):
+    if has_lower_tiers(c):
         raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
     if reuse.active:
         raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
@@ -284,7 +284,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     c = config["cache"]
     reuse = ReuseConfig.from_mapping(c)
     reuse.check_cache(c.get("target") or c.get("name"), c.get("page_size") or 1,
-                      bool(c.get("host_tokens") or c.get("disk_tokens")))
+                      has_lower_tiers(c))
     if reuse.active and backend == REPLAY:
         raise BadInput("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
                        "(replay has no prefill steps to reuse KV in)")

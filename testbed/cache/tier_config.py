@@ -11,14 +11,19 @@ from testbed.cache.eviction import EVICTION, EvictionPolicy
 from testbed.errors import BadInput
 
 
+def has_lower_tiers(cache_cfg: Mapping[str, Any]) -> bool:
+    """Whether the ``cache`` config group asks for a host or disk tier (a size above 0)."""
+    return bool(cache_cfg.get("host_tokens") or cache_cfg.get("disk_tokens"))
+
+
 def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """The tier arguments the ``cache`` config group asks for (``host_tokens``, ``disk_tokens``,
     ``write_policy``, ``write_threshold``, ``host_eviction``, ``disk_eviction``: a policy name or
     an ``eviction``-style mapping; the oracle is GPU-only), or None when it asks for no lower
     tier."""
-    host, disk = cache_cfg.get("host_tokens") or 0, cache_cfg.get("disk_tokens") or 0
-    if not host and not disk:
+    if not has_lower_tiers(cache_cfg):
         return None
+    host, disk = cache_cfg.get("host_tokens") or 0, cache_cfg.get("disk_tokens") or 0
     if cache_cfg.get("name") != "radix":
         raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
                        f"cache={cache_cfg.get('name')}")

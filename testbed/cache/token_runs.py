@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TOKEN_DTYPE = np.int32
+from testbed.workloads.request import TOKEN_DTYPE  # the one token dtype (re-exported here)
 TOKEN_BYTES = np.dtype(TOKEN_DTYPE).itemsize
 _DTYPE = np.dtype(TOKEN_DTYPE)  # native order: the one object every such array's dtype is
 

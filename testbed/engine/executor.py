@@ -25,7 +25,7 @@ from testbed.engine.quality import QualityMonitor
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.scheduler.batch import Batch
-from testbed.sim.executor import StepOutcome
+from testbed.scheduler.batch import StepOutcome
 
 
 def default_device() -> str:

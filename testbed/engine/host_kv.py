@@ -19,7 +19,7 @@ import torch
 from testbed.cache.tiers import Transfer, TieredRadixCache
 from testbed.engine.kv_cache import KVCache
 from testbed.scheduler.batch import Batch
-from testbed.sim.executor import StepOutcome
+from testbed.scheduler.batch import StepOutcome
 
 
 class LowerKV:

@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from testbed.cache.tier_config import has_lower_tiers
+
 EPS = 1e-9
 
 
@@ -100,7 +102,7 @@ def schedule_follows_the_clock(config: dict[str, Any]) -> bool:
     think = any(isinstance(v, dict) and v.get("think_time_s") for v in
                 [workload, *(workload.get("components") or {}).values()])
     cache = config.get("cache") or {}
-    tiers = bool(cache.get("host_tokens") or cache.get("disk_tokens"))
+    tiers = has_lower_tiers(cache)
     aging = bool((config.get("scheduler") or {}).get("lpm_aging"))
     return timed_arrivals or think or tiers or aging
 

@@ -69,3 +69,12 @@ class Batch:
     def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(new tokens, context) per entry: what a cost model needs."""
         return tuple(e.new for e in self.entries), tuple(e.context for e in self.entries)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What an executor (the simulator's or the engine's) returns for one `Batch`: how long the
+    step took and the token each entry produced (None where an entry produces none)."""
+
+    duration_s: float
+    tokens: list[int | None]

@@ -10,20 +10,13 @@ built with the run's values it names, e.g. ``cost_model``; docs/extending.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from testbed.registry import Registry
-from testbed.scheduler.batch import Batch
+from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, cascades
 from testbed.sim.cost_model import CostModel
 from testbed.sim.step_shape import StepShape
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    duration_s: float
-    tokens: list[int | None]  # per batch entry; None where no token is produced
 
 
 class Executor(Protocol):

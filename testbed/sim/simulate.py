@@ -1,7 +1,7 @@
-"""Assembling a simulated (or engine) run from config: KV capacity, cache, scheduler, driver.
-
-The KV capacity is ``cache.capacity_tokens`` when given, else derived from the model and the
-hardware: ``(memory × mem_fraction − weights) / kv_bytes_per_token`` (as SGLang sizes its pool).
+"""Serving a workload in virtual time: `serve` builds the shared scheduler over a built cache and
+executor and runs the SimPy driver (the simulator's and the engine's runs alike); `records_of`
+turns the served requests into run records. (The KV capacity and the objects come from
+`testbed.assembly` and `testbed.backends`.)
 """
 
 from __future__ import annotations
