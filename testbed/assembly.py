@@ -277,9 +277,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     debug = config.get("debug") or {}
     if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
         raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")
-    if debug.get("check_invariants", False) not in (True, False):
-        raise BadInput("debug.check_invariants must be true or false, got "
-                       f"{debug['check_invariants']!r}")
+    check_setting("debug.check_invariants", "bool", debug.get("check_invariants"))
     notes = [note] if (note := fit_vocabulary(config)) else []
     c = config["cache"]
     reuse = ReuseConfig.from_mapping(c)

@@ -101,7 +101,7 @@ def tier_extra(cache: PrefixCache) -> dict[str, Any]:
 
 
 def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResult:
-    from testbed.sim.simulate import records_of, serve
+    from testbed.sim.simulate import rebuilds_prompts, records_of, serve
 
     capacity = run.capacity_tokens
     if engine:
@@ -124,16 +124,19 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     if engine and cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor
         executor = TieredEngineExecutor(executor, cache)
-    limits = None
+    generate = engine and not run.get("forced", True)
+    check_prompt = None
     if engine:  # what its model can take: refused before the first step (BadInput)
         from testbed.engine.limits import ModelLimits
         limits = ModelLimits.for_group(run.config["model"], executor.runner.model.config.vocab_size)
+        limits.check_workload(requests, rebuilt=rebuilds_prompts(requests, generate),
+                              forced=not generate)
+        check_prompt = limits.check_submitted
     scheduler, result = serve(requests, cache, run.scheduler, executor, seed=run.seed,
-                              max_in_flight=run.max_in_flight,
-                              generate=engine and not run.get("forced", True),
+                              max_in_flight=run.max_in_flight, generate=generate,
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
-                              if engine else (), reuse=run.reuse, limits=limits,
+                              if engine else (), reuse=run.reuse, check_prompt=check_prompt,
                               check_invariants=run.check_invariants)
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,

@@ -67,26 +67,19 @@ def import_target(path: str, key: str) -> Any:
         raise BadInput(f"{key}={path}: module {module_name} has no {attr}") from None
 
 
-def _parameters(entry: Callable) -> tuple[list[str], bool]:
-    """The keyword parameters ``entry`` takes, and whether it takes any (``**kwargs``)."""
+def _parameters(entry: Callable) -> tuple[dict[str, Any], bool]:
+    """The keyword parameters ``entry`` takes, each with its annotation (a string under ``from
+    __future__ import annotations``), and whether it takes any (``**kwargs``)."""
     target = entry.__init__ if inspect.isclass(entry) else entry
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: trust the call
-        return [], True
+        return {}, True
     if inspect.isclass(entry):
         params = params[1:]  # self
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    names = {p.name: p.annotation for p in params
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _annotations(entry: Callable) -> dict[str, Any]:
-    """Parameter name -> annotation (a string under ``from __future__ import annotations``)."""
-    try:
-        params = inspect.signature(entry.__init__ if inspect.isclass(entry) else entry).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {name: p.annotation for name, p in params.items()}
 
 
 class Lazy:
@@ -213,8 +206,7 @@ class Registry:
                        *self.run_keys, *run_keys]
             raise BadInput(f"{self.family}.{unknown[0]} is not a setting of "
                            f"{self.family}={label}; allowed: {', '.join(dict.fromkeys(allowed))}")
-        annotations = _annotations(entry)
-        params = {k: check_setting(f"{self.family}.{k}", annotations.get(k), v)
+        params = {k: check_setting(f"{self.family}.{k}", names.get(k), v)
                   for k, v in params.items()}
         return Resolved(self, label, entry, params)
 

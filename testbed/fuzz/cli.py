@@ -148,9 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(outcomes: list[Outcome], seconds: float) -> int:
     """Print what was drawn and what failed; exit status 1 if anything failed."""
     counts = Counter(o.status for o in outcomes)
-    drawn = Counter(part.split("=")[0] + "=" + part.split("=")[1] for o in outcomes
-                    for part in o.overrides if part.split("=")[0] in (
-                        "backend", "workload", "cache", "eviction", "scheduler", "router"))
+    drawn = Counter(part for o in outcomes for part in o.overrides if part.split("=")[0] in (
+        "backend", "workload", "cache", "eviction", "scheduler", "router"))
     print(f"{len(outcomes)} configs in {seconds:.0f} s: {counts['ok']} ran, "
           f"{counts['refused']} refused in one line, {counts['failed']} failed")
     print("drawn: " + ", ".join(f"{k} {v}" for k, v in sorted(drawn.items())))

@@ -98,7 +98,7 @@ def write_token_trace(path: Path, rng: np.random.Generator, vocab: int) -> None:
 
 
 def cache_overrides(rng: np.random.Generator, backend: str) -> list[str]:
-    kind = rng.choice(["radix", "radix", "radix", "block_hash", "none"], p=None)
+    kind = rng.choice(["radix", "radix", "radix", "block_hash", "none"])
     out = [f"cache={kind}"]
     if kind == "radix":
         out.append(f"cache.page_size={rng.choice([1, 1, 4, 16])}")

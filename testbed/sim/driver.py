@@ -104,7 +104,7 @@ class Driver:
     def _index(self) -> None:
         ids = {r.id for r in self.requests}
         for r in self.requests:
-            program = r.program if r.program is not None else r.id
+            program = r.program_id
             if program not in self._calls_left:
                 self._programs.append(program)
                 self._calls_left[program] = 0
@@ -212,7 +212,7 @@ class Driver:
         self._outputs[call.id] = (call.output if req.aborted
                                   else np.asarray(req.output, dtype=TOKEN_DTYPE))
         self._bar.update(1)
-        program = call.program if call.program is not None else call.id
+        program = call.program_id
         self._calls_left[program] -= 1
         if self._calls_left[program] == 0:
             self._in_flight -= 1

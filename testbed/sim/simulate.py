@@ -6,7 +6,9 @@ turns the served requests into run records. (The KV capacity and the objects com
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
+
+import numpy as np
 
 from testbed.cache import PrefixCache, ReuseConfig
 from testbed.metrics import RequestRecord
@@ -18,15 +20,12 @@ from testbed.sim.executor import Executor
 from testbed.sim.observer import RunObserver
 from testbed.workloads.request import Request
 
-if TYPE_CHECKING:
-    from testbed.engine.limits import ModelLimits
-
-
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
           observe: bool = False, eos_token_ids: Collection[int] = (),
-          reuse: ReuseConfig | None = None, limits: "ModelLimits | None" = None,
+          reuse: ReuseConfig | None = None,
+          check_prompt: Callable[[Request, np.ndarray], None] | None = None,
           check_invariants: bool = False) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
@@ -36,23 +35,27 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     earlier outputs are then rebuilt from the real ones, and a generated token in
     ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
     steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
-    ``limits`` (the engine): requests its model cannot take are refused before anything runs,
-    and a rebuilt prompt again when its call is formed (`testbed.engine.limits`).
+    ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
+    submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
-    rebuild = generate or any(r.generates for r in requests)
-    if limits is not None:
-        limits.check_workload(requests, rebuilt=rebuild, forced=not generate)
     scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
                           eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse,
                           check_invariants=check_invariants)
-    driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight, generate=rebuild,
-                    progress=progress, record_steps=record_steps,
+    driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight,
+                    generate=rebuilds_prompts(requests, generate), progress=progress,
+                    record_steps=record_steps,
                     observer=RunObserver([scheduler]) if observe else None,
-                    check_prompt=limits.check_submitted if limits is not None else None)
+                    check_prompt=check_prompt)
     result = driver.run()
     if check_invariants:
         scheduler.check_drained()
     return scheduler, result
+
+
+def rebuilds_prompts(requests: list[Request], generate: bool) -> bool:
+    """Whether prompts that splice in earlier outputs are rebuilt from the real ones: when the
+    executor generates every output, or some call generates its own."""
+    return generate or any(r.generates for r in requests)
 
 
 def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRecord]:

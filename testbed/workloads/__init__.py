@@ -85,7 +85,7 @@ def build_workload(cfg: Mapping[str, Any], seed: int = 0,
 def check_dependencies(requests: list[Request]) -> None:
     """A call waits (``after``) only for calls of its own program: programs start as units (a
     closed loop counts them), so a program needs a call that waits for none of another's."""
-    program_of = {r.id: r.program if r.program is not None else r.id for r in requests}
+    program_of = {r.id: r.program_id for r in requests}
     for r in requests:
         mine = program_of[r.id]
         for a in r.after:

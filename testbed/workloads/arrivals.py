@@ -44,11 +44,7 @@ def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: flo
         return [replace(r, arrival_s=0.0) for r in requests]
     if rate is None or rate <= 0:
         raise BadInput(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
-    programs = list(dict.fromkeys(_program(r) for r in requests))
+    programs = list(dict.fromkeys(r.program_id for r in requests))
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(programs))
     start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))
-    return [replace(r, arrival_s=float(start[_program(r)])) for r in requests]
-
-
-def _program(r: Request) -> str:
-    return r.program if r.program is not None else r.id
+    return [replace(r, arrival_s=float(start[r.program_id])) for r in requests]

@@ -58,6 +58,11 @@ class Request:
     max_new_tokens: int | None = None  # generate mode (no predetermined output): the engine's
 
     @property
+    def program_id(self) -> str:
+        """The program the call belongs to: its ``program``, or itself when it names none."""
+        return self.program if self.program is not None else self.id
+
+    @property
     def generates(self) -> bool:
         """The model must generate this call's output (it has no predetermined one)."""
         return self.max_new_tokens is not None
