@@ -30,7 +30,7 @@ from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
 from testbed.sim.cost_model import COST_MODELS
-from testbed.sim.executor import EXECUTORS
+from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
 
 REPLAY = "replay"  # the backend without an executor: requests one at a time, no time

@@ -101,7 +101,7 @@ def tier_extra(cache: PrefixCache) -> dict[str, Any]:
 
 
 def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResult:
-    from testbed.sim.simulate import rebuilds_prompts, records_of, serve
+    from testbed.serving.serve import rebuilds_prompts, records_of, serve
 
     capacity = run.capacity_tokens
     if engine:
@@ -111,7 +111,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         if capacity is None:
             capacity = run.kv_capacity()
         executor = run.build_executor(capacity, requests)
-    if run.replicas != 1:  # data-parallel replicas behind a router (testbed/sim/cluster.py)
+    if run.replicas != 1:  # data-parallel replicas behind a router (testbed/serving/cluster.py)
         # (assemble refused replicas with replay, the engine, lower tiers or reuse)
         return _serve_cluster(run, requests, executor, capacity)
     planner = None
@@ -181,7 +181,7 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
                    ) -> BackendResult:
     """``replicas`` simulated replicas, each with its own cache and scheduler, behind the
     ``router`` group's policy; the summary gains ``replicas``, ``imbalance``, ``router_decisions``."""
-    from testbed.sim.cluster import cluster_records, cluster_summary, simulate_cluster
+    from testbed.serving.cluster import cluster_records, cluster_summary, simulate_cluster
 
     if run.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {run.replicas}")

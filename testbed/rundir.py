@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from testbed.metrics import RequestRecord
-from testbed.sim.observer import StepRow
+from testbed.serving.observer import StepRow
 
 RUN_FILES = ("summary.json", "requests.jsonl", "steps.jsonl", "timeline.json")
 

@@ -15,7 +15,7 @@ holding (thread ids are unique across processes, as viewers expect of tids)
   ``req ID``): a
   complete event named by the request id spanning arrival to finish (``cat`` ``request``, ``args``
   its record's counts), and inside it its phases (``cat`` ``phase``: ``network``, ``queued``,
-  ``load``, ``prefill``, ``decode``; `testbed.sim.observer`), which tile it exactly.
+  ``load``, ``prefill``, ``decode``; `testbed.serving.observer`), which tile it exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from testbed.sim.observer import Life, RunObserver, StepRow
+from testbed.serving.observer import Life, RunObserver, StepRow
 
 
 def _ns(t: float) -> int:

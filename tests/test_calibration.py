@@ -16,7 +16,7 @@ from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, nnls
-from testbed.sim.simulate import serve
+from testbed.serving.serve import serve
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -7,8 +7,8 @@ import pytest
 
 from testbed.cache import RadixCache
 from testbed.router import ROUTERS, Router
-from testbed.sim.cluster import cluster_records, cluster_summary, simulate_cluster
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.cluster import cluster_records, cluster_summary, simulate_cluster
+from testbed.serving.serve import records_of, serve
 from testbed.workloads import generate
 from testbed.workloads.paper import chat
 from testbed.workloads.request import Request

@@ -22,7 +22,7 @@ from testbed.engine.loader import build_model, tiny_config  # noqa: E402
 from testbed.engine.runner import (ModelRunner, kv_pool_slots,  # noqa: E402
                                    kv_slots_for_free_memory)
 from testbed.engine.slot_table import SlotTable  # noqa: E402
-from testbed.sim.simulate import serve  # noqa: E402
+from testbed.serving.serve import serve  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ from testbed.model_shape import ModelShape  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
 from testbed.sim.executor import StepOutcome, predetermined_tokens  # noqa: E402
-from testbed.sim.simulate import serve  # noqa: E402
+from testbed.serving.serve import serve  # noqa: E402
 from testbed.workloads.request import OutputRef, Request  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape, kv_move_bytes
 from testbed.sim.executor import SimExecutor, reuse_shape
-from testbed.sim.simulate import serve
+from testbed.serving.serve import serve
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.workloads.beyond_prefix import rag
 from testbed.workloads.request import Request

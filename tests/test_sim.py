@@ -13,7 +13,7 @@ from testbed.cache import RadixCache
 from testbed.run import execute
 from testbed.sim.cost_model import RooflineCostModel, save_fitted
 from testbed.sim.executor import SimExecutor
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.serve import records_of, serve
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.workloads import WORKLOADS, generate
 from testbed.workloads.paper import chat

@@ -19,7 +19,7 @@ from testbed.replay import replay
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.executor import StepOutcome, predetermined_tokens
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.serve import records_of, serve
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.sim.transfer import LINKS, LoadPlanner, make_planner, tier_link
 from testbed.workloads.request import Request

@@ -17,8 +17,8 @@ from testbed.cache import RadixCache
 from testbed.cache.tiers import TieredRadixCache
 from testbed.run import execute
 from testbed.sim.executor import StepOutcome, predetermined_tokens
-from testbed.sim.observer import PHASES, STEP_FIELDS
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.observer import PHASES, STEP_FIELDS
+from testbed.serving.serve import records_of, serve
 from testbed.timeline import trace_events
 from testbed.workloads.request import Request
 from tests.conftest import toks

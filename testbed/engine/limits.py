@@ -14,7 +14,7 @@ empty step) or silently running past the positions the checkpoint was trained fo
 `check_workload` runs once on the workload's requests. A prompt that splices in earlier calls'
 outputs and is rebuilt from the real ones (the engine generating) is checked there on what is
 fixed in advance (its literal tokens, their count plus its output bound), and again whole by
-`check_submitted` when the call is formed (`testbed.sim.driver.Driver`).
+`check_submitted` when the call is formed (`testbed.serving.driver.Driver`).
 
 Pure numpy (no torch): `testbed.backends` checks a workload with it before the model runs.
 """

@@ -7,16 +7,27 @@ far, how much of the sequence has KV, and the times and counts that become its r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from testbed.cache.base import Lease
 from testbed.cache.eviction import Requester
+from testbed.cache.radix import TreeNode
+from testbed.cache.reuse import ReusedSpan
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
-if TYPE_CHECKING:
-    from testbed.scheduler.reuse_planner import ReusePlan
+
+@dataclass
+class ReusePlan:
+    """One admission's reuse: spans in fill positions (sorted, disjoint) and the locked donors."""
+
+    spans: tuple[ReusedSpan, ...] = ()
+    donors: list[TreeNode] = field(default_factory=list)
+
+    @property
+    def exact_until(self) -> int | None:
+        """The first position whose KV is approximate (a span not wholly recomputed), or None."""
+        return next((s.dst for s in self.spans if s.reused), None)
 
 
 @dataclass(eq=False)
@@ -31,7 +42,7 @@ class Req:
     cached_tokens: int | None = None  # prompt tokens hit at first admission
     approx_hit_tokens: int = 0  # at first admission: prompt tokens reused inexactly, not recomputed
     recomputed_tokens: int = 0  # at first admission: tokens of reused spans that are recomputed
-    reuse_plan: "ReusePlan | None" = None  # the current admission's reuse (beyond prefixes)
+    reuse_plan: ReusePlan | None = None  # the current admission's reuse (beyond prefixes)
     evicted_tokens: int = 0  # evicted to make room for this request
     inserted: bool = False
     preemptions: int = 0

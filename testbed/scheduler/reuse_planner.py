@@ -19,7 +19,6 @@ The last fill token is never reused: one token must be computed to produce the n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 
 import numpy as np
@@ -29,21 +28,8 @@ from testbed.cache.radix import RadixCache, TreeNode
 from testbed.cache.reuse import KVCopy, ReuseConfig, ReusedSpan, recompute_count
 from testbed.cache.similarity import MinHashIndex
 from testbed.scheduler.batch import BatchEntry
-from testbed.scheduler.request_state import Req
+from testbed.scheduler.request_state import Req, ReusePlan
 from testbed.workloads.request import OutputRef, Request
-
-
-@dataclass
-class ReusePlan:
-    """One admission's reuse: spans in fill positions (sorted, disjoint) and the locked donors."""
-
-    spans: tuple[ReusedSpan, ...] = ()
-    donors: list[TreeNode] = field(default_factory=list)
-
-    @property
-    def exact_until(self) -> int | None:
-        """The first position whose KV is approximate (a span not wholly recomputed), or None."""
-        return next((s.dst for s in self.spans if s.reused), None)
 
 
 def chunk_bounds(request: Request, prompt_len: int, fixed: int | None) -> list[tuple[int, int]]:

@@ -63,8 +63,8 @@ from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
-from testbed.scheduler.request_state import Req
-from testbed.scheduler.reuse_planner import ReusePlan, ReusePlanner
+from testbed.scheduler.request_state import Req, ReusePlan
+from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.workloads.request import Request
 
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back

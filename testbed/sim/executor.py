@@ -1,26 +1,15 @@
-"""The executor seam: the only thing that differs between the simulator and the engine.
-
-An executor receives a `Batch` and returns how long the step took and the token each entry
-produced. `SimExecutor` asks a cost model for the duration (with ``attention=cascade*``, of the
-step's cascade groups: `testbed.scheduler.decode_groups`) and emits the workload's predetermined
-output tokens; the engine's executor runs the model and times it. `EXECUTORS` builds the one
-``backend=`` names (``backend=custom backend.target=module.Class``: any class with ``execute``,
-built with the run's values it names, e.g. ``cost_model``; docs/extending.md).
+"""The simulator's executor: `SimExecutor` asks a cost model how long a `Batch` takes (with
+``attention=cascade*``, of the step's cascade groups: `testbed.scheduler.decode_groups`) and
+emits the workload's predetermined output tokens. The seam it implements, and the registry of
+``backend=``, are `testbed.serving.executor`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from testbed.registry import Registry
 from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, cascades
 from testbed.sim.cost_model import CostModel
 from testbed.sim.step_shape import StepShape
-
-
-class Executor(Protocol):
-    def execute(self, batch: Batch) -> StepOutcome: ...
 
 
 def predetermined_tokens(batch: Batch) -> list[int | None]:
@@ -82,12 +71,3 @@ def reuse_shape(batch: Batch) -> StepShape:
     return StepShape(new=new, context=context, rotated=rotated,
                      copied=sum(len(c) for c in batch.kv_copies))
 
-
-#: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
-EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
-                    "dtype", "attention", "cascade_min_saved", "seed", "forced", "temperature",
-                    "top_p")
-EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,
-                     what="an executor (execute(Batch) -> StepOutcome)")
-EXECUTORS.register("sim", SimExecutor)
-EXECUTORS.register("engine", "testbed.engine.executor:make_engine_executor")  # imports torch

@@ -1,7 +1,7 @@
-"""Serving a workload in virtual time: `serve` builds the shared scheduler over a built cache and
-executor and runs the SimPy driver (the simulator's and the engine's runs alike); `records_of`
-turns the served requests into run records. (The KV capacity and the objects come from
-`testbed.assembly` and `testbed.backends`.)
+"""Serving a workload on one replica: `serve` builds the shared scheduler over a built cache and
+executor and runs the serving loop (`testbed.serving.driver`), the simulator's and the engine's
+runs alike; `records_of` turns the served requests into run records. (The KV capacity and the
+objects come from `testbed.assembly` and `testbed.backends`.)
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from testbed.metrics import RequestRecord
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
-from testbed.sim.driver import Driver, DriverResult
-from testbed.sim.executor import Executor
-from testbed.sim.observer import RunObserver
+from testbed.serving.driver import Driver, DriverResult
+from testbed.serving.executor import Executor
+from testbed.serving.observer import RunObserver
 from testbed.workloads.request import Request
 
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],

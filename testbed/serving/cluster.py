@@ -1,10 +1,11 @@
 """Data-parallel replicas behind a router, in one SimPy environment.
 
-Each replica is the single-replica stack: its own `Scheduler` over its own cache, and a step loop
-driving the (shared, stateless) executor. Arrivals, program dependencies, think times and the
-closed loop are the single-replica `Driver`'s own code: `ClusterDriver` subclasses it and
-replaces only submission (route, travel, submit to the chosen replica), the step loop (one per
-replica, with load accounting) and finishing (load and router updates on top of the driver's).
+Each replica is the single-replica stack: its own `Scheduler` over its own cache, and the
+`Driver`'s step loop driving the (shared, stateless) executor. Arrivals, program dependencies,
+think times, the closed loop, the step loop and load-backs are the `Driver`'s own code:
+`ClusterDriver` subclasses it and replaces only where a call goes (route, travel, submit to the
+chosen replica) and adds the load each replica carries (taken off as its steps complete) and the
+router's updates when a request finishes.
 
 A request ready at time t is routed at t (the router sees every replica's load then), counts
 towards the chosen replica's load from that moment, and reaches the replica at ``t +
@@ -35,10 +36,10 @@ from testbed.scheduler.batch import Batch
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
-from testbed.sim.driver import Driver, StepStats
-from testbed.sim.executor import Executor
-from testbed.sim.observer import RunObserver
-from testbed.sim.simulate import records_of
+from testbed.serving.driver import Driver, Replica, StepStats
+from testbed.serving.executor import Executor
+from testbed.serving.observer import RunObserver
+from testbed.serving.serve import records_of
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
 
@@ -85,16 +86,6 @@ class ClusterResult:
         return dict(sorted(self.router.decisions.items()))
 
 
-class _Replica:
-    def __init__(self, index: int, scheduler: Scheduler) -> None:
-        self.index = index
-        self.scheduler = scheduler
-        self.stats = StepStats()
-        self.reqs: list[Req] = []
-        self.wake = None
-        self.prompt_left: dict[int, int] = {}  # id(req) -> prompt tokens not yet prefilled
-
-
 class ClusterDriver(Driver):
     """The single-replica `Driver` with N replicas and a router in front."""
 
@@ -102,7 +93,7 @@ class ClusterDriver(Driver):
                  router: Router, max_in_flight: int | None = None, network_delay_s: float = 0.0,
                  transfer_s_per_token: float = 0.0, progress: bool = False,
                  observer: RunObserver | None = None) -> None:
-        super().__init__(requests, scheduler=None, executor=executor, max_in_flight=max_in_flight,
+        super().__init__(requests, schedulers, executor, max_in_flight=max_in_flight,
                          progress=progress, observer=observer)
         if network_delay_s < 0 or transfer_s_per_token < 0:
             raise ValueError("router.network_delay_s and router.transfer_s_per_token must be >= 0, "
@@ -110,8 +101,8 @@ class ClusterDriver(Driver):
         self.router = router
         self.network_delay_s = network_delay_s
         self.transfer_s_per_token = transfer_s_per_token
-        self.replicas = [_Replica(i, s) for i, s in enumerate(schedulers)]
         n = len(schedulers)
+        self.prompt_left: list[dict[int, int]] = [{} for _ in range(n)]  # id(req) -> not prefilled
         self.load_tokens = [0] * n
         self.load_requests = [0] * n
         self._route: dict[str, tuple[int, float, int]] = {}  # id -> (replica, routed_s, order)
@@ -140,8 +131,13 @@ class ClusterDriver(Driver):
         self.load_tokens[i] += tokens
         self.load_requests[i] += requests
 
-    def _account(self, rep: _Replica, batch: Batch, tokens: list,
-                 remaining_before: list[int]) -> None:
+    def _before_step(self, batch: Batch) -> list[int]:
+        """The output tokens each prefill entry still had to generate before the step."""
+        return [e.req.remaining_new_tokens for e in batch.entries] if batch.kind == "prefill" \
+            else []
+
+    def _after_step(self, rep: Replica, batch: Batch, tokens: list,
+                    remaining_before: list[int]) -> None:
         """Take a completed step's progress off the replica's outstanding tokens."""
         if batch.kind == "decode":
             self._add_load(rep.index, -(len(tokens) - tokens.count(None)))
@@ -150,19 +146,17 @@ class ClusterDriver(Driver):
         for e, before in zip(batch.entries, remaining_before):
             req = e.req
             n = len(req.prompt)
-            left = rep.prompt_left.get(id(req), n)
+            prompt_left = self.prompt_left[rep.index]
+            left = prompt_left.get(id(req), n)
             now_left = min(left, max(0, n - (e.context + e.new)))
-            rep.prompt_left[id(req)] = now_left
+            prompt_left[id(req)] = now_left
             delta += (now_left - left) + (req.remaining_new_tokens - before)
         self._add_load(rep.index, delta)
 
     # ------------------------------------------------------------------ processes
     def run(self) -> ClusterResult:
-        self.env.process(self._start_programs())
-        loops = [self.env.process(self._replica_loop(rep)) for rep in self.replicas]
-        self.env.run(until=self.env.all_of(loops))
+        self._serve()
         self._integrate()
-        self._bar.close()
         order = sorted(self.reqs, key=lambda r: self._route[r.id][2])
         end = self.env.now
         return ClusterResult(
@@ -187,60 +181,22 @@ class ClusterDriver(Driver):
         if not 0 <= w < len(self.replicas):
             raise RuntimeError(f"router {self.router.name} chose replica {w} "
                                f"of {len(self.replicas)}")
-        self._route[call.id] = (w, self.env.now, len(self._route))
-        work = len(call.prompt) + len(call.output)
-        self._add_load(w, work, 1)
+        routed_s = self.env.now
+        self._route[call.id] = (w, routed_s, len(self._route))
+        self._add_load(w, len(call.prompt) + len(call.output), 1)
         delay = self.network_delay_s + self.transfer_s_per_token * len(call.prompt)
         if delay > 0:
             yield self.env.timeout(delay)
-        rep = self.replicas[w]
-        req = rep.scheduler.submit(call, self.env.now)
-        self.reqs.append(req)
-        rep.reqs.append(req)
-        if self.observer is not None:
-            self.observer.arrived(req, self.env.now, replica=w, routed_s=self._route[call.id][1])
-        if req.finished:  # aborted: it can never fit
-            self._add_load(w, -work)
-            self._on_finish(req)
-        if rep.wake is not None and not rep.wake.triggered:
-            rep.wake.succeed()
+        self._submit(self.replicas[w], call, routed_s=routed_s)
 
-    def _replica_loop(self, rep: _Replica):
-        total = len(self.requests)
-        scheduler = rep.scheduler
-        while True:
-            batch = scheduler.next_batch(self.env.now)
-            for req in scheduler.take_finished():
-                self._on_finish(req)
-            if self.observer is not None:
-                self.observer.formed(batch, self.env.now, replica=rep.index)
-            if batch is None:
-                if len(self._finish_s) == total:
-                    return
-                rep.wake = self.env.event()
-                yield rep.wake
-                continue
-            remaining = ([e.req.remaining_new_tokens for e in batch.entries]
-                         if batch.kind == "prefill" else [])
-            outcome = self.executor.execute(batch)
-            yield self.env.timeout(outcome.duration_s)
-            rep.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
-            finished = scheduler.complete(batch, outcome.tokens, self.env.now)
-            self._account(rep, batch, outcome.tokens, remaining)
-            for req in finished:
-                self._on_finish(req)
-            if self.observer is not None:
-                self.observer.stepped(self.env.now, replica=rep.index)
+    def _aborted(self, rep: Replica, call: Request) -> None:
+        self._add_load(rep.index, -(len(call.prompt) + len(call.output)))
 
     def _on_finish(self, req: Req) -> None:
-        super()._on_finish(req)
         w = self._route[req.id][0]
         self._add_load(w, 0, -1)
-        self.replicas[w].prompt_left.pop(id(req), None)
-        if len(self._finish_s) == len(self.requests):  # idle replicas can stop now
-            for rep in self.replicas:
-                if rep.wake is not None and not rep.wake.triggered:
-                    rep.wake.succeed()
+        self.prompt_left[w].pop(id(req), None)
+        super()._on_finish(req)
         if self.router.wants_completions:
             output = None if req.aborted else np.asarray(req.output, dtype=TOKEN_DTYPE)
             if self.router.update_delay_s > 0:

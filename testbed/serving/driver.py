@@ -1,29 +1,36 @@
-"""The SimPy driver: arrivals, program dependencies, think times and the step loop.
+"""The serving loop, shared by the simulator and the engine: arrivals, program dependencies,
+think times, and one step loop per replica, in SimPy's virtual time.
 
-Virtual time advances by each step's duration, whoever computed it (a cost model or a timed GPU
+Virtual time advances by each step's duration, whoever computed it (a cost model or a timed model
 step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
 dependencies finished; with ``max_in_flight`` at most that many programs run at once (a closed
 loop), the next starting when one finishes. A request that can never fit in the KV cache is
 aborted at submission and counts as finished for its dependents.
 
-With lower cache tiers, each load-back the scheduler starts runs as its own process on copy-engine
-resources (one per link: the SSD, PCIe), so it overlaps compute and queues behind other loads; the
-request rejoins the queue when its copy is done. The cache's planner says how long each stage takes.
+`Driver` serves one replica; `testbed.serving.cluster.ClusterDriver` puts a router in front of N
+and changes only where a call goes (routing, the trip there) and the load it keeps per replica:
+the step loop below is the same code for one replica and for many.
+
+With lower cache tiers, each load-back the scheduler starts runs as its own process on its
+replica's copy engines (one per link: the SSD, PCIe), so it overlaps compute and queues behind
+other loads; the request rejoins the queue when its copy is done. The cache's planner says how
+long each stage takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import simpy
 from tqdm import tqdm
 
+from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
-from testbed.sim.executor import Executor
-from testbed.sim.observer import RunObserver
+from testbed.serving.executor import Executor
+from testbed.serving.observer import RunObserver
 from testbed.workloads.request import TOKEN_DTYPE, Request, materialize
 
 
@@ -65,24 +72,49 @@ class DriverResult:
     observer: RunObserver | None = None  # steps and request phases, when one watched
 
 
+class Replica:
+    """One replica's serving state: its scheduler, step totals, the requests it was sent, the
+    event its idle step loop waits on, and its copy engines (one per link)."""
+
+    def __init__(self, index: int, scheduler: Scheduler, env: simpy.Environment) -> None:
+        self.index = index
+        self.scheduler = scheduler
+        self.env = env
+        self.stats = StepStats()
+        self.reqs: list[Req] = []
+        self.wake: simpy.Event | None = None
+        self.links: dict[str, simpy.Resource] = {}
+
+    def notify(self) -> None:
+        """Wake the step loop if it is idle."""
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def link(self, name: str) -> simpy.Resource:
+        if name not in self.links:
+            self.links[name] = simpy.Resource(self.env, capacity=1)
+        return self.links[name]
+
+
 class Driver:
-    def __init__(self, requests: list[Request], scheduler: Scheduler, executor: Executor,
-                 max_in_flight: int | None = None, generate: bool = False,
+    def __init__(self, requests: list[Request], scheduler: Scheduler | list[Scheduler],
+                 executor: Executor, max_in_flight: int | None = None, generate: bool = False,
                  progress: bool = False, record_steps: bool = False,
                  observer: RunObserver | None = None,
                  check_prompt: Callable[[Request, np.ndarray], None] | None = None) -> None:
-        """``check_prompt``: called on each prompt rebuilt from real outputs before its call is
-        submitted (the engine refuses one its model cannot take)."""
+        """``scheduler``: one replica's, or a list, one per replica (a subclass routes among
+        them). ``check_prompt``: called on each prompt rebuilt from real outputs before its call
+        is submitted (the engine refuses one its model cannot take)."""
         self.env = simpy.Environment()
         self.requests = requests
-        self.scheduler = scheduler
+        schedulers = scheduler if isinstance(scheduler, list) else [scheduler]
+        self.replicas = [Replica(i, s, self.env) for i, s in enumerate(schedulers)]
         self.executor = executor
         self.max_in_flight = max_in_flight
         self.generate = generate  # rebuild prompts from actual outputs (the engine generating)
         self.record_steps = record_steps
         self.observer = observer  # watches steps and request phases; decides nothing
         self.check_prompt = check_prompt
-        self.stats = StepStats()
         self.reqs: list[Req] = []
         self.steps: list[StepRecord] = []
         self._outputs: dict[str, np.ndarray] = {}
@@ -94,9 +126,7 @@ class Driver:
         self._roots: dict[str, list[Request]] = {}
         self._started = 0
         self._in_flight = 0
-        self._wake: simpy.Event | None = None
         self._slot_free: simpy.Event | None = None
-        self._links: dict[str, simpy.Resource] = {}  # copy engines for load-backs, by link
         self._bar = tqdm(total=len(requests), desc="simulate", unit="req",
                          disable=None if progress else True)
         self._index()
@@ -119,11 +149,16 @@ class Driver:
 
     # ------------------------------------------------------------------ processes
     def run(self) -> DriverResult:
+        self._serve()
+        return DriverResult(self.reqs, self.replicas[0].stats, self.env.now, self.steps,
+                            self.observer)
+
+    def _serve(self) -> None:
+        """Run arrivals and every replica's step loop until every request has finished."""
         self.env.process(self._start_programs())
-        loop = self.env.process(self._step_loop())
-        self.env.run(until=loop)
+        loops = [self.env.process(self._step_loop(rep)) for rep in self.replicas]
+        self.env.run(until=loops[0] if len(loops) == 1 else self.env.all_of(loops))
         self._bar.close()
-        return DriverResult(self.reqs, self.stats, self.env.now, self.steps, self.observer)
 
     def _start_programs(self):
         """Start programs in arrival order, at most ``max_in_flight`` at once."""
@@ -145,64 +180,73 @@ class Driver:
     def _submit_at(self, call: Request, when: float):
         if when > self.env.now:
             yield self.env.timeout(when - self.env.now)
+        self._submit(self.replicas[0], call)
+
+    def _submit(self, rep: Replica, call: Request, routed_s: float | None = None) -> None:
+        """Hand ``call`` to ``rep``'s scheduler now (routed at ``routed_s``, default now)."""
         prompt = materialize(call.segments, self._outputs) if self.generate and call.segments else None
         if prompt is not None and self.check_prompt is not None:
             self.check_prompt(call, prompt)
-        req = self.scheduler.submit(call, self.env.now, prompt=prompt)
+        req = rep.scheduler.submit(call, self.env.now, prompt=prompt)
         self.reqs.append(req)
+        rep.reqs.append(req)
         if self.observer is not None:
-            self.observer.arrived(req, self.env.now)
+            self.observer.arrived(req, self.env.now, replica=rep.index, routed_s=routed_s)
         if req.finished:  # aborted: it can never fit
+            self._aborted(rep, call)
             self._on_finish(req)
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+        rep.notify()
 
-    def _step_loop(self):
+    def _step_loop(self, rep: Replica):
+        """One replica's loop: form a batch, run it on the executor, advance time by its
+        duration, hand the results to the scheduler; idle until a submission or a load-back
+        wakes it."""
         total = len(self.requests)
+        scheduler = rep.scheduler
         while True:
-            batch = self.scheduler.next_batch(self.env.now)
-            for req in self.scheduler.take_finished():
+            batch = scheduler.next_batch(self.env.now)
+            for req in scheduler.take_finished():
                 self._on_finish(req)
-            for req in self.scheduler.take_loads():
+            for req in scheduler.take_loads():
                 if self.observer is not None:
                     self.observer.load_started(req, self.env.now)
-                self.env.process(self._load_back(req))
+                self.env.process(self._load_back(rep, req))
             if self.observer is not None:
-                self.observer.formed(batch, self.env.now)
+                self.observer.formed(batch, self.env.now, replica=rep.index)
             if batch is None:
                 if len(self._finish_s) == total:
                     return
-                self._wake = self.env.event()
-                yield self._wake
+                rep.wake = self.env.event()
+                yield rep.wake
                 continue
+            before = self._before_step(batch)
             outcome = self.executor.execute(batch)
             if self.record_steps:
                 new, context = batch.shape()
                 self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
                                              new, context, outcome.duration_s))
             yield self.env.timeout(outcome.duration_s)
-            self.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
-            for req in self.scheduler.complete(batch, outcome.tokens, self.env.now):
+            rep.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
+            finished = scheduler.complete(batch, outcome.tokens, self.env.now)
+            self._after_step(rep, batch, outcome.tokens, before)
+            for req in finished:
                 self._on_finish(req)
             if self.observer is not None:
-                self.observer.stepped(self.env.now)
+                self.observer.stepped(self.env.now, replica=rep.index)
 
-    def _load_back(self, req: Req):
+    def _load_back(self, rep: Replica, req: Req):
         """Copy a request's lower-tier KV to the GPU, stage by stage, then let it be admitted."""
         issued = self.env.now
-        planner = getattr(self.scheduler.cache, "planner", None)
+        planner = getattr(rep.scheduler.cache, "planner", None)
         for link, seconds in planner.stages(req.lease.loaded) if planner is not None else ():
-            if link not in self._links:
-                self._links[link] = simpy.Resource(self.env, capacity=1)
-            with self._links[link].request() as turn:
+            with rep.link(link).request() as turn:
                 yield turn
                 yield self.env.timeout(seconds)
         yield self.env.timeout(0)
-        self.scheduler.load_done(req, self.env.now - issued)
+        rep.scheduler.load_done(req, self.env.now - issued)
         if self.observer is not None:
             self.observer.load_done(req, self.env.now)
-        if self._wake is not None and not self._wake.triggered:
-            self._wake.succeed()
+        rep.notify()
 
     def _on_finish(self, req: Req) -> None:
         call = req.request
@@ -223,3 +267,17 @@ class Driver:
             if self._waiting_on[dep.id] == 0:
                 ready = max(self._finish_s[a] for a in dep.after if a in self._finish_s)
                 self.env.process(self._submit_at(dep, max(dep.arrival_s, ready + dep.think_time_s)))
+        if len(self._finish_s) == len(self.requests):  # idle replicas can stop now
+            for rep in self.replicas:
+                rep.notify()
+
+    # ------------------------------------------------------------------ hooks (ClusterDriver)
+    def _before_step(self, batch: Batch) -> Any:
+        """Read before ``batch`` runs what `_after_step` needs (nothing here)."""
+        return None
+
+    def _after_step(self, rep: Replica, batch: Batch, tokens: list, before: Any) -> None:
+        """``batch`` has run on ``rep`` and the scheduler has its results (nothing here)."""
+
+    def _aborted(self, rep: Replica, call: Request) -> None:
+        """``call`` was aborted at submission to ``rep`` (nothing here)."""
