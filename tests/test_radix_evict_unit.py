@@ -140,7 +140,7 @@ def test_mooncake_conversation_hit_rates_with_page_eviction_at_3m(mooncake_conve
                                                                    expected):
     # node at 3M: 0.135347 (page 1, test_replay.py), 0.135345 (page 16); the block-hash cache's
     # LRU: 0.137664, which keeps the recency of a block a request did not use where SGLang's
-    # split refreshes the tail it cuts off (README, "Partial-leaf eviction")
+    # split refreshes the tail it cuts off (docs/results/eviction.md, "Partial-leaf eviction")
     records = replay(load_mooncake(mooncake_conversation),
                      RadixCache(3_000_000, page_size=page, evict_unit="page"))
     hit_rate = sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records)

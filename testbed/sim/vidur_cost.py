@@ -34,7 +34,7 @@ the way Vidur 0.0.26 prices a batch (``SklearnExecutionTimePredictor.get_executi
 
 Where we price differently from Vidur 0.0.26, on purpose (effects measured on the Azure
 conversation trace with ``experiments/vs_vidur.py``; together they leave our steps within 2 % of
-Vidur's on that run's batches, see README):
+Vidur's on that run's batches, see docs/results/vs_vidur.md):
 - the prefill KV is the context cached before the chunk, which is what the profile's
   ``kv_cache_size`` measured (the chunk attends to it plus itself). Vidur's scheduler passes
   ``num_processed_tokens + chunk`` as the KV of a prefill, so a fresh prompt of P tokens is priced
