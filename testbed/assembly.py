@@ -63,6 +63,7 @@ class Assembly:
     cost_model: Resolved
     executor: Resolved | None  # None: replay
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # beyond exact prefixes (scheduler)
+    timeline: bool = False  # write timeline.json (Perfetto)
     notes: list[str] = field(default_factory=list)  # printed before the run
 
     # ------------------------------------------------------------------ run settings
@@ -287,6 +288,9 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         raise BadInput("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
                        "(replay has no prefill steps to reuse KV in)")
     check_replicas(config, backend, reuse)
+    timeline = check_setting("timeline", "bool", config.get("timeline")) or False
+    if timeline and backend == REPLAY:
+        raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
     return Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),
@@ -295,4 +299,4 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         scheduler=SchedulerConfig.from_mapping(config["scheduler"]),
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
-        executor=executor, notes=notes, reuse=reuse)
+        executor=executor, notes=notes, reuse=reuse, timeline=timeline)

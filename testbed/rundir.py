@@ -1,13 +1,16 @@
-"""Writing a run's results: ``summary.json``, ``requests.jsonl`` and (sim, engine) ``steps.jsonl``
-(docs/design.md §3)."""
+"""A run directory's files: writing a run's results (``summary.json``, ``requests.jsonl`` and, sim
+and engine, ``steps.jsonl``; docs/design.md §3), a failure's ``failed.json``, and whether a sweep's
+run already has the results of its config."""
 
 from __future__ import annotations
 
 import json
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
+from testbed.errors import failure_kind
 from testbed.metrics import RequestRecord
 from testbed.serving.observer import StepRow
 
@@ -61,3 +64,35 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  {'timing':<{width}}  " + "  ".join(
             f"{k} {fmt(v)}" for k, v in timing.items()))
     return "\n".join(lines)
+
+
+def done_before(run_dir: Path, config: dict[str, Any] | None) -> bool | None:
+    """Whether ``run_dir`` holds the ``summary.json`` of this very config (``progress`` aside):
+    True, False (another config's: its files are removed), None (no summary there). An
+    unreadable summary or unresolvable config counts as another config."""
+    done = run_dir / "summary.json"
+    if not done.is_file():
+        return None
+    try:
+        same = config is not None and \
+            {**json.loads(done.read_text()).get("config", {}), "progress": None} == \
+            {**config, "progress": None}
+    except (OSError, ValueError):
+        same = False
+    if not same:
+        for stale in (run_dir / name for name in RUN_FILES):
+            stale.unlink(missing_ok=True)
+    return same
+
+
+def write_failure(run_dir: Path, error: BaseException, overrides: list[str],
+                  config: dict[str, Any] | None) -> Path:
+    """Record a failed run in ``run_dir/failed.json`` (its kind, error, traceback, overrides and
+    config, for the report); returns the file. Call it inside the ``except`` block."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    failed = run_dir / "failed.json"
+    failed.write_text(json.dumps({
+        "kind": failure_kind(error), "error_type": type(error).__name__, "message": str(error),
+        "traceback": traceback.format_exc(), "overrides": overrides, "config": config},
+        indent=2) + "\n")
+    return failed

@@ -167,7 +167,7 @@ def test_replicas_that_cannot_run_are_refused_before_the_workload_is_generated(
         raise AssertionError("the workload was generated before the config was checked")
 
     monkeypatch.setattr(testbed.assembly, "build_workload", generated)
-    from testbed.run import execute
+    from testbed.execute import execute
 
     with pytest.raises(BadInput) as refused:
         execute(compose(*overrides), "/nonexistent-run-dir")

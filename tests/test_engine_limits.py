@@ -22,7 +22,7 @@ from testbed.engine.limits import ModelLimits  # noqa: E402
 from testbed.engine.loader import save_random_hf_model, tiny_config  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from testbed.errors import BadInput  # noqa: E402
-from testbed.run import execute  # noqa: E402
+from testbed.execute import execute  # noqa: E402
 from testbed.workloads.request import OutputRef, Request  # noqa: E402
 from tests.conftest import toks  # noqa: E402
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from testbed.assembly import compose_config
-from testbed.run import execute
+from testbed.execute import execute
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

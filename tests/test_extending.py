@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 import pytest
 
-from testbed.run import execute
+from testbed.execute import execute
 from tests.conftest import EXAMPLES, REPO
 
 pytestmark = pytest.mark.usefixtures("examples_on_path")

@@ -1,7 +1,7 @@
 """Golden digests: representative runs give byte-for-byte the summary and per-request records
 they gave when these were recorded (2026-12-02, before issue 28's redesign moves any code).
 
-Each case runs in-process through `testbed.run.execute`; its digest is a SHA-256 over the
+Each case runs in-process through `testbed.execute.execute`; its digest is a SHA-256 over the
 summary (wall-clock fields aside; on the engine, its timed fields too) and requests.jsonl, with
 floats rounded to 10 significant digits so that a last-bit difference of a library does not
 count. A change that moves a digest changes what the testbed computes: if that is intended,
@@ -98,7 +98,7 @@ def run_case(name: str, tmp: Path) -> str:
     from hydra import compose, initialize_config_dir
 
     from testbed.cli import CONF_DIR
-    from testbed.run import execute
+    from testbed.execute import execute
 
     mooncake = write_mooncake(tmp / "mooncake.jsonl")
     overrides = [o.format(mooncake=mooncake) for o in CASES[name]]
@@ -115,7 +115,7 @@ def report_digest(tmp: Path) -> str:
 
     from testbed.cli import CONF_DIR
     from testbed.report import build
-    from testbed.run import execute
+    from testbed.execute import execute
 
     sweep = tmp / "sweep"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

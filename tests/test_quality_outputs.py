@@ -18,7 +18,7 @@ from testbed.assembly import compose_config  # noqa: E402
 from testbed.metrics import (RequestRecord, add_quality_fields, quality_summary,  # noqa: E402
                              summarize)
 from testbed.rundir import format_summary  # noqa: E402
-from testbed.run import execute  # noqa: E402
+from testbed.execute import execute  # noqa: E402
 
 # A small rag: 8 documents, 3 a prompt in varying order, so later prompts find earlier documents'
 # chunks at other positions; 4 programs at a time, so later requests find them cached.

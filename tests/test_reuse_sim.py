@@ -11,7 +11,7 @@ import pytest
 from testbed.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.reuse import KVCopy, ReuseConfig, ReusedSpan
-from testbed.run import execute
+from testbed.execute import execute
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape, kv_move_bytes

@@ -10,7 +10,7 @@ import pytest
 
 from testbed.assembly import compose_config
 from testbed.cache import RadixCache
-from testbed.run import execute
+from testbed.execute import execute
 from testbed.sim.cost_model import RooflineCostModel, save_fitted
 from testbed.sim.executor import SimExecutor
 from testbed.serving.serve import records_of, serve

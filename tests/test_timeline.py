@@ -15,7 +15,7 @@ import pytest
 from testbed.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.tiers import TieredRadixCache
-from testbed.run import execute
+from testbed.execute import execute
 from testbed.sim.executor import StepOutcome, predetermined_tokens
 from testbed.serving.observer import PHASES, STEP_FIELDS
 from testbed.serving.serve import records_of, serve

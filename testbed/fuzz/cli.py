@@ -2,7 +2,7 @@
 
 Every run composes its overrides like ``python -m testbed.run`` does, with
 ``debug.check_invariants=true`` (the cache checked after every step, no lease or lock left at the
-end) and ``save_token_ids=true``, and goes through the same `testbed.run.execute`. A run passes
+end) and ``save_token_ids=true``, and goes through the same `testbed.execute.execute`. A run passes
 when it finishes with consistent files (`testbed.fuzz.checks`) or is refused with a one-line
 `BadInput`; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
 other outcome is a failure, printed with the command line that reproduces it.
@@ -33,7 +33,7 @@ from testbed.cli import CONF_DIR
 from testbed.errors import BadInput
 from testbed.fuzz.checks import check_run, comparable
 from testbed.fuzz.space import capacity_overrides, draw
-from testbed.run import execute
+from testbed.execute import execute
 
 ALWAYS = ["debug.check_invariants=true", "save_token_ids=true", "progress=false"]
 

@@ -1,0 +1,54 @@
+"""One run from a composed config to its files: `execute` assembles the run (every value checked,
+`testbed.assembly`), generates its workload, serves it on the chosen backend (`testbed.backends`),
+summarizes the records (`testbed.metrics`) and writes the run directory (`testbed.rundir`,
+`testbed.timeline`). `python -m testbed.run`, the fuzzer, experiments and tests all run through it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from testbed.assembly import assemble
+from testbed.backends import run_backend
+from testbed.metrics import ideal_hit_rate, summarize
+from testbed.rundir import write_run
+from testbed.timeline import write_timeline
+
+
+def execute(cfg: DictConfig, run_dir: str | Path,
+            notes: list[str] | None = None) -> dict[str, Any]:
+    """Run one configuration and write its results; returns the summary. ``notes`` receives the
+    lines to print after it (requests that could never fit the KV pool, and why)."""
+    started = time.perf_counter()
+    run = assemble(cfg)  # every value read and checked before anything is generated
+    for note in run.notes:
+        print(note, file=sys.stderr)
+    loading = time.perf_counter()
+    requests = run.requests()
+    running = time.perf_counter()
+    result = run_backend(run, requests)
+    counting = time.perf_counter()
+    ideal = result.ideal_hit_rate if result.ideal_hit_rate is not None \
+        else ideal_hit_rate(requests)
+    done = time.perf_counter()
+    summary = summarize(result.records, ideal=ideal, wall_s=done - started,
+                        preemptions=result.preemptions)
+    summary["timing"] = {"load_s": running - loading, "run_s": counting - running,
+                         "ideal_s": done - counting, "write_s": None}  # write_run sets write_s
+    summary |= run.labels() | {"capacity_tokens": run.capacity_tokens}
+    summary |= result.extra
+    observer = result.observer
+    write_run(run_dir, summary, result.records, config=run.config,
+              steps=observer.rows if observer is not None else None)
+    if run.timeline:
+        write_timeline(Path(run_dir) / "timeline.json", observer,
+                       {k: summary.get(k) for k in ("backend", "workload", "cache", "scheduler",
+                                                    "model", "hardware")})
+    if notes is not None:
+        notes += result.notes
+    return summary
