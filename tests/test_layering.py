@@ -1,12 +1,15 @@
-"""Layering the code relies on: the engine and the simulator differ only in their executor, so
-nothing in testbed/engine imports testbed.sim (type-only imports included)."""
+"""Layering the code relies on (type-only imports included): the engine and the simulator differ
+only in their executor, so nothing in testbed/engine imports testbed.sim; the serving loop they
+share imports neither; and the cache knows nothing of who serves it."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ENGINE = Path(__file__).resolve().parents[1] / "testbed" / "engine"
+import pytest
+
+TESTBED = Path(__file__).resolve().parents[1] / "testbed"
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -20,7 +23,17 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
-def test_nothing_in_the_engine_imports_the_simulator():
-    offenders = {p.name: sorted(m for m in imported_modules(p) if m.startswith("testbed.sim"))
-                 for p in ENGINE.glob("*.py")}
-    assert {k: v for k, v in offenders.items() if v} == {}
+def offenders(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {p.name: sorted(m for m in imported_modules(p) if m.startswith(forbidden))
+             for p in (TESTBED / package).glob("*.py")}
+    return {k: v for k, v in found.items() if v}
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("engine", ("testbed.sim",)),
+    ("serving", ("testbed.sim", "testbed.engine")),
+    ("scheduler", ("testbed.sim", "testbed.engine", "testbed.serving")),
+    ("cache", ("testbed.sim", "testbed.engine", "testbed.serving", "testbed.scheduler")),
+])
+def test_package_does_not_import_the_layers_it_must_not_know(package, forbidden):
+    assert offenders(package, forbidden) == {}
