@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from testbed.errors import BadInput
 from testbed.registry import Registry
-from testbed.workloads.arrivals import ARRIVAL_KEYS, apply_arrivals
+from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beyond_prefix import paraphrase, rag
 from testbed.workloads.mixed import mix
 from testbed.workloads.paper import chat, few_shot, self_consistency, tree_of_thought
@@ -68,16 +68,11 @@ def generate(cfg: Mapping[str, Any], seed: int = 0) -> list[Request]:
 
 
 def build_workload(cfg: Mapping[str, Any], seed: int = 0,
-                   arrival: Mapping[str, Any] | None = None) -> list[Request]:
+                   arrival: Mapping[str, Any] | Arrival | None = None) -> list[Request]:
     """Generate or load the workload, apply the arrival process, and sort by arrival."""
-    requests = generate(cfg, seed=seed)
-    arrival = dict(arrival or {})
-    unknown = sorted(set(arrival) - set(ARRIVAL_KEYS))
-    if unknown:
-        raise BadInput(f"arrival.{unknown[0]} is not a setting of arrival; allowed: "
-                       f"{', '.join(ARRIVAL_KEYS)}")
-    requests = apply_arrivals(requests, kind=arrival.pop("kind", "auto"),
-                              is_trace=cfg.get("name") == "trace", seed=seed, **arrival)
+    if not isinstance(arrival, Arrival):  # checked before anything is generated
+        arrival = Arrival.from_mapping(arrival, is_trace=cfg.get("name") == "trace")
+    requests = arrival.apply(generate(cfg, seed=seed), seed=seed)
     check_dependencies(requests)
     return arrival_order(requests)
 

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -22,29 +23,58 @@ ARRIVALS = ("auto", "offline", "poisson", "trace")
 ARRIVAL_KEYS = ("kind", "rate", "time_scale", "max_in_flight")
 
 
+@dataclass(frozen=True)
+class Arrival:
+    """The ``arrival`` group, read and checked (`from_mapping`) before anything is generated;
+    `apply` then sets the requests' arrival times. ``kind`` is resolved (never ``auto``)."""
+
+    kind: str
+    rate: float | None = None
+    time_scale: float = 1.0
+    max_in_flight: int | None = None
+
+    @classmethod
+    def from_mapping(cls, arrival: Mapping[str, Any] | None, is_trace: bool) -> "Arrival":
+        """The group's values checked: its keys, ``kind``, and the values the kind uses."""
+        arrival = dict(arrival or {})
+        unknown = sorted(set(arrival) - set(ARRIVAL_KEYS))
+        if unknown:
+            raise BadInput(f"arrival.{unknown[0]} is not a setting of arrival; allowed: "
+                           f"{', '.join(ARRIVAL_KEYS)}")
+        kind = arrival.get("kind") or "auto"
+        rate = check_setting("arrival.rate", "float", arrival.get("rate"))
+        time_scale = check_setting("arrival.time_scale", "float", arrival.get("time_scale"))
+        max_in_flight = check_setting("arrival.max_in_flight", "int", arrival.get("max_in_flight"))
+        if kind not in ARRIVALS:
+            raise BadInput(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
+        if max_in_flight is not None and max_in_flight < 1:
+            raise BadInput(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
+        if kind == "auto":
+            kind = "trace" if is_trace else "offline"
+        time_scale = 1.0 if time_scale is None else time_scale
+        if kind == "trace" and time_scale < 0:
+            raise BadInput(f"arrival.time_scale must be >= 0, got {time_scale}")
+        if kind == "poisson" and (rate is None or rate <= 0):
+            raise BadInput(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
+        return cls(kind, rate, time_scale, max_in_flight)
+
+    def apply(self, requests: list[Request], seed: int = 0) -> list[Request]:
+        """Requests with ``arrival_s`` set by the arrival process (all calls of a program share
+        their program's arrival; requests without a program are programs of their own)."""
+        if self.kind == "trace":
+            return [replace(r, arrival_s=r.arrival_s * self.time_scale) for r in requests]
+        if self.kind == "offline":
+            return [replace(r, arrival_s=0.0) for r in requests]
+        programs = list(dict.fromkeys(r.program_id for r in requests))
+        gaps = np.random.default_rng(seed).exponential(1.0 / self.rate, size=len(programs))
+        start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))
+        return [replace(r, arrival_s=float(start[r.program_id])) for r in requests]
+
+
 def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: float | None = None,
                    time_scale: float = 1.0, max_in_flight: int | None = None,
                    seed: int = 0) -> list[Request]:
-    """Requests with ``arrival_s`` set by the arrival process (all calls of a program share their
-    program's arrival; requests without a program are programs of their own)."""
-    rate = check_setting("arrival.rate", "float", rate)
-    time_scale = check_setting("arrival.time_scale", "float", time_scale)
-    max_in_flight = check_setting("arrival.max_in_flight", "int", max_in_flight)
-    if kind not in ARRIVALS:
-        raise BadInput(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
-    if max_in_flight is not None and max_in_flight < 1:
-        raise BadInput(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
-    if kind == "auto":
-        kind = "trace" if is_trace else "offline"
-    if kind == "trace":
-        if time_scale < 0:
-            raise BadInput(f"arrival.time_scale must be >= 0, got {time_scale}")
-        return [replace(r, arrival_s=r.arrival_s * time_scale) for r in requests]
-    if kind == "offline":
-        return [replace(r, arrival_s=0.0) for r in requests]
-    if rate is None or rate <= 0:
-        raise BadInput(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
-    programs = list(dict.fromkeys(r.program_id for r in requests))
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(programs))
-    start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))
-    return [replace(r, arrival_s=float(start[r.program_id])) for r in requests]
+    """`Arrival.apply` with the group's values given one by one."""
+    arrival = Arrival.from_mapping({"kind": kind, "rate": rate, "time_scale": time_scale,
+                                    "max_in_flight": max_in_flight}, is_trace)
+    return arrival.apply(requests, seed)
