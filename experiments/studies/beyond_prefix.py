@@ -22,7 +22,7 @@ next-token distributions are (why its KL is tiny and its agreement fragile). Wri
 ``beyond_prefix.png`` (sim TTFT p50 against engine KL, one point per mode, a panel per workload)
 into ``--out``; the run dirs go under ``--runs`` (``python -m testbed.report`` reads them).
 
-    python experiments/beyond_prefix.py            # about 1-2 minutes on 2 CPU cores
+    python -m experiments.studies.beyond_prefix            # about 1-2 minutes on 2 CPU cores
 The Hydra preset ``+experiment=beyond_prefix`` runs the simulator's blend grid as separate runs.
 """
 
@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments import REPO
 
 import matplotlib  # noqa: E402
 

@@ -11,22 +11,20 @@ its capacity and unit) and ``eviction.png`` into ``--out`` and prints the table 
 time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
 separate jobs.
 
-    python experiments/eviction_study.py [--trace FILE|data:NAME --format mooncake] [--out DIR]
-    python experiments/eviction_study.py --workload chat     # a generated workload instead
-    python experiments/eviction_study.py --workload chat --set workload.num_sessions=400
-    python experiments/eviction_study.py --combine docs/eviction_*/eviction.csv \
+    python -m experiments.studies.eviction [--trace FILE|data:NAME --format mooncake] [--out DIR]
+    python -m experiments.studies.eviction --workload chat     # a generated workload instead
+    python -m experiments.studies.eviction --workload chat --set workload.num_sessions=400
+    python -m experiments.studies.eviction --combine docs/eviction_*/eviction.csv \
         --out docs/eviction_all      # one figure (a panel per workload) and the table of all cells
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments import REPO
 
 import matplotlib  # noqa: E402
 

@@ -19,8 +19,8 @@ round_robin's; oracle at or above cache_aware), writes ``routing.csv`` into ``--
 plot (hit rate and imbalance per policy) to ``--plot``. About 1 minute for chat and 7 for the
 whole Mooncake trace on a 2-core machine.
 
-    python experiments/routing_study.py                        # both workloads, 8 replicas
-    python experiments/routing_study.py --workloads chat --replicas 4 --policies round_robin \
+    python -m experiments.studies.routing                        # both workloads, 8 replicas
+    python -m experiments.studies.routing --workloads chat --replicas 4 --policies round_robin \
         cache_aware cache_aware:cache_threshold=0.3
 The Hydra preset ``+experiment=routing`` sweeps router x replicas x workload as separate runs.
 """
@@ -28,12 +28,10 @@ The Hydra preset ``+experiment=routing`` sweeps router x replicas x workload as 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments import MOONCAKE_TRACE, REPO
 
 import matplotlib  # noqa: E402
 
@@ -50,7 +48,7 @@ from testbed.workloads.arrivals import apply_arrivals  # noqa: E402
 from testbed.workloads.program import ProgramBuilder, TokenSource  # noqa: E402
 from testbed.workloads.request import OutputRef, Request, arrival_order  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 # The five policies at their config defaults (the imbalance rule in SGLang's units: 32 requests),
 # then cache_aware's rule on outstanding tokens at two thresholds, with the oracle under the same.
 POLICIES = [*ROUTERS, "cache_aware:load=tokens,balance_abs_threshold=32768",

@@ -10,7 +10,7 @@
 Writes ``replay.csv``, ``sim.csv``, ``tiers.json`` and ``tiers.png`` into ``--out``, and prints both
 tables. ``--no-sim`` skips part 2 (a full simulation takes about 30 s per configuration here).
 
-    python experiments/tiers_study.py [--trace FILE] [--out DIR] [--no-sim] [--limit N]
+    python -m experiments.studies.tiers [--trace FILE] [--out DIR] [--no-sim] [--limit N]
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments import MOONCAKE_TRACE, REPO
 
 import matplotlib  # noqa: E402
 
@@ -37,7 +35,7 @@ from testbed.replay import replay  # noqa: E402
 from testbed.sim.simulate import records_of, serve  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 HIT_KEYS = ["hit_rate", "hit_rate_gpu", "hit_rate_host", "hit_rate_disk"]
 
 
