@@ -15,7 +15,7 @@ import numpy as np
 
 from testbed.assembly import Assembly, assemble, compose_config
 from testbed.metrics import summarize
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.serve import records_of, serve
 from testbed.workloads.request import Request
 
 

@@ -13,7 +13,7 @@ from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.executor import SimExecutor
-from testbed.sim.simulate import serve
+from testbed.serving.serve import serve
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.workloads.request import Request
 from tests.conftest import toks

@@ -30,7 +30,7 @@ from testbed.engine.executor import EngineExecutor
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.loader import build_model, config_from_model_group, parse_dtype
 from testbed.engine.runner import ModelRunner
-from testbed.sim.simulate import serve
+from testbed.serving.serve import serve
 from testbed.workloads.request import Request
 
 

@@ -14,8 +14,9 @@ drift, and the engine's own spread over rounds (printed) is the noise floor of e
 Offline batch check: on a workload without dependencies (few-shot, all at t=0), timing cannot
 change decisions, so both backends must make identical steps and identical hits.
 
-    python -m experiments.validation.sim_vs_engine [--out DIR] [--rounds 7] [--fitted cost_model.yaml] \
-        [overrides, e.g. model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton]
+    python -m experiments.validation.sim_vs_engine [--out DIR] [--rounds 7] \
+        [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200 device=cuda
+        dtype=bfloat16 attention=triton]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from testbed.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, mape
-from testbed.sim.simulate import records_of, serve
+from testbed.serving.serve import records_of, serve
 
 BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256"]
 EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)
