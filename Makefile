@@ -25,7 +25,7 @@ test: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	$(PY) experiments/bench_cache.py $(ARGS)
+	$(PY) -m experiments.benchmarks.cache $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .hypothesis

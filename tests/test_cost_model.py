@@ -12,6 +12,7 @@ from testbed.model_shape import ModelShape
 from testbed.sim.cost_model import (
     FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )
+from testbed.sim.roofline_fit import grid_steps, loaded_steps, ratios
 from testbed.sim.specs import (
     HardwareSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
 )
@@ -470,24 +471,13 @@ def test_roofline_against_vidur_a100():
     assert 4 * 32 * 128 * pairs / (a100.flops * grid.values[seen].sum()) == pytest.approx(
         roof.attn_mfu, abs=0.005)
 
-    def ratios(steps):
-        return np.array([roof.step_time(s) / vidur.step_time(s) for s in steps])
-
-    decode = ratios(StepShape.decode([k] * b) for b in (1, 2, 4, 8, 16, 32, 64, 128)
-                    for k in (128, 512, 1024, 2048, 4032))
-    fresh = ratios(StepShape((n,), (0,)) for n in (64, 128, 256, 512, 1024, 2048, 3072, 4096))
-    cached = ratios(StepShape((n,), (c,)) for n in (64, 256, 512, 1024, 2048)
-                    for c in (512, 1024, 2048, 4032 - n) if n + c <= 4096)
+    shapes = grid_steps()
+    decode, fresh, cached = (ratios(roof, vidur, shapes[kind]) for kind in (
+        "decode, 1-128 requests", "prefill, nothing cached", "prefill over a cache"))
     assert 0.9 < decode.min() and decode.max() < 1.19 and 1.1 < np.median(decode) < 1.17
     assert 0.93 < fresh.min() and fresh.max() < 1.09
     assert 0.94 < cached.min() and cached.max() < 1.13
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[1] / "experiments" / "roofline_vs_vidur_profile.py"
-    spec = importlib.util.spec_from_file_location("roofline_vs_vidur_profile", script)
-    fitting = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fitting)
-    fit = {kind: ratios(steps) for kind, steps in fitting.loaded().items()}
+    fit = {kind: ratios(roof, vidur, steps) for kind, steps in loaded_steps().items()}
     loaded_decode, loaded_prefill = fit.values()
     assert 0.94 < loaded_decode.min() and loaded_decode.max() < 1.07
     assert 0.99 < np.median(loaded_decode) < 1.03 and 0.99 < np.median(loaded_prefill) < 1.03

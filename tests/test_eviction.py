@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from testbed.cache import EVICTION, BlockHashCache, RadixCache, Requester
 from testbed.cache.oracle import FutureIndex, Oracle
+from testbed.cli import CONF_DIR
 from testbed.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.synthetic import random_tree
@@ -224,3 +226,11 @@ def test_invariants_hold_for_gdsf_after_its_clock_has_risen():
                 Request("d", toks(13, 14, 15, 16), toks())]
     replay(requests, cache, check_invariants=True)
     assert cache.policy.clock > 0 and cache.evictable_size == 12
+
+
+def test_the_eviction_preset_sweeps_every_registered_policy():
+    """conf/experiment/eviction.yaml is the eviction study's grid too (experiments.studies.eviction
+    reads its sweep): a policy registered but left out there would be missing from both."""
+    sweep = OmegaConf.load(CONF_DIR / "experiment" / "eviction.yaml").hydra.sweeper.params
+    assert sweep.eviction.split(",") == list(EVICTION)
+    assert sweep["cache.evict_unit"].split(",") == ["node", "page"]

@@ -243,7 +243,8 @@ def test_a_folder_without_runs_is_one_clear_line(tmp_path):
         f"error: no runs under {tmp_path} (no summary.json or failed.json found)"
 
 
-@pytest.mark.parametrize("preset", ["ablation", "scheduling", "beyond_prefix"])
+@pytest.mark.parametrize("preset", ["ablation", "scheduling", "beyond_prefix", "eviction",
+                                    "routing"])
 def test_presets_compose_to_the_documented_sweeps(preset):
     proc = subprocess.run([sys.executable, "-m", "testbed.run", f"+experiment={preset}",
                            "--cfg", "hydra"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from testbed.cache import RadixCache
+from testbed.fairness import hot_cold_requests, run_aging
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.executor import SimExecutor
-from testbed.sim.simulate import serve
+from testbed.serving.serve import serve
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.workloads.request import Request
 from tests.conftest import toks
@@ -226,14 +227,8 @@ def test_lpm_aging_lets_a_long_waiting_cold_request_overtake_warm_ones():
 
 
 def test_lpm_aging_halves_the_cold_requests_p99_ttft_under_overload_at_the_same_hit_rate():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "experiments" / "fairness_study.py"
-    spec = importlib.util.spec_from_file_location("fairness_study", path)
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    requests = study.workload(600, cold_share=0.2)
-    plain, aged = (study.run(requests, aging, in_flight=120, capacity=200_000, max_running=16)
+    requests = hot_cold_requests(600, cold_share=0.2)
+    plain, aged = (run_aging(requests, aging, in_flight=120, capacity=200_000, max_running=16)
                    for aging in (0.0, 1024.0))
     assert plain["ttft_p99_cold_s"] > 2 * plain["ttft_p99_warm_s"]  # LPM starves the cold
     assert aged["ttft_p99_cold_s"] <= 0.5 * plain["ttft_p99_cold_s"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ from testbed.cache import RadixCache
 from testbed.replay import replay
 from testbed.workloads import WORKLOADS, build_workload, generate
 from testbed.workloads.describe import describe
-from testbed.workloads.paper import chat, few_shot, self_consistency, tree_of_thought
+from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,
+                                     tree_of_thought)
 from testbed.workloads.request import OutputRef, materialize
 from testbed.workloads.synthetic import image_tokens, multimodal, random_tree
 from testbed.workloads.traces import load_tokens, save_tokens
@@ -147,6 +150,43 @@ def test_chat_turn_prompt_starts_with_previous_turn_prompt_and_output():
         assert len(r.prompt) > len(by_id[prev].sequence())
     firsts = [r.prompt[:10] for r in requests if r.id.endswith("turn0")]
     assert all(np.array_equal(firsts[0], f) for f in firsts)  # one system prompt for all
+
+
+# SHA-256 over (id, program, after, think time, arrival, prompt, output, category, priority) of
+# the routing study's multi-tenant chat after Poisson arrivals, recorded 2026-12-02 from
+# multi_tenant_chat in experiments/routing_study.py before it moved into workload=chat_tenants.
+# The last case is the study's own chat (docs/results/routing/routing.png).
+CHAT_TENANTS_BEFORE_THE_MOVE = [
+    (12, 16.0, 1.0, 0, 72, "5e38d0480340b368760c417480bb5ef600a3cacac250cdbe8b650989af675659"),
+    (20, 4.0, 1.5, 3, 120, "59678978dc589b298e0ef96275cf87e7ec8e143619e83e454ce4ac41ae65c678"),
+    (1024, 16.0, 1.0, 0, 6144, "2f5d65b22a4f8cc5ba589f59d276574507f187e6821a1aa783b03c1ebf71cf23"),
+]
+
+
+@pytest.mark.parametrize("sessions, rate, zipf, seed, count, digest", CHAT_TENANTS_BEFORE_THE_MOVE)
+def test_chat_tenants_gives_the_requests_the_routing_study_built_itself(sessions, rate, zipf, seed,
+                                                                        count, digest):
+    requests = build_workload({"name": "chat_tenants", "num_sessions": sessions, "zipf": zipf},
+                              seed=seed, arrival={"kind": "poisson", "rate": rate})
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(json.dumps([r.id, r.program, r.after, r.think_time_s, repr(float(r.arrival_s)),
+                             r.prompt.tolist(), r.output.tolist(), r.category,
+                             r.priority]).encode())
+    assert len(requests) == count and h.hexdigest() == digest
+
+
+def test_chat_tenants_sessions_share_their_tenants_system_prompt_only():
+    requests = chat_tenants(num_tenants=4, num_sessions=200, turns=2, system_prompt_len=16,
+                            min_question_len=4, max_question_len=8, min_output_len=2,
+                            max_output_len=3, zipf=1.0, vocab_size=BIG_VOCAB)
+    system = {}
+    for r in requests:
+        tenant = r.program.split("/")[0]
+        assert np.array_equal(system.setdefault(tenant, r.prompt[:16]), r.prompt[:16])
+    assert len(system) == 4 and lcp(system["tenant0"], system["tenant1"]) == 0
+    per_tenant = [sum(r.program.startswith(f"tenant{t}/") for r in requests) for t in range(4)]
+    assert per_tenant[0] > per_tenant[3]  # Zipf: the first tenant is the most popular
 
 
 def test_few_shot_questions_of_one_task_share_exactly_the_example_block():

@@ -224,7 +224,7 @@ class Oracle(Router):
     is left, which ``cache_aware``'s optimistic tree keeps by sending it back. A heuristic with
     perfect information, to measure what the tree's approximation costs; neither deployable nor a
     bound: routing changes what later requests find, and on 8-replica chat it hit 0.602 where
-    ``cache_aware`` hit 0.611 (experiments/routing_study.py).
+    ``cache_aware`` hit 0.611 (experiments/studies/routing.py).
     """
 
     name = "oracle"

@@ -49,7 +49,7 @@ these figures (measured time / roofline floor, per layer and per rank):
 
 The floor is never above any measured operator. The defaults below are fitted to whole steps of
 `VidurCostModel` on that profile (priced as Vidur 0.0.26 prices them: GPU time plus a 20 µs NCCL
-launch per all-reduce, no per-step overhead; ``python experiments/roofline_vs_vidur_profile.py``
+launch per all-reduce, no per-step overhead; ``python -m experiments.validation.roofline``
 prints the fit and these ratios): ``attn_mfu`` from the profiled attention alone; the all-reduce's
 per-call latency from the profiled TP2 all-reduces of 512 KiB and more (31 µs + bytes / 0.62 of
 NVLink) plus Vidur's NCCL launch; ``mfu`` and ``mbu`` on the steps of a loaded server (decode
@@ -64,7 +64,7 @@ profile (Vidur's side extrapolated), decode at 16k–64k tokens of context is 1.
 prefill chunks over 8k–100k cached tokens 1.14–2.35× slow: the profile's kernel attends to a long
 cache at up to ~65 % of peak, while one ``attn_mfu`` has to cover chunks' own causal triangles at
 ~20 %. Against Vidur 0.0.26 itself on the first 2,000 requests of the Azure 2023 conversation
-trace (``experiments/vs_vidur.py``; docs/results/vs_vidur.md), the roofline's TTFT, TPOT and e2e
+trace (``experiments.validation.vidur``; docs/results/vs_vidur.md), the roofline's TTFT, TPOT and e2e
 percentiles and makespan are within 5 % at the recorded rate (TTFT −4.9 %) and within 8 % at
 half of it (e2e p50 +7.6 %); at a quarter of it, where decode batches are small, TPOT and e2e
 are 13–19 % long (the small batches above). The fit is sensitive: 0.01 of ``mfu`` moves the

@@ -33,7 +33,7 @@ the way Vidur 0.0.26 prices a batch (``SklearnExecutionTimePredictor.get_executi
   batch by its model time alone, with no scheduling, input preparation or sampling time.
 
 Where we price differently from Vidur 0.0.26, on purpose (effects measured on the Azure
-conversation trace with ``experiments/vs_vidur.py``; together they leave our steps within 2 % of
+conversation trace with ``experiments.validation.vidur``; together they leave our steps within 2 % of
 Vidur's on that run's batches, see docs/results/vs_vidur.md):
 - the prefill KV is the context cached before the chunk, which is what the profile's
   ``kv_cache_size`` measured (the chunk attends to it plus itself). Vidur's scheduler passes

@@ -15,7 +15,8 @@ from testbed.registry import Registry
 from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beyond_prefix import paraphrase, rag
 from testbed.workloads.mixed import mix
-from testbed.workloads.paper import chat, few_shot, self_consistency, tree_of_thought
+from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,
+                                     tree_of_thought)
 from testbed.workloads.request import OutputRef, Request, arrival_order
 from testbed.workloads.synthetic import multimodal, random_tree, shared_prefix
 from testbed.workloads.traces import TRACE_FORMATS, TraceError, load_trace, save_tokens
@@ -24,6 +25,7 @@ WORKLOADS = Registry("workload", run_keys=("max_in_flight",), context_keys=("see
                      what="a workload (a function returning a list of Request)")
 for _name, _generator in (("few_shot", few_shot), ("chat", chat),
                           ("chat_long", chat),  # long answers: conf/workload/chat_long.yaml
+                          ("chat_tenants", chat_tenants),
                           ("self_consistency", self_consistency),
                           ("tree_of_thought", tree_of_thought), ("multimodal", multimodal),
                           ("shared_prefix", shared_prefix), ("random_tree", random_tree),

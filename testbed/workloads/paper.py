@@ -1,6 +1,8 @@
 """The four workload families of the RadixAttention paper: few-shot, multi-turn chat,
-self-consistency and tree-of-thought. Each generator returns its calls in a valid submission order
-(every call after the calls it depends on), all programs arriving at t=0; `arrivals` spreads them.
+self-consistency and tree-of-thought, and `chat_tenants`, multi-turn chat of many tenants with a
+system prompt each (the routing study's). Each generator returns its calls in a valid submission
+order (every call after the calls it depends on), all programs arriving at t=0; `arrivals` spreads
+them.
 
 Sizes default to the SGLang benchmarks' (the config files in ``conf/workload/`` say which).
 """
@@ -50,12 +52,50 @@ def chat(num_sessions: int = 20, turns: int = 4, system_prompt_len: int = 64,
     calls = []
     for t in range(turns):
         for program, segments in sessions:
-            segments.append(tokens(tokens.length(min_question_len, max_question_len)))
-            after = [program.calls[-1].id] if t else []
-            call = program.call(f"turn{t}", segments, tokens.length(min_output_len, max_output_len),
-                                after=after, think_time_s=think_time_s if t else 0.0)
-            segments.append(OutputRef(call.id))
-            calls.append(call)
+            calls.append(chat_turn(program, segments, t, (min_question_len, max_question_len),
+                                   (min_output_len, max_output_len), think_time_s))
+    return calls
+
+
+def chat_turn(program: ProgramBuilder, segments: list, t: int, question_len: tuple[int, int],
+              output_len: tuple[int, int], think_time_s: float) -> Request:
+    """Turn ``t`` of a session whose history is ``segments``: a new question of a length drawn
+    from ``question_len``, waiting for turn t-1 plus ``think_time_s``; its answer joins the
+    history."""
+    tokens = program.tokens
+    segments.append(tokens(tokens.length(*question_len)))
+    after = [program.calls[-1].id] if t else []
+    call = program.call(f"turn{t}", segments, tokens.length(*output_len), after=after,
+                        think_time_s=think_time_s if t else 0.0)
+    segments.append(OutputRef(call.id))
+    return call
+
+
+def chat_tenants(num_tenants: int = 16, num_sessions: int = 256, turns: int = 6,
+                 system_prompt_len: int = 2048, min_question_len: int = 128,
+                 max_question_len: int = 512, min_output_len: int = 64, max_output_len: int = 256,
+                 think_time_s: float = 5.0, zipf: float = 1.0, vocab_size: int = 128256,
+                 seed: int = 0) -> list[Request]:
+    """Sessions of ``turns`` turns, each of a tenant drawn with probability ∝ 1/rank^zipf; every
+    tenant has its own system prompt. A turn's prompt is the tenant's system prompt, every
+    earlier question and answer of the session, and a new question; turn t waits for turn t-1
+    plus ``think_time_s``. Calls are listed session by session (program order = session order)."""
+    check_nonnegative(num_sessions=num_sessions, turns=turns, system_prompt_len=system_prompt_len,
+                      think_time_s=think_time_s, zipf=zipf)
+    if num_tenants < 1:
+        raise BadInput(f"workload.num_tenants must be >= 1, got {num_tenants}")
+    check_range("min_question_len", min_question_len, "max_question_len", max_question_len)
+    check_range("min_output_len", min_output_len, "max_output_len", max_output_len)
+    tokens = TokenSource(np.random.default_rng(seed), vocab_size)
+    systems = [tokens(system_prompt_len) for _ in range(num_tenants)]
+    weights = 1.0 / np.arange(1, num_tenants + 1) ** zipf
+    tenant_of = tokens.rng.choice(num_tenants, size=num_sessions, p=weights / weights.sum())
+    calls = []
+    for s, tenant in enumerate(tenant_of):
+        program, segments = ProgramBuilder(f"tenant{tenant}/chat{s}", tokens), [systems[tenant]]
+        for t in range(turns):
+            calls.append(chat_turn(program, segments, t, (min_question_len, max_question_len),
+                                   (min_output_len, max_output_len), think_time_s))
     return calls
 
 

@@ -18,11 +18,11 @@ shares 3 of its 4 documents (and the system prompt) with an earlier one is about
 one with all 4 documents in another order about 0.9; 0.5 (the default) thus takes donors sharing
 most of the prompt, 0.8 only near-duplicates. The script prints, per workload, the share of prompts
 whose most similar earlier prompt reaches each threshold, and how flat the tiny model's
-next-token distributions are (why its KL is tiny and its agreement fragile). Writes ``beyond_prefix.csv`` and
-``beyond_prefix.png`` (sim TTFT p50 against engine KL, one point per mode, a panel per workload)
-into ``--out``; the run dirs go under ``--runs`` (``python -m testbed.report`` reads them).
+next-token distributions are (why its KL is tiny and its agreement fragile). Writes
+``beyond_prefix.csv`` and ``beyond_prefix.png`` (sim TTFT p50 against engine KL, one point per
+mode, a panel per workload) into ``--out`` (docs/results/beyond_prefix/); the run dirs go under ``--runs`` (``python -m testbed.report`` reads them).
 
-    python experiments/beyond_prefix.py            # about 1-2 minutes on 2 CPU cores
+    python -m experiments.studies.beyond_prefix            # about 1-2 minutes on 2 CPU cores
 The Hydra preset ``+experiment=beyond_prefix`` runs the simulator's blend grid as separate runs.
 """
 
@@ -30,13 +30,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import matplotlib  # noqa: E402
 
@@ -46,6 +42,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
+from experiments import REPO  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache.similarity import MinHashIndex  # noqa: E402
 from testbed.engine.quality import exact_logits  # noqa: E402
@@ -219,7 +216,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=["rag", "paraphrase"])
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "beyond_prefix")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "beyond_prefix")
     ap.add_argument("--runs", type=Path, default=REPO / "multirun" / "beyond_prefix_study")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for the engine (tiny shapes: more only add contention)")

@@ -14,33 +14,32 @@ drift, and the engine's own spread over rounds (printed) is the noise floor of e
 Offline batch check: on a workload without dependencies (few-shot, all at t=0), timing cannot
 change decisions, so both backends must make identical steps and identical hits.
 
-    python experiments/sim_vs_engine.py [--out DIR] [--rounds 7] [--fitted cost_model.yaml] \
-        [overrides, e.g. model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton]
+    python -m experiments.validation.sim_vs_engine [--out DIR] [--rounds 7] \
+        [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200 device=cuda
+        dtype=bfloat16 attention=triton]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments import REPO
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
 
-from testbed.assembly import assemble, compose_config  # noqa: E402
-from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,  # noqa: E402
+from testbed.assembly import assemble, compose_config
+from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,
                                median_times, synthetic_batch, timed_pass)
-from testbed.metrics import summarize  # noqa: E402
-from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape  # noqa: E402
-from testbed.sim.executor import SimExecutor  # noqa: E402
-from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
-from testbed.sim.simulate import records_of, serve  # noqa: E402
+from testbed.metrics import summarize
+from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
+from testbed.sim.executor import SimExecutor
+from testbed.sim.fit import fit_coefficients, mape
+from testbed.serving.serve import records_of, serve
 
 BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256"]
 EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)

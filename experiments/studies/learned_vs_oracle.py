@@ -8,28 +8,23 @@ but decides nothing. Prints per policy the hit rate, how many evicted tokens the
 probability at each leaf's creation ranks the leaves the future uses again (ROC AUC), by the
 leaf's turn.
 
-    python experiments/learned_vs_oracle.py [--trace data:mooncake_conversation] [--capacity 3e6]
+    python -m experiments.studies.learned_vs_oracle [--trace data:mooncake_conversation] [--capacity 3e6]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
+from sklearn.metrics import roc_auc_score
 
-import numpy as np  # noqa: E402
-from sklearn.metrics import roc_auc_score  # noqa: E402
-
-from testbed.assembly import assemble, compose_config  # noqa: E402
-from testbed.cache import EVICTION, RadixCache  # noqa: E402
-from testbed.cache.eviction import EvictionPolicy, Requester  # noqa: E402
-from testbed.cache.oracle import Oracle  # noqa: E402
-from testbed.replay import replay  # noqa: E402
+from testbed.assembly import assemble, compose_config
+from testbed.cache import EVICTION, RadixCache
+from testbed.cache.eviction import EvictionPolicy, Requester
+from testbed.cache.oracle import Oracle
+from testbed.replay import replay
 
 
 class Whether(Oracle):

@@ -1,9 +1,9 @@
-"""The trees `bench_cache.py` races the project's caches against, each served replay.py's way.
+"""The trees `experiments.benchmarks.cache` races the project's caches against, each served replay.py's way.
 
 Every one takes the requests in order, one at a time, with the replay backend's calls
 (docs/design.md §4: match the prompt and lock it, evict the shortfall, allocate, insert prompt +
 output, free the duplicates, unlock) and returns the hit and the tokens evicted per request, so
-`bench_cache.py` can check them against `RadixCache` request for request:
+`experiments.benchmarks.cache` can check them against `RadixCache` request for request:
 
 - `PlainRadix` + `replay_plain`: the obvious per-token Python radix tree (edges are lists of ints
   compared token by token, eviction by a heap of all leaves rebuilt per evict call as SGLang does);
@@ -11,17 +11,16 @@ output, free the duplicates, unlock) and returns the hit and the tokens evicted 
   as one would write it with care: edges are lists compared a whole slice at a time (``==`` in C),
   LRU by a counter, eviction from a lazily invalidated heap of leaves, a list of free slots;
 - `replay_sglang`: SGLang 0.4.10's own ``RadixCache`` (imported from the wheel cached by
-  `sglang_policy_check.py`, see `load_sglang`) with the allocator stand-in of `sglang_replay.py`.
+  `experiments.validation.sglang`, see `load_sglang`) with the allocator stand-in of
+  `experiments.validation.sglang_replay`.
 """
 
 from __future__ import annotations
 
 import heapq
-import sys
 from pathlib import Path
 from typing import Iterable
 
-REPO = Path(__file__).resolve().parents[1]
 SGLANG_CACHE = Path.home() / ".cache" / "radix-testbed" / "sglang-0.4.10"
 
 
@@ -324,16 +323,15 @@ def replay_edge(requests: Iterable, tree: EdgeRadix) -> tuple[list[int], list[in
 
 # ------------------------------------------------------------------------- SGLang's own
 def load_sglang(cache_dir: Path = SGLANG_CACHE):
-    """SGLang 0.4.10's modules from the unpacked wheel in ``cache_dir`` (`sglang_mirror.load`),
-    or None when it is not there (`python experiments/sglang_policy_check.py --quick` fetches it;
+    """SGLang 0.4.10's modules from the unpacked wheel in ``cache_dir`` (`sglang_wheel.load`),
+    or None when it is not there (`python -m experiments.validation.sglang --quick` fetches it;
     the benchmark never downloads)."""
     root = cache_dir / "src"
     if not (root / "sglang/srt/mem_cache/radix_cache.py").exists():
         return None
-    sys.path.insert(0, str(REPO / "experiments"))
-    import sglang_mirror
+    from experiments.validation.sglang_wheel import load
 
-    return sglang_mirror.load(root)
+    return load(root)
 
 
 def replay_sglang(sgl, requests: Iterable, capacity: int) -> tuple[list[int], list[int]]:
@@ -342,7 +340,7 @@ def replay_sglang(sgl, requests: Iterable, capacity: int) -> tuple[list[int], li
     ``insert`` of prompt + output, the duplicates freed, ``dec_lock_ref``. Tokens evicted are read
     off ``evictable_size``."""
     import torch
-    from sglang_replay import PagedSlots
+    from experiments.validation.sglang_replay import PagedSlots
 
     alloc = PagedSlots(capacity, 1)
     tree = sgl.radix.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=alloc,

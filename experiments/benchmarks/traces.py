@@ -1,4 +1,4 @@
-"""Traces of any length for `bench_cache.py`'s scaling table, made one request at a time.
+"""Traces of any length for the scaling table of `experiments.benchmarks.cache`, made one by one.
 
 - `forest`: the requests of ``workload=random_tree`` (`testbed.workloads.synthetic.random_tree`:
   the same random draws in the same order, so the same tokens and ids), streamed: each call keeps

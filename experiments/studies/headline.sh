@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The RadixAttention headline in the simulator: Llama-2-7B on an A10G, offline batches of programs.
+#   bash experiments/studies/headline.sh    # from anywhere; it runs from the repository root
 # Prints, per workload, radix+lpm vs no cache+fcfs: hit rate (and the ideal), makespan, speedup.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 out=${OUT:-outputs/headline}
 printf "%-17s %9s %9s %12s %12s %8s\n" workload hit ideal radix_s none_s speedup

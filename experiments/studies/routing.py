@@ -1,39 +1,36 @@
 """The routing study: every router policy on N data-parallel replicas, two workloads.
 
-(a) ``chat``: multi-tenant chat built here: 16 tenants with their own 2,048-token system prompts
-    (tenant popularity Zipf-skewed, so cache affinity alone would pile the hot tenant onto one
-    replica), 1,024 sessions of 6 turns whose prompts carry the whole history (questions of
-    128-512 tokens, answers of 64-256), sessions arriving as a Poisson process (16/s), 5 s of
-    think time between turns;
+(a) ``chat``: ``workload=chat_tenants`` (conf/workload/chat_tenants.yaml): 16 tenants with their
+    own 2,048-token system prompts (tenant popularity Zipf-skewed, so cache affinity alone would
+    pile the hot tenant onto one replica), here 1,024 sessions of 6 turns whose prompts carry the
+    whole history (questions of 128-512 tokens, answers of 64-256), sessions arriving as a
+    Poisson process (16/s), 5 s of think time between turns;
 (b) ``mooncake``: the Mooncake conversation trace beside the repository at its own timestamps
     (12,031 requests over an hour), optionally truncated (``--trace-limit``) or time-scaled
     (``--time-scale``).
 
-Each run is `testbed.sim.cluster.simulate_cluster`: Llama-3-8B on H100s by default (roofline
+Each run is `testbed.serving.cluster.simulate_cluster`: Llama-3-8B on H100s by default (roofline
 cost model, a radix cache of the KV capacity one H100 holds per replica, LPM scheduler). The
 policies are the five routers at their config defaults (imbalance in SGLang's units, 32 requests)
 plus cache_aware's imbalance rule on outstanding tokens at two thresholds. Prints a table per
 workload (hit rate, throughput, TTFT, imbalance, router decisions, wall time), checks the
 acceptance conditions (cache_aware >= 1.2x round_robin's hit rate; its imbalance at most N/2 or
 round_robin's; oracle at or above cache_aware), writes ``routing.csv`` into ``--out`` and the
-plot (hit rate and imbalance per policy) to ``--plot``. About 1 minute for chat and 7 for the
-whole Mooncake trace on a 2-core machine.
+plot (hit rate and imbalance per policy) to ``--plot`` (docs/results/routing/routing.png). About
+1 minute for chat and 7 for the whole Mooncake trace on a 2-core machine.
 
-    python experiments/routing_study.py                        # both workloads, 8 replicas
-    python experiments/routing_study.py --workloads chat --replicas 4 --policies round_robin \
+    python -m experiments.studies.routing      # both workloads, 8 replicas
+    python -m experiments.studies.routing --workloads chat --replicas 4 --policies round_robin \
         cache_aware cache_aware:cache_threshold=0.3
-The Hydra preset ``+experiment=routing`` sweeps router x replicas x workload as separate runs.
+The Hydra preset ``+experiment=routing`` sweeps router x replicas on the same chat as separate
+runs (its ``router=NAME replicas=8`` runs are this study's chat rows for the five routers).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import matplotlib  # noqa: E402
 
@@ -42,45 +39,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
 from testbed.router import ROUTERS  # noqa: E402
-from testbed.sim.cluster import cluster_records, simulate_cluster  # noqa: E402
-from testbed.workloads.arrivals import apply_arrivals  # noqa: E402
-from testbed.workloads.program import ProgramBuilder, TokenSource  # noqa: E402
-from testbed.workloads.request import OutputRef, Request, arrival_order  # noqa: E402
+from testbed.serving.cluster import cluster_records, simulate_cluster  # noqa: E402
+from testbed.workloads.request import Request  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 # The five policies at their config defaults (the imbalance rule in SGLang's units: 32 requests),
 # then cache_aware's rule on outstanding tokens at two thresholds, with the oracle under the same.
 POLICIES = [*ROUTERS, "cache_aware:load=tokens,balance_abs_threshold=32768",
             "cache_aware:load=tokens,balance_abs_threshold=8192",
             "oracle:load=tokens,balance_abs_threshold=32768"]
-
-
-def multi_tenant_chat(num_tenants: int = 16, num_sessions: int = 256, turns: int = 6,
-                      system_prompt_len: int = 2048, question_len: tuple[int, int] = (128, 512),
-                      output_len: tuple[int, int] = (64, 256), think_time_s: float = 5.0,
-                      zipf: float = 1.0, vocab_size: int = 128256, seed: int = 0) -> list[Request]:
-    """Sessions of ``turns`` turns, each belonging to a tenant drawn with probability ∝
-    1/rank^zipf; a turn's prompt is the tenant's system prompt, every earlier question and
-    answer of the session, and a new question. Turn t waits for turn t-1 plus ``think_time_s``."""
-    tokens = TokenSource(np.random.default_rng(seed), vocab_size)
-    systems = [tokens(system_prompt_len) for _ in range(num_tenants)]
-    weights = 1.0 / np.arange(1, num_tenants + 1) ** zipf
-    tenant_of = tokens.rng.choice(num_tenants, size=num_sessions, p=weights / weights.sum())
-    sessions = [(ProgramBuilder(f"tenant{t}/chat{s}", tokens), [systems[t]])
-                for s, t in enumerate(tenant_of)]
-    calls = []
-    for program, segments in sessions:  # program order = session arrival order
-        for t in range(turns):
-            segments.append(tokens(tokens.length(*question_len)))
-            after = [program.calls[-1].id] if t else []
-            call = program.call(f"turn{t}", segments, tokens.length(*output_len), after=after,
-                                think_time_s=think_time_s if t else 0.0)
-            segments.append(OutputRef(call.id))
-            calls.append(call)
-    return calls
 
 
 def base_overrides(args) -> list[str]:
@@ -152,7 +123,8 @@ def main() -> None:
     ap.add_argument("--time-scale", type=float, default=1.0, help="multiplies trace timestamps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing")
-    ap.add_argument("--plot", type=Path, default=REPO / "docs" / "routing.png")
+    ap.add_argument("--plot", type=Path,
+                    default=REPO / "docs" / "results" / "routing" / "routing.png")
     ap.add_argument("--from-csv", type=Path, help="report and plot a saved routing.csv, no runs")
     args = ap.parse_args()
     if args.from_csv:
@@ -184,25 +156,33 @@ def main() -> None:
     print(f"\nwrote {args.out / 'routing.csv'} and {args.plot}")
 
 
+def workload_overrides(workload: str, args) -> list[str]:
+    """The study's workload as run-config overrides: ``chat`` is ``workload=chat_tenants``
+    (conf/workload/chat_tenants.yaml, the +experiment=routing preset's workload) with
+    ``--chat-sessions`` sessions arriving at ``--chat-rate`` per second; ``mooncake`` the trace
+    at its own timestamps."""
+    if workload == "chat":
+        return ["workload=chat_tenants", f"workload.num_sessions={args.chat_sessions}",
+                f"workload.zipf={args.chat_zipf}", "arrival.kind=poisson",
+                f"arrival.rate={args.chat_rate}"]
+    if workload == "mooncake":
+        return ["workload=trace", f"workload.path={args.trace}", "workload.format=mooncake",
+                "arrival.kind=trace", f"arrival.time_scale={args.time_scale}"]
+    raise SystemExit(f"error: --workloads takes chat and mooncake; got {workload!r}")
+
+
 def load(workload: str, args) -> tuple[list[Request], str]:
-    if workload == "chat":  # this study's own generator (above), not a config workload
-        calls = multi_tenant_chat(num_sessions=args.chat_sessions, zipf=args.chat_zipf,
-                                  seed=args.seed)
-        requests = arrival_order(apply_arrivals(calls, "poisson", is_trace=False,
-                                                rate=args.chat_rate, seed=args.seed))
+    """The requests of one workload, as a run config builds them, and their label."""
+    requests = assemble(compose_config(base_overrides(args) +
+                                       workload_overrides(workload, args))).requests()
+    if workload == "chat":
         return requests, (f"multi-tenant chat (16 tenants, Zipf {args.chat_zipf:g}; "
                           f"{args.chat_sessions} sessions x 6 turns, "
                           f"{args.chat_rate:g} sessions/s)")
-    if workload == "mooncake":  # the trace at its own timestamps, as a run config reads it
-        run = assemble(compose_config(base_overrides(args) + [
-            "workload=trace", f"workload.path={args.trace}", "workload.format=mooncake",
-            "arrival.kind=trace", f"arrival.time_scale={args.time_scale}"]))
-        requests = run.requests()
-        if args.trace_limit:
-            requests = requests[: args.trace_limit]
-        scale = f", time x{args.time_scale:g}" if args.time_scale != 1 else ""
-        return requests, f"Mooncake conversation trace ({len(requests):,} requests{scale})"
-    raise SystemExit(f"error: --workloads takes chat and mooncake; got {workload!r}")
+    if args.trace_limit:
+        requests = requests[: args.trace_limit]
+    scale = f", time x{args.time_scale:g}" if args.time_scale != 1 else ""
+    return requests, f"Mooncake conversation trace ({len(requests):,} requests{scale})"
 
 
 def report(df: pd.DataFrame, replicas: int) -> None:

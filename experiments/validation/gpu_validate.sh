@@ -7,15 +7,15 @@
 #   2. the engine's tests compiled on the GPU: generating traces (max_new_tokens) and checkpoints
 #      by path equal HF generate; hits, eviction and retraction with Triton and cascade
 #      attention; cascade decode equals plain decode; no device read in the layer loop;
-#   3. experiments/gpu_engine_check.py on a Llama-2-7B-shaped random model in bf16: the KV pool
+#   3. experiments.validation.gpu_engine on a Llama-2-7B-shaped random model in bf16: the KV pool
 #      sized from free memory, synchronizing calls in the forward (CUDA's sync debug mode), and
 #      cascade against plain decode on 32 requests sharing a 2,048-token prompt;
 #   4. the engine on tree_of_thought with that model: radix+lpm, radix+lpm with cascade, and no
 #      cache + fcfs (throughput ratios, hit rate; the KV pool from free memory).
-# WITH_SIM_VS_ENGINE=1 adds experiments/sim_vs_engine.py (calibration and the simulator's error
-# against the engine on this GPU; about 3 more minutes).
+# WITH_SIM_VS_ENGINE=1 adds experiments.validation.sim_vs_engine (calibration and the simulator's
+# error against the engine on this GPU; about 3 more minutes).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 OUT=${OUT:-outputs/gpu_validate}
 mkdir -p "$OUT"
@@ -39,7 +39,7 @@ step kernel_tests 80 $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py 
   --junitxml "$OUT/kernel_tests.xml"
 step engine_tests 90 $PY -m pytest -q -p no:cacheprovider "${ENGINE_TESTS[@]}" \
   --junitxml "$OUT/engine_tests.xml"
-step engine_check 60 $PY experiments/gpu_engine_check.py --out "$OUT/engine_check.json"
+step engine_check 60 $PY -m experiments.validation.gpu_engine --out "$OUT/engine_check.json"
 for variant in radix radix_cascade none; do
   case $variant in
     radix) extra=(cache=radix scheduler=lpm attention=triton) ;;
@@ -52,7 +52,7 @@ for variant in radix radix_cascade none; do
     "${extra[@]}" progress=false hydra.run.dir="$OUT/engine_$variant"
 done
 if [ "${WITH_SIM_VS_ENGINE:-0}" = 1 ]; then
-  step sim_vs_engine 200 $PY experiments/sim_vs_engine.py --out "$OUT/sim_vs_engine" \
+  step sim_vs_engine 200 $PY -m experiments.validation.sim_vs_engine --out "$OUT/sim_vs_engine" \
     --rounds 3 model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton \
     workload.vocab_size=32000
 fi

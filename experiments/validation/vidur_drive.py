@@ -1,8 +1,9 @@
-"""One timed Vidur run, started by ``vs_vidur.py`` in Vidur's own virtual environment.
+"""One timed Vidur run, started by `experiments.validation.vidur` in Vidur's virtual environment.
 
-Imports only Vidur and the standard library (this project is not installed there).
+Imports only Vidur and the standard library (this project is not installed there), so Vidur's
+interpreter runs it by its file path, not as a module of this package.
 
-    python vidur_drive.py TIMINGS_JSON [Vidur's command-line flags]
+    VIDUR_VENV/bin/python experiments/validation/vidur_drive.py TIMINGS_JSON [Vidur's flags]
 
 Runs ``vidur.simulator.Simulator`` as ``python -m vidur.main`` would, and writes TIMINGS_JSON:
 the folder Vidur wrote ``request_metrics.csv`` into, Vidur's final clock, and the wall time of

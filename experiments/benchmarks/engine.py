@@ -11,8 +11,8 @@ process on:
   against `cache=none scheduler=fcfs`, where the radix tree can only cost; both the engine time
   and the whole run's wall time (which includes the tree's bookkeeping) are compared.
 
-    python experiments/bench_engine.py [--problems 8] [--questions 16]
-    python experiments/bench_engine.py --cli-default [--min-saved 4096]
+    python -m experiments.benchmarks.engine [--problems 8] [--questions 16]
+    python -m experiments.benchmarks.engine --cli-default [--min-saved 4096]
 
 ``--cli-default`` instead runs what ``python -m testbed.run backend=engine model=tiny`` runs (the
 2-layer tiny model, the default tree-of-thought: 64 problems, 12 in flight), radix+lpm plain, with
@@ -24,18 +24,14 @@ simulated clock the engine's measured steps advance).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import pandas as pd
+import torch
 
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from testbed.assembly import compose_config  # noqa: E402
-from testbed.run import execute  # noqa: E402
+from testbed.assembly import compose_config
+from testbed.run import execute
 
 # A small Llama: big enough that a prefill token costs more than Python's per-step overhead, with
 # Llama 3's 4 query heads per KV head. How much of a decode step goes to reading KV rather than to

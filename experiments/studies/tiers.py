@@ -7,10 +7,10 @@
    roofline cost model): TTFT and makespan GPU-only against GPU+host, with arrivals as recorded and
    stretched by ``--time-scales`` (the recorded rate overloads one GPU, so queueing dominates).
 
-Writes ``replay.csv``, ``sim.csv``, ``tiers.json`` and ``tiers.png`` into ``--out``, and prints both
-tables. ``--no-sim`` skips part 2 (a full simulation takes about 30 s per configuration here).
+Writes ``replay.csv``, ``sim.csv``, ``tiers.json`` and ``tiers.png`` into ``--out``
+(docs/results/tiers/mooncake/), and prints both tables. ``--no-sim`` skips part 2 (a full simulation takes about 30 s per configuration here).
 
-    python experiments/tiers_study.py [--trace FILE] [--out DIR] [--no-sim] [--limit N]
+    python -m experiments.studies.tiers [--trace FILE] [--out DIR] [--no-sim] [--limit N]
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import matplotlib  # noqa: E402
 
@@ -31,13 +27,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
 from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
 from testbed.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
 from testbed.replay import replay  # noqa: E402
-from testbed.sim.simulate import records_of, serve  # noqa: E402
+from testbed.serving.serve import records_of, serve  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 HIT_KEYS = ["hit_rate", "hit_rate_gpu", "hit_rate_host", "hit_rate_disk"]
 
 
@@ -143,7 +140,7 @@ def plot(df: pd.DataFrame, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "tiers_mooncake")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "tiers" / "mooncake")
     ap.add_argument("--gpu-tokens", type=int, default=3_000_000)
     ap.add_argument("--limit", type=int, help="first N requests only")
     ap.add_argument("--no-sim", action="store_true")

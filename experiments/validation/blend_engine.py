@@ -9,30 +9,25 @@ last position's next-token distribution KL(exact || blend) and whether the argma
 model says nothing about real quality (its attention is diffuse, no token matters much); it shows
 the mechanics and the compute saved.
 
-    python experiments/blend_engine_check.py [--doc-len 256] [--layers 4] [--repeats 5]
+    python -m experiments.validation.blend_engine [--doc-len 256] [--layers 4] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from testbed.engine.attention import TorchAttention  # noqa: E402
-from testbed.engine.blend import blend_prefill  # noqa: E402
-from testbed.engine.kv_cache import KVCache  # noqa: E402
-from testbed.engine.loader import build_model, tiny_config  # noqa: E402
-from testbed.engine.metadata import AttentionMetadata  # noqa: E402
-from testbed.engine.quality import kl_per_position  # noqa: E402
+from testbed.engine.attention import TorchAttention
+from testbed.engine.blend import blend_prefill
+from testbed.engine.kv_cache import KVCache
+from testbed.engine.loader import build_model, tiny_config
+from testbed.engine.metadata import AttentionMetadata
+from testbed.engine.quality import kl_per_position
 
 
 @dataclass(frozen=True)

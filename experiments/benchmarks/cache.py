@@ -4,16 +4,17 @@ Three parts (``--part``, default ``mooncake,versus``):
 
 - ``mooncake``: the Mooncake conversation trace (``--trace``, capacity ``--capacity``, default
   3,000,000 tokens) through ``RadixCache`` and ``BlockHashCache`` (``testbed.replay.replay``) and
-  the per-token Python tree (`bench_trees.PlainRadix`); requests and prompt tokens per second.
+  the per-token Python tree (`experiments.benchmarks.trees.PlainRadix`); requests and prompt
+  tokens per second.
 - ``versus``: 20,000 requests of ``workload=random_tree`` with short shared segments (root 32,
   segments and outputs of 8 tokens: `VERSUS`), capacity 10 tokens per request, through the
   radix replay, the ideal-hit trie (`testbed.workloads.ideal`), the per-edge and the per-token
-  Python trees (`bench_trees`) and SGLang 0.4.10's own ``RadixCache`` (from the wheel
-  `sglang_policy_check.py` caches; skipped with a note when it is not there).
+  Python trees (`experiments.benchmarks.trees`) and SGLang 0.4.10's own ``RadixCache`` (from the
+  wheel `experiments.validation.sglang` caches; skipped with a note when it is not there).
 - ``scaling``: 10,000, 100,000 and 1,000,000 requests (``--sizes``) of the same random trees and of
-  the Mooncake trace repeated (`bench_traces`), for radix, block-hash and the per-token tree:
-  seconds, microseconds per request and peak memory (the child process's peak RSS, and how far
-  it rose during the replay). Each cell runs in a fresh process, requests made in chunks of 20,000
+  the Mooncake trace repeated (`experiments.benchmarks.traces`), for radix, block-hash and the
+  per-token tree: seconds, microseconds per request and peak memory (the child process's peak
+  RSS, and how far it rose during the replay). Each cell runs in a fresh process, requests made in chunks of 20,000
   outside the timed part; a cell over ``--budget`` seconds is stopped and shown as such, and the
   larger sizes of that cache are not tried.
 
@@ -24,7 +25,7 @@ contender with Python's cyclic collector paused as ``replay`` pauses it. Each fi
 fastest of ``--rounds`` runs (default 2), contenders alternating within a round; this machine is
 shared, so the slower runs say more about the neighbours than about the code.
 
-    python experiments/bench_cache.py [--part mooncake,versus,scaling] [--rounds 2]
+    python -m experiments.benchmarks.cache [--part mooncake,versus,scaling] [--rounds 2]
     make bench ARGS="--part versus"
 """
 
@@ -40,25 +41,22 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a plain script, installed or not
-sys.path.insert(0, str(REPO / "experiments"))
-
-from bench_traces import forest, mooncake_tiled  # noqa: E402
-from bench_trees import (EdgeRadix, PlainRadix, load_sglang, replay_edge, replay_plain,  # noqa: E402
-                         replay_sglang)
+from experiments import MOONCAKE_TRACE, REPO
+from experiments.benchmarks.traces import forest, mooncake_tiled
+from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, load_sglang, replay_edge,
+                                          replay_plain, replay_sglang)
 
 # Built directly, not through testbed.assembly: this benchmark times the raw data structures
 # (caches, replay, loaders, generator) on purpose, without a run config's choices around them.
-from testbed.cache.block_hash import BlockHashCache  # noqa: E402
-from testbed.cache.radix import RadixCache  # noqa: E402
-from testbed.perf import gc_paused  # noqa: E402
-from testbed.replay import replay  # noqa: E402
-from testbed.workloads.ideal import ideal_hits  # noqa: E402
-from testbed.workloads.synthetic import random_tree  # noqa: E402
-from testbed.workloads.traces import load_mooncake  # noqa: E402
+from testbed.cache.block_hash import BlockHashCache
+from testbed.cache.radix import RadixCache
+from testbed.perf import gc_paused
+from testbed.replay import replay
+from testbed.workloads.ideal import ideal_hits
+from testbed.workloads.synthetic import random_tree
+from testbed.workloads.traces import load_mooncake
 
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 DEFAULT_CAPACITY = 3_000_000  # the README's Mooncake setting
 # Short shared segments: 32-token roots, 8-token segments and outputs (random_tree's shape).
 VERSUS = dict(root_len=32, segment_len=8, output_len=8)
@@ -162,7 +160,7 @@ def part_versus(args) -> int:
               f"{seconds / ours:>9.2f}x  {verdict}")
     if sgl is None:
         print("SGLang RadixCache: skipped (no sglang 0.4.10 wheel in ~/.cache/radix-testbed; "
-              "`python experiments/sglang_policy_check.py --quick` fetches it)")
+              "`python -m experiments.validation.sglang --quick` fetches it)")
     return status
 
 
@@ -215,11 +213,11 @@ def part_scaling(args) -> int:
                     if cache in stopped:
                         cells.setdefault(cache, "skipped (a smaller size was over budget)")
                         continue
-                    cmd = [sys.executable, __file__, "--cell", kind, str(n), cache,
-                           "--trace", str(args.trace)]
+                    cmd = [sys.executable, "-m", "experiments.benchmarks.cache", "--cell", kind,
+                           str(n), cache, "--trace", str(args.trace)]
                     try:
                         out = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                                             timeout=args.budget)
+                                             timeout=args.budget, cwd=REPO)
                     except subprocess.TimeoutExpired:
                         if not isinstance(cells.get(cache), dict):
                             cells[cache] = f"over {args.budget:.0f} s (stopped)"

@@ -25,7 +25,7 @@ it once, a few minutes) and runs as a subprocess (``vidur_drive.py``) with the f
 served as an offline Hugging Face hub cache (``HF_HUB_OFFLINE=1``). A cost model that fails (e.g.
 not in this checkout) is reported with its one-line error and the run goes on.
 
-    python experiments/vs_vidur.py [--requests 2000] [--scales 1,2,4] \
+    python -m experiments.validation.vidur [--requests 2000] [--scales 1,2,4] \
         [--cost-models roofline,vidur] [--quick] [--out DIR] [--trace FILE] [--profile-dir DIR]
 """
 
@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
+from experiments import REPO
+
 VIDUR = "vidur==0.0.26"
 PROFILE_FILES = {"compute": ("mlp", "attention"), "network": ("all_reduce", "send_recv")}
 SHARED = Path("/work/shared")  # this project's development machine; never required
@@ -71,7 +72,6 @@ class Fail(Exception):
 
 
 # ---------------------------------------------------------------- inputs
-
 def clipped_requests(trace: Path, n: int) -> pd.DataFrame:
     """The first ``n`` rows of an Azure trace, clipped (module docstring), with arrival seconds."""
     raw = pd.read_csv(trace, nrows=n, dtype={"TIMESTAMP": str})
@@ -111,7 +111,6 @@ def figures(arrival: np.ndarray, ttft: np.ndarray, e2e: np.ndarray, output: np.n
 
 
 # ---------------------------------------------------------------- Vidur
-
 def vidur_python(cache: Path) -> Path:
     """The Python of Vidur's virtual environment in ``cache``, created and installed once."""
     python = cache / "venv" / "bin" / "python"
@@ -203,7 +202,8 @@ def vidur_flags(trace: Path, scale: float, repos: dict[str, str], predictor_dir:
 
 
 def run_vidur(python: Path, flags: list[str], folder: Path, reqs: pd.DataFrame) -> dict:
-    """One Vidur run (``vidur_drive.py``) into ``folder``: the figures, restarts and wall times."""
+    """One Vidur run into ``folder``: figures, restarts and wall times. Vidur's interpreter runs
+    ``vidur_drive.py`` by its file path (it imports Vidur only); this package is not there."""
     shutil.rmtree(folder, ignore_errors=True)  # Vidur adds a dated folder per run: keep one
     folder.mkdir(parents=True)
     timings_path, log = folder / "timings.json", folder / "vidur.log"
@@ -213,7 +213,7 @@ def run_vidur(python: Path, flags: list[str], folder: Path, reqs: pd.DataFrame) 
                         "MKL_NUM_THREADS": THREADS}
     started = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run([str(python), str(REPO / "experiments" / "vidur_drive.py"),
+        rc = subprocess.run([str(python), str(Path(__file__).with_name("vidur_drive.py")),
                              str(timings_path), *flags], cwd=folder, env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
@@ -236,7 +236,6 @@ def run_vidur(python: Path, flags: list[str], folder: Path, reqs: pd.DataFrame) 
 
 
 # ---------------------------------------------------------------- ours
-
 def cost_model_overrides(name: str, profile: Path) -> list[str]:
     overrides = [f"cost_model={name}"]
     if name == "vidur":  # the profile-driven cost model reads the same four CSVs
@@ -279,7 +278,6 @@ def run_ours(trace: Path, scale: float, overrides: list[str], folder: Path,
 
 
 # ---------------------------------------------------------------- report
-
 def print_tables(rows: list[dict]) -> None:
     head = (f"{'scale':>5} {'simulator':<16}" + "".join(f"{m.removesuffix('_s'):>10}"
                                                          for m in METRICS))

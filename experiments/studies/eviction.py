@@ -8,42 +8,73 @@ bound with variable-size entries) and the unlimited-cache ideal as reference lin
 ``eviction.csv`` (with ``gap_closed``: the share of the gap from LRU to the oracle a policy closes at
 its capacity and unit) and ``eviction.png`` into ``--out`` and prints the table at
 ``--report-capacity`` with each policy's fraction of the oracle, the gap it closes and its replay
-time relative to LRU. The Hydra preset ``+experiment=eviction`` runs the same grid as
-separate jobs.
+time relative to LRU.
 
-    python experiments/eviction_study.py [--trace FILE|data:NAME --format mooncake] [--out DIR]
-    python experiments/eviction_study.py --workload chat     # a generated workload instead
-    python experiments/eviction_study.py --workload chat --set workload.num_sessions=400
-    python experiments/eviction_study.py --combine docs/eviction_*/eviction.csv \
-        --out docs/eviction_all      # one figure (a panel per workload) and the table of all cells
+The grid is the Hydra preset's, conf/experiment/eviction.yaml (``+experiment=eviction`` runs it
+as separate jobs): its sweep's ``eviction`` policies, ``cache.capacity_tokens`` and
+``cache.evict_unit`` values and its trace are this study's defaults, read from that file
+(`preset_grid`), so the two cannot drift; ``--policies``, ``--capacities``, ``--evict-units``,
+``--trace`` or ``--workload`` override them. Output goes to docs/results/eviction/<name>/ (the
+workload's name, ``mooncake`` for the default trace, ``all`` for ``--combine``) unless ``--out``.
+
+    python -m experiments.studies.eviction [--trace FILE|data:NAME --format mooncake] [--out DIR]
+    python -m experiments.studies.eviction --workload chat     # a generated workload instead
+    python -m experiments.studies.eviction --workload chat --set workload.num_sessions=400
+    python -m experiments.studies.eviction --combine docs/results/eviction/*/eviction.csv
+        # one figure (a panel per workload) and the table of all cells, into .../eviction/all
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from typing import Any
 
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from experiments import REPO  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
-from testbed.cache import EVICTION  # noqa: E402
+from testbed.cli import CONF_DIR  # noqa: E402
 from testbed.data.fetch import lookup  # noqa: E402
 from testbed.metrics import ideal_hit_rate  # noqa: E402
 from testbed.replay import replay  # noqa: E402
 
-DEFAULT_TRACE = "data:mooncake_conversation"  # fetched into $TESTBED_DATA on first use
-CAPACITIES = [250_000, 500_000, 1_000_000, 2_000_000, 3_000_000, 5_000_000, 10_000_000,
-              20_000_000, 50_000_000]
+PRESET = CONF_DIR / "experiment" / "eviction.yaml"
+RESULTS = REPO / "docs" / "results" / "eviction"
+# the folder under RESULTS of a trace given as data:NAME (others: the workload or file name)
+FOLDERS = {"data:mooncake_conversation": "mooncake",
+           "data:mooncake_synthetic": "mooncake_synthetic"}
+
+
+def preset_grid(path: Path = PRESET) -> dict[str, Any]:
+    """The grid of ``+experiment=eviction``: its sweep's policies, capacities and evict units,
+    and its trace (path and format)."""
+    cfg = OmegaConf.load(path)
+    sweep = cfg.hydra.sweeper.params
+
+    def values(key: str) -> list[str]:
+        return [v.strip() for v in str(sweep[key]).split(",")]
+
+    return {"policies": values("eviction"),
+            "capacities": [int(float(c)) for c in values("cache.capacity_tokens")],
+            "evict_units": values("cache.evict_unit"),
+            "trace": cfg.workload.path, "format": cfg.workload.format}
+
+
+def default_out(args) -> Path:
+    """docs/results/eviction/<name>: ``all`` for --combine, else the workload's or trace's."""
+    if args.combine:
+        return RESULTS / "all"
+    if args.workload:
+        return RESULTS / args.workload
+    return RESULTS / FOLDERS.get(args.trace, Path(args.trace).stem)
 
 
 def workload_overrides(args) -> list[str]:
@@ -55,10 +86,12 @@ def workload_overrides(args) -> list[str]:
 
 
 def main() -> None:
+    grid = preset_grid()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=DEFAULT_TRACE,
-                    help="a trace file, or data:NAME (python -m testbed.data lists them)")
-    ap.add_argument("--format", default="mooncake")
+    ap.add_argument("--trace", default=grid["trace"],
+                    help="a trace file, or data:NAME (python -m testbed.data lists them; "
+                         "default: the preset's, %(default)s)")
+    ap.add_argument("--format", default=grid["format"])
     ap.add_argument("--workload", help="a generated workload name instead of a trace")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for the workload (repeatable), e.g. "
@@ -66,15 +99,17 @@ def main() -> None:
     ap.add_argument("--combine", type=Path, nargs="+", metavar="CSV",
                     help="draw one figure from these studies' eviction.csv into --out and stop")
     ap.add_argument("--capacities", type=lambda s: [int(float(x)) for x in s.split(",")],
-                    default=CAPACITIES)
-    ap.add_argument("--policies", type=lambda s: s.split(","), default=list(EVICTION))
-    ap.add_argument("--evict-units", type=lambda s: s.split(","), default=["node", "page"],
-                    help="cache.evict_unit values (default node,page)")
+                    default=grid["capacities"], help="default: the preset's")
+    ap.add_argument("--policies", type=lambda s: s.split(","), default=grid["policies"],
+                    help="default: the preset's, %(default)s")
+    ap.add_argument("--evict-units", type=lambda s: s.split(","), default=grid["evict_units"],
+                    help="cache.evict_unit values (default: the preset's, %(default)s)")
     ap.add_argument("--page-size", type=int, default=1, help="cache.page_size (default 1)")
     ap.add_argument("--report-capacity", type=int, default=3_000_000)
-    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "eviction")
+    ap.add_argument("--out", type=Path, help="default: docs/results/eviction/<name>")
     ap.add_argument("--replot", action="store_true", help="redraw from --out/eviction.csv only")
     args = ap.parse_args()
+    args.out = args.out or default_out(args)
     if args.combine:
         combine(args.combine, args.out)
         return

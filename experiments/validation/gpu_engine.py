@@ -10,7 +10,7 @@ On a random model of a ``model`` preset's shape (default Llama-2-7B, bf16, Trito
   ``cascade_triton``: median decode-step time of each, their ratio, and the fraction of
   generated tokens that agree (bf16: rounding may flip a near tie).
 
-    python experiments/gpu_engine_check.py --out FILE.json [--model llama2_7b] [--device cuda]
+    python -m experiments.validation.gpu_engine --out FILE.json [--model llama2_7b] [--device cuda]
 """
 
 from __future__ import annotations
@@ -18,24 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
-from testbed.engine.executor import EngineExecutor  # noqa: E402
-from testbed.engine.kv_cache import KVCache  # noqa: E402
-from testbed.engine.loader import build_model, config_from_model_group, parse_dtype  # noqa: E402
-from testbed.engine.runner import ModelRunner  # noqa: E402
-from testbed.sim.simulate import serve  # noqa: E402
-from testbed.workloads.request import Request  # noqa: E402
+from testbed.assembly import Assembly, assemble, compose_config
+from testbed.engine.executor import EngineExecutor
+from testbed.engine.kv_cache import KVCache
+from testbed.engine.loader import build_model, config_from_model_group, parse_dtype
+from testbed.engine.runner import ModelRunner
+from testbed.serving.serve import serve
+from testbed.workloads.request import Request
 
 
 def shared_prefix_requests(n: int, prefix: int, suffix: int, new: int, vocab: int) -> list:

@@ -2,7 +2,7 @@
 
 SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy.py``
 (SchedulePolicy, PrefillAdder) and ``radix_cache.py`` (RadixCache) are imported from it
-(`sglang_mirror` says how, and what gets a stand-in). Three comparisons, (a) and (b) at page_size 1:
+(`sglang_wheel` says how, and what gets a stand-in). Three comparisons, (a) and (b) at page_size 1:
 
 (a) **Queue order.** Random radix trees (random token runs branching off each other, inserted in
     the same order into SGLang's RadixCache and ours, so child order and DFS-weight ties match) and
@@ -42,8 +42,8 @@ req-to-token pool (a dict of rows); in (c) `sglang_replay.PagedSlots` and `OneRo
 Capacities keep every request under SGLang's ``max_req_len`` so that its ``max_new_tokens``
 clipping never applies. Exit code 0 unless the wheel cannot be had.
 
-    python experiments/sglang_policy_check.py [--cache-dir DIR]   # ~2.5 min on 2 cores, (c) 2 min
-    python experiments/sglang_policy_check.py --quick             # ~20 s
+    python -m experiments.validation.sglang [--cache-dir DIR]   # ~2.5 min on 2 cores, (c) 2 min
+    python -m experiments.validation.sglang --quick             # ~20 s
 """
 
 from __future__ import annotations
@@ -60,19 +60,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from experiments.validation import sglang_replay, sglang_wheel
+from experiments.validation.sglang_mirror import SglangLoop
+from experiments.validation.sglang_wheel import SglReq
+from testbed.assembly import Assembly, assemble, compose_config, plain
+from testbed.scheduler.request_state import Req
+from testbed.scheduler.scheduler import Scheduler
+from testbed.workloads import generate
+from testbed.workloads.request import TOKEN_DTYPE, Request
 
-import sglang_mirror  # noqa: E402  (beside this script)
-import sglang_replay  # noqa: E402
-from sglang_mirror import SglangLoop, SglReq  # noqa: E402
-from testbed.assembly import Assembly, assemble, compose_config, plain  # noqa: E402
-from testbed.scheduler.request_state import Req  # noqa: E402
-from testbed.scheduler.scheduler import Scheduler  # noqa: E402
-from testbed.workloads import generate  # noqa: E402
-from testbed.workloads.request import TOKEN_DTYPE, Request  # noqa: E402
-
-DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"sglang-{sglang_mirror.VERSION}"
+DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"sglang-{sglang_wheel.VERSION}"
 SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs"}
 # Small instances of the project's generators (names and parameters as in conf/workload/).
 WORKLOADS = {
@@ -332,16 +329,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     try:
-        sgl = sglang_mirror.load(sglang_mirror.fetch(args.cache_dir.expanduser()))
+        sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir.expanduser()))
     except Exception as e:
-        print(f"cannot get SGLang {sglang_mirror.VERSION} into {args.cache_dir}: {e}",
+        print(f"cannot get SGLang {sglang_wheel.VERSION} into {args.cache_dir}: {e}",
               file=sys.stderr)
         return 2
-    print(f"SGLang {sglang_mirror.VERSION} from {sgl.root}: schedule_policy.py, radix_cache.py, "
+    print(f"SGLang {sglang_wheel.VERSION} from {sgl.root}: schedule_policy.py, radix_cache.py, "
           "global_config.py imported; stand-ins for "
-          + "; ".join(f"{m} ({why})" for m, _, why in sglang_mirror.STAND_INS))
+          + "; ".join(f"{m} ({why})" for m, _, why in sglang_wheel.STAND_INS))
     print("re-implemented (not isolable): Scheduler loop, ScheduleBatch bookkeeping, Req, "
-          "KV allocator, req-to-token pool; see experiments/sglang_mirror.py\n")
+          "KV allocator, req-to-token pool; see experiments/validation/sglang_mirror.py\n")
 
     start = time.time()
     trials = args.queues or (300 if args.quick else 1000)

@@ -1,4 +1,4 @@
-"""(c) of `sglang_policy_check`: our replay backend with pages against SGLang 0.4.10's RadixCache.
+"""(c) of `experiments.validation.sglang`: our replay backend with pages against SGLang 0.4.10's RadixCache.
 
 One request at a time, in list order, both sides see the same requests:
 
@@ -6,7 +6,7 @@ One request at a time, in list order, both sides see the same requests:
   backend runs it (acquire the whole prompt; evict the shortfall of the whole new pages; extend by
   the rest of prompt+output; release inserting prompt+output).
 - **SGLang**: its own ``RadixCache(req_to_token_pool, token_to_kv_pool_allocator, page_size=P)``
-  (imported by `sglang_mirror.load`, ``time.monotonic`` a counter) served the way its scheduler
+  (imported by `sglang_wheel.load`, ``time.monotonic`` a counter) served the way its scheduler
   serves a lone request, collapsed into one allocation as our replay does (`serve_sglang`):
   ``match_prefix`` of ``Req.adjust_max_prefix_ids`` (the prompt minus its last token; page-aligned
   by ``match_prefix``), ``inc_lock_ref`` (``PrefillAdder.add_one_req``), then
@@ -34,6 +34,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from experiments import MOONCAKE_TRACE
+
 # Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
 # raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
 from testbed.cache.eviction import FIFO, Requester
@@ -44,7 +46,6 @@ from testbed.workloads.traces import load_trace
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
 PAGE_SIZES = (1, 4, 16)
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_conversation_trace.jsonl"
 # Where SGLang's serving differs from replay.py: (rule, what SGLang does, where).
 RULES = {
     "limit": ("matches the prompt minus its last token (one token is always computed, for the "
@@ -229,10 +230,10 @@ def mooncake(num: int) -> list[Request] | None:
     """The first ``num`` requests of the Mooncake conversation trace (project loader, format
     ``mooncake``), or None without the file. Only those lines are loaded: output token ids are
     fresh above the blocks either way."""
-    if not MOONCAKE.exists():
+    if not MOONCAKE_TRACE.exists():
         return None
-    with open(MOONCAKE) as f, tempfile.TemporaryDirectory() as tmp:
-        head = Path(tmp) / MOONCAKE.name
+    with open(MOONCAKE_TRACE) as f, tempfile.TemporaryDirectory() as tmp:
+        head = Path(tmp) / MOONCAKE_TRACE.name
         head.write_text("".join(line for _, line in zip(range(num), f)))
         return load_trace(head, "mooncake")
 

@@ -1,0 +1,21 @@
+"""The studies, benchmarks and validations, run as modules from the repository root.
+
+    python -m experiments.studies.eviction --help
+    bash experiments/studies/headline.sh
+
+- `experiments.studies`: what prefix sharing buys, measured: eviction, tiers, routing, fairness,
+  beyond exact prefixes, and the RadixAttention headline; their figures are in docs/results/.
+- `experiments.benchmarks`: how fast the caches and the engine are (``make bench`` runs
+  `experiments.benchmarks.cache`).
+- `experiments.validation`: checks against other code: SGLang's scheduler and cache, Vidur, a
+  Vidur profile, the engine against the simulator, and the GPU checks.
+
+Reusable code lives in `testbed`; these modules print, plot and write results. `REPO` is the
+repository root; `MOONCAKE_TRACE` the Mooncake conversation trace where this project's development
+machine keeps it (beside the repository; ``data:mooncake_conversation`` fetches it anywhere).
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

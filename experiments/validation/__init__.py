@@ -1,0 +1,14 @@
+"""The validations: our code against other code, and the checks that need a GPU.
+
+- `sglang`: our scheduler and replay against SGLang 0.4.10's own scheduling code and RadixCache.
+- `sglang_wheel`: SGLang 0.4.10's modules, fetched from its wheel and loaded with stand-ins.
+- `sglang_mirror`: SGLang's non-overlap event loop, as `sglang` drives it.
+- `sglang_replay`: part (c) of `sglang`, our paged replay against SGLang's RadixCache.
+- `vidur`: our simulator against Vidur on the same Azure requests.
+- `vidur_drive`: one timed Vidur run, run by file path in Vidur's own virtual environment.
+- `roofline`: the roofline's efficiencies fitted to a Vidur profile (`testbed.sim.roofline_fit`).
+- `sim_vs_engine`: does the simulator predict the engine? Calibrate, then compare.
+- `blend_engine`: the engine's blend prefill on the CPU, its time and its distance from exact.
+- `gpu_engine`: the engine's hot path and cascade decoding on a GPU (part of ``gpu_validate.sh``).
+- ``gpu_validate.sh``: the GPU validation in one command, one JSON report.
+"""

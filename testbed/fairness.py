@@ -1,0 +1,54 @@
+"""LPM's starvation of cache-cold requests, and ``scheduler.lpm_aging``: the setup of the study.
+
+A saturated server (a closed loop of ``in_flight`` requests) serves a mix of hot requests (a
+shared 2,048-token system prompt, a 64-token question) and cold ones (1,024 tokens of their own),
+64-token outputs, Llama-3-8B on an H100 in the simulator (roofline costs). LPM always prefers a
+hot request (2,048 tokens cached) to a cold one (0), so a cold request waits until no hot one is
+queued; aging adds ``lpm_aging`` tokens to a waiting request's LPM key per second of waiting.
+``python -m experiments.studies.fairness`` prints the table; tests/test_scheduler_fidelity.py
+checks that aging bounds the cold requests' wait.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.assembly import Assembly, assemble, compose_config
+from testbed.metrics import summarize
+from testbed.serving.serve import records_of, serve
+from testbed.workloads.request import Request
+
+
+def hot_cold_requests(n: int, cold_share: float, seed: int = 0) -> list[Request]:
+    """``n`` requests, each cold with probability ``cold_share`` (ids ``hot<i>`` / ``cold<i>``)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(1000, 32000, 2048).astype(np.int32)
+    out = []
+    for i in range(n):
+        output = rng.integers(1000, 32000, 64).astype(np.int32)
+        if rng.random() < cold_share:
+            prompt = rng.integers(1000, 32000, 1024).astype(np.int32)
+            out.append(Request(f"cold{i}", prompt, output))
+        else:
+            question = rng.integers(1000, 32000, 64).astype(np.int32)
+            out.append(Request(f"hot{i}", np.concatenate([system, question]), output))
+    return out
+
+
+def assembled(aging: float | None, capacity: int, max_running: int) -> Assembly:
+    """Llama-3-8B on an H100 in the simulator (roofline costs), a radix cache of ``capacity``
+    tokens; ``aging`` None: FCFS for reference."""
+    return assemble(compose_config([
+        "backend=sim", "model=llama3_8b", "hardware=h100", "cost_model=roofline", "cache=radix",
+        f"cache.capacity_tokens={capacity}", f"scheduler={'fcfs' if aging is None else 'lpm'}",
+        f"scheduler.lpm_aging={aging or 0.0}", f"scheduler.max_running_requests={max_running}"]))
+
+
+def run_aging(requests: list[Request], aging: float | None, in_flight: int, capacity: int,
+              max_running: int) -> dict:
+    """One run's summary (`testbed.metrics.summarize`, cold and warm TTFT included) with its
+    ``aging``; ``aging`` None: FCFS for reference."""
+    a = assembled(aging, capacity, max_running)
+    _, result = serve(requests, a.build_cache(capacity, requests), a.scheduler,
+                      a.build_executor(capacity), max_in_flight=in_flight)
+    return summarize(records_of(result.reqs), ideal=0.0, wall_s=0.0) | {"aging": aging}
