@@ -32,6 +32,7 @@ from testbed.scheduler.config import SchedulerConfig
 from testbed.sim.cost_model import COST_MODELS
 from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
+from testbed.workloads.arrivals import Arrival
 
 REPLAY = "replay"  # the backend without an executor: requests one at a time, no time
 
@@ -64,6 +65,8 @@ class Assembly:
     executor: Resolved | None  # None: replay
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # beyond exact prefixes (scheduler)
     timeline: bool = False  # write timeline.json (Perfetto)
+    arrival: Arrival | None = None  # the arrival group, checked (None: the workload's default)
+    max_in_flight: int | None = None  # programs at once: arrival.max_in_flight, else the workload's
     notes: list[str] = field(default_factory=list)  # printed before the run
 
     # ------------------------------------------------------------------ run settings
@@ -97,18 +100,6 @@ class Assembly:
     def has_lower_tiers(self) -> bool:
         return has_lower_tiers(self.config["cache"])
 
-    @property
-    def max_in_flight(self) -> int | None:
-        """Programs allowed at once: ``arrival.max_in_flight``, else the workload's own."""
-        value = (self.config.get("arrival") or {}).get("max_in_flight")
-        if value is not None:
-            return value  # checked with the arrivals (testbed/workloads/arrivals.py)
-        value = check_setting("workload.max_in_flight", "int",
-                              self.config["workload"].get("max_in_flight"))
-        if value is not None and value < 1:
-            raise BadInput(f"workload.max_in_flight must be >= 1 or null, got {value}")
-        return value
-
     def labels(self) -> dict[str, Any]:
         """The summary's names of the run's choices (a user class by its import path)."""
         return {"backend": self.backend, "workload": self.workload.label,
@@ -116,8 +107,7 @@ class Assembly:
 
     # ------------------------------------------------------------------ objects
     def requests(self) -> list[Request]:
-        return build_workload(self.config["workload"], seed=self.seed,
-                              arrival=self.config.get("arrival"))
+        return build_workload(self.config["workload"], seed=self.seed, arrival=self.arrival)
 
     @cached_property
     def model_shape(self):
@@ -231,6 +221,17 @@ def fit_vocabulary(config: dict[str, Any]) -> str | None:
     return f"note: workload.vocab_size {wanted} > model vocabulary {vocab}; using {vocab}"
 
 
+def programs_in_flight(config: dict[str, Any], arrival: Arrival) -> int | None:
+    """Programs allowed at once: ``arrival.max_in_flight``, else the workload's own."""
+    if arrival.max_in_flight is not None:
+        return arrival.max_in_flight
+    value = check_setting("workload.max_in_flight", "int",
+                          config["workload"].get("max_in_flight"))
+    if value is not None and value < 1:
+        raise BadInput(f"workload.max_in_flight must be >= 1 or null, got {value}")
+    return value
+
+
 def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> None:
     """Replicas run only in the simulator, one cache each, without lower tiers or reuse beyond
     prefixes (checked before anything is generated)."""
@@ -291,6 +292,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     timeline = check_setting("timeline", "bool", config.get("timeline")) or False
     if timeline and backend == REPLAY:
         raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
+    arrival = Arrival.from_mapping(config.get("arrival"),
+                                   is_trace=config["workload"].get("name") == "trace")
     return Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),
@@ -299,4 +302,5 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         scheduler=SchedulerConfig.from_mapping(config["scheduler"]),
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
-        executor=executor, notes=notes, reuse=reuse, timeline=timeline)
+        executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
+        max_in_flight=programs_in_flight(config, arrival))

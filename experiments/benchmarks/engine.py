@@ -31,7 +31,7 @@ import pandas as pd
 import torch
 
 from testbed.assembly import compose_config
-from testbed.run import execute
+from testbed.execute import execute
 
 # A small Llama: big enough that a prefill token costs more than Python's per-step overhead, with
 # Llama 3's 4 query heads per KV head. How much of a decode step goes to reading KV rather than to

@@ -3,7 +3,7 @@
 Per workload (``rag``, ``paraphrase``) and mode — exact prefix caching; CacheBlend-style chunk
 reuse (``cache.reuse=blend``) at recompute ratios 0, 0.05, 0.15, 0.3, 1; semantic matching
 (``cache.match=semantic``, recompute ratio 0.15) at similarity thresholds 0.5 and 0.8 — two kinds
-of run, each one ``testbed.run.execute`` of a composed config (the assembly step, as the command
+of run, each one ``testbed.execute.execute`` of a composed config (the assembly step, as the command
 line runs it):
 
 - *cost*: the simulator on Llama-3-8B / H100 (roofline, LPM, the pool one H100 leaves) at the
@@ -46,7 +46,7 @@ from experiments import REPO  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache.similarity import MinHashIndex  # noqa: E402
 from testbed.engine.quality import exact_logits  # noqa: E402
-from testbed.run import execute  # noqa: E402
+from testbed.execute import execute  # noqa: E402
 
 SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "cache=radix", "scheduler=lpm",
        "cost_model=roofline", "progress=false"]
