@@ -136,7 +136,7 @@ LAUNCHERS = {
     "slurm": ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
               {"cpus_per_task": 1, "mem_gb": 4, "timeout_min": 60, "array_parallelism": 64}),
     "ray": ("hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher",
-            {"ray": {"init": {"address": None, "object_store_memory": None,
+            {"ray": {"init": {"address": None, "num_cpus": None, "object_store_memory": None,
                               "include_dashboard": False}, "remote": {"num_cpus": 1}}}),
 }
 
