@@ -30,7 +30,7 @@ RUNS = {("none", "fcfs"), ("none", "lpm"), ("radix", "fcfs"), ("radix", "lpm")}
 # ray): it prints the head's address once ray.init has returned, i.e. once the instance accepts
 # drivers, and stops it when its stdin closes, which also happens if the test process dies.
 # Two CPUs (two jobs at once), no dashboard, Ray's smallest object store (jobs pass no data).
-# Ray (2.5x) authenticates drivers by a token; this instance's is made here and given to the
+# Ray (2.60 here) authenticates drivers by a token; this instance's is made here and given to the
 # head and the sweep in their environment, so nothing is read from or written to ~/.ray.
 HEAD = """
 import sys, ray
