@@ -36,10 +36,11 @@ HEAD = """
 import sys, ray
 context = ray.init(address="local", num_cpus=2, include_dashboard=False,
                    object_store_memory=75 * 2**20)
-print("address", context.address_info["gcs_address"], flush=True)
+print("ray-head-address", context.address_info["gcs_address"], flush=True)
 sys.stdin.read()
 ray.shutdown()
 """
+MARK = b"ray-head-address "
 START_S = 180  # deadlines, not waits: generous enough for a busy 2-core machine
 AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
 
@@ -51,19 +52,19 @@ def ray_head(tmp_path_factory):
     log = tmp_path_factory.mktemp("ray") / "head.log"
     with open(log, "w") as err:
         head = subprocess.Popen([sys.executable, "-c", HEAD], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, **AUTH})
+                                stdout=subprocess.PIPE, stderr=err, env={**os.environ, **AUTH})
     deadline = time.monotonic() + START_S
 
     def address() -> str:
-        while True:
+        seen = b""  # read unbuffered, so that select sees every byte not yet read
+        while b"\n" not in seen.partition(MARK)[2]:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([head.stdout], [], [], max(left, 0))
-            line = head.stdout.readline() if ready else ""
-            if not line:  # deadline passed, or the process ended without an address
+            chunk = os.read(head.stdout.fileno(), 4096) if ready else b""
+            if not chunk:  # deadline passed, or the process ended without an address
                 pytest.fail(f"no Ray instance (exit {head.poll()}): {log.read_text()[-2000:]}")
-            if line.startswith("address "):
-                return line.split()[1]
+            seen += chunk
+        return seen.partition(MARK)[2].split(b"\n")[0].decode()
 
     try:
         yield address
@@ -74,6 +75,7 @@ def ray_head(tmp_path_factory):
         except subprocess.TimeoutExpired:
             head.kill()  # Ray's own processes share its fate (Ray's reaper)
             head.wait()
+        head.stdout.close()
 
 
 def sweep(out: Path, *overrides: str) -> subprocess.Popen:
