@@ -1,14 +1,17 @@
-"""The one assembly step: a composed run config in, the objects of a run out.
+"""The one assembly step: a composed run config in, the checked plan of a run out.
 
 `assemble(cfg)` reads the config once (Hydra's ``DictConfig`` or a plain mapping): it resolves the
-model group (``model.path=DIR``), fits a generated workload's vocabulary to the engine's model, and
-checks every family's choice against its registry (testbed/registry.py): the workload, the cache
+model group (``model.path=DIR``), fits a generated workload's vocabulary to the engine's model,
+checks every family's choice against its registry (testbed/registry.py: the workload, the cache
 and its eviction policy, the scheduler and its queue policy, the router, the cost model and the
-executor. A bad name, a key an entry does not take, or a user class without the family's methods
-stops the run there, in one line, before anything is generated. The `Assembly` it returns builds
-the objects: ``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
-``build_cost_model()``. `testbed.run`, `testbed.calibrate`, `testbed.viz` and the experiments all
-build through it; scripts compose a config as the command line does with `compose_config`.
+executor), checks the run keys (seed, replicas, timeline, debug, arrival, programs in flight) and
+the combinations a backend cannot serve (replicas × backend, lower tiers, reuse beyond prefixes),
+and builds once what needs no workload (`Assembly.check_builds`). A bad name, value or
+combination, a key an entry does not take, or a user class without the family's methods stops the
+run there, in one line, before anything is generated. The `Assembly` it returns builds the
+objects: ``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
+``build_cost_model()``. `testbed.execute`, `testbed.calibrate`, `testbed.viz` and the experiments
+all build through it; scripts compose a config as the command line does with `compose_config`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
-from testbed.cache.tier_config import has_lower_tiers
+from testbed.cache.tier_config import has_lower_tiers, tier_options
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
@@ -148,9 +151,6 @@ class Assembly:
         from testbed.cache.tiers import make_tiered_cache
 
         policy = self.build_policy(requests)
-        if self.has_lower_tiers and self.cache.label != "radix":
-            raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
-                           f"cache={self.cache.label}")
         tiered = make_tiered_cache(self.config["cache"], capacity, policy, planner=planner,
                                    record_transfers=record_transfers)
         if tiered is not None:
@@ -158,7 +158,33 @@ class Assembly:
         return self.cache.build(capacity_tokens=capacity, policy=policy)
 
     def build_cost_model(self):
+        """The run's cost model (built once: cost models keep no state between steps)."""
+        return self._cost_model
+
+    @cached_property
+    def _cost_model(self):
         return self.cost_model.build(model=self.model_shape, hw=self.hardware)
+
+    def check_builds(self) -> None:
+        """Build what needs no workload, so that a bad value in any group stops the run before
+        one is generated: the eviction policy and the cache (unbounded: nothing allocated; the
+        lower tiers' settings), the model, hardware and cost model of a backend that times
+        steps, and the router of replicas."""
+        policy = self.eviction.build(requests=[], cost_fn=Lazy(self.recompute_cost))
+        if self.has_lower_tiers:
+            if self.cache.label != "radix":
+                raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
+                               f"cache={self.cache.label}")
+            tier_options(self.config["cache"])
+        else:
+            self.cache.build(capacity_tokens=None, policy=policy)
+        if self.backend != REPLAY:
+            self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
+            if self.backend != "engine":
+                self.build_cost_model()
+        if self.replicas > 1:
+            self.cluster_delays()
+            self.build_router(None)
 
     def build_executor(self, capacity: int | None, requests: list[Request] | None = None):
         """The executor of ``backend`` for a KV pool of ``capacity`` tokens. The engine's None:
@@ -294,7 +320,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
     arrival = Arrival.from_mapping(config.get("arrival"),
                                    is_trace=config["workload"].get("name") == "trace")
-    return Assembly(
+    run = Assembly(
         config=config, backend=group_label(config["backend"]),
         workload=WORKLOADS.resolve(config["workload"]),
         eviction=EVICTION.resolve(config["eviction"]),
@@ -304,3 +330,5 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
         max_in_flight=programs_in_flight(config, arrival))
+    run.check_builds()
+    return run
