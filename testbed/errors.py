@@ -5,6 +5,11 @@ as given: the entry points print its message on one ``error:`` line and exit 2, 
 it as ``"kind": "bad_input"``. Every other exception is a defect of the testbed (``"kind":
 "internal"``, exit 1, traceback in failed.json). It subclasses ``ValueError`` so that callers that
 caught bad values as ``ValueError`` keep working.
+
+``WorkloadRefused`` is the kind of bad input that only the workload's requests can show (an empty
+prompt, a token id outside the model's vocabulary, a prompt longer than its context, calls that
+wait across programs, a trace file's content): every other refusal comes from config values and
+is raised by `testbed.assembly.assemble`, before anything is generated (the fuzzer checks it).
 """
 
 from __future__ import annotations
@@ -12,6 +17,10 @@ from __future__ import annotations
 
 class BadInput(ValueError):
     """A config value, trace or request the testbed refuses; the message names what and why."""
+
+
+class WorkloadRefused(BadInput):
+    """A request of the workload (generated or read) that the chosen backend cannot serve."""
 
 
 def failure_kind(error: BaseException) -> str:

@@ -1,7 +1,7 @@
 """What the engine's model can take, checked before any step runs.
 
-A request the model cannot serve is refused with `BadInput`, in one line naming the request and
-the limit, instead of failing deep inside a forward pass (an embedding index out of range, an
+A request the model cannot serve is refused with `WorkloadRefused` (a `BadInput`), in one line
+naming the request and the limit, instead of failing deep inside a forward pass (an embedding index out of range, an
 empty step) or silently running past the positions the checkpoint was trained for:
 
 - an empty prompt (a prefill computes at least one token);
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from testbed.errors import BadInput
+from testbed.errors import WorkloadRefused
 from testbed.model_group import read_config_json
 from testbed.workloads.request import OutputRef, Request
 
@@ -78,7 +78,7 @@ class ModelLimits:
             n += len(s)
             offset += len(s)
         if self.context is not None and n + r.output_limit > self.context:
-            raise BadInput(f"request {r.id}: prompt {n} (before its spliced outputs) + output "
+            raise WorkloadRefused(f"request {r.id}: prompt {n} (before its spliced outputs) + output "
                            f"{r.output_limit} tokens exceeds the model's context of "
                            f"{self.context} ({self.context_source})")
 
@@ -87,11 +87,11 @@ class ModelLimits:
         """A prompt as the engine will run it: not empty, ids in the vocabulary, and prompt plus
         ``output_limit`` within the context."""
         if len(prompt) == 0:
-            raise BadInput(f"request {request_id}: empty prompt (the model needs at least one "
+            raise WorkloadRefused(f"request {request_id}: empty prompt (the model needs at least one "
                            "prompt token)")
         self._check_ids(request_id, prompt, "token")
         if self.context is not None and len(prompt) + output_limit > self.context:
-            raise BadInput(f"request {request_id}: prompt {len(prompt)} + output {output_limit} "
+            raise WorkloadRefused(f"request {request_id}: prompt {len(prompt)} + output {output_limit} "
                            f"tokens exceeds the model's context of {self.context} "
                            f"({self.context_source})")
 
@@ -104,6 +104,6 @@ class ModelLimits:
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if len(bad):
             i = int(bad[0])
-            raise BadInput(f"request {request_id}: {what} id {int(ids[i])} at position "
+            raise WorkloadRefused(f"request {request_id}: {what} id {int(ids[i])} at position "
                            f"{offset + i} is "
                            f"outside the model's vocabulary of {self.vocab_size} tokens")

@@ -4,8 +4,10 @@ Every run composes its overrides like ``python -m testbed.run`` does, with
 ``debug.check_invariants=true`` (the cache checked after every step, no lease or lock left at the
 end) and ``save_token_ids=true``, and goes through the same `testbed.execute.execute`. A run passes
 when it finishes with consistent files (`testbed.fuzz.checks`) or is refused with a one-line
-`BadInput`; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
-other outcome is a failure, printed with the command line that reproduces it.
+`BadInput`, before the workload is generated (the assembly step, or a generator's check of its
+own values) unless the refusal is of the workload's requests (`WorkloadRefused`); a share of the
+runs (``--repeat``) runs twice and must give the same summary. Every other outcome is a failure,
+printed with the command line that reproduces it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tqdm import tqdm
 
 from testbed.assembly import assemble
 from testbed.cli import CONF_DIR
-from testbed.errors import BadInput
+from testbed.errors import BadInput, WorkloadRefused
 from testbed.fuzz.checks import check_run, comparable
 from testbed.fuzz.space import capacity_overrides, draw
 from testbed.execute import execute
@@ -57,11 +59,14 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
     composing it failed, and composing again reports why)."""
     started = time.perf_counter()
     outcome = Outcome(overrides, "ok")
+    generated = False  # assembled and generated: only the workload's requests may be refused
     try:
         summaries = []
         for attempt in range(2 if repeat else 1):
             if cfg is None:
                 cfg = compose("config", overrides=[*overrides, *ALWAYS])
+            assemble(copy.deepcopy(cfg)).requests()  # refusals of config values end here
+            generated = True
             target = run_dir / str(attempt)
             execute(copy.deepcopy(cfg), target, notes=[])
             summaries.append(json.loads((target / "summary.json").read_text()))
@@ -75,6 +80,9 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
         outcome.refusal = str(e)
         if "\n" in str(e) or not str(e):
             outcome.problems.append(f"a refusal not in one line: {str(e)!r}")
+        if generated and not isinstance(e, WorkloadRefused):
+            outcome.problems.append(f"a config refused after the workload was generated (its "
+                                    f"check belongs in testbed.assembly): {e}")
     except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
         tb = traceback.format_exc(limit=-4)
         outcome.problems.append(f"internal error: {type(e).__name__}: {e}\n{tb}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, WorkloadRefused
 from testbed.registry import Registry
 from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beyond_prefix import paraphrase, rag
@@ -87,6 +87,6 @@ def check_dependencies(requests: list[Request]) -> None:
         mine = program_of[r.id]
         for a in r.after:
             if a in program_of and program_of[a] != mine:
-                raise BadInput(f"request {r.id} waits for {a} ('after') of another program "
+                raise WorkloadRefused(f"request {r.id} waits for {a} ('after') of another program "
                                f"({program_of[a]!r}, not {mine!r}); calls that wait for each "
                                "other must share a 'program'")

@@ -18,7 +18,7 @@ from typing import Union
 
 import numpy as np
 
-from testbed.errors import BadInput
+from testbed.errors import WorkloadRefused
 
 TOKEN_DTYPE = np.int32
 
@@ -89,7 +89,7 @@ def refuse_generating(requests: list[Request], backend: str) -> None:
     """Only the engine generates: one line naming the first call that has no output."""
     call = next((r for r in requests if r.generates), None)
     if call is not None:
-        raise BadInput(f"request {call.id} has 'max_new_tokens' and no 'output': only "
+        raise WorkloadRefused(f"request {call.id} has 'max_new_tokens' and no 'output': only "
                        f"backend=engine generates outputs; backend={backend} needs concrete "
                        "output ids")
 
@@ -99,7 +99,7 @@ def refuse_empty_prompts(requests: list[Request], backend: str) -> None:
     one line naming the first call whose prompt is empty. (Replay only counts tokens.)"""
     call = next((r for r in requests if len(r.prompt) == 0), None)
     if call is not None:
-        raise BadInput(f"request {call.id}: empty prompt (backend={backend} serves a call by "
+        raise WorkloadRefused(f"request {call.id}: empty prompt (backend={backend} serves a call by "
                        "prefilling at least one prompt token)")
 
 
@@ -113,13 +113,13 @@ def as_tokens(ids, where: str) -> np.ndarray:
     """Token ids as the project's dtype; ``where`` names the source in the error message."""
     arr = np.asarray(ids)
     if arr.ndim != 1:
-        raise BadInput(f"{where}: token ids must be a flat list of integers")
+        raise WorkloadRefused(f"{where}: token ids must be a flat list of integers")
     if arr.size == 0:
         return np.zeros(0, dtype=TOKEN_DTYPE)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise BadInput(f"{where}: token ids must be integers, got {arr.dtype}")
+        raise WorkloadRefused(f"{where}: token ids must be integers, got {arr.dtype}")
     if arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max:
-        raise BadInput(f"{where}: token ids must lie in [0, 2^31)")
+        raise WorkloadRefused(f"{where}: token ids must lie in [0, 2^31)")
     return arr.astype(TOKEN_DTYPE, copy=False)
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from testbed.errors import BadInput
+from testbed.errors import WorkloadRefused
 
 
-class TraceError(BadInput):
+class TraceError(WorkloadRefused):
     """A trace file that cannot be read; the message names file and line."""
 
 
