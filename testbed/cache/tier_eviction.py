@@ -13,8 +13,8 @@ it, drop it with its subtree) is the tree's move: `TieredTree.leave_tier`.
 
 from __future__ import annotations
 
-import heapq
-from typing import Protocol
+from heapq import heapify, heappop, heappush
+from typing import Callable, Protocol
 
 from testbed.cache.eviction import EvictionPolicy
 from testbed.cache.pool import KVSlotPool
@@ -45,13 +45,16 @@ class TierEviction:
         self._top = tree.top
         self._pools: list[KVSlotPool | None] = [None]  # the GPU's pool is the tree's
         self._policies = [policy]
-        self._heaps: list[list[tuple[object, int, int, TreeNode]]] = [[]]
+        # per tier: its heap (rebuilt in place, so a reference stays valid) and its policy's
+        # priority (bound once: `offer` runs on every change of every node)
+        self._queues: list[tuple[list[tuple[object, int, int, TreeNode]], Callable]] = \
+            [([], policy.priority)]
 
     def add_tier(self, tier: LowerTier) -> None:
         """The next tier down (before the tree holds anything)."""
         self._pools.append(tier.pool)
         self._policies.append(tier.policy)
-        self._heaps.append([])
+        self._queues.append(([], tier.policy.priority))
 
     def is_candidate(self, node: TreeNode, t: int) -> bool:
         """Whether tier ``t`` may evict ``node`` now."""
@@ -66,46 +69,47 @@ class TierEviction:
         if t < 0 or any(node.tier.kids[: t + 1]):
             return
         node.offer += 1
-        heap = self._heaps[t]
-        heapq.heappush(heap, (self._policies[t].priority(node), node.id, node.offer, node))
+        heap, priority = self._queues[t]
+        heappush(heap, (priority(node), node.id, node.offer, node))
         if len(heap) > 4 * self.tree.num_nodes + 1024:
-            self._heaps[t] = self._fresh(heap, t)
+            self._drop_stale(t)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` GPU slots (demoting or dropping nodes) if possible."""
+        heap, tree, policy = self._queues[GPU][0], self.tree, self._policies[GPU]
         freed = 0
-        while freed < num_tokens and self._heaps[GPU]:
-            key, _, offer, node = heapq.heappop(self._heaps[GPU])
+        while freed < num_tokens and heap:
+            key, _, offer, node = heappop(heap)
             if offer != node.offer or not self.is_candidate(node, GPU):
                 continue
             freed += len(node.slots)
-            self.tree.leave_tier(node, GPU)
-            self._policies[GPU].on_evict(node, key)
+            tree.leave_tier(node, GPU)
+            policy.on_evict(node, key)
         return freed
 
     def make_room(self, t: int, num_tokens: int) -> bool:
         """Evict from lower tier ``t`` until ``num_tokens`` of its slots are free; False when
         that many cannot be."""
-        pool, heaps = self._pools[t], self._heaps
+        pool, heap, policy = self._pools[t], self._queues[t][0], self._policies[t]
         if num_tokens > pool.capacity:
             return False
         while pool.num_free < num_tokens:
-            if not heaps[t]:
+            if not heap:
                 return False
-            key, _, offer, node = heapq.heappop(heaps[t])
+            key, _, offer, node = heappop(heap)
             if offer != node.offer or not self.is_candidate(node, t):
                 continue
             self.tree.leave_tier(node, t)
-            self._policies[t].on_evict(node, key)
+            policy.on_evict(node, key)
         return True
 
     def queued(self, t: int) -> dict[int, object]:
         """Invariant checks: each current candidate of tier ``t``'s id -> its queued priority."""
-        return {e[1]: e[0] for e in self._heaps[t]
+        return {e[1]: e[0] for e in self._queues[t][0]
                 if e[2] == e[3].offer and self.is_candidate(e[3], t)}
 
-    def _fresh(self, heap: list, t: int) -> list:
-        """``heap`` without stale entries."""
-        heap = [e for e in heap if e[2] == e[3].offer and self.is_candidate(e[3], t)]
-        heapq.heapify(heap)
-        return heap
+    def _drop_stale(self, t: int) -> None:
+        """Rebuild tier ``t``'s heap without its stale entries (in place)."""
+        heap = self._queues[t][0]
+        heap[:] = [e for e in heap if e[2] == e[3].offer and self.is_candidate(e[3], t)]
+        heapify(heap)
