@@ -23,7 +23,7 @@ import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import Requester
-from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (SPLIT_RECENCY re-exported)
+from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-exported)
 from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
@@ -137,7 +137,7 @@ class RadixCache(RadixTree, PrefixCache):
             end, at = self._descend(node, kb, at, len(kb), requester, False, [])
         else:  # the usual case: nothing cached beyond the hit (`_descend` would only offer it)
             end = node
-            self._offer(node)
+            self.eviction.offer(node)
         present = at // TOKEN_BYTES
         if present < n:
             self._add_leaf(end, kb[at:], fresh[present - hit :], present, requester)

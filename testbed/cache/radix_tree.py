@@ -95,7 +95,6 @@ class RadixTree:
         self._protected = 0
         self.num_nodes = 1  # nodes in the tree, the root included (read by the eviction)
         self.eviction: TreeEviction = self._make_eviction(evict_unit)
-        self._offer = self.eviction.offer  # bound once: the walks call it on every request
 
     def _make_eviction(self, evict_unit: str) -> TreeEviction:
         """The eviction this tree owns (called once, at the end of `__init__`, with the tree
@@ -143,7 +142,7 @@ class RadixTree:
         node.kb = node.kb[cut:]
         node.slots = node.slots[at:]
         self.num_nodes += 1
-        self._offer(node)  # its size changed; a size-aware policy must see it
+        self.eviction.offer(node)  # its size changed; a size-aware policy must see it
         return head
 
     def _walk(self, kb: bytes, end: int, requester: Requester | None, hit: bool,
@@ -183,7 +182,7 @@ class RadixTree:
                 clock = self._clock
                 if self._keep_tail:  # the walk did not use the tail: its recency stays
                     tail.last_access = before
-                    self._offer(tail)
+                    self.eviction.offer(tail)
             else:
                 k = len(edge)
             if hit:  # the head of a split: its tail was only passed through
@@ -196,7 +195,7 @@ class RadixTree:
             if split:
                 break
         self._clock = clock
-        self._offer(node)
+        self.eviction.offer(node)
         return node, at
 
     # ---------------------------------------------------------------- core API (SGLang's names)
@@ -255,7 +254,7 @@ class RadixTree:
         self._evictable += len(slots)
         if self._on_create is not None:
             self._on_create(leaf)
-        self._offer(leaf)
+        self.eviction.offer(leaf)
         return leaf
 
     def lock(self, node: TreeNode) -> None:
@@ -270,7 +269,7 @@ class RadixTree:
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one `lock` of ``node``; a node left unlocked is offered as a candidate again
-        (`_offer` passes over those with children)."""
+        (the eviction's `offer` passes over those with children)."""
         while node is not self.root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"unlock of an unlocked node {node!r}")
@@ -278,7 +277,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self._evictable += len(node.slots)
                 self._protected -= len(node.slots)
-                self._offer(node)
+                self.eviction.offer(node)
             node = node.parent
 
     # ---------------------------------------------------------------- what the eviction calls

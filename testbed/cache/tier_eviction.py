@@ -42,7 +42,6 @@ class TierEviction:
     def __init__(self, tree: TieredTree, policy: EvictionPolicy) -> None:
         self.tree = tree
         self._root = tree.root
-        self._top = tree.top
         self._pools: list[KVSlotPool | None] = [None]  # the GPU's pool is the tree's
         self._policies = [policy]
         # per tier: its heap (rebuilt in place, so a reference stays valid) and its policy's
@@ -59,13 +58,13 @@ class TierEviction:
     def is_candidate(self, node: TreeNode, t: int) -> bool:
         """Whether tier ``t`` may evict ``node`` now."""
         return (node.alive and not node.lock_ref and node is not self._root
-                and self._top(node) == t and not any(node.tier.kids[: t + 1]))
+                and self.tree.top(node) == t and not any(node.tier.kids[: t + 1]))
 
     def offer(self, node: TreeNode) -> None:
         """(Re)enter ``node`` in the heap of its top tier if it is that tier's candidate."""
         if node.lock_ref or node is self._root or not node.alive:
             return
-        t = self._top(node)
+        t = self.tree.top(node)
         if t < 0 or any(node.tier.kids[: t + 1]):
             return
         node.offer += 1

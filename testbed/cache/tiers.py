@@ -120,8 +120,8 @@ class TieredRadixCache(RadixCache):
         kids = node.parent.tier.kids
         kids[old] -= 1
         kids[new] += 1
-        self._offer(node)
-        self._offer(node.parent)
+        self.eviction.offer(node)
+        self.eviction.offer(node.parent)
 
     def _log(self, src: int, src_slots: np.ndarray, dst: int, dst_slots: np.ndarray) -> None:
         if self.transfers is not None:
@@ -213,7 +213,7 @@ class TieredRadixCache(RadixCache):
                     and x.access_count - 1 >= self.write_threshold:
                 self._backup(x)
             if x is not node:  # the walk offered its last node
-                self._offer(x)
+                self.eviction.offer(x)
             x = x.parent
 
     # ---------------------------------------------------------------- the request lifecycle
@@ -341,7 +341,7 @@ class TieredRadixCache(RadixCache):
             x.alive = False
             self.num_nodes -= 1
             self.dropped += len(x.key)
-        self._offer(parent)
+        self.eviction.offer(parent)
 
     # ---------------------------------------------------------------- checks and figures
     def tier_summary(self) -> dict[str, Any]:
