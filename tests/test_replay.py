@@ -124,8 +124,7 @@ def tree_state(cache: RadixCache) -> list:
     """Everything a radix cache holds that a later request or a policy could see."""
     nodes = [(n.id, n.parent.id, n.key.tolist(), n.slots.tolist(), n.last_access, n.access_count,
               n.created, n.lock_ref, n.priority, n.category, n.start) for n in cache.nodes()]
-    live = sorted((e[0], e[1]) for e in cache._heap
-                  if e[2] == e[3].offer and e[3].alive and not e[3].children and not e[3].lock_ref)
+    live = sorted((priority, node) for node, priority in cache.eviction.queued().items())
     return [nodes, live, cache.pool.free_slots().tolist(), cache._clock, cache.evictable_size]
 
 

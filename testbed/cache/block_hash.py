@@ -12,23 +12,23 @@ KVCacheManager does it: take the ``k`` leading cached blocks of the prompt out o
 from ``k`` on, then free the request's blocks last to first: keyed blocks to the queue tail, the
 unkeyed partial block to the head.
 
-Every step works on a request's blocks at once: keys are computed once per sequence (a hash of
-each block's bytes, chained by one vectorised recurrence, `block_keys`), per-block state lives in
-arrays indexed by block id (reference counts, keys), the key index is a dict updated with bulk
-operations, and the free queue (`testbed.cache.free_queue`) takes and gives arrays of blocks.
-`replay_one` serves a replay request with these steps directly, without a lease.
+Every step works on a request's blocks at once: keys are computed once per sequence
+(`testbed.cache.block_keys`: each block's digest, chained by one vectorised recurrence), per-block
+state lives in arrays indexed by block id (reference counts, keys), the key index is a dict updated
+with bulk operations, and the free queue (`testbed.cache.free_queue`) takes and gives arrays of
+blocks. `replay_one` serves a replay request with these steps directly, without a lease.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 
 from testbed.cache.base import Lease, PrefixCache, Released
+from testbed.cache.block_keys import NO_KEYS, block_digests, block_forms, chain_keys
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.free_queue import BLOCK_DTYPE, BlockStats, FreeBlockQueue
 from testbed.cache.key_table import KeyTable
@@ -36,74 +36,6 @@ from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
 from testbed.errors import BadInput
 
-# key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
-# invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
-# digest is a random odd linear form of its tokens (Σ_j R_j t_j mod 2^64: two blocks that differ
-# collide with probability ~2^-58 over R, whatever their tokens), plus a constant, then mixed by
-# splitmix64's finalizer so that the chain's sums see uncorrelated values. The constant keeps an
-# all-zero block's digest off 0: with key_{-1} = 0, a zero digest would make a leading block of
-# token 0s invisible (its key 0, and [zeros, X] keyed like [X]).
-CHAIN = 0x9E3779B97F4A7C15
-_MASK = (1 << 64) - 1
-_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
-_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
-_OFFSET = np.uint64(0x9E3779B97F4A7C15)
-_powers = np.ones(1, np.uint64)  # CHAIN^i mod 2^64
-_inverse_powers = np.ones(1, np.uint64)  # CHAIN^-i mod 2^64
-
-
-def _forms(block_size: int) -> np.ndarray:
-    """The odd multipliers R_j of a block's digest (fixed: runs repeat)."""
-    return np.random.default_rng(0x5EED).integers(0, 1 << 63, block_size, np.uint64) \
-        * np.uint64(2) + np.uint64(1)
-
-
-def _digests(kb: bytes, block_size: int, forms: np.ndarray) -> np.ndarray:
-    """Per whole block of the token bytes ``kb``: splitmix64(Σ_j R_j t_j + OFFSET) mod 2^64."""
-    n = len(kb) // (block_size * TOKEN_BYTES)
-    tokens = np.frombuffer(kb, np.uint32, n * block_size).reshape(n, block_size)
-    z = tokens @ forms
-    z += _OFFSET
-    z ^= z >> _SHIFTS[0]
-    z *= _MIX[0]
-    z ^= z >> _SHIFTS[1]
-    z *= _MIX[1]
-    z ^= z >> _SHIFTS[2]
-    return z
-
-
-def _chain(digests: np.ndarray, prev: int) -> np.ndarray:
-    """Keys of consecutive blocks with per-block ``digests`` after a block keyed ``prev``:
-    key_m = C^m (C·prev + Σ_{l<=m} C^-l d_l), every product and sum mod 2^64 (uint64 wraps)."""
-    global _powers, _inverse_powers
-    n = len(digests)
-    if n <= 16:  # a few blocks: the recurrence itself, in Python ints
-        keys, key = [], prev
-        for d in digests.tolist():
-            key = (CHAIN * key + d) & _MASK
-            keys.append(key)
-        return np.array(keys, np.uint64)
-    if n > len(_powers):
-        size = max(n, 2 * len(_powers))
-        _powers = _power_table(CHAIN, size)
-        _inverse_powers = _power_table(pow(CHAIN, -1, 1 << 64), size)
-    acc = np.cumsum(digests * _inverse_powers[:n], dtype=np.uint64)
-    acc += np.uint64(CHAIN * prev & _MASK)
-    return _powers[:n] * acc
-
-
-def _power_table(base: int, n: int) -> np.ndarray:
-    """base^0 .. base^(n-1) mod 2^64, doubling the filled part each step."""
-    out = np.ones(n, np.uint64)
-    filled = 1
-    while filled < n:
-        step = min(filled, n - filled)
-        out[filled : filled + step] = out[:step] * np.uint64(pow(base, filled, 1 << 64))
-        filled += step
-    return out
-
-
-NO_KEYS = np.zeros(0, np.uint64)
 NO_BLOCKS = np.zeros(0, BLOCK_DTYPE)
 
 
@@ -129,7 +61,7 @@ class BlockHashCache(PrefixCache):
         self.policy = policy if policy is not None else LRU()
         self._free = FreeBlockQueue(self.policy)
         self._fifo = self._free.fifo  # plain LRU: no per-block statistics
-        self._forms = _forms(block_size)
+        self._forms = block_forms(block_size)
         self._minted = 0
         self._clock = 0
         self._ref = np.zeros(0, np.int32)  # block id -> running requests using it
@@ -160,7 +92,7 @@ class BlockHashCache(PrefixCache):
 
     def _keys(self, kb: bytes, prev: int) -> np.ndarray:
         """Keys of the whole blocks of the token bytes ``kb``, following a block keyed ``prev``."""
-        return _chain(_digests(kb, self.block_size, self._forms), prev)
+        return chain_keys(block_digests(kb, self.block_size, self._forms), prev)
 
     def _lookup(self, keys: np.ndarray, prompt_len: int, limit: int | None = None) -> np.ndarray:
         """Blocks of the leading cached keys, among the first (prompt_len - 1) // B (and covering

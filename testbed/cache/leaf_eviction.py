@@ -1,9 +1,14 @@
 """The radix tree's eviction: a policy-ordered heap of candidate leaves, whole or page by page.
 
-Eviction candidates (unlocked leaves) sit in a heap ordered by the eviction policy's priority;
-entries are invalidated lazily: a node is re-offered whenever its statistics, its size or its
-leaf/lock status change, and a popped entry counts only if it is the node's latest offer and the
-node is still an unlocked leaf.
+`RadixCache` owns one `LeafEviction` and tells it, through `offer`, of every node whose
+statistics, size or leaf/lock status changed; `evict` then frees tokens from the candidates in
+the policy's order. The two meet at a small interface: the eviction reads nodes (`TreeNode`'s
+public fields) and asks the tree (`LeafTree`) to unlink or trim a leaf; the tree keeps its own
+counts and pool, the eviction its heap and the policy's ``on_evict``.
+
+Entries are invalidated lazily: a node is re-offered whenever it changes, and a popped entry
+counts only if it is the node's latest offer (``node.offer``) and the node is still an unlocked
+leaf.
 
 ``evict_unit`` says what one step of `LeafEviction.evict` frees (docs/design.md §4):
 
@@ -16,15 +21,11 @@ node is still an unlocked leaf.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from testbed.cache.token_runs import TOKEN_BYTES
+from testbed.cache.eviction import EvictionPolicy
+from testbed.cache.tree_node import TreeNode
 from testbed.errors import BadInput
-
-if TYPE_CHECKING:
-    from testbed.cache.eviction import EvictionPolicy
-    from testbed.cache.pool import KVSlotPool
-    from testbed.cache.radix import TreeNode
 
 #: what one eviction step frees: the whole leaf (SGLang) or just the tail pages still needed
 EVICT_UNITS = ("node", "page")
@@ -37,26 +38,49 @@ def check_evict_unit(evict_unit: str) -> str:
     return evict_unit
 
 
-class LeafEviction:
-    """Eviction bookkeeping of `testbed.cache.radix.RadixCache` (a mixin: the tree's state is
-    the cache's)."""
+class LeafTree(Protocol):
+    """What `LeafEviction` needs of the tree it serves (`testbed.cache.radix.RadixCache`)."""
 
-    # the cache's state this mixin reads and updates
-    root: "TreeNode"
-    pool: "KVSlotPool"
-    policy: "EvictionPolicy"
-    page_size: int
-    evict_unit: str
-    _heap: list
-    _num_nodes: int
-    _evictable: int
-    _kw: int
+    root: TreeNode
+    num_nodes: int  # nodes in the tree, the root included (bounds the heap's stale entries)
+
+    def unlink_leaf(self, leaf: TreeNode) -> None:
+        """Remove unlocked leaf ``leaf`` from the tree and free its KV."""
+
+    def trim_leaf(self, leaf: TreeNode, keep: int) -> int:
+        """Free the KV of unlocked leaf ``leaf`` after its first ``keep`` tokens (whole pages, at
+        least one); returns the tokens freed."""
+
+
+class LeafEviction:
+    """Candidate leaves of one radix tree in ``policy`` order, and the eviction that frees them.
+    ``evict_unit``: ``"node"`` frees whole leaves (SGLang), ``"page"`` only the tail pages
+    needed (in pages of ``page_size`` tokens)."""
+
+    def __init__(self, tree: LeafTree, policy: EvictionPolicy, page_size: int = 1,
+                 evict_unit: str = "node") -> None:
+        self.tree = tree
+        self.policy = policy
+        self.page_size = page_size
+        self.evict_unit = check_evict_unit(evict_unit)
+        self._root = tree.root
+        self._heap: list[tuple[object, int, int, TreeNode]] = []
+
+    def offer(self, node: TreeNode) -> None:
+        """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
+        if node.children or node.lock_ref or node is self._root:
+            return
+        node.offer += 1
+        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
+        if len(self._heap) > 4 * self.tree.num_nodes + 1024:
+            self._rebuild_heap()
 
     def evict(self, num_tokens: int) -> int:
         """Free ``num_tokens`` from unlocked leaves in policy order, or as many as are unlocked.
         Returns tokens freed: with ``evict_unit="node"`` whole leaves (possibly more than asked),
         with ``"page"`` the asked amount rounded up to whole pages when that many are unlocked."""
         by_page = self.evict_unit == "page"
+        tree, policy = self.tree, self.policy
         freed = 0
         while freed < num_tokens and self._heap:  # (a rebuild may replace the list meanwhile)
             key, _, offer, node = heapq.heappop(self._heap)
@@ -65,46 +89,26 @@ class LeafEviction:
             if by_page:
                 need = -(-(num_tokens - freed) // self.page_size) * self.page_size
                 if need < len(node.slots):  # part of this leaf suffices: free its tail only
-                    freed += self._trim_leaf(node, len(node.slots) - need)
-                    self.policy.on_evict(node, key)
+                    freed += tree.trim_leaf(node, len(node.slots) - need)
+                    self.offer(node)  # the same node, statistics and all: its size changed
+                    policy.on_evict(node, key)
                     break
             freed += len(node.slots)
-            self._delete_leaf(node)
-            self.policy.on_evict(node, key)
+            tree.unlink_leaf(node)
+            self.offer(node.parent)  # a parent left childless competes with its own statistics
+            policy.on_evict(node, key)
         return freed
 
-    def _trim_leaf(self, node: "TreeNode", keep: int) -> int:
-        """Free the KV of candidate leaf ``node`` after its first ``keep`` tokens (whole pages,
-        at least one, so its key in the parent is unchanged). It stays the same node, statistics
-        and all, and is offered again: its size changed. Returns tokens freed."""
-        tail = node.slots[keep:]
-        node.kb = node.kb[: keep * TOKEN_BYTES]
-        node.slots = node.slots[:keep]
-        self._evictable -= len(tail)
-        self.pool.free(tail)
-        self._offer(node)
-        return len(tail)
+    def queued(self) -> dict[int, object]:
+        """Invariant checks: each current candidate's id -> the priority it is queued with."""
+        return {e[1]: e[0] for e in self._heap if self._current(e)}
 
-    def _offer(self, node: "TreeNode") -> None:
-        """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
-        if node.children or node.lock_ref or node is self.root:
-            return
-        node.offer += 1
-        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
-        if len(self._heap) > 4 * self._num_nodes + 1024:
-            self._rebuild_heap()
+    def _current(self, entry: tuple) -> bool:
+        node = entry[3]
+        return (entry[2] == node.offer and node.alive and not node.children
+                and not node.lock_ref)
 
     def _rebuild_heap(self) -> None:
         """Drop stale entries: keep exactly one (the latest) per current candidate."""
-        self._heap = [e for e in self._heap
-                      if e[2] == e[3].offer and e[3].alive and not e[3].children and not e[3].lock_ref]
+        self._heap = [e for e in self._heap if self._current(e)]
         heapq.heapify(self._heap)
-
-    def _delete_leaf(self, node: "TreeNode") -> None:
-        parent = node.parent
-        del parent.children[node.kb[: self._kw]]
-        node.alive = False
-        self._num_nodes -= 1
-        self._evictable -= len(node.slots)
-        self.pool.free(node.slots)
-        self._offer(parent)  # a parent left childless competes with its own stored statistics

@@ -1,20 +1,16 @@
 """What the tiered radix cache (`testbed.cache.tiers`) keeps besides the tree: per node, its
-lower-tier copies and children counts; per lower tier, a slot pool, policy and candidate heap; the
-log of copies. (`TieredRadixCache.check_invariants` checks that all of it agrees with the tree.)
+lower-tier copies and children counts; per lower tier, a slot pool and policy; the log of copies.
+(`TieredRadixCache.check_invariants` checks that all of it agrees with the tree.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from testbed.cache.eviction import EvictionPolicy
 from testbed.cache.pool import KVSlotPool
-
-if TYPE_CHECKING:
-    from testbed.cache.radix import TreeNode
 
 GPU = 0
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -41,11 +37,10 @@ class TierState:
 
 
 class LowerTier:
-    """A tier below the GPU: its slot pool (in the GPU's pages, as SGLang's host pool), eviction
-    policy and candidate heap."""
+    """A tier below the GPU: its slot pool (in the GPU's pages, as SGLang's host pool) and
+    eviction policy (its candidate heap is `testbed.cache.tier_eviction.TierEviction`'s)."""
 
     def __init__(self, name: str, capacity: int, policy: EvictionPolicy, page_size: int = 1) -> None:
         self.name = name
         self.pool = KVSlotPool(capacity, page_size)
         self.policy = policy
-        self.heap: list[tuple[object, int, int, "TreeNode"]] = []

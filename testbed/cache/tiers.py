@@ -12,7 +12,8 @@ tier is the fastest one holding it. The rules:
 - Tier ``t`` evicts, in its own policy's order, unlocked nodes whose top tier is ``t`` and none of
   whose children's top tier is ``t`` or faster: on the GPU, nodes with no child on the GPU; in the
   slowest tier, leaves. A lower tier's copy of a node a faster tier still holds is not evictable
-  (SGLang keeps a GPU node's host backup).
+  (SGLang keeps a GPU node's host backup). The tree owns these candidate heaps as a
+  `testbed.cache.tier_eviction.TierEviction`; what leaving a tier does is `leave_tier`.
 - Evicting a node from tier ``t`` frees that copy if a slower tier has one; otherwise the node is
   demoted to the next tier (room made there by that tier's eviction) when the write policy allows
   it, and dropped when not or when there is no room.
@@ -37,18 +38,21 @@ so `release` and `commit` work unchanged. Without lower tiers use `RadixCache` (
 
 from __future__ import annotations
 
-import heapq
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease
-from testbed.cache.eviction import LRU, EvictionPolicy, Requester, queued_as_valued
+from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
-from testbed.cache.radix import RadixCache, TreeNode
+from testbed.cache.radix import RadixCache
 from testbed.cache.tier_config import tier_options
-from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
-from testbed.cache.tier_state import GPU, WRITE_POLICIES, LowerTier, TierState, Transfer
+from testbed.cache.tier_eviction import TierEviction
+from testbed.cache.tier_state import (GPU, WRITE_POLICIES, LowerTier, TierState,  # noqa: F401
+                                      Transfer)  # (Transfer re-exported: testbed.engine.host_kv)
+from testbed.cache.token_runs import TOKEN_BYTES
+from testbed.cache.tree_checks import check_tiered_tree
+from testbed.cache.tree_node import TreeNode
 from testbed.errors import BadInput
 
 
@@ -57,6 +61,7 @@ class TieredRadixCache(RadixCache):
     (0: absent; at least one must be present)."""
 
     name = "radix"
+    eviction: TierEviction  # `_make_eviction`'s
 
     def __init__(self, capacity: int | None = None, page_size: int = 1,
                  policy: EvictionPolicy | None = None, pool: KVSlotPool | None = None, *,
@@ -64,7 +69,7 @@ class TieredRadixCache(RadixCache):
                  write_threshold: int = 2, host_policy: EvictionPolicy | None = None,
                  disk_policy: EvictionPolicy | None = None, record_transfers: bool = False,
                  planner: Any = None) -> None:
-        super().__init__(capacity, page_size, policy, pool)
+        super().__init__(capacity, page_size, policy, pool, leaf_hook=self._new_leaf)
         for key, value in (("cache.host_tokens", host_tokens), ("cache.disk_tokens", disk_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise BadInput(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
@@ -81,8 +86,8 @@ class TieredRadixCache(RadixCache):
         for name, size, tier_policy in (("host", host_tokens, host_policy),
                                         ("disk", disk_tokens, disk_policy)):
             if size:
-                self.tiers.append(LowerTier(name, size, tier_policy or LRU(),
-                                            page_size))
+                self.tiers.append(LowerTier(name, size, tier_policy or LRU(), page_size))
+                self.eviction.add_tier(self.tiers[-1])
         self.ntiers = len(self.tiers)
         self.lower_tiers = tuple(t.name for t in self.tiers[1:])
         self.write_policy, self.write_threshold = write_policy, write_threshold
@@ -111,16 +116,12 @@ class TieredRadixCache(RadixCache):
         return names + [self.tiers[t].name for t in range(1, self.ntiers)
                         if node.tier.copies[t] is not None]
 
-    def _candidate(self, node: TreeNode, t: int) -> bool:
-        return (node.alive and not node.lock_ref and node is not self.root
-                and self.top(node) == t and not any(node.tier.kids[: t + 1]))
-
     def _set_top(self, node: TreeNode, old: int, new: int) -> None:
         kids = node.parent.tier.kids
         kids[old] -= 1
         kids[new] += 1
-        self._offer(node)
-        self._offer(node.parent)
+        self.eviction.offer(node)
+        self.eviction.offer(node.parent)
 
     def _log(self, src: int, src_slots: np.ndarray, dst: int, dst_slots: np.ndarray) -> None:
         if self.transfers is not None:
@@ -134,7 +135,12 @@ class TieredRadixCache(RadixCache):
         return out
 
     # ---------------------------------------------------------------- the tree, tier-aware
+    def _make_eviction(self, evict_unit: str) -> TierEviction:
+        """Tier-by-tier eviction: the GPU's heap now, each lower tier's as `__init__` adds it."""
+        return TierEviction(self, self.policy)
+
     def _new_leaf(self, leaf: TreeNode) -> None:
+        """``leaf_hook``: a new leaf's tier state, before the tree links and offers it."""
         leaf.tier = TierState(self.ntiers)
         leaf.parent.tier.kids[GPU] += 1
 
@@ -164,13 +170,10 @@ class TieredRadixCache(RadixCache):
     def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None) -> int:
         """Cache ``key`` with GPU KV ``slots``; path nodes held only below the GPU adopt their part
         of ``slots``. Returns how many leading tokens were already on the GPU (duplicates)."""
-        if len(key) != len(slots):
-            raise ValueError(f"insert: {len(key)} tokens but {len(slots)} slots")
-        n = self._aligned(len(key))
-        if n == 0:
+        walked = self._insert_walk(key, slots, requester)
+        if walked is None:
             return 0
-        kb = as_bytes(key[:n])
-        node, at = self._walk(kb, len(kb), requester, False, [])
+        node, kb, at, n = walked
         present = at // TOKEN_BYTES
         on_gpu, new = self._adopt(node, slots)
         if present < n:
@@ -210,7 +213,7 @@ class TieredRadixCache(RadixCache):
                     and x.access_count - 1 >= self.write_threshold:
                 self._backup(x)
             if x is not node:  # the walk offered its last node
-                self._offer(x)
+                self.eviction.offer(x)
             x = x.parent
 
     # ---------------------------------------------------------------- the request lifecycle
@@ -275,36 +278,10 @@ class TieredRadixCache(RadixCache):
         lease.lower = 0
         return None
 
-    # ---------------------------------------------------------------- eviction, tier by tier
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` GPU slots (demoting or dropping nodes) if possible."""
-        freed = 0
-        while freed < num_tokens and self._heap:
-            key, _, offer, node = heapq.heappop(self._heap)
-            if offer != node.offer or not self._candidate(node, GPU):
-                continue
-            freed += len(node.slots)
-            self._evict_from(node, GPU)
-            self.policy.on_evict(node, key)
-        return freed
-
-    def _make_room(self, t: int, num_tokens: int) -> bool:
-        """Evict from lower tier ``t`` until ``num_tokens`` of its slots are free."""
-        tier = self.tiers[t]
-        if num_tokens > tier.pool.capacity:
-            return False
-        while tier.pool.num_free < num_tokens:
-            if not tier.heap:
-                return False
-            key, _, offer, node = heapq.heappop(tier.heap)
-            if offer != node.offer or not self._candidate(node, t):
-                continue
-            self._evict_from(node, t)
-            tier.policy.on_evict(node, key)
-        return True
-
-    def _evict_from(self, node: TreeNode, t: int) -> None:
-        """Take ``node`` (an eviction candidate of tier ``t``) out of tier ``t``."""
+    # ---------------------------------------------------------------- leaving a tier
+    def leave_tier(self, node: TreeNode, t: int) -> None:
+        """`TieredTree.leave_tier`: take ``node`` (an eviction candidate of tier ``t``) out of tier
+        ``t``: free that copy if a slower tier has one, else demote or drop it."""
         self.evicted[t] += len(node.key)
         slower = next((u for u in range(t + 1, self.ntiers) if node.tier.copies[u] is not None),
                       None)
@@ -328,7 +305,7 @@ class TieredRadixCache(RadixCache):
     def _copy_down(self, node: TreeNode, t: int) -> bool:
         """Copy ``node`` from its top tier into lower tier ``t`` if room can be made there."""
         n = len(node.key)
-        if not self._make_room(t, n) or not node.alive:
+        if not self.eviction.make_room(t, n) or not node.alive:
             return False
         slots = self.tiers[t].pool.alloc(n)
         src = self.top(node)
@@ -362,36 +339,9 @@ class TieredRadixCache(RadixCache):
                     if x is not node:
                         self.evicted[t] += len(copy)
             x.alive = False
-            self._num_nodes -= 1
+            self.num_nodes -= 1
             self.dropped += len(x.key)
-        self._offer(parent)
-
-    def _offer(self, node: TreeNode) -> None:
-        """(Re)enter ``node`` in the heap of its top tier if it is that tier's candidate."""
-        if node.lock_ref or node is self.root or not node.alive:
-            return
-        t = self.top(node)
-        if t < 0 or any(node.tier.kids[: t + 1]):
-            return
-        node.offer += 1
-        if t == GPU:
-            heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
-            if len(self._heap) > 4 * self._num_nodes + 1024:
-                self._heap = self._fresh(self._heap, GPU)
-        else:
-            tier = self.tiers[t]
-            heapq.heappush(tier.heap, (tier.policy.priority(node), node.id, node.offer, node))
-            if len(tier.heap) > 4 * self._num_nodes + 1024:
-                tier.heap = self._fresh(tier.heap, t)
-
-    def _rebuild_heap(self) -> None:
-        self._heap = self._fresh(self._heap, GPU)
-
-    def _fresh(self, heap: list, t: int) -> list:
-        """``heap`` without stale entries."""
-        heap = [e for e in heap if e[2] == e[3].offer and self._candidate(e[3], t)]
-        heapq.heapify(heap)
-        return heap
+        self.eviction.offer(parent)
 
     # ---------------------------------------------------------------- checks and figures
     def tier_summary(self) -> dict[str, Any]:
@@ -408,62 +358,9 @@ class TieredRadixCache(RadixCache):
         return out
 
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
-        """Raise AssertionError unless the tiered cache is consistent: `RadixCache`'s checks (GPU
-        tokens only), plus every node held by some tier, GPU residency prefix-closed, each copy as
-        long as its node, each tier's slots owned once, children counts and every tier's candidate
-        heap current."""
-        evictable = protected = 0
-        owned = [self._check_lease(lease) for lease in leases]
-        lower_owned: list[list[np.ndarray]] = [[] for _ in range(self.ntiers)]
-        heaps = [self._heap] + [tier.heap for tier in self.tiers[1:]]
-        policies = [self.policy] + [tier.policy for tier in self.tiers[1:]]
-        current: list[dict[int, object]] = [{} for _ in range(self.ntiers)]
-        for t, heap in enumerate(heaps):
-            for e in heap:
-                if e[2] == e[3].offer and self._candidate(e[3], t):
-                    current[t][e[3].id] = e[0]
-        kids: dict[int, list[int]] = {self.root.id: [0] * self.ntiers}
-        nodes = list(self.nodes())
-        for node in nodes:
-            kids[node.id] = [0] * self.ntiers
-        for node in nodes:
-            assert node.alive, f"dead node in tree: {node!r}"
-            size = len(node.key)
-            assert size > 0 and size % self.page_size == 0, f"bad node size {node!r}"
-            assert len(node.slots) in (0, size), f"partly on the GPU: {node!r}"
-            self.pool.assert_whole_pages(node.slots)
-            assert node.lock_ref >= 0, f"negative lock: {node!r}"
-            assert node.parent is self.root or node.parent.lock_ref >= node.lock_ref, node
-            assert node.start == node.parent.start + len(node.parent.key), f"bad start: {node!r}"
-            assert node.parent.children.get(self._child_key(node.key, 0)) is node, node
-            assert not len(node.slots) or node.parent is self.root or len(node.parent.slots), \
-                f"on the GPU under a parent that is not: {node!r}"
-            for t in range(1, self.ntiers):
-                copy = node.tier.copies[t]
-                if copy is not None:
-                    assert len(copy) == size, f"{self.tiers[t].name} copy of {len(copy)}: {node!r}"
-                    self.tiers[t].pool.assert_whole_pages(copy)
-                    lower_owned[t].append(copy)
-            top = self.top(node)
-            assert top >= 0, f"held by no tier: {node!r}"
-            kids[node.parent.id][top] += 1
-            if node.lock_ref:
-                protected += len(node.slots)
-            else:
-                evictable += len(node.slots)
-            if self._candidate(node, top):
-                assert queued_as_valued(policies[top], current[top], node), \
-                    f"tier {top} candidate without a current heap entry: {node!r}"
-            owned.append(node.slots)
-        for node in [self.root] + nodes:
-            assert node.tier.kids == kids[node.id], f"children counts {node.tier.kids} != " \
-                f"{kids[node.id]}: {node!r}"
-        assert evictable == self._evictable, f"evictable {self._evictable} != recount {evictable}"
-        assert protected == self._protected, f"protected {self._protected} != recount {protected}"
-        assert self._num_nodes == 1 + len(nodes)
-        self.pool.check_ownership(owned)
-        for t in range(1, self.ntiers):
-            self.tiers[t].pool.check_ownership(lower_owned[t])
+        """Raise AssertionError unless the tiered cache is consistent
+        (`testbed.cache.tree_checks.check_tiered_tree`)."""
+        check_tiered_tree(self, leases)
 
 
 def make_tiered_cache(cache_cfg: Mapping[str, Any], capacity_tokens: int | None,

@@ -1,0 +1,64 @@
+"""A node of the radix tree (`testbed.cache.radix`): a run of tokens, their KV slots, the lock
+count and the statistics eviction policies read (`testbed.cache.eviction.EntryStats`).
+
+Kept apart from the tree so that what reads nodes (the tree's eviction, the tiers' state, the
+scheduler's and router's walks, views) needs no part of the tree itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from testbed.cache.eviction import Requester
+from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE
+
+
+class TreeNode:
+    """A run of tokens and their KV slots; the path from the root spells the cached sequence.
+
+    ``kb`` holds the tokens as bytes; ``key`` shows them as a (read-only) token array."""
+
+    __slots__ = (
+        "id", "parent", "children", "kb", "slots", "lock_ref", "last_access", "access_count",
+        "created", "start", "priority", "category", "offer", "alive", "tier",
+    )
+
+    def __init__(self, node_id: int, parent: "TreeNode | None", kb: bytes, slots: np.ndarray,
+                 clock: int, start: int = 0, requester: Requester | None = None) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, TreeNode] = {}
+        self.kb = kb
+        self.slots = slots
+        self.lock_ref = 0
+        self.last_access = clock
+        self.access_count = 1
+        self.created = clock
+        self.start = start  # tokens on the path before this node
+        self.priority = requester.priority if requester else 0
+        self.category = requester.category if requester else None
+        self.offer = 0  # version of the node's latest eviction-heap entry
+        self.alive = True
+        self.tier = None  # where lower tiers hold copies (testbed.cache.tiers); None without them
+
+    @property
+    def key(self) -> np.ndarray:
+        return np.frombuffer(self.kb, TOKEN_DTYPE)
+
+    @property
+    def size(self) -> int:
+        return len(self.kb) // TOKEN_BYTES
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens={self.size}, lock={self.lock_ref}, "
+                f"t={self.last_access}, children={len(self.children)})")
+
+
+def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays (vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = a[:n] != b[:n]
+    i = int(differ.argmax())
+    return i if differ[i] else n
