@@ -1,8 +1,8 @@
 """No import cycles in the testbed and experiments packages, type-only imports included.
 
 The import graph is read from the source, not from a running interpreter: every module of
-``testbed`` and ``experiments`` is parsed with `ast`, and every ``import`` / ``from ... import`` statement anywhere in
-it counts (module level, under ``if TYPE_CHECKING:``, inside functions). Relative imports are
+``testbed`` and ``experiments`` is parsed with `ast`, and every ``import`` / ``from ... import``
+statement anywhere in it counts (module level, under ``if TYPE_CHECKING:``, inside functions). Relative imports are
 resolved against the importing module's package, and ``from pkg import name`` is an edge to the
 submodule ``pkg.name`` where there is one, else to ``pkg``. Only edges between those modules
 are kept. A package's ``__init__`` importing its own names is no edge, and neither is the implicit
