@@ -8,12 +8,27 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from testbed.cache.eviction import EVICTION, EvictionPolicy
+from testbed.cache.tier_state import WRITE_POLICIES
 from testbed.errors import BadInput
 
 
 def has_lower_tiers(cache_cfg: Mapping[str, Any]) -> bool:
     """Whether the ``cache`` config group asks for a host or disk tier (a size above 0)."""
     return bool(cache_cfg.get("host_tokens") or cache_cfg.get("disk_tokens"))
+
+
+def check_tier_values(host_tokens: Any, disk_tokens: Any, write_policy: Any,
+                      write_threshold: Any) -> None:
+    """The lower tiers' sizes and write settings, or BadInput naming the key."""
+    for key, value in (("cache.host_tokens", host_tokens), ("cache.disk_tokens", disk_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
+    if write_policy not in WRITE_POLICIES:
+        raise BadInput(f"cache.write_policy must be one of {', '.join(WRITE_POLICIES)}; "
+                       f"got {write_policy!r}")
+    if isinstance(write_threshold, bool) or not isinstance(write_threshold, int) \
+            or write_threshold < 1:
+        raise BadInput(f"cache.write_threshold must be an integer >= 1, got {write_threshold!r}")
 
 
 def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -43,8 +58,10 @@ def tier_options(cache_cfg: Mapping[str, Any]) -> dict[str, Any] | None:
         except BadInput as e:  # eviction.KEY ... of this tier's policy
             raise BadInput(f"cache.{key}: {e}") from None
 
+    write_policy = cache_cfg.get("write_policy") or "write_through"
+    write_threshold = cache_cfg.get("write_threshold") or 2
+    check_tier_values(host, disk, write_policy, write_threshold)
     return {"host_tokens": host, "disk_tokens": disk,
-            "write_policy": cache_cfg.get("write_policy") or "write_through",
-            "write_threshold": cache_cfg.get("write_threshold") or 2,
+            "write_policy": write_policy, "write_threshold": write_threshold,
             "host_policy": tier_policy("host_eviction"),
             "disk_policy": tier_policy("disk_eviction")}

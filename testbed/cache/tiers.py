@@ -46,14 +46,13 @@ from testbed.cache.base import EMPTY_SLOTS, Lease
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache
-from testbed.cache.tier_config import tier_options
+from testbed.cache.tier_config import check_tier_values, tier_options
 from testbed.cache.tier_eviction import TierEviction
 from testbed.cache.tier_state import (GPU, WRITE_POLICIES, LowerTier, TierState,  # noqa: F401
                                       Transfer)  # (Transfer re-exported: testbed.engine.host_kv)
 from testbed.cache.token_runs import TOKEN_BYTES
 from testbed.cache.tree_checks import check_tiered_tree
 from testbed.cache.tree_node import TreeNode
-from testbed.errors import BadInput
 
 
 class TieredRadixCache(RadixCache):
@@ -70,18 +69,10 @@ class TieredRadixCache(RadixCache):
                  disk_policy: EvictionPolicy | None = None, record_transfers: bool = False,
                  planner: Any = None) -> None:
         super().__init__(capacity, page_size, policy, pool, leaf_hook=self._new_leaf)
-        for key, value in (("cache.host_tokens", host_tokens), ("cache.disk_tokens", disk_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise BadInput(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
+        check_tier_values(host_tokens, disk_tokens, write_policy, write_threshold)
         if not host_tokens and not disk_tokens:
             raise ValueError("TieredRadixCache needs cache.host_tokens or cache.disk_tokens > 0 "
                              "(use RadixCache without lower tiers)")
-        if write_policy not in WRITE_POLICIES:
-            raise BadInput(f"cache.write_policy must be one of {', '.join(WRITE_POLICIES)}; "
-                           f"got {write_policy!r}")
-        if isinstance(write_threshold, bool) or not isinstance(write_threshold, int) \
-                or write_threshold < 1:
-            raise BadInput(f"cache.write_threshold must be an integer >= 1, got {write_threshold!r}")
         self.tiers: list[LowerTier | None] = [None]
         for name, size, tier_policy in (("host", host_tokens, host_policy),
                                         ("disk", disk_tokens, disk_policy)):
