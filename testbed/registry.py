@@ -3,7 +3,7 @@
 Each family has one `Registry`: ``cache`` (testbed/cache), ``eviction`` (testbed/cache/eviction.py),
 ``scheduler`` (queue policies, testbed/scheduler/policy.py), ``router`` (testbed/router),
 ``cost_model`` (testbed/sim/cost_model.py), ``workload`` (testbed/workloads) and ``backend`` (the
-executors, testbed/sim/executor.py). A registry holds the family's built-in entries by name (a class,
+executors, testbed/serving/executor.py). A registry holds the family's built-in entries by name (a class,
 or a factory function where building takes more than a constructor call), the methods every entry
 must have, and the group keys that belong to the run rather than to the entry. `Registry.resolve`
 reads one config group and `Resolved.build` makes the object:
