@@ -35,6 +35,12 @@ def workload_overrides(name: str, rng: np.random.Generator, vocab: int) -> list[
         "chat": [f"num_sessions={n(1, 4)}", f"turns={n(1, 3)}", f"system_prompt_len={n(0, 24)}",
                  "min_question_len=1", f"max_question_len={n(1, 30)}", "min_output_len=1",
                  f"max_output_len={n(1, 8)}", f"think_time_s={rng.choice([0.0, 0.01])}"],
+        "chat_tenants": [f"num_tenants={n(1, 3)}", f"num_sessions={n(1, 4)}",
+                         f"turns={n(1, 3)}", f"system_prompt_len={n(0, 24)}",
+                         "min_question_len=1", f"max_question_len={n(1, 16)}",
+                         "min_output_len=1", f"max_output_len={n(1, 8)}",
+                         f"think_time_s={rng.choice([0.0, 0.01])}",
+                         f"zipf={rng.choice([0.0, 1.0])}"],
         "chat_long": [f"num_sessions={n(1, 3)}", f"turns={n(1, 3)}", "system_prompt_len=8",
                       "min_question_len=4", f"max_question_len={n(4, 24)}",
                       "min_output_len=4", f"max_output_len={n(4, 16)}"],
@@ -145,7 +151,8 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
            f"eviction={rng.choice(EVICTIONS)}"]
     vocab = int(rng.choice([2, 5, 50, 256]))
     names = ["chat", "chat_long", "few_shot", "self_consistency", "tree_of_thought",
-             "multimodal", "shared_prefix", "random_tree", "rag", "paraphrase", "mixed", "trace"]
+             "multimodal", "shared_prefix", "random_tree", "rag", "paraphrase", "mixed", "trace",
+             "chat_tenants"]
     workload = str(rng.choice(names))
     if workload == "trace":
         path = workdir / f"trace{index}.jsonl"
