@@ -13,6 +13,7 @@ the GGUF file's SHA-256 and its files at their recorded sizes is a finished conv
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -20,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from testbed.errors import BadInput
 
 SOURCE_RECORD = "testbed_source.json"
 NEEDS = ("gguf", "accelerate")  # besides transformers, torch and safetensors
@@ -54,13 +57,11 @@ def _quiet_transformers():
 def convert_gguf(gguf: Path, dest: Path, sha256: str, source: str = "") -> dict:
     """Write the HF directory ``dest`` from the GGUF file ``gguf`` (hash ``sha256``, checked by the
     caller; ``source`` names where it came from, for the record). Returns the record. Raises
-    DataError (one line) when ``gguf``/``accelerate`` are missing or transformers cannot read the
+    BadInput (one line) when ``gguf``/``accelerate`` are missing or transformers cannot read the
     file; a failed conversion leaves no directory behind."""
-    from testbed.data.fetch import DataError, sha256_of
-
     missing = missing_packages()
     if missing:
-        raise DataError(f"converting {gguf.name} needs the packages {', '.join(missing)}: "
+        raise BadInput(f"converting {gguf.name} needs the packages {', '.join(missing)}: "
                         "pip install -e '.[real]' (or make real), then fetch again")
     import torch
     from safetensors.torch import save_file
@@ -78,7 +79,7 @@ def convert_gguf(gguf: Path, dest: Path, sha256: str, source: str = "") -> dict:
                                                              gguf_file=gguf.name,
                                                              dtype=torch.float32)
             except (OSError, ValueError, KeyError) as e:
-                raise DataError(f"transformers cannot read {gguf}: "
+                raise BadInput(f"transformers cannot read {gguf}: "
                                 f"{' '.join(str(e).split())}") from None
         state = model.state_dict()
         if model.config.tie_word_embeddings:
@@ -94,7 +95,7 @@ def convert_gguf(gguf: Path, dest: Path, sha256: str, source: str = "") -> dict:
         model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         record = {"source": source, "file": gguf.name, "sha256": sha256,
-                  "model_safetensors_sha256": sha256_of(tmp / "model.safetensors"),
+                  "model_safetensors_sha256": _sha256(tmp / "model.safetensors"),
                   "converted_s": round(time.perf_counter() - start, 1),
                   "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}}
         (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -109,3 +110,11 @@ def convert_gguf(gguf: Path, dest: Path, sha256: str, source: str = "") -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

