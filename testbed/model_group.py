@@ -10,6 +10,12 @@ own. `resolve_model_group` reconciles them once per run, before any backend read
 - ``model=NAME model.path=DIR``: the preset must agree with the checkpoint, else the run is
   refused with one line naming every key that differs.
 
+``model.path=data:NAME`` names a model of the data registry (`testbed.data`): its converted HF
+directory in the data folder, fetched and converted on first use, and from then on the path in
+the resolved group. A preset whose model is not in the data folder yet is used as it is when the
+checkpoint itself is not needed (``need_checkpoint=False``: the simulator prices the preset's
+shape), so a simulator run never downloads a model.
+
 Only ``config.json`` is read here (plain JSON, no transformers), so simulator runs stay light.
 """
 
@@ -95,12 +101,19 @@ def check_preset(model: Mapping[str, Any], shape: Mapping[str, Any]) -> None:
                        "take its shape)")
 
 
-def resolve_model_group(model: Mapping[str, Any]) -> dict[str, Any]:
-    """The group a run uses (module docstring)."""
+def resolve_model_group(model: Mapping[str, Any], need_checkpoint: bool = True) -> dict[str, Any]:
+    """The group a run uses (module docstring). ``need_checkpoint=False``: a named preset whose
+    ``data:NAME`` model is not in the data folder keeps its ``path`` unresolved."""
     model = dict(model)
     path = model.get("path")
     if not path:
         return model
+    if str(path).startswith("data:"):
+        from testbed.data import is_here, lookup, resolve_model
+
+        if not (need_checkpoint or model.get("by_default") or is_here(lookup(path[5:]))):
+            return model
+        model["path"] = path = str(resolve_model(path))
     if model.get("by_default"):
         return checkpoint_group(path)
     hf = read_config_json(path)

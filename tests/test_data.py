@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.data import TRACES, DataError, data_dir, download, resolve_trace, sha256_of
+from testbed.data import PACKAGE_FILES, TRACES, DataError, data_dir, download, resolve_trace, sha256_of
 from tests.conftest import SHARED_TRACES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,8 +129,8 @@ def test_the_data_folder_is_testbed_data_else_the_user_cache(monkeypatch, tmp_pa
 def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(DataError) as e:
         resolve_trace("data:mooncake")
-    assert str(e.value) == ("data:mooncake: unknown trace; known: " + ", ".join(TRACES)
-                            + " (python -m testbed.data list)")
+    assert str(e.value) == ("data:mooncake: unknown name; known: "
+                            + ", ".join([*TRACES, *PACKAGE_FILES]) + " (python -m testbed.data list)")
 
 
 def test_data_names_set_the_format_and_refuse_another(monkeypatch):

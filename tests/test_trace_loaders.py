@@ -285,7 +285,8 @@ def test_load_trace_rejects_unknown_options(tmp_path):
 
 @pytest.mark.parametrize("text, line, message", [
     ('{"id": "a"}', 1, "expected a JSON list of conversations"),
-    ('[\n {"id": "a", "conversations": []},\n {"id": "b",\n', 4, "not valid JSON"),
+    # (a file that merely ends inside the list is read up to the cut: test_data_packages.py)
+    ('[\n {"id": "a", "conversations": []},\n {"id": "b",\n oops}\n]', 4, "not valid JSON"),
     ('[\n {"id": "a", "conversations": []}\n {"id": "b"}]', 3, "expected ',' or ']'"),
     ('[\n {"id": "a", "conversations": []},\n 5\n]', 3, "conversation 1: expected a JSON object"),
     ('[\n {"conversations": []}\n]', 2, "conversation 0: missing field 'id'"),

