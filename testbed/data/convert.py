@@ -111,7 +111,6 @@ def convert_gguf(gguf: Path, dest: Path, sha256: str, source: str = "") -> dict:
         raise
 
 
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
