@@ -1,6 +1,7 @@
 """The engine on the real model (SmolLM2-135M-Instruct, ``model=smollm2_135m``): its greedy tokens
 equal HF ``generate`` from the converted directory on chat prompts through the chat template,
-sharing a system prompt, with prefix hits and evictions. Skipped, with the command to run, when
+sharing a system prompt, with prefix hits and evictions, and when decoding outgrows the pool and
+requests are retracted. Skipped, with the command to run, when
 the model is not in the data folder (``.ci/run`` fetches it)."""
 
 from __future__ import annotations
@@ -64,3 +65,28 @@ def test_greedy_tokens_equal_hf_generate_with_hits_and_eviction(tmp_path, smollm
     assert summary["evicted_tokens"] > 0 and summary["aborted_requests"] == 0
     answer = tok.decode(by_id["q0"]["output_ids"])
     assert "Paris" in answer, answer
+
+
+def test_greedy_tokens_equal_hf_generate_when_decoding_outgrows_the_pool_and_retracts(tmp_path,
+                                                                                      smollm2):
+    """Admission reserves one output token per request (``clip_max_new_tokens=1``), so all four
+    chats are admitted and their decoding outgrows the pool: requests are retracted and run again
+    from their cached prefixes, and every output still equals HF's."""
+    path, tok, hf = smollm2
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+    shared = len(os.path.commonprefix(prompts))
+    distinct = shared + sum(len(p) - shared for p in prompts)
+    new = 12
+    capacity = distinct + len(prompts) + 2  # every prompt fits with a token each, few more
+    assert max(len(p) for p in prompts) + new <= capacity
+    records = [{"id": f"q{i}", "prompt": p, "max_new_tokens": new, "arrival_s": 0.0}
+               for i, p in enumerate(prompts)]
+    trace = write_trace(tmp_path / "chat.jsonl", records)
+    summary, out = run(tmp_path, "backend=engine", "model=smollm2_135m", "device=cpu",
+                       "workload=trace", f"workload.path={trace}",
+                       f"cache.capacity_tokens={capacity}", "scheduler.clip_max_new_tokens=1",
+                       "save_token_ids=true")
+    assert summary["preemptions"] > 0 and summary["aborted_requests"] == 0
+    by_id = {r["id"]: r for r in out}
+    for rec in records:
+        assert by_id[rec["id"]]["output_ids"] == hf_generate(hf, rec["prompt"], new), rec["id"]
