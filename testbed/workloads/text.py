@@ -33,6 +33,10 @@ from testbed.workloads.sharegpt import load_tokenizer, read_conversations
 
 DEFAULT_TOKENIZER = "data:smollm2_135m_instruct"  # conf/model/smollm2_135m.yaml's path
 DEFAULT_SHAREGPT = "data:sharegpt_v3"
+# the data-folder entries each text workload reads by default (the fuzzer draws none of them)
+NEEDS = {"sharegpt": ("smollm2_135m_instruct", "sharegpt_v3"),
+         "sharegpt_chat": ("smollm2_135m_instruct", "sharegpt_v3"),
+         "few_shot_text": ("smollm2_135m_instruct",), "rag_text": ("smollm2_135m_instruct",)}
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "system": "system"}
 
 
@@ -116,7 +120,7 @@ def sharegpt(num_prompts: int = 1000, path: str = DEFAULT_SHAREGPT,
             continue
         i = len(calls)
         calls.append(Request(id=f"sharegpt{i}/{cid}", prompt=prompt, output=output,
-                             program=f"sharegpt{i}", category="sharegpt"))
+                             program=f"sharegpt{i}", segments=(prompt,), category="sharegpt"))
         if len(calls) == num_prompts:
             break
     else:
