@@ -32,6 +32,7 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     requests = run.requests()
     running = time.perf_counter()
     result = run_backend(run, requests)
+    add_answers(result.records, requests)
     counting = time.perf_counter()
     ideal = result.ideal_hit_rate if result.ideal_hit_rate is not None \
         else ideal_hit_rate(requests)
@@ -52,3 +53,11 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     if notes is not None:
         notes += result.notes
     return summary
+
+
+def add_answers(records: list, requests: list) -> None:
+    """Copy each request's expected ``answer`` (tasks with ground truth) into its record."""
+    answers = {r.id: r.answer for r in requests if r.answer is not None}
+    if answers:
+        for rec in records:
+            rec.answer = answers.get(rec.id)

@@ -54,10 +54,12 @@ class RequestRecord:
     token_agreement: float | None = None
     kl_mean: float | None = None
     quality_measured: bool = False  # the run measured quality: the two fields above are written
+    answer: str | None = None  # the request's expected answer (tasks with ground truth), if any
 
     def to_json(self) -> dict[str, Any]:
         """The requests.jsonl line: every field in order, less the token ids and tier fields
-        when they are None and the quality fields when the run did not measure quality."""
+        when they are None, the quality fields when the run did not measure quality and
+        ``answer`` when the request has none."""
         row = {name: getattr(self, name) for name in _field_names(type(self))}
         del row["quality_measured"]
         if self.prompt_ids is None:
@@ -68,6 +70,8 @@ class RequestRecord:
         if not self.quality_measured:
             for key in QUALITY_FIELDS:
                 del row[key]
+        if self.answer is None:
+            del row["answer"]
         return row
 
 

@@ -9,9 +9,11 @@ import pytest
 
 from testbed.assembly import assemble
 from testbed.cli import CONF_DIR, group_options
+from testbed.data import is_here, lookup
 from testbed.router import Loads
 from testbed.sim.cost_model import StepShape
 from testbed.workloads import generate, save_tokens
+from testbed.workloads.text import NEEDS
 
 GROUPS = ("backend", "cache", "cost_model", "eviction", "hardware", "model", "router",
           "scheduler", "workload")
@@ -34,6 +36,10 @@ CUSTOM = {
     "workload": ["workload.target=testbed.workloads.paper.chat", "+workload.num_sessions=2"],
 }
 
+# the text workloads (testbed/workloads/text.py, which names the data they read) at a small size
+TEXT = {"sharegpt": ["workload.num_prompts=4"], "sharegpt_chat": ["workload.num_conversations=2"],
+        "few_shot_text": ["workload.questions_per_task=2"], "rag_text": ["workload.num_requests=4"]}
+
 
 def cases() -> list[tuple[str, str]]:
     return [(g, o) for g in GROUPS for o in group_options(g)]
@@ -53,6 +59,12 @@ def test_every_config_option_assembles_and_builds(compose, tmp_path, monkeypatch
         overrides += CUSTOM[group]
         (tmp_path / "my_cache.py").write_text(CUSTOM_CACHE)
         monkeypatch.syspath_prepend(str(tmp_path))
+    if group == "workload" and option in TEXT:  # real text: needs the data folder
+        missing = [n for n in NEEDS[option] if not is_here(lookup(n))]
+        if missing:
+            pytest.skip(f"workload={option} needs {', '.join(missing)}: python -m testbed.data "
+                        f"fetch {' '.join(missing)}")
+        overrides += TEXT[option]
     if group == "workload" and option == "trace":
         save_tokens(generate({"name": "chat", "num_sessions": 2}), tmp_path / "t.jsonl")
         overrides.append(f"workload.path={tmp_path / 't.jsonl'}")

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from testbed.assembly import compose_config
 from testbed.cache import RadixCache
+from testbed.data import is_here, lookup
 from testbed.replay import replay
 from testbed.workloads import WORKLOADS, build_workload, generate
 from testbed.workloads.describe import describe
@@ -21,6 +22,7 @@ from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consiste
                                      tree_of_thought)
 from testbed.workloads.request import OutputRef, materialize
 from testbed.workloads.synthetic import image_tokens, multimodal, random_tree
+from testbed.workloads.text import NEEDS
 from testbed.workloads.traces import load_tokens, save_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,11 +32,17 @@ GENERATED = [w for w in WORKLOADS if w != "trace"]
 
 def small_config(name: str) -> dict:
     """The workload's config file, shrunk so tests run in milliseconds."""
+    if name in NEEDS:  # real text (testbed/workloads/text.py): needs the data folder
+        missing = [n for n in NEEDS[name] if not is_here(lookup(n))]
+        if missing:
+            pytest.skip(f"workload={name} needs {', '.join(missing)}: python -m testbed.data "
+                        f"fetch {' '.join(missing)}")
     cfg = compose_config([f"workload={name}"])
     params = OmegaConf.to_container(cfg.workload, resolve=True)
     shrink = {"num_tasks": 3, "questions_per_task": 4, "num_sessions": 3, "turns": 3,
               "num_questions": 3, "num_problems": 2, "depth": 3, "branching": 2,
-              "num_requests": 20, "num_groups": 3, "prompts_per_group": 3, "num_images": 4}
+              "num_requests": 20, "num_groups": 3, "prompts_per_group": 3, "num_images": 4,
+              "num_prompts": 8, "num_conversations": 4}
     lengths = {k: max(1, v // 8) for k, v in params.items()
                if isinstance(v, int) and k.endswith("_len") and v > 8}
 

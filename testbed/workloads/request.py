@@ -42,7 +42,8 @@ class Request:
     is then empty), stopping early at the model's EOS.
     A call is submitted at ``arrival_s`` (its program's arrival, or a trace's own timestamp) or,
     if later, ``think_time_s`` after the last of its ``after`` dependencies finishes. Lower
-    ``priority`` values are more urgent.
+    ``priority`` values are more urgent. ``answer``, set by tasks with a ground truth
+    (`few_shot_text`, `rag_text`), is the expected answer text; it goes to requests.jsonl.
     """
 
     id: str
@@ -56,6 +57,7 @@ class Request:
     segments: tuple[Segment, ...] | None = None
     category: str | None = None  # e.g. a trace's request type and turn (eviction policies)
     max_new_tokens: int | None = None  # generate mode (no predetermined output): the engine's
+    answer: str | None = None  # the expected answer text, for tasks with ground truth (text.py)
 
     @property
     def program_id(self) -> str:

@@ -12,6 +12,7 @@ note on stderr saying how many were read; anything else that is not JSON is refu
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -52,7 +53,7 @@ def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Reques
         raise BadInput(MISSING_TOKENIZER)
     path = Path(path)
     convs = _parse(path)
-    tok = _load_tokenizer(tokenizer)
+    tok = load_tokenizer(tokenizer)
     texts = [m["value"] for _, _, msgs in convs for m in msgs]
     ids: list[list[int]] = []
     for start in range(0, len(texts), _BATCH):
@@ -83,7 +84,10 @@ def load_sharegpt(path: str | Path, tokenizer: str | None = None) -> list[Reques
     return requests
 
 
-def _load_tokenizer(directory: str):
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(directory: str):
+    """The HF tokenizer of a local directory or ``data:NAME`` model, loaded once per process
+    (loading SmolLM2's takes seconds); BadInput when there is none."""
     if str(directory).startswith("data:"):
         from testbed.data import resolve_model
 
