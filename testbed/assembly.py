@@ -170,13 +170,8 @@ class Assembly:
         one is generated: the eviction policy and the cache (unbounded: nothing allocated; the
         lower tiers' settings), the model, hardware and cost model of a backend that times
         steps, and the router of replicas."""
-        policy = self.eviction.build(requests=[], cost_fn=Lazy(self.recompute_cost))
-        if self.has_lower_tiers:
-            if self.cache.label != "radix":
-                raise BadInput(f"cache.host_tokens / cache.disk_tokens need cache=radix, got "
-                               f"cache={self.cache.label}")
-            tier_options(self.config["cache"])
-        else:
+        policy = self.build_policy([])
+        if tier_options(self.config["cache"]) is None:  # tiers: their settings checked
             self.cache.build(capacity_tokens=None, policy=policy)
         if self.backend != REPLAY:
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked

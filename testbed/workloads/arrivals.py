@@ -70,11 +70,3 @@ class Arrival:
         start = dict(zip(programs, np.cumsum(gaps) - gaps[0] if len(gaps) else []))
         return [replace(r, arrival_s=float(start[r.program_id])) for r in requests]
 
-
-def apply_arrivals(requests: list[Request], kind: str, is_trace: bool, rate: float | None = None,
-                   time_scale: float = 1.0, max_in_flight: int | None = None,
-                   seed: int = 0) -> list[Request]:
-    """`Arrival.apply` with the group's values given one by one."""
-    arrival = Arrival.from_mapping({"kind": kind, "rate": rate, "time_scale": time_scale,
-                                    "max_in_flight": max_in_flight}, is_trace)
-    return arrival.apply(requests, seed)
