@@ -20,6 +20,7 @@ from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
 from testbed.workloads.request import Request
 
+
 def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[str, Any],
           executor: Executor, seed: int = 0, max_in_flight: int | None = None,
           generate: bool = False, progress: bool = False, record_steps: bool = False,
@@ -33,8 +34,7 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     ``generate``: the executor generates every output (the engine with ``forced=false``); calls
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
     earlier outputs are then rebuilt from the real ones, and a generated token in
-    ``eos_token_ids`` ends its request. With ``observe`` the result carries a `RunObserver`'s
-    steps and request phases. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
+    ``eos_token_ids`` ends its request. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
     ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
