@@ -34,8 +34,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     ``generate``: the executor generates every output (the engine with ``forced=false``); calls
     with ``max_new_tokens`` and no output are generated in any case. Prompts that splice in
     earlier outputs are then rebuilt from the real ones, and a generated token in
-    ``eos_token_ids`` ends its request. ``reuse``: the cache group's reuse keys (beyond exact prefixes).
-    ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
+    ``eos_token_ids`` ends its request. ``reuse``: the cache group's reuse keys (beyond exact
+    prefixes). ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
     scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
