@@ -32,6 +32,7 @@ from testbed.model_group import resolve_model_group
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.decode_groups import cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
 from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
@@ -84,6 +85,24 @@ class Assembly:
     @property
     def cascade_min_saved(self) -> int:
         return self.get("cascade_min_saved", 0)
+
+    @property
+    def engine_device(self) -> str:
+        """``device``, or where null the engine's default (CUDA when present, else the CPU)."""
+        from testbed.engine import default_device
+        return self.config.get("device") or default_device()
+
+    @property
+    def attention(self) -> str | None:
+        """The ``attention`` key; where null, the kernels the run's device runs by default: the
+        engine's `default_attention` of its device, the simulator's the hardware preset's
+        ``attention`` (absent: plain decode, as the engine's Triton kernels on a GPU)."""
+        chosen = self.config.get("attention")
+        if chosen is not None:
+            return chosen
+        if self.backend == "engine":
+            return default_attention(self.engine_device)
+        return self.config["hardware"].get("attention")
 
     @property
     def check_invariants(self) -> bool:
@@ -175,6 +194,8 @@ class Assembly:
             self.cache.build(capacity_tokens=None, policy=policy)
         if self.backend != REPLAY:
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
+            if self.config.get("attention") is None and self.backend != "engine":
+                cascades(self.attention, key="hardware.attention")
             if self.backend != "engine":
                 self.build_cost_model()
         if self.replicas > 1:
@@ -192,14 +213,13 @@ class Assembly:
             sum(len(r.prompt) + r.output_limit for r in requests) + 1
         device = c.get("device")
         if self.backend == "engine":
-            from testbed.engine import default_device
-            device = device or default_device()
+            device = self.engine_device
             if capacity is None and not device.startswith("cuda"):
                 capacity = self.kv_capacity() if most is None else min(self.kv_capacity(), most)
         return self.executor.build(
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
-            attention=c.get("attention"), cascade_min_saved=self.cascade_min_saved,
+            attention=self.attention, cascade_min_saved=self.cascade_min_saved,
             seed=self.seed, forced=bool(c.get("forced", True)),
             temperature=group_values.number(c, "temperature", "", 0.0),
             top_p=group_values.number(c, "top_p", "", 1.0))

@@ -23,6 +23,7 @@ from testbed.assembly import REPLAY, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
+from testbed.scheduler.decode_groups import cascades
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_empty_prompts, refuse_generating
 
@@ -145,7 +146,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     if not engine:
         extra |= _sim_attention(run, executor)
     if engine:
-        extra |= {"device": str(executor.runner.device), "attention": run.config.get("attention"),
+        extra |= {"device": str(executor.runner.device), "attention": run.attention,
                   "forced": bool(run.get("forced", True))}
         if executor.forced_tokens:
             extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
@@ -161,11 +162,12 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
 
 
 def _sim_attention(run: Assembly, executor: Any) -> dict[str, Any]:
-    """The simulator's ``attention`` when set (cascade* prices cascade decoding) and the share
-    of the decode steps' cached KV its groups left unread."""
-    if run.config.get("attention") is None:
+    """The simulator's ``attention`` when set or its hardware's default cascades (cascade*
+    prices cascade decoding), and the share of the decode steps' cached KV its groups left
+    unread."""
+    if run.config.get("attention") is None and not cascades(run.attention):
         return {}
-    out = {"attention": run.config["attention"]}
+    out = {"attention": run.attention}
     if getattr(executor, "cascade_saved", None) is not None:
         out["cascade_saved_kv"] = executor.cascade_saved
     return out

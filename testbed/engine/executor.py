@@ -26,6 +26,7 @@ from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.batch import StepOutcome
+from testbed.scheduler.decode_groups import default_attention
 
 
 def default_device() -> str:
@@ -84,14 +85,15 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     ``max_slots`` (`testbed.engine.runner.kv_slots_for_free_memory`).
 
     Defaults: ``device`` CUDA when present, else CPU; ``dtype`` float32 on CPU, on CUDA bf16 when
-    ``model.dtype_bytes`` is 2; ``attention`` triton on CUDA, torch on CPU.
+    ``model.dtype_bytes`` is 2; ``attention`` `default_attention` (triton on CUDA, cascade decoding
+    on torch kernels elsewhere).
     """
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device=cuda but torch sees no CUDA device; use device=cpu")
     if dtype is None:
         dtype = "bfloat16" if device != "cpu" and model.get("dtype_bytes") == 2 else "float32"
-    attention = attention or ("triton" if device != "cpu" else "torch")
+    attention = attention or default_attention(device)
     if device == "cpu":
         keep_freed_memory()  # step times then do not depend on the process's allocation history
     if attention not in ATTENTION_BACKENDS:

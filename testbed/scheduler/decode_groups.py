@@ -21,10 +21,21 @@ from testbed.scheduler.batch import BatchEntry
 ATTENTION_BACKENDS = ("torch", "triton", "cascade", "cascade_torch", "cascade_triton")
 
 
-def cascades(attention: Any) -> bool:
-    """Whether ``attention`` (the config key; None: the default kernels) decodes in cascade."""
+def default_attention(device: str) -> str:
+    """The engine's kernels where ``attention`` is null: Triton on CUDA (its paged kernels read
+    each request's KV in place); on any other device the torch kernels with cascade decoding.
+    The torch backend copies every request's KV, padded, into one batch per layer and step, so a
+    prefix that n requests share is copied n times; cascade copies it once per group and decodes
+    plainly where no group forms (vLLM V1 likewise decodes in cascade by default where a batch
+    shares a prefix)."""
+    return "triton" if device.startswith("cuda") else "cascade"
+
+
+def cascades(attention: Any, key: str = "attention") -> bool:
+    """Whether ``attention`` (the config ``key``'s value; None: plain decode) decodes in
+    cascade."""
     if attention is not None and attention not in ATTENTION_BACKENDS:
-        raise BadInput(f"attention must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
+        raise BadInput(f"{key} must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
                        f"got {attention!r}")
     return attention is not None and attention.startswith("cascade")
 
