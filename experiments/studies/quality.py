@@ -26,10 +26,11 @@ No forced pass: the workloads' forced outputs are the answers' own 1–3 tokens,
 generate mode the KL at position i compares the exact and the approximate distributions given the
 same tokens (the prompt and the approximate request's own first i outputs), which is well defined.
 
-Writes ``quality.csv`` and ``quality.png`` (accuracy and KL against prefill tokens saved, a point
-per mode, a column per task) into ``--out`` (docs/results/quality/); run dirs under ``--runs``.
+Writes ``quality.csv`` and ``quality.png`` (accuracy, outputs identical to exact decoding and KL
+against prefill tokens saved, a point per mode, a column per task) into ``--out``
+(docs/results/quality/); run dirs under ``--runs``; ``--replot`` redraws the figure from the CSV.
 
-    python -m experiments.studies.quality        # about 15 minutes on one CPU core
+    python -m experiments.studies.quality        # 28 minutes on 2 shared CPU cores (1 thread)
 """
 
 from __future__ import annotations
@@ -148,27 +149,47 @@ def study(tasks: dict[str, list[Mode]], sizes: dict[str, list[str]], runs: Path,
     return df
 
 
+def style(mode: str) -> dict:
+    """One marker and colour per mode, the same in every panel: blend darker as r grows; prefix
+    caching a ring, so that blend r=1 (the same point) shows inside it."""
+    family, _, value = mode.partition(" ")
+    if family == "blend":
+        r = float(value.split("=")[1])
+        return {"marker": "s", "s": 48, "color": plt.cm.Blues(0.35 + 0.65 * r ** 0.5)}
+    if family == "semantic":
+        return {"marker": "^", "s": 48, "color": "C1" if value.endswith("0.5") else "C3"}
+    return {"marker": "o", "s": 150, "facecolors": "none", "linewidths": 1.5,
+            "edgecolors": family_color("prefix") if family == "prefix" else "grey"}
+
+
 def plot(df: pd.DataFrame, path: Path) -> None:
-    """Accuracy (top) and mean KL (bottom) against the share of prefill tokens saved."""
-    tasks = list(dict.fromkeys(df["task"]))
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 7.5), squeeze=False)
+    """Accuracy, the share of outputs identical to exact decoding, and mean KL against the share
+    of prefill tokens saved: a column per task with approximate modes (few_shot_text, whose
+    accuracy is 0 in every mode, is left to the table)."""
+    tasks = [t for t in dict.fromkeys(df["task"]) if t != "few_shot_text"] or list(df["task"][:1])
+    fig, axes = plt.subplots(3, len(tasks), figsize=(5.6 * len(tasks), 10), squeeze=False,
+                             sharex="col")
+    rows = (("accuracy", "accuracy against the ground truth"),
+            ("same_as_exact", "outputs identical to exact decoding"),
+            ("kl_mean", "KL(exact ‖ approx), nats, first 16\npositions, mean over reusing requests"))
     for col, task in enumerate(tasks):
         g = df[df["task"] == task]
-        x = 100 * g["saved_vs_prefix"]
-        colors = [family_color(m) if m != "none" else "grey" for m in g["mode"]]
-        for ax, y, label in ((axes[0, col], g["accuracy"], "accuracy (answer in first line)"),
-                             (axes[1, col], g.get("kl_mean", 0 * x).fillna(0.0),
-                              "KL(exact ‖ approx), nats\n(mean over reusing requests)")):
-            ax.scatter(x, y, c=colors, zorder=3)
-            for xi, yi, name in zip(x, y, g["mode"]):
-                ax.annotate(name, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for ax, (key, label) in zip(axes[:, col], rows):
+            y = g[key].fillna(0.0) if key in g else 0 * g["accuracy"]
+            for mode, xi, yi in zip(g["mode"], 100 * g["saved_vs_prefix"], y):
+                ax.scatter([xi], [yi], zorder=3, label=mode, **style(mode))
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-        axes[1, col].set_yscale("symlog", linthresh=1e-4)
-        axes[1, col].set_xlabel("prefill tokens saved against exact prefix caching (%)")
+            if key != "kl_mean":
+                ax.set_ylim(-0.03, 1.03)
+        axes[2, col].set_yscale("symlog", linthresh=1e-3)
+        axes[2, col].set_xlabel("prefill tokens saved against exact prefix caching (%)")
         axes[0, col].set_title(f"workload={task}")
-    fig.suptitle("Approximate KV reuse on SmolLM2-135M-Instruct: quality against compute saved")
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle("Approximate KV reuse on SmolLM2-135M-Instruct: quality against compute saved\n"
+                 "(prefix caching and blend r=1 are exact: KL drawn at 0)")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
 
 
@@ -184,7 +205,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "quality")
     ap.add_argument("--runs", type=Path, default=REPO / "multirun" / "quality_study")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw quality.png from --out's quality.csv")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(pd.read_csv(args.out / "quality.csv"), args.out / "quality.png")
+        return pd.read_csv(args.out / "quality.csv")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     modes = [m for m in MODES if args.modes is None or m.name in args.modes]
