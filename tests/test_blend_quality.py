@@ -165,6 +165,28 @@ def test_generate_mode_agreement_compares_with_the_exact_greedy_continuation(mod
         assert out == exact and rec.kl_mean == pytest.approx(0.0, abs=1e-6)
 
 
+def test_the_monitor_keeps_logits_of_the_first_kl_positions_only(model, monkeypatch):
+    """A request of KL_POSITIONS + 4 output tokens: every greedy token is recorded, logits (vocab
+    floats each, on the host) only for the first KL_POSITIONS."""
+    import testbed.engine.quality as quality
+
+    seen = {}
+    real = quality.measure
+
+    def spy(*args, **kwargs):
+        seen["logits"], seen["tokens"] = args[4].shape[0], len(kwargs["approx_tokens"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quality, "measure", spy)
+    ex, prompt, spans = blend_executor(model, 0, forced=False)
+    n = KL_POSITIONS + 4
+    out = serve_blend(ex, prompt, spans, output=(0,) * n, generates=True)
+    rec = ex.quality.records()["r"]
+    assert seen == {"logits": KL_POSITIONS, "tokens": n} and rec.tokens == n
+    assert rec.kl_mean >= 0 and rec.first_divergence == first_divergence(
+        out, greedy_continuation(model, prompt, n))
+
+
 def test_requests_without_reuse_are_not_measured(model):
     ex, prompt, _ = blend_executor(model, 0, forced=True)
     serve_blend(ex, prompt, ())

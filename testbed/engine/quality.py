@@ -46,6 +46,7 @@ integer a later token, on the host until the request finishes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import Sequence
 
 import numpy as np
@@ -199,10 +200,9 @@ class QualityMonitor:
                 self._rows.setdefault(req, {})  # approximate from this prefill on
             if tok is None or req not in self._rows or e.gen != req.preemptions:
                 continue  # no token, exact request, or a stale entry whose token is dropped
-            rows = self._rows[req]
-            kept = sum(r is not None for _, r in rows.values()) < KL_POSITIONS
-            rows[len(req.output)] = (int(logits[row].argmax()),
-                                     logits[row].float().cpu() if kept else None)
+            rows, i = self._rows[req], len(req.output)
+            kept = i < next(iter(rows), i) + KL_POSITIONS  # from the first recorded position
+            rows[i] = (int(logits[row].argmax()), logits[row].float().cpu() if kept else None)
             if req.remaining_new_tokens == 1 or tok in req.stop_token_ids:
                 self._finish(req, [*req.output, int(tok)])
 
@@ -212,9 +212,9 @@ class QualityMonitor:
         if not positions:
             return
         forced = self.forced and not req.request.generates  # as the executor decides
-        kept = [rows[i][1] for i in positions if rows[i][1] is not None]
+        kept = list(takewhile(lambda r: r is not None, (rows[i][1] for i in positions)))
         self._done[req.id] = measure(self.model, req.prompt, output, positions,
-                                     torch.stack(kept), forced, req.id,
+                                     torch.stack(kept[:KL_POSITIONS]), forced, req.id,
                                      approx_tokens=[rows[i][0] for i in positions])
 
     def records(self) -> dict[str, QualityRecord]:
