@@ -4,7 +4,8 @@
     bash experiments/studies/headline.sh
 
 - `experiments.studies`: what prefix sharing buys, measured: eviction, tiers, routing, fairness,
-  beyond exact prefixes, and the RadixAttention headline; their figures are in docs/results/.
+  beyond exact prefixes, the quality of approximate reuse on a real model, and the RadixAttention
+  headline; their figures are in docs/results/.
 - `experiments.benchmarks`: how fast the caches and the engine are (``make bench`` runs
   `experiments.benchmarks.cache`).
 - `experiments.validation`: checks against other code: SGLang's scheduler and cache, Vidur, a

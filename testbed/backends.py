@@ -154,8 +154,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     if cache.lower_tiers:
         add_tier_fields(records, scheduler.tier_hits)
     if quality is not None and run.reuse.active:  # requests that reused KV, against exact
-        add_quality_fields(records, {rid: (q.token_agreement, q.kl_mean)
-                                     for rid, q in quality.records().items()})
+        add_quality_fields(records, {rid: q.fields() for rid, q in quality.records().items()})
     extra |= tier_extra(cache)
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer)

@@ -8,8 +8,9 @@ A request is cache-cold when its ``cached_tokens`` (hit at first admission) is u
 prompt, cache-warm otherwise; ``cold_requests`` counts the cold ones served and ``ttft_p50_cold_s``,
 ``ttft_p99_cold_s``, ``ttft_p99_warm_s`` split TTFT between the two (LPM starves the cold ones
 under load, SGLang issue 31954). An engine run with approximate reuse carries each request's
-quality against exact recomputation (``token_agreement``, ``kl_mean``; measured by the engine,
-`testbed.engine.quality`) and the summary their means; other runs leave those fields out.
+quality against exact recomputation (``token_agreement``, ``kl_mean``, ``first_divergence``,
+``rouge_l``; measured by the engine, `testbed.engine.quality`) and the summary their means; other
+runs leave those fields out.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class RequestRecord:
     # exact recomputation of the same prompt; None for a request that reused no KV
     token_agreement: float | None = None
     kl_mean: float | None = None
-    quality_measured: bool = False  # the run measured quality: the two fields above are written
+    first_divergence: int | None = None
+    rouge_l: float | None = None
+    quality_measured: bool = False  # the run measured quality: the four fields above are written
     answer: str | None = None  # the request's expected answer (tasks with ground truth), if any
 
     def to_json(self) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 TIER_FIELDS = ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "load_s")
-QUALITY_FIELDS = ("token_agreement", "kl_mean")
+QUALITY_FIELDS = ("token_agreement", "kl_mean", "first_divergence", "rouge_l")
 
 
 def tier_fields(hit: int, loaded: Mapping[str, int] | None,
@@ -105,24 +108,30 @@ def add_tier_fields(records: list[RequestRecord],
 
 
 def add_quality_fields(records: list[RequestRecord],
-                       quality: Mapping[str, tuple[float, float]]) -> None:
+                       quality: Mapping[str, Mapping[str, float]]) -> None:
     """Mark ``records`` as of a run that measured quality and fill in ``quality``: request id to
-    (token agreement, mean KL) for the requests that reused KV; the others keep None."""
+    its `QUALITY_FIELDS` values, for the requests that reused KV; the others keep None."""
     for r in records:
         r.quality_measured = True
-        r.token_agreement, r.kl_mean = quality.get(r.id, (None, None))
+        for key in QUALITY_FIELDS:
+            setattr(r, key, quality.get(r.id, {}).get(key))
+
+
+def quality_means(measured: list[Mapping[str, float]]) -> dict[str, float | None]:
+    """``token_agreement_mean``, ``kl_mean``, ``first_divergence_mean``, ``rouge_l_mean``: the
+    means of the `QUALITY_FIELDS` over ``measured`` (one mapping a request; None when empty)."""
+    return {key if key == "kl_mean" else f"{key}_mean":
+            float(np.mean([m[key] for m in measured])) if measured else None
+            for key in QUALITY_FIELDS}
 
 
 def quality_summary(records: list[RequestRecord]) -> dict[str, Any]:
-    """With quality measured: ``token_agreement_mean`` and ``kl_mean``, the means over the
-    requests that reused KV (None when none did); nothing otherwise."""
+    """With quality measured: `quality_means` over the requests that reused KV; nothing
+    otherwise."""
     if not records or not records[0].quality_measured:
         return {}
-    measured = [r for r in records if r.kl_mean is not None]
-    if not measured:
-        return {"token_agreement_mean": None, "kl_mean": None}
-    return {"token_agreement_mean": float(np.mean([r.token_agreement for r in measured])),
-            "kl_mean": float(np.mean([r.kl_mean for r in measured]))}
+    return quality_means([{key: getattr(r, key) for key in QUALITY_FIELDS}
+                          for r in records if r.kl_mean is not None])
 
 
 def _percentile(values: list[float], q: float) -> float | None:

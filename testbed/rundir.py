@@ -52,7 +52,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     keys = ["num_requests", "prompt_tokens", "cached_tokens",
             *[k for k in ("approx_hit_tokens", "recomputed_tokens") if summary.get(k)],
-            *[k for k in ("token_agreement_mean", "kl_mean") if k in summary],
+            *[k for k in ("token_agreement_mean", "kl_mean", "first_divergence_mean",
+                          "rouge_l_mean") if k in summary],
             "hit_rate", "ideal_hit_rate",
             *[k for k in ("hit_rate_gpu", "hit_rate_host", "hit_rate_disk") if k in summary],
             "output_tokens", "evicted_tokens", "uncached_requests", "aborted_requests", "preemptions", "makespan_s",

@@ -1,7 +1,8 @@
 """The engine's quality of approximate KV reuse in a run's outputs (docs/design.md §3): per request
-``token_agreement`` and ``kl_mean`` in requests.jsonl (null for a request that reused no KV), their
-means ``token_agreement_mean`` and ``kl_mean`` in summary.json and the printed summary; runs that
-do not measure quality (exact prefix caching, the simulator) leave all of them out."""
+``token_agreement``, ``kl_mean``, ``first_divergence`` and ``rouge_l`` in requests.jsonl (null for a
+request that reused no KV), their means (``token_agreement_mean``, ``kl_mean``,
+``first_divergence_mean``, ``rouge_l_mean``) in summary.json and the printed summary; runs that do
+not measure quality (exact prefix caching, the simulator) leave all of them out."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def test_blend_without_recompute_reports_kl_per_request_and_its_mean(tmp_path, f
     measured = reused(rows)
     assert 0 < measured.sum() < len(rows)  # the first requests found nothing to reuse
     assert rows.loc[measured, "kl_mean"].notna().all()
-    assert rows.loc[~measured, ["kl_mean", "token_agreement"]].isna().all().all()
+    assert rows.loc[~measured, ["kl_mean", "token_agreement", "first_divergence",
+                                "rouge_l"]].isna().all().all()
     assert (rows.loc[measured, "kl_mean"] > 0).all()
     agreement = rows.loc[measured, "token_agreement"]
     assert ((agreement >= 0) & (agreement <= 1)).all()
@@ -64,9 +66,12 @@ def test_blend_recomputing_everything_has_no_kl_and_full_agreement(tmp_path):
     assert summary["approx_hit_tokens"] == 0 and summary["recomputed_tokens"] > 0
     measured = reused(rows)
     assert measured.any()
-    assert rows.loc[measured, "kl_mean"].abs().max() < 1e-6
+    kl = rows.loc[measured, "kl_mean"]
+    assert (kl >= 0).all() and kl.max() < 1e-6  # float64, a sum of non-negative terms
     assert (rows.loc[measured, "token_agreement"] == 1.0).all()
-    assert abs(summary["kl_mean"]) < 1e-6 and summary["token_agreement_mean"] == 1.0
+    assert (rows.loc[measured, "rouge_l"] == 1.0).all()
+    assert (rows.loc[measured, "first_divergence"] == rows.loc[measured, "output_tokens"]).all()
+    assert 0 <= summary["kl_mean"] < 1e-6 and summary["token_agreement_mean"] == 1.0
 
 
 def test_prefix_caching_and_the_simulator_leave_the_quality_fields_out(tmp_path):
@@ -91,14 +96,19 @@ def record(rid: str) -> RequestRecord:
 def test_quality_fields_are_written_null_for_exact_requests_once_a_run_measures_them():
     records = [record("a"), record("b"), record("c")]
     assert "kl_mean" not in records[0].to_json() and quality_summary(records) == {}
-    add_quality_fields(records, {"a": (0.5, 0.25), "c": (1.0, 0.75)})
+    add_quality_fields(records, {
+        "a": {"token_agreement": 0.5, "kl_mean": 0.25, "first_divergence": 1, "rouge_l": 0.5},
+        "c": {"token_agreement": 1.0, "kl_mean": 0.75, "first_divergence": 3, "rouge_l": 1.0}})
     rows = [r.to_json() for r in records]
-    assert [(r["token_agreement"], r["kl_mean"]) for r in rows] == \
-        [(0.5, 0.25), (None, None), (1.0, 0.75)]
+    assert [(r["token_agreement"], r["kl_mean"], r["first_divergence"], r["rouge_l"])
+            for r in rows] == [(0.5, 0.25, 1, 0.5), (None,) * 4, (1.0, 0.75, 3, 1.0)]
     assert "quality_measured" not in rows[0]
     summary = summarize(records, ideal=0.0, wall_s=0.0)
-    assert (summary["token_agreement_mean"], summary["kl_mean"]) == (0.75, 0.5)
+    assert (summary["token_agreement_mean"], summary["kl_mean"], summary["first_divergence_mean"],
+            summary["rouge_l_mean"]) == (0.75, 0.5, 2.0, 0.75)
     assert "token_agreement_mean" in format_summary(summary)
+    assert "rouge_l_mean" in format_summary(summary)
     add_quality_fields(records, {})  # measured, but no request reused KV
-    assert quality_summary(records) == {"token_agreement_mean": None, "kl_mean": None}
+    assert quality_summary(records) == {"token_agreement_mean": None, "kl_mean": None,
+                                        "first_divergence_mean": None, "rouge_l_mean": None}
     assert np.isnan(pd.DataFrame([r.to_json() for r in records])["kl_mean"].astype(float)).all()

@@ -1,8 +1,9 @@
 """The text workloads (testbed/workloads/text.py) on SmolLM2's tokenizer and ShareGPT V3: prompts
 are the templated text they claim (decoded back and compared), sharegpt_chat's turn k starts with
 turn k-1's prompt + output token for token, an unlimited replay reaches the ideal hit rate, the
-few-shot and RAG answers are right by construction (parsed from the prompt text), and generation
-is seeded. Bad values are refused, naming the key, before anything is loaded (these run without
+few-shot and RAG answers are right by construction (parsed from the prompt text), a paraphrase
+asks its original's question reworded over the same documents reordered, and generation is
+seeded. Bad values are refused, naming the key, before anything is loaded (these run without
 the data folder; the others skip, with the command to run, when it lacks the model or the file).
 """
 
@@ -19,7 +20,8 @@ from testbed.errors import BadInput
 from testbed.workloads import generate
 from testbed.workloads.ideal import ideal_hit_rate
 from testbed.workloads.request import OutputRef
-from testbed.workloads.text import few_shot_text, rag_text, sharegpt, sharegpt_chat
+from testbed.workloads.rag_text import FIRST, LAST, paraphrase_text, rag_text
+from testbed.workloads.text import few_shot_text, sharegpt, sharegpt_chat
 
 
 def needs(*names: str) -> None:
@@ -64,6 +66,13 @@ def whole(tok, s: str) -> list[int]:
     (rag_text, {"corpus_docs": 0}, "workload.corpus_docs"),
     (rag_text, {"corpus_docs": 10_000}, "workload.corpus_docs"),
     (rag_text, {"zipf": -1.0}, "workload.zipf"),
+    (rag_text, {"max_new_tokens": 0}, "workload.max_new_tokens"),
+    (few_shot_text, {"max_new_tokens": -3}, "workload.max_new_tokens"),
+    (paraphrase_text, {"num_originals": -1}, "workload.num_originals"),
+    (paraphrase_text, {"paraphrases": -1}, "workload.paraphrases"),
+    (paraphrase_text, {"docs_per_prompt": 0}, "workload.docs_per_prompt"),
+    (paraphrase_text, {"corpus_docs": 0}, "workload.corpus_docs"),
+    (paraphrase_text, {"max_new_tokens": 0}, "workload.max_new_tokens"),
 ])
 def test_bad_values_are_refused_in_one_line_naming_the_key(fn, kwargs, key):
     with pytest.raises(BadInput) as refused:  # checked before the tokenizer or file is read
@@ -218,3 +227,56 @@ def test_answers_reach_requests_jsonl(tok, compose, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     expected = {r.id: r.answer for r in generate({"name": "rag_text", "num_requests": 6})}
     assert {r["id"]: r["answer"] for r in rows} == expected
+
+
+def person(question: str) -> str:
+    """The generated name a question asks about."""
+    names = [f"{f} {la}" for f in FIRST for la in LAST if f"{f} {la}" in question]
+    assert len(names) == 1
+    return names[0]
+
+
+def test_paraphrase_text_rewords_the_question_and_reorders_the_documents(tok):
+    reqs = paraphrase_text(num_originals=10, paraphrases=3, corpus_docs=12, docs_per_prompt=3,
+                           seed=4)
+    assert len(reqs) == 40
+    originals, variants = reqs[:10], reqs[10:]
+    assert all(r.category == "original" for r in originals)
+    assert all(r.category == "paraphrase" for r in variants)
+    # the originals are rag_text's prompts for the same keys
+    rag = rag_text(num_requests=10, corpus_docs=12, docs_per_prompt=3, seed=4)
+    assert all(np.array_equal(o.prompt, g.prompt) and o.answer == g.answer
+               for o, g in zip(originals, rag))
+    for k, v in enumerate(variants):
+        o = originals[k % 10]
+        assert v.program == f"{o.program}/p{k // 10}" and v.answer == o.answer
+        assert np.array_equal(v.output, o.output) and not np.array_equal(v.prompt, o.prompt)
+        assert v.prompt.tolist() == whole(tok, text(tok, v.prompt))
+        v_docs = [text(tok, d) for d in v.segments[1:-1]]
+        o_docs = [text(tok, d) for d in o.segments[1:-1]]
+        assert sorted(v_docs) == sorted(o_docs) and v_docs != o_docs  # same documents, reordered
+        vq = re.search(r"Question: (.*\?)", text(tok, v.prompt)).group(1)
+        oq = re.search(r"Question: (.*\?)", text(tok, o.prompt)).group(1)
+        assert vq != oq and person(vq) == person(oq)
+        holding = [d for d in v_docs if person(vq) in d]
+        assert len(holding) == 1 and re.search(rf"\b{v.answer}\b", holding[0])
+    again = paraphrase_text(num_originals=10, paraphrases=3, corpus_docs=12, docs_per_prompt=3,
+                            seed=4)
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(reqs, again))
+    other = paraphrase_text(num_originals=10, paraphrases=3, corpus_docs=12, docs_per_prompt=3,
+                            seed=5)
+    assert any(not np.array_equal(a.prompt, b.prompt) for a, b in zip(reqs, other))
+    kept = paraphrase_text(num_originals=4, paraphrases=1, corpus_docs=12, shuffle_docs=False,
+                           seed=4)
+    assert all(np.array_equal(o.segments[1], v.segments[1]) for o, v in zip(kept[:4], kept[4:]))
+
+
+@pytest.mark.parametrize("fn, kwargs", [(rag_text, {"num_requests": 3}),
+                                        (paraphrase_text, {"num_originals": 2}),
+                                        (few_shot_text, {"num_tasks": 1, "questions_per_task": 3})])
+def test_max_new_tokens_makes_calls_the_engine_generates_with_the_same_prompts(tok, fn, kwargs):
+    forced, generated = fn(**kwargs), fn(max_new_tokens=12, **kwargs)
+    assert all(r.max_new_tokens is None and len(r.output) > 0 for r in forced)
+    assert all(r.generates and r.output_limit == 12 and len(r.output) == 0 for r in generated)
+    assert [(r.id, r.answer) for r in generated] == [(r.id, r.answer) for r in forced]
+    assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(forced, generated))

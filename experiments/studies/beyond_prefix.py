@@ -128,10 +128,10 @@ def quality(workload: str, mode: Mode, runs: Path) -> dict:
     return out
 
 
-def donor_shares(workload: str) -> dict[float, float]:
-    """Share of the workload's prompts (default size) whose most similar earlier prompt, by the
-    cache's MinHash estimate, reaches each threshold."""
-    requests = assemble(compose_config(SIM + [f"workload={workload}"])).requests()
+def donor_shares(overrides: list[str]) -> dict[float, float]:
+    """Share of the composed config's prompts whose most similar earlier prompt, by the cache's
+    MinHash estimate, reaches each threshold."""
+    requests = assemble(compose_config(overrides)).requests()
     index, best = MinHashIndex(), []
     for r in requests:
         found = index.best(r.prompt, 0.0)
@@ -156,7 +156,7 @@ def model_spread(workload: str) -> dict[str, float]:
             "top1": float(top2[:, 0].mean()), "gap": float((top2[:, 0] - top2[:, 1]).median())}
 
 
-def _family_color(mode: str) -> str:
+def family_color(mode: str) -> str:
     return {"prefix": "black", "blend": "C0", "semantic": "C1"}[mode.split()[0]]
 
 
@@ -193,14 +193,14 @@ def plot(df: pd.DataFrame, path: Path) -> None:
         # exact prefix caching, and a mode in which no request reused KV, is exact: drawn at KL 0
         kl = g["kl_mean"].fillna(0.0)
         ttft = g["ttft_p50_s"]
-        ax.scatter(kl, ttft, c=[_family_color(m) for m in g["mode"]], zorder=3)
+        ax.scatter(kl, ttft, c=[family_color(m) for m in g["mode"]], zorder=3)
         close = 0.04 * (ttft.max() - ttft.min() or 1.0)
         for x, y, label in _label_groups(list(kl), list(ttft), list(g["mode"]), close):
             right = x > 0 and x == kl.max()  # the rightmost label reads leftwards
             ax.annotate(label, (x, y), textcoords="offset points", xytext=(-5 if right else 5, -10),
                         ha="right" if right else "left", fontsize=8)
         for family in ("prefix", "blend", "semantic"):
-            ax.scatter([], [], c=_family_color(family), label=family)
+            ax.scatter([], [], c=family_color(family), label=family)
         ax.legend(loc="lower left", fontsize=8)
         ax.set_xscale("symlog", linthresh=1e-6)
         ax.set_xlabel("engine KL(exact ‖ approx), mean per output token\n"
@@ -225,7 +225,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for w in args.workloads:
-        shares = donor_shares(w)
+        shares = donor_shares(SIM + [f"workload={w}"])  # the default size
         print(f"{w}: prompts whose most similar earlier prompt reaches the threshold: "
               + ", ".join(f"{t:g}: {s:.1%}" for t, s in shares.items()), flush=True)
         spread = model_spread(w)

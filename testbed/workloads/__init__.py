@@ -18,7 +18,8 @@ from testbed.workloads.mixed import mix
 from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,
                                      tree_of_thought)
 from testbed.workloads.request import OutputRef, Request, arrival_order
-from testbed.workloads.text import few_shot_text, rag_text, sharegpt, sharegpt_chat
+from testbed.workloads.rag_text import paraphrase_text, rag_text
+from testbed.workloads.text import few_shot_text, sharegpt, sharegpt_chat
 from testbed.workloads.synthetic import multimodal, random_tree, shared_prefix
 from testbed.workloads.traces import TRACE_FORMATS, TraceError, load_trace, save_tokens
 
@@ -31,9 +32,10 @@ for _name, _generator in (("few_shot", few_shot), ("chat", chat),
                           ("tree_of_thought", tree_of_thought), ("multimodal", multimodal),
                           ("shared_prefix", shared_prefix), ("random_tree", random_tree),
                           ("rag", rag), ("paraphrase", paraphrase),
-                          # text through a tokenizer and chat template (text.py)
+                          # text through a tokenizer and chat template (text.py, rag_text.py)
                           ("sharegpt", sharegpt), ("sharegpt_chat", sharegpt_chat),
-                          ("few_shot_text", few_shot_text), ("rag_text", rag_text)):
+                          ("few_shot_text", few_shot_text), ("rag_text", rag_text),
+                          ("paraphrase_text", paraphrase_text)):
     WORKLOADS.register(_name, _generator)
 
 

@@ -43,7 +43,8 @@ class Request:
     A call is submitted at ``arrival_s`` (its program's arrival, or a trace's own timestamp) or,
     if later, ``think_time_s`` after the last of its ``after`` dependencies finishes. Lower
     ``priority`` values are more urgent. ``answer``, set by tasks with a ground truth
-    (`few_shot_text`, `rag_text`), is the expected answer text; it goes to requests.jsonl.
+    (`few_shot_text`, `rag_text`, `paraphrase_text`), is the expected answer text; it goes to
+    requests.jsonl.
     """
 
     id: str

@@ -4,7 +4,8 @@
   samples them;
 - `sharegpt_chat`: whole ShareGPT conversations, turn k's prompt the templated history;
 - `few_shot_text`: arithmetic few-shot prompts ("Q: 1+1=? A: 2") with a ground-truth answer;
-- `rag_text`: generated documents stating facts and a question answered by exactly one of them.
+- `rag_text`, `paraphrase_text` (in `testbed.workloads.rag_text`): generated documents stating
+  facts and a question answered by exactly one of them; reworded repeats of such prompts.
 
 Every prompt is tokenized with ``add_special_tokens=False`` from the chat template's text (the
 template writes the special tokens it wants). Where a prompt is built from pieces (a shared
@@ -13,7 +14,9 @@ the pieces end at a newline or a special token, so that a piece has the same tok
 appears: that is what lets the radix cache hit it. The tokenizer is loaded once per process
 (`testbed.workloads.sharegpt.load_tokenizer`); the ShareGPT file is read once per process too.
 
-Requests of `few_shot_text` and `rag_text` carry ``answer``, the expected answer text.
+Requests of `few_shot_text`, `rag_text` and `paraphrase_text` carry ``answer``, the expected
+answer text. With ``max_new_tokens`` set they carry no output: the engine generates up to that
+many tokens (``forced=false`` or not), so the answer can be read from what the model writes.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ DEFAULT_SHAREGPT = "data:sharegpt_v3"
 # the data-folder entries each text workload reads by default (the fuzzer draws none of them)
 NEEDS = {"sharegpt": ("smollm2_135m_instruct", "sharegpt_v3"),
          "sharegpt_chat": ("smollm2_135m_instruct", "sharegpt_v3"),
-         "few_shot_text": ("smollm2_135m_instruct",), "rag_text": ("smollm2_135m_instruct",)}
+         "few_shot_text": ("smollm2_135m_instruct",), "rag_text": ("smollm2_135m_instruct",),
+         "paraphrase_text": ("smollm2_135m_instruct",)}
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "system": "system"}
 
 
@@ -240,6 +244,16 @@ def _conversation(tok, program: str, cid: str, msgs: Sequence[tuple[str, str]], 
     return calls
 
 
+def answer_output(tok, answer: str, chat_template: bool, max_new_tokens: int | None
+                  ) -> tuple[np.ndarray, int | None]:
+    """A ground-truth call's ``(output, max_new_tokens)``: the answer's tokens as the forced
+    output (`` answer`` without the template, continuing ``Answer:``), or none and
+    ``max_new_tokens`` to generate when that is set."""
+    if max_new_tokens is not None:
+        return np.zeros(0, dtype=TOKEN_DTYPE), max_new_tokens
+    return _tokens(tok, answer if chat_template else " " + answer), None
+
+
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -261,8 +275,8 @@ def _chat_pieces(tok, chat_template: bool, system: str | None) -> tuple[str, str
 
 def few_shot_text(num_tasks: int = 4, questions_per_task: int = 16, num_shots: int = 8,
                   min_operand: int = 0, max_operand: int = 99, operations: str = "+-*",
-                  chat_template: bool = True, tokenizer: str = DEFAULT_TOKENIZER,
-                  seed: int = 0) -> list[Request]:
+                  max_new_tokens: int | None = None, chat_template: bool = True,
+                  tokenizer: str = DEFAULT_TOKENIZER, seed: int = 0) -> list[Request]:
     """Arithmetic few-shot prompts with ground truth, in the form "Q: 1+1=? A: 2".
 
     Task t asks one operation, ``operations[t % len(operations)]`` (of ``+``, ``-``, ``*``), on
@@ -270,14 +284,15 @@ def few_shot_text(num_tasks: int = 4, questions_per_task: int = 16, num_shots: i
     examples, one line each, are shared by all its questions. A question's prompt is those lines
     and ``Q: a+b=? A:``, inside one user message through the chat template with the generation
     prompt (``chat_template=false``: the bare text, for completion); its forced output is the
-    answer's tokens (``7``; `` 7`` without the template, continuing ``A:``) and ``answer`` the
-    answer text without spaces. The examples block (with the template's text before it) and the
+    answer's tokens (``7``; `` 7`` without the template, continuing ``A:``; none with
+    ``max_new_tokens``, `answer_output`) and ``answer`` the answer text without spaces. The examples block (with the template's text before it) and the
     question are tokenized on their own and split after a newline, so every question of a task
     starts with the same tokens. Questions are interleaved across tasks (question 0 of every
     task, then question 1, ...), one program each, ``task{t}/q{q}``.
     """
     check_nonnegative(num_tasks=num_tasks, questions_per_task=questions_per_task,
                       num_shots=num_shots)
+    _check_limits(max_new_tokens=max_new_tokens)
     if min_operand > max_operand:
         raise BadInput(f"workload.min_operand ({min_operand}) must be <= workload.max_operand "
                        f"({max_operand})")
@@ -305,92 +320,9 @@ def few_shot_text(num_tasks: int = 4, questions_per_task: int = 16, num_shots: i
         for t, (op, head) in enumerate(heads):
             question, answer = problem(op)
             segments = (head, _tokens(tok, question), tail)
-            output = _tokens(tok, answer if chat_template else " " + answer)
+            output, generated = answer_output(tok, answer, chat_template, max_new_tokens)
             calls.append(Request(id=f"task{t}/q{q}/answer", prompt=materialize(segments, {}),
                                  output=output, program=f"task{t}/q{q}", segments=segments,
-                                 category="few_shot_text", answer=answer))
-    return calls
-
-
-FIRST = ("Ada", "Bruno", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas",
-         "Kenji", "Lena", "Mateo", "Nadia", "Oskar", "Priya", "Quentin", "Rosa", "Samir", "Talia",
-         "Ugo", "Vera", "Wim", "Xenia", "Yusuf", "Zofia")
-LAST = ("Abara", "Bellamy", "Castell", "Dunmore", "Eastwick", "Falkner", "Garrow", "Holm",
-        "Ivers", "Jarrow", "Kessler", "Lindqvist", "Marlow", "Norcross", "Okafor", "Pellham",
-        "Quarry", "Rourke", "Sandoval", "Thorne", "Umber", "Vance", "Whitlock", "Yarrow")
-CITIES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Osaka", "Tunis", "Quito", "Perth", "Riga",
-          "Dakar", "Hanoi", "Porto", "Tallinn", "Bergen", "Cusco", "Kyoto")
-PETS = ("cats", "dogs", "goats", "parrots", "horses", "rabbits")
-# attribute -> (sentence about NAME with VALUE, question about NAME)
-FACTS = {
-    "born": ("{name} was born in {value}.", "In which year was {name} born?"),
-    "city": ("{name} lives in {value}.", "In which city does {name} live?"),
-    "pets": ("{name} keeps {value} {pet}.", "How many {pet} does {name} keep?"),
-    "height": ("{name} is {value} centimetres tall.", "How tall is {name}, in centimetres?"),
-}
-RAG_SYSTEM = "Answer the question from the documents. Reply with the answer only."
-
-
-def rag_text(num_requests: int = 64, corpus_docs: int = 50, docs_per_prompt: int = 3,
-             zipf: float = 1.0, chat_template: bool = True, tokenizer: str = DEFAULT_TOKENIZER,
-             seed: int = 0) -> list[Request]:
-    """Retrieval-augmented prompts in text with ground truth: ``corpus_docs`` generated
-    documents, each about one person of a unique generated name and stating four facts (year of
-    birth, city, how many of an animal they keep, height in centimetres). A prompt is a system
-    prompt, ``docs_per_prompt`` distinct documents drawn with Zipf popularity ``zipf`` (document
-    0 the most popular) in the order drawn, and a question about one fact of one of those
-    documents (document and fact uniform): its person is named in that document only, so the
-    answer is in exactly one document of the prompt. ``answer`` is the fact's value as text and
-    the forced output its tokens.
-
-    With ``chat_template`` the system prompt is the system message and documents and question the
-    user message, followed by the generation prompt; without it, the bare text. Each document is
-    one paragraph ending in a newline, tokenized on its own, so a document has the same tokens in
-    every prompt (prefix caching hits a repeated first document; position-independent reuse
-    could hit the others). One call per program, ``rag{i}``, in generation order.
-    """
-    check_nonnegative(num_requests=num_requests, zipf=zipf)
-    if corpus_docs < 1:
-        raise BadInput(f"workload.corpus_docs must be >= 1, got {corpus_docs}")
-    if corpus_docs > len(FIRST) * len(LAST):
-        raise BadInput(f"workload.corpus_docs must be <= {len(FIRST) * len(LAST)} (distinct "
-                       f"names), got {corpus_docs}")
-    if not 1 <= docs_per_prompt <= corpus_docs:
-        raise BadInput(f"workload.docs_per_prompt must be in [1, workload.corpus_docs="
-                       f"{corpus_docs}], got {docs_per_prompt}")
-    rng = np.random.default_rng(seed)
-    names = [f"{FIRST[i % len(FIRST)]} {LAST[i // len(FIRST)]}"
-             for i in rng.permutation(len(FIRST) * len(LAST))[:corpus_docs]]
-    corpus: list[tuple[str, dict[str, tuple[str, str]]]] = []  # text, attribute -> (question, value)
-    for name in names:
-        pet = PETS[int(rng.integers(len(PETS)))]
-        values = {"born": str(int(rng.integers(1930, 2011))),
-                  "city": CITIES[int(rng.integers(len(CITIES)))],
-                  "pets": str(int(rng.integers(2, 40))),
-                  "height": str(int(rng.integers(150, 201)))}
-        sentences, asks = [], {}
-        for attr, (fact, ask) in FACTS.items():
-            sentences.append(fact.format(name=name, value=values[attr], pet=pet))
-            asks[attr] = (ask.format(name=name, pet=pet), values[attr])
-        corpus.append((" ".join(sentences) + "\n", asks))
-    if num_requests == 0:
-        return []
-    tok = load_tokenizer(tokenizer)
-    before, after = _chat_pieces(tok, chat_template, RAG_SYSTEM)
-    head = _tokens(tok, before if chat_template else RAG_SYSTEM + "\n")
-    doc_tokens = [_tokens(tok, text) for text, _ in corpus]
-    popularity = zipf_weights(corpus_docs, zipf)
-    attrs = list(FACTS)
-    calls = []
-    for i in range(num_requests):
-        docs = rng.choice(corpus_docs, size=docs_per_prompt, replace=False, p=popularity)
-        target = int(docs[int(rng.integers(docs_per_prompt))])
-        question, answer = corpus[target][1][attrs[int(rng.integers(len(attrs)))]]
-        segments = (head, *(doc_tokens[d] for d in docs),
-                    _tokens(tok, f"Question: {question}" + (after if chat_template else
-                                                            "\nAnswer:")))
-        output = _tokens(tok, answer if chat_template else " " + answer)
-        calls.append(Request(id=f"rag{i}/answer", prompt=materialize(segments, {}),
-                             output=output, program=f"rag{i}", segments=segments,
-                             category="rag_text", answer=answer))
+                                 category="few_shot_text", max_new_tokens=generated,
+                                 answer=answer))
     return calls
