@@ -138,7 +138,7 @@ GOLDEN = {
     "chat_long": "90b3b1518a52eeff",
     "cluster_cache_aware": "fa556b8ca96d0c83",
     "default_sim": "473a9a31e195b35e",
-    "engine_tiny": "35262495c2d217c5",
+    "engine_tiny": "b6c48d95d3180acf",
     "few_shot": "6e274620dfe8a7c8",
     "mixed": "114091728cf33826",
     "mooncake_replay": "103dbe7dc2f32b2f",

@@ -12,7 +12,7 @@ Backends (``attention=``):
 - ``torch``: gathers KV head-major, fp32 inside, GQA without repeating K/V: decode steps padded to
   the longest KV (on the CPU one fused flash-attention call that also returns the LSE; elsewhere
   two batched matmuls), prefill steps per request with fused SDPA under the lower-right mask; the
-  reference and the CPU default.
+  reference and the CPU's kernels (the CPU default, ``cascade``, runs them in cascade).
 - ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
   token, ``decode_attention``. Imported only when chosen.
 
