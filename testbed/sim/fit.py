@@ -1,13 +1,19 @@
 """Fitting the simulator's step-time model to measured steps.
 
-The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
-kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
+The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext
++ f·batch·max(context)`` per step kind (decode, prefill; ``f``'s term is 0 in a prefill), with
+non-negative coefficients: each term is a cost that can only add time.
 ``Σcontext`` is the cached KV a step reads (`StepShape.kv_read_context`: a cascade group's shared
 prefix once), the same term `FittedCostModel.predict` multiplies.
 The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
 its own chunk included (`StepShape.attended_pairs`): without it a long prefill's quadratic
 attention would have no term to land on.
-`nnls` is the Lawson–Hanson active-set method, small enough to keep here (five unknowns).
+The ``batch·max(context)`` term (`StepShape.padded_decode_area`) is a decode kernel that pads the
+batch to its longest KV (the engine's ``torch`` attention): only a grid with decode batches of
+mixed contexts (``calibrate.decode_ragged``) tells it from ``Σcontext``; on uniform batches the two
+coincide (less the ``batch`` part), the coefficients are then not unique, the predictions on such
+batches are.
+`nnls` is the Lawson–Hanson active-set method, small enough to keep here (six unknowns).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from testbed.sim.step_shape import StepShape
 
 def features(step: StepShape) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``."""
-    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context])
+    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context,
+                     step.padded_decode_area])
 
 
 def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:

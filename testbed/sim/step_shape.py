@@ -118,6 +118,14 @@ class StepShape:
         return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
 
     @cached_property
+    def padded_decode_area(self) -> int:
+        """``batch × max(context)`` for a decode step, 0 for a prefill: the cached KV a decode
+        kernel that pads every request to the batch's longest reads (the engine's ``torch``
+        attention does; ``Σcontext`` of it is real, the rest padding). A cascade's groups are
+        not taken out: its parts are padded each to their own longest, between the two."""
+        return self.batch * max(self.context) if self.is_decode else 0
+
+    @cached_property
     def is_decode(self) -> bool:
         """Every request computes exactly one token (a mixed step counts as prefill)."""
         return self.num_new == self.batch
