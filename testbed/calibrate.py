@@ -1,7 +1,9 @@
 """``python -m testbed.calibrate [overrides]``: measure engine steps, fit the simulator's cost model.
 
 Runs a grid of real engine steps on the configured ``model``/``device``/``dtype``/``attention`` —
-prefills (new tokens × cached context × batch size) and decodes (batch size × context) — in
+prefills (new tokens × cached context × batch size) and decodes (batch size × context; with
+``calibrate.decode_ragged`` also batches of mixed contexts, which tell a kernel padded to the
+batch's longest KV from one that reads each request's own) — in
 ``calibrate.repeats`` passes over the grid, each shape once per pass in a shuffled order (the
 median counts), fits the ``fitted`` cost model per step kind
 (non-negative least squares on relative error; predictions are floored at the roofline of the
@@ -67,10 +69,26 @@ def grid(cfg: Any) -> list[StepShape]:
         for new in grid_values(cfg, "prefill_new"):
             for context in grid_values(cfg, "prefill_context"):
                 steps.append(StepShape(new=(new,) * batch, context=(context,) * batch))
+    contexts = grid_values(cfg, "decode_context")
     for batch in grid_values(cfg, "decode_batch"):
-        for context in grid_values(cfg, "decode_context"):
+        for context in contexts:
             steps.append(StepShape.decode((context,) * batch))
+    ragged = cfg.get("decode_ragged", False)
+    if not isinstance(ragged, bool):
+        raise BadInput(f"calibrate.decode_ragged must be true or false, got {ragged!r}")
+    if ragged:
+        steps += ragged_decodes(grid_values(cfg, "decode_batch"), contexts)
     return steps
+
+
+def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
+    """Decode batches of mixed contexts: for each batch size of two or more and each context
+    above the least, contexts spread evenly from the least up to that one (a served decode batch
+    mixes long and short requests; the longest sets a padded kernel's cost, the sum an unpadded
+    one's)."""
+    least = min(contexts)
+    return [StepShape.decode(tuple(int(round(c)) for c in np.linspace(least, context, batch)))
+            for batch in batches if batch >= 2 for context in contexts if context > least]
 
 
 def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator) -> Batch:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import calibrate, grid_slots, synthetic_batch, timed_pass
+from testbed.calibrate import calibrate, grid, grid_slots, synthetic_batch, timed_pass
+from testbed.errors import BadInput
 from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
 from testbed.sim.executor import SimExecutor
@@ -61,6 +62,35 @@ def test_fit_recovers_a_known_step_time_law_per_kind():
         assert predicted == pytest.approx(true_time(step), rel=1e-6)
 
 
+def test_fit_tells_a_padded_decode_from_an_unpadded_one_on_ragged_batches():
+    # decode time 1e-3 + 2e-6·Σcontext + 5e-6·batch·max(context): on uniform batches the last two
+    # coincide; ragged ones (contexts spread evenly) separate them, and the fit finds both
+    def true_time(step: StepShape) -> float:
+        return 1e-3 + 2e-6 * step.num_context + 5e-6 * step.batch * max(step.context) \
+            if step.is_decode else 1e-3 + 1e-5 * step.num_new
+
+    cfg = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
+           "decode_batch": [1, 4, 8], "decode_context": [16, 256, 1024], "decode_ragged": True}
+    coeffs = fit_coefficients([(s, true_time(s)) for s in grid(cfg)])
+    assert coeffs["decode"]["e"] == pytest.approx(2e-6, rel=1e-4)
+    assert coeffs["decode"]["f"] == pytest.approx(5e-6, rel=1e-4)
+    assert coeffs["prefill"]["f"] == 0.0
+
+
+def test_the_ragged_grid_spreads_contexts_from_the_least_to_each_larger_one():
+    cfg = {"prefill_batch": [1], "prefill_new": [16], "prefill_context": [0],
+           "decode_batch": [1, 3], "decode_context": [10, 50, 90]}
+    uniform = grid(cfg)
+    assert [s.context for s in uniform if s.is_decode] == \
+        [(10,), (50,), (90,), (10,) * 3, (50,) * 3, (90,) * 3]
+    ragged = grid(cfg | {"decode_ragged": True})
+    assert ragged[:len(uniform)] == uniform
+    assert [s.context for s in ragged[len(uniform):]] == [(10, 30, 50), (10, 50, 90)]
+    assert all(s.is_decode for s in ragged[len(uniform):])
+    with pytest.raises(BadInput, match="decode_ragged must be true or false"):
+        grid(cfg | {"decode_ragged": "yes"})
+
+
 def test_synthetic_batches_have_the_requested_shape_and_distinct_slots():
     step = StepShape(new=(5, 1, 3), context=(0, 9, 4))
     batch = synthetic_batch(step, vocab=256, rng=np.random.default_rng(0))
@@ -102,7 +132,8 @@ def test_grid_slots_is_the_largest_batchs_tokens():
 def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
     cfg = config("calibrate", "calibrate.repeats=1", "calibrate.prefill_batch=[1,2]",
                  "calibrate.prefill_new=[8,32]", "calibrate.prefill_context=[0,16]",
-                 "calibrate.decode_batch=[1,4]", "calibrate.decode_context=[8,64]")
+                 "calibrate.decode_batch=[1,4]", "calibrate.decode_context=[8,64]",
+                 "calibrate.decode_ragged=false")
     result = calibrate(cfg, tmp_path)
     run = assemble(cfg)
     floor = RooflineCostModel(run.model_shape, run.hardware)

@@ -367,8 +367,8 @@ def test_fitted_form_and_all_zero():
 
 def test_fitted_yaml_round_trip(tmp_path):
     path = tmp_path / "fit.yaml"
-    coeffs = {"decode": {"a": 4e-3, "b": 1e-6, "c": 2e-11, "d": 3e-6, "e": 1e-9},
-              "prefill": {"a": 6e-3, "b": 1.5e-5, "c": 4e-10, "d": 0.0, "e": 2e-8}}
+    coeffs = {"decode": {"a": 4e-3, "b": 1e-6, "c": 2e-11, "d": 3e-6, "e": 1e-9, "f": 5e-10, "g": 2e-3},
+              "prefill": {"a": 6e-3, "b": 1.5e-5, "c": 4e-10, "d": 0.0, "e": 2e-8, "f": 0.0, "g": 0.0}}
     save_fitted(path, coeffs, {"model": "llama3_8b", "device": "NVIDIA H100 80GB HBM3"})
     doc = yaml.safe_load(path.read_text())
     assert doc["meta"]["model"] == "llama3_8b" and len(doc["meta"]["date"]) == 10
@@ -377,11 +377,48 @@ def test_fitted_yaml_round_trip(tmp_path):
     assert isinstance(made, FittedCostModel) and made.coeffs == coeffs
 
 
+def test_fitted_f_term_prices_a_decode_batch_padded_to_its_longest():
+    floor = roofline()
+    coeffs = {"decode": {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 2.0, "f": 3.0},
+              "prefill": {"a": 10.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0, "f": 7.0}}
+    fitted = FittedCostModel(coeffs, floor)
+    ragged = StepShape.decode([10, 100, 40])
+    assert ragged.padded_decode_area == 3 * 100
+    assert fitted.predict(ragged) == 1 + 2 * 150 + 3 * 300
+    # uniform contexts: the padded area is Σcontext, the two terms coincide
+    assert fitted.predict(StepShape.decode([50, 50])) == 1 + 2 * 100 + 3 * 100
+    prefill = StepShape(new=(4, 1), context=(10, 100))  # prefills run unpadded: no f term
+    assert prefill.padded_decode_area == 0 and fitted.predict(prefill) == 10.0
+
+
+def test_fitted_g_term_prices_the_extra_weight_passes_of_two_or_three_rows():
+    coeffs = {kind: {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0, "f": 0.0, "g": 10.0}
+              for kind in ("decode", "prefill")}
+    fitted = FittedCostModel(coeffs, roofline())
+    passes = {b: StepShape.decode([5] * b).few_row_passes for b in (1, 2, 3, 4, 16)}
+    assert passes == {1: 0, 2: 1, 3: 2, 4: 0, 16: 0}
+    assert [fitted.predict(StepShape.decode([5] * b)) for b in (1, 2, 3, 4)] == [1, 11, 21, 1]
+    # a prefill's LM head has one row per request: the same count
+    assert fitted.predict(StepShape(new=(64, 64, 64), context=(0, 0, 0))) == 21
+
+
+def test_a_fitted_file_without_f_reads_as_f_zero(tmp_path):
+    path = tmp_path / "old.yaml"
+    coeffs = {"decode": {"a": 1e-3, "b": 0.0, "c": 0.0, "d": 0.0, "e": 1e-7},
+              "prefill": {"a": 2e-3, "b": 1e-5, "c": 0.0, "d": 0.0, "e": 0.0}}
+    path.write_text(yaml.safe_dump({"meta": {}, "coeffs": coeffs}))
+    loaded = load_fitted(path, roofline())
+    assert loaded.coeffs["decode"]["f"] == loaded.coeffs["prefill"]["g"] == 0.0
+    assert loaded.predict(StepShape.decode([10, 1000])) == 1e-3 + 1e-7 * 1010
+    shipped = load_fitted(CONF / "calibration" / "tiny_cpu.yaml", roofline())
+    assert shipped.coeffs["decode"]["f"] == 0.0
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c["prefill"].update(c=-1e-9), "coeffs.prefill.c must be >= 0"),
     (lambda c: c.pop("decode"), "missing coeffs.decode"),
     (lambda c: c["decode"].pop("e"), "missing coeffs.decode.e"),
-    (lambda c: c["decode"].update(f=1.0), "unknown coeffs.decode keys"),
+    (lambda c: c["decode"].update(h=1.0), "unknown coeffs.decode keys"),
 ])
 def test_bad_fitted_file(tmp_path, edit, message):
     coeffs = zero_coeffs()

@@ -288,6 +288,18 @@ def test_forced_mode_returns_the_workloads_tokens_and_matches_the_simulators_dec
     assert forced.steps == len(got.steps)
 
 
+def test_a_step_is_timed_by_the_executors_clock_and_its_wall_time_kept_aside(tiny_ours):
+    executor = EngineExecutor(ModelRunner(tiny_ours, num_slots=120), forced=True)
+    ticks = iter([10.0, 10.25])  # a clock of one's own: the step lasts what it says
+    executor.clock = lambda: next(ticks)
+    request = Request("r0", np.arange(1, 9, dtype=np.int32), np.array([3, 4], dtype=np.int32))
+    req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=0)
+    req.lease = Lease(hit=0, slots=np.arange(1, 9, dtype=np.int32))
+    outcome = executor.execute(Batch("prefill", [BatchEntry(req, 0, 8, produces_token=True)]))
+    assert outcome.duration_s == executor.busy_s == 0.25
+    assert executor.wall_s > 0 and executor.steps == 1
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def test_a_saved_checkpoint_loads_and_generates_like_the_in_memory_model(tmp_path, tiny_ours):
     hf = save_random_hf_model(tmp_path / "one", tiny_config(), seed=0)

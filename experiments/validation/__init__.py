@@ -7,7 +7,8 @@
 - `vidur`: our simulator against Vidur on the same Azure requests.
 - `vidur_drive`: one timed Vidur run, run by file path in Vidur's own virtual environment.
 - `roofline`: the roofline's efficiencies fitted to a Vidur profile (`testbed.sim.roofline_fit`).
-- `sim_vs_engine`: does the simulator predict the engine? Calibrate, then compare.
+- `sim_vs_engine`: does the simulator predict the engine? Calibrate, then compare (``--real``:
+  SmolLM2-135M on four text workloads).
 - `blend_engine`: the engine's blend prefill on the CPU, its time and its distance from exact.
 - `gpu_engine`: the engine's hot path and cascade decoding on a GPU (part of ``gpu_validate.sh``).
 - ``gpu_validate.sh``: the GPU validation in one command, one JSON report.

@@ -6,15 +6,29 @@ order) and one run of each held-back workload (tree-of-thought and chat by defau
 the grid). The cost model is fitted to the grid's median step times (``testbed.calibrate``; or
 ``--fitted FILE`` is used and the grid skipped), the simulator runs each workload with it, and the
 simulator's errors are reported against the engine's median over rounds: makespan, throughput,
-p50 TTFT and e2e, plus the per-step MAPE over every engine step (each step, measured and
-predicted, in ``steps_<workload>.csv``). Interleaving matters on a shared
+TTFT p50 and p99, TPOT p50 and e2e p50, plus the per-step MAPE over every engine step (each step,
+measured and predicted, in ``steps_<workload>.csv``) and the engine's own spread over rounds
+(max − min over the median) of each. Interleaving matters on a shared
 machine whose speed drifts by 10-30% over seconds: calibration and validation then see the same
 drift, and the engine's own spread over rounds (printed) is the noise floor of every figure.
 
 Offline batch check: on a workload without dependencies (few-shot, all at t=0), timing cannot
 change decisions, so both backends must make identical steps and identical hits.
 
-    python -m experiments.validation.sim_vs_engine [--out DIR] [--rounds 7] \
+``--real``: the real model (``model=smollm2_135m``, fp32 on the CPU) on four held-back text
+workloads — ShareGPT chat, tree-of-thought, few-shot in text and a closed loop of 8 over ShareGPT
+prompts — sized so one round of all four takes 1–2 minutes on a 2-core machine, with a reduced grid
+that covers their shapes (`REAL`); 4 rounds by default, and the engine's steps clocked in CPU
+seconds (``--clock cpu``, below).
+
+``--clock cpu`` (a CPU engine only) reads each engine step's duration, in the grid and in the
+served runs alike, as this process's CPU time (``time.process_time``) instead of wall time: on a
+machine shared with other jobs, their time slices stretch a step's wall time by up to 2x from one
+minute to the next, which no step-time model can predict, while the CPU time the step itself
+takes moves far less (memory bandwidth and caches are still shared). With one torch thread, on an
+idle machine, the two coincide; the report gives each workload's wall time over CPU time.
+
+    python -m experiments.validation.sim_vs_engine [--real] [--out DIR] [--rounds 7] \
         [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200 device=cuda
         dtype=bfloat16 attention=triton]
 """
@@ -23,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from experiments import REPO
@@ -48,8 +63,34 @@ HELD_BACK = {
     "chat": ["workload=chat", "workload.num_sessions=12"],
 }
 OFFLINE = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=8"]
+GRID: list[str] = []  # overrides of conf/calibrate.yaml's grid (none: its own)
 CAPACITY = 6000  # tokens: small enough that eviction happens
-METRICS = ("makespan_s", "throughput_req_s", "ttft_p50_s", "e2e_p50_s")
+#: --real: the real model on four text workloads, each held back from the grid; the grid reduced to
+#: the shapes they make (prefills of up to ~1k tokens over up to ~1k cached, batches of up to 8
+#: fresh prompts; decode batches of 1-16 at up to ~1.5k tokens, mixed lengths included, and of
+#: 2 and 3, where this CPU's BLAS reads the weights once per row: `StepShape.few_row_passes`)
+REAL = {
+    "base": ["model=smollm2_135m", "hardware=cpu", "progress=false"],
+    "held_back": {
+        "sharegpt_chat": ["workload=sharegpt_chat", "workload.num_conversations=4",
+                          "workload.max_turns=3", "workload.max_total_len=1024"],
+        "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=2",
+                            "workload.vocab_size=49152", "workload.thought_len=32"],
+        "few_shot_text": ["workload=few_shot_text", "workload.num_tasks=2",
+                          "workload.questions_per_task=8"],
+        "closed_loop_8": ["workload=sharegpt", "workload.num_prompts=12",
+                          "workload.max_total_len=256", "arrival.max_in_flight=8"],
+    },
+    "offline": ["workload=few_shot_text", "workload.num_tasks=2", "workload.questions_per_task=4"],
+    "grid": ["calibrate.prefill_batch=[1,4]", "calibrate.prefill_new=[16,64,256]",
+             "calibrate.prefill_context=[0,384,1024]", "calibrate.decode_batch=[1,2,3,4,8,16]",
+             "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true"],
+    "rounds": 4,
+    "warm_workloads": False,  # steps of 0.1-10 s: the warm-up grid pass is enough (a served
+    #                           warm-up round would cost as much as a round)
+}
+METRICS = ("makespan_s", "throughput_req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+           "e2e_p50_s")
 NOISE_LIMIT = 0.25  # the engine's own makespan spread (max/min - 1) beyond which a run is flagged
 
 
@@ -77,6 +118,13 @@ def error(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else (a - b) / b
 
 
+def spread(values: list[float]) -> float | None:
+    """The engine's own noise on one figure: (max − min) / median over the rounds."""
+    values = [v for v in values if v is not None]
+    return (max(values) - min(values)) / float(np.median(values)) \
+        if values and np.median(values) else None
+
+
 def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[float]) -> dict:
     """The simulator (with ``fitted``) against the engine's runs of one workload."""
     _, sim = workload.serve(SimExecutor(fitted))
@@ -94,7 +142,10 @@ def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[fl
             "paired_makespan": float(np.median(paired)) if paired else None,
             "paired_makespans": paired,
             "engine_makespan_s": median["makespan_s"], "sim_makespan_s": sim["makespan_s"],
-            "engine_makespans_s": [s["makespan_s"] for _, s in engine_runs]}
+            "engine_makespans_s": [s["makespan_s"] for _, s in engine_runs],
+            "engine": median, "sim": {m: sim[m] for m in METRICS},
+            "engine_spread": {m.removesuffix("_s"): spread([s[m] for _, s in engine_runs])
+                              for m in METRICS}}
 
 
 def write_steps(engine_runs: list, fitted, path: Path) -> None:
@@ -110,34 +161,57 @@ def write_steps(engine_runs: list, fitted, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "sim_vs_engine")
-    ap.add_argument("--rounds", type=int, default=7, help="grid passes and engine runs, in turn")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="grid passes and engine runs, in turn (default 7; --real: 4)")
     ap.add_argument("--fitted", type=Path, help="a cost_model.yaml (skips calibration)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
+                    help="the engine's step clock: wall time, or this process's CPU time (a CPU "
+                    "machine shared with other jobs); default wall, --real: cpu")
+    ap.add_argument("--real", action="store_true", help="the real model (smollm2_135m) on four "
+                    "held-back text workloads, with a reduced grid (REAL); 4 rounds by default")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. "
                     "model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton")
     args = ap.parse_args()
+    if args.real:
+        BASE[:] = REAL["base"]
+        HELD_BACK.clear()
+        HELD_BACK.update(REAL["held_back"])
+        OFFLINE[:] = REAL["offline"]
+        GRID[:] = REAL["grid"]
+        if args.rounds is None:
+            args.rounds = REAL["rounds"]
+    args.rounds = 7 if args.rounds is None else args.rounds
+    args.clock = args.clock or ("cpu" if args.real else "wall")
     EXTRA.extend(args.overrides)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    cal = config(["forced=true"], "calibrate")  # the run config with backend=engine
+    cal = config(["forced=true"] + GRID, "calibrate")  # the run config with backend=engine
     run = assemble(cal)
     model, hw = run.model_shape, run.hardware
     floor = RooflineCostModel(model, hw)  # the fitted model's floor, as testbed.calibrate's
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
     steps = [] if args.fitted else grid(cal.calibrate)
     engine = run.build_executor(max(CAPACITY, grid_slots(steps)))
+    if args.clock == "cpu":
+        if engine.runner.device.type != "cpu":
+            ap.error(f"--clock cpu times a CPU engine, not {engine.runner.device}")
+        engine.clock = time.process_time
+    wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
     batches = [synthetic_batch(step, model.vocab_size, rng) for step in steps]
 
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
-    for w in workloads.values():
+    for w in workloads.values() if not args.real or REAL["warm_workloads"] else ():
         w.serve(engine)
     grid_times, runs = [], {name: [] for name in workloads}
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         if batches:
             grid_times.append(timed_pass(engine, batches, rng))
         for name, w in workloads.items():
+            busy, wall = engine.busy_s, engine.wall_s
             runs[name].append(w.serve(engine))
+            wall_over_clock[name].append((engine.wall_s - wall) / (engine.busy_s - busy))
     if steps:
         cal = fit_and_write(median_times(steps, grid_times), engine_meta(engine, model, hw), floor,
                             args.out / "calibration")
@@ -157,25 +231,35 @@ def main() -> None:
             paired[name].append(error(w.serve(SimExecutor(fitted_r))[1]["makespan_s"],
                                       runs[name][r][1]["makespan_s"]))
 
-    report = {"fitted": str(args.fitted), "rounds": args.rounds, "held_back": {}}
+    report = {"fitted": str(args.fitted), "rounds": args.rounds, "clock": args.clock,
+              "held_back": {},
+              "grid": [{"new": list(s.new), "context": list(s.context), "times_s": list(t)}
+                       for s, t in zip(steps, zip(*grid_times))] if grid_times else []}
     print(f"\n{'workload':<17}{'steps':>6}{'step MAPE':>10}{'makespan':>10}{'paired':>9}"
-          f"{'req/s':>8}{'TTFT p50':>10}{'e2e p50':>9}")
+          f"{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'e2e p50':>9}")
     notes = []
     for name, w in workloads.items():
         row = held_back_row(w, runs[name], fitted, paired[name])
+        row["wall_over_clock"] = wall_over_clock[name]
         report["held_back"][name] = row
         write_steps(runs[name], fitted, args.out / f"steps_{name}.csv")
         paired_col = "" if row["paired_makespan"] is None else f"{row['paired_makespan']:+.1%}"
         print(f"{name:<17}{row['steps']:>6}{row['step_mape']:>10.1%}{row['makespan']:>+10.1%}"
               f"{paired_col:>9}{row['throughput_req']:>+8.1%}{row['ttft_p50']:>+10.1%}"
-              f"{row['e2e_p50']:>+9.1%}")
+              f"{row['ttft_p99']:>+10.1%}{row['tpot_p50']:>+10.1%}{row['e2e_p50']:>+9.1%}")
         makespans, median = row["engine_makespans_s"], row["engine_makespan_s"]
         notes.append(f"  {name}: engine makespan {median:.3f} s ({min(makespans) / median - 1:+.0%}"
                      f"..{max(makespans) / median - 1:+.0%} over rounds)"
                      + (f"; paired errors {min(paired[name]):+.1%}..{max(paired[name]):+.1%}"
                         if paired[name] else "")
                      + f"; fitted model on the engine's steps: prefill time "
-                     f"{row['prefill_time']:+.1%}, decode time {row['decode_time']:+.1%}")
+                     f"{row['prefill_time']:+.1%}, decode time {row['decode_time']:+.1%}"
+                     + (f"\n    steps' wall time / CPU time over rounds: "
+                        + " ".join(f"{x:.2f}" for x in wall_over_clock[name])
+                        if args.clock == "cpu" else "")
+                     + "\n    engine spread over rounds (max - min) / median: "
+                     + ", ".join(f"{m} {x:.1%}" for m, x in row["engine_spread"].items()
+                                 if x is not None))
     print("(the simulator's errors against the engine's median over rounds; paired: the median "
           "of each round's own fit against that round's run)")
     print("\n".join(notes))
@@ -194,8 +278,9 @@ def main() -> None:
     same_hits = [r.cached_tokens for r in eng.reqs] == [r.cached_tokens for r in sim.reqs]
     report["offline_batch"] = {"identical_steps": same_steps, "identical_hits": same_hits,
                                "steps": len(eng.steps)}
-    print(f"\noffline batch (few-shot, {len(eng.steps)} steps): identical step compositions "
-          f"{same_steps}, identical cached_tokens per request {same_hits}")
+    print(f"\noffline batch ({offline.run.config['workload']['name']}, {len(eng.steps)} steps): "
+          f"identical step compositions {same_steps}, identical cached_tokens per request "
+          f"{same_hits}")
     (args.out / "sim_vs_engine.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out / 'sim_vs_engine.json'}")
 

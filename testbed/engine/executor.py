@@ -9,6 +9,11 @@ same): engine and simulator then see identical sequences and make identical deci
 without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens
 either way. Requests that reused donor KV (blend prefill) are measured against exact
 recomputation by ``self.quality`` (`testbed.engine.quality.QualityMonitor`), outside the timed part.
+
+``clock`` (``time.perf_counter`` by default) is what a step's duration is read from; a study on a
+CPU machine that other jobs share may set ``time.process_time`` (this process's CPU seconds), which
+the other jobs' time slices do not inflate (``experiments/validation/sim_vs_engine.py --clock
+cpu``). The step's wall time is added up in ``wall_s`` either way.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class EngineExecutor:
         self.sampler = sampler or Sampler(device=runner.device)
         self.forced = forced
         self.steps = 0
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # Σ duration_s (by ``clock``)
+        self.wall_s = 0.0  # Σ wall time of the same steps
+        self.clock = time.perf_counter
         self.forced_tokens = 0  # forced mode: tokens imposed, and how many the model agreed with
         self.forced_agreed = 0
         # approximate (KV-reusing) requests against exact recomputation: records(), summary()
@@ -50,14 +57,15 @@ class EngineExecutor:
         cuda = self.runner.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.runner.device)
-        start = time.perf_counter()
+        start, wall = self.clock(), time.perf_counter()
         logits = self.runner.run(batch)
         sampled = self.sampler(logits).tolist()  # reading the tokens back syncs the device
         if cuda:
             torch.cuda.synchronize(self.runner.device)
-        duration = time.perf_counter() - start
+        duration = self.clock() - start
         self.steps += 1
         self.busy_s += duration
+        self.wall_s += time.perf_counter() - wall
         tokens: list[int | None] = []
         for e, own in zip(batch.entries, sampled):
             if not (e.produces_token and e.req.remaining_new_tokens > 0):

@@ -11,9 +11,12 @@ group's other keys):
   device's peak times an efficiency factor (matmuls and attention each their own); the slower one
   wins, plus the hardware's per-step overhead and, with tensor parallelism, the all-reduces.
   ``floor(step)`` is the same with perfect efficiency and no overhead: a physical lower bound.
-- `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per kind of step
-  (decode / prefill), with coefficients fitted to measured step times (YAML files written by
-  `save_fitted`), clamped from below by the roofline floor.
+- `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext
+  + f·batch·max(context) + g·few_row_passes`` per kind of step (decode / prefill; the ``f`` term,
+  a decode kernel padded to the batch's longest KV, is 0 in a prefill; ``g``'s, a CPU BLAS that
+  reads the weights once per row for 2-3 rows, is ``batch − 1`` then, else 0), with coefficients
+  fitted to measured step times (YAML files written by `save_fitted`), clamped from below by the
+  roofline floor.
 - `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
   operator by operator.
 
@@ -108,7 +111,10 @@ DEFAULT_MBU = 0.58
 ALLREDUCE_LATENCY_S = 5e-5
 
 KINDS = ("decode", "prefill")
-COEFFS = ("a", "b", "c", "d", "e")
+COEFFS = ("a", "b", "c", "d", "e", "f", "g")
+#: coefficients a file may leave out, and the value they then take: ``f`` and ``g`` came later,
+#: and a file written before them was fitted without them (the same predictions, to the bit)
+OPTIONAL_COEFFS = {"f": 0.0, "g": 0.0}
 
 
 class CostModel(Protocol):
@@ -225,11 +231,15 @@ class RooflineCostModel:
 
 
 class FittedCostModel:
-    """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` seconds, with one coefficient set
-    per kind (``decode`` when every request computes one token, else ``prefill``), never below
-    ``floor_model.floor(step)``. ``Σcontext`` is the KV the step reads, ``kv_read_context``: with
-    cascade decoding a shared prefix counts once per group (the ``c`` term, the attended pairs,
-    is the same math either way). The KV moves of reuse beyond exact prefixes are not in the
+    """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext + f·batch·max(context)
+    + g·few_row_passes`` seconds, with one coefficient set per kind (``decode`` when every request
+    computes one token, else ``prefill``), never below ``floor_model.floor(step)``. ``Σcontext``
+    is the KV the step reads, ``kv_read_context``: with cascade decoding a shared prefix counts
+    once per group (the ``c`` term, the attended pairs, is the same math either way).
+    ``batch·max(context)`` is `StepShape.padded_decode_area`: the KV a decode kernel padded to the
+    batch's longest reads (the engine's ``torch`` attention), 0 in a prefill. ``few_row_passes``
+    (`StepShape.few_row_passes`) is ``batch − 1`` for 2 or 3 requests, else 0: the extra weight
+    passes of a CPU BLAS below 4 rows. The KV moves of reuse beyond exact prefixes are not in the
     fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
@@ -241,7 +251,8 @@ class FittedCostModel:
         """The fitted form alone, without the floor."""
         k = self.coeffs[step.kind]
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
-                + k["d"] * step.batch + k["e"] * step.kv_read_context)
+                + k["d"] * step.batch + k["e"] * step.kv_read_context
+                + k["f"] * step.padded_decode_area + k["g"] * step.few_row_passes)
 
     def step_time(self, step: StepShape) -> float:
         return max(self.predict(step) + self.floor_model.move_time(step),
@@ -251,7 +262,7 @@ class FittedCostModel:
 def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
                 meta: Mapping[str, Any]) -> None:
     """Write fitted coefficients as YAML: ``meta`` (at least ``model`` and ``device``; ``date``
-    is filled in with today's if absent) and ``coeffs: {decode: {a..e}, prefill: {a..e}}``."""
+    is filled in with today's if absent) and ``coeffs: {decode: {a..g}, prefill: {a..g}}``."""
     checked = _check_coeffs(coeffs, where=str(path))
     for key in ("model", "device"):
         if key not in meta:
@@ -259,7 +270,9 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
     meta = {"date": _dt.date.today().isoformat(), **meta}
     doc = {"meta": dict(meta), "coeffs": checked}
     header = ("# Fitted step-time coefficients (testbed.sim.cost_model.FittedCostModel), seconds:\n"
-              "# t = a + b*sum(new) + c*sum(attended pairs) + d*batch + e*sum(context), where\n"
+              "# t = a + b*sum(new) + c*sum(attended pairs) + d*batch + e*sum(context)\n"
+              "#     + f*batch*max(context) (decode only: the KV padded to the longest)\n"
+              "#     + g*(batch - 1 if batch is 2 or 3, else 0) (a CPU BLAS's per-row passes), where\n"
               "# attended pairs = sum new*(context + (new+1)/2)\n")
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
@@ -278,7 +291,7 @@ def load_fitted(path: str | Path, floor_model: RooflineCostModel) -> FittedCostM
         raise BadInput(f"cost_model.path: {path}{line}: not valid YAML ({problem})") from None
     if not isinstance(doc, dict) or "coeffs" not in doc:
         raise BadInput(f"cost_model.path={path}: missing key 'coeffs' (expected coeffs: "
-                       f"{{decode: {{a..e}}, prefill: {{a..e}}}})")
+                       f"{{decode: {{a..g}}, prefill: {{a..g}}}}; f and g may be left out)")
     coeffs = _check_coeffs(doc["coeffs"], where=f"cost_model.path={path}", error=BadInput)
     return FittedCostModel(coeffs, floor_model)
 
@@ -297,9 +310,9 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
             raise error(f"{where}: coeffs.{kind} must map {', '.join(COEFFS)} to numbers")
         out[kind] = {}
         for c in COEFFS:
-            if c not in row:
+            if c not in row and c not in OPTIONAL_COEFFS:
                 raise error(f"{where}: missing coeffs.{kind}.{c}")
-            value = row[c]
+            value = row.get(c, OPTIONAL_COEFFS.get(c))
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
                 raise error(f"{where}: coeffs.{kind}.{c} must be a number, got {value!r}")

@@ -1,13 +1,22 @@
 """Fitting the simulator's step-time model to measured steps.
 
-The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext`` per step
-kind (decode, prefill), with non-negative coefficients: each term is a cost that can only add time.
+The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext
++ f·batch·max(context) + g·few_row_passes`` per step kind (decode, prefill; ``f``'s term is 0 in a
+prefill), with non-negative coefficients: each term is a cost that can only add time.
 ``Σcontext`` is the cached KV a step reads (`StepShape.kv_read_context`: a cascade group's shared
 prefix once), the same term `FittedCostModel.predict` multiplies.
 The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
 its own chunk included (`StepShape.attended_pairs`): without it a long prefill's quadratic
 attention would have no term to land on.
-`nnls` is the Lawson–Hanson active-set method, small enough to keep here (five unknowns).
+The ``batch·max(context)`` term (`StepShape.padded_decode_area`) is a decode kernel that pads the
+batch to its longest KV (the engine's ``torch`` attention): only a grid with decode batches of
+mixed contexts (``calibrate.decode_ragged``) tells it from ``Σcontext``; on uniform batches the two
+coincide (less the ``batch`` part), the coefficients are then not unique, the predictions on such
+batches are.
+``few_row_passes`` (`StepShape.few_row_passes`: ``batch − 1`` for a batch of 2 or 3, else 0) is
+a CPU BLAS reading the weights once per row below 4 rows; only a grid with batches of 2 or 3
+gives ``g`` a value (else it is 0).
+`nnls` is the Lawson–Hanson active-set method, small enough to keep here (seven unknowns).
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from testbed.sim.step_shape import StepShape
 
 def features(step: StepShape) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``."""
-    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context])
+    return np.array([1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context,
+                     step.padded_decode_area, step.few_row_passes])
 
 
 def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
