@@ -56,7 +56,10 @@ from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, mape
 from testbed.serving.serve import records_of, serve
 
-BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256"]
+# plain decode on both sides: the simulator here is built with SimExecutor(fitted) (no cascade
+# groups), while the CPU engine's default attention decodes in cascade
+BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256",
+        "attention=torch"]
 EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)
 HELD_BACK = {
     "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=8"],
@@ -70,7 +73,7 @@ CAPACITY = 6000  # tokens: small enough that eviction happens
 #: fresh prompts; decode batches of 1-16 at up to ~1.5k tokens, mixed lengths included, and of
 #: 2 and 3, where this CPU's BLAS reads the weights once per row: `StepShape.few_row_passes`)
 REAL = {
-    "base": ["model=smollm2_135m", "hardware=cpu", "progress=false"],
+    "base": ["model=smollm2_135m", "hardware=cpu", "progress=false", "attention=torch"],
     "held_back": {
         "sharegpt_chat": ["workload=sharegpt_chat", "workload.num_conversations=4",
                           "workload.max_turns=3", "workload.max_total_len=1024"],
