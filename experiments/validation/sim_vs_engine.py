@@ -199,6 +199,8 @@ def main() -> None:
     if args.clock == "cpu":
         if engine.runner.device.type != "cpu":
             ap.error(f"--clock cpu times a CPU engine, not {engine.runner.device}")
+        if args.threads != 1:  # process time sums every thread's: no step duration then
+            ap.error(f"--clock cpu needs --threads 1, got {args.threads}")
         engine.clock = time.process_time
     wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
