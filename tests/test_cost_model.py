@@ -391,6 +391,14 @@ def test_fitted_f_term_prices_a_decode_batch_padded_to_its_longest():
     assert prefill.padded_decode_area == 0 and fitted.predict(prefill) == 10.0
 
 
+def test_a_cascade_decode_pads_its_suffixes_and_its_prefixes_each_to_their_longest():
+    # requests 0 and 1 share 100 tokens (suffixes 10 and 30), request 2 is alone (40): suffixes
+    # padded to 40 for 3 requests, one group's prefix of 100
+    step = StepShape.decode([110, 130, 40], shared=((100, (0, 1)),))
+    assert step.padded_decode_area == 3 * 40 + 1 * 100
+    assert StepShape.decode([110, 130, 40]).padded_decode_area == 3 * 130
+
+
 def test_fitted_g_term_prices_the_extra_weight_passes_of_two_or_three_rows():
     coeffs = {kind: {"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.0, "f": 0.0, "g": 10.0}
               for kind in ("decode", "prefill")}

@@ -123,11 +123,21 @@ class StepShape:
 
     @cached_property
     def padded_decode_area(self) -> int:
-        """``batch × max(context)`` for a decode step, 0 for a prefill: the cached KV a decode
-        kernel that pads every request to the batch's longest reads (the engine's ``torch``
-        attention does; ``Σcontext`` of it is real, the rest padding). A cascade's groups are
-        not taken out: its parts are padded each to their own longest, between the two."""
-        return self.batch * max(self.context) if self.is_decode else 0
+        """The cached KV a decode kernel that pads to the longest reads, 0 for a prefill: plainly
+        ``batch × max(context)`` (the engine's ``torch`` attention; ``Σcontext`` of it is real,
+        the rest padding). In cascade its two parts are padded each to their own longest, as
+        the engine plans them: every request's suffix (``context − P``, all of it outside a
+        group) to the longest suffix, and each group's prefix to the longest ``P``:
+        ``batch × max(suffix) + groups × max(P)``."""
+        if not self.is_decode:
+            return 0
+        if not self.shared:
+            return self.batch * max(self.context)
+        suffix = list(self.context)
+        for p, members in self.shared:
+            for m in members:
+                suffix[m] -= p
+        return self.batch * max(suffix) + len(self.shared) * max(p for p, _ in self.shared)
 
     @cached_property
     def few_row_passes(self) -> int:
