@@ -23,7 +23,6 @@ from testbed.assembly import REPLAY, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
-from testbed.scheduler.decode_groups import cascades
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_empty_prompts, refuse_generating
 
@@ -161,10 +160,10 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
 
 
 def _sim_attention(run: Assembly, executor: Any) -> dict[str, Any]:
-    """The simulator's ``attention`` when set or its hardware's default cascades (cascade*
-    prices cascade decoding), and the share of the decode steps' cached KV its groups left
+    """The simulator's ``attention``, set or its hardware preset's (cascade* prices cascade
+    decoding), and the share of the decode steps' cached KV its groups left
     unread."""
-    if run.config.get("attention") is None and not cascades(run.attention):
+    if run.attention is None:
         return {}
     out = {"attention": run.attention}
     if getattr(executor, "cascade_saved", None) is not None:

@@ -73,10 +73,7 @@ def grid(cfg: Any) -> list[StepShape]:
     for batch in grid_values(cfg, "decode_batch"):
         for context in contexts:
             steps.append(StepShape.decode((context,) * batch))
-    ragged = cfg.get("decode_ragged", False)
-    if not isinstance(ragged, bool):
-        raise BadInput(f"calibrate.decode_ragged must be true or false, got {ragged!r}")
-    if ragged:
+    if group_values.check_setting("calibrate.decode_ragged", bool, cfg.get("decode_ragged")):
         steps += ragged_decodes(grid_values(cfg, "decode_batch"), contexts)
     return steps
 

@@ -56,7 +56,7 @@ from testbed.engine.attention import TorchAttention
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
-from testbed.metrics import quality_means
+from testbed.metrics import QUALITY_FIELDS, quality_means
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 
@@ -147,8 +147,7 @@ class QualityRecord:
 
     def fields(self) -> dict[str, float]:
         """The per-request fields a run writes (`testbed.metrics.QUALITY_FIELDS`)."""
-        return {"token_agreement": self.token_agreement, "kl_mean": self.kl_mean,
-                "first_divergence": self.first_divergence, "rouge_l": self.rouge_l}
+        return {key: getattr(self, key) for key in QUALITY_FIELDS}
 
 
 def measure(model: LlamaModel, prompt: Sequence[int], output: Sequence[int],
