@@ -51,6 +51,7 @@ from testbed.execute import execute  # noqa: E402
 SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "cache=radix", "scheduler=lpm",
        "cost_model=roofline", "progress=false"]
 ENGINE = ["backend=engine", "model=tiny", "cache=radix", "scheduler=lpm", "progress=false",
+          "attention=torch",  # plain decode, as its figures were measured (the CPU default cascades)
           "arrival.max_in_flight=4"]  # 4 programs at a time: later prompts find earlier chunks
 # The engine's small workloads: the shapes of the defaults (conf/workload), scaled to a CPU.
 SMALL = {
