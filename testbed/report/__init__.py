@@ -10,11 +10,13 @@ included with status ``failed`` and their error. Writes into DIR (or OUT):
   (PNGs in ``figures/``): throughput normalised to no cache, hit rate against the ideal, hit rate vs
   capacity, latency CDFs, latency vs load, TTFT p99 of cache-cold vs cache-warm requests (each
   where the data has what it needs); for a single sim or engine run also the time series of
-  ``timeseries`` from its ``steps.jsonl`` (hit rate, KV pool, batch size and queue).
+  ``timeseries`` from its ``steps.jsonl`` (hit rate, KV pool, batch size and queue);
+- where runs of one workload were predicted (``sim``) and measured (``server``, ``engine``):
+  ``side_by_side.csv``, a section of the report and a figure per workload (``side_by_side``).
 
 The package's modules: the table's columns (and the no-cache normalisation) are described in
 ``table``; the findings and tables in ``markdown``; the figures in ``figures`` and
-``timeseries``. ``__main__`` runs :func:`main`.
+``timeseries``; predicted against measured in ``side_by_side``. ``__main__`` runs :func:`main`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from testbed.errors import BadInput
 from testbed.report.figures import make_figures
 from testbed.report.markdown import write_report
+from testbed.report.side_by_side import side_by_side
 from testbed.report.table import load_results
 from testbed.report.timeseries import timeseries_figures
 
@@ -40,8 +43,12 @@ def build(root: str | Path, out: str | Path | None = None, progress: bool | None
     df.to_parquet(out / "results.parquet", index=False)
     figures = make_figures(df, root, out / "figures") + timeseries_figures(df, root,
                                                                            out / "figures")
-    report = write_report(df, root, out, [(str(p.relative_to(out)), t) for p, t in figures])
-    return {"table": df, "report": report, "figures": [p for p, _ in figures]}
+    compared, compared_figures = side_by_side(df, root, out)
+    figures += compared_figures
+    report = write_report(df, root, out, [(str(p.relative_to(out)), t) for p, t in figures],
+                          compared)
+    return {"table": df, "report": report, "figures": [p for p, _ in figures],
+            "side_by_side": compared}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,10 @@ def failures_table(df: pd.DataFrame) -> str:
 FORMATS = {"hit_rate": ".3f", "ideal_hit_rate": ".3f", "hit_vs_ideal": ".1%",
            "throughput_vs_nocache": ".2f", "throughput_req_s": ".4g", "throughput_tok_s": ".4g",
            "makespan_s": ".4g", "ttft_p50_s": ".3g", "ttft_p99_s": ".3g", "ttft_p99_cold_s": ".3g",
-           "ttft_p99_warm_s": ".3g", "e2e_p50_s": ".3g", "e2e_p99_s": ".3g", "arrival_rate": "g"}
+           "ttft_p99_warm_s": ".3g", "e2e_p50_s": ".3g", "e2e_p99_s": ".3g", "arrival_rate": "g",
+           "tpot_p50_s": ".3g"}
+FORMATS |= {f"{k}_error": "+.1%" for k in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                                            "e2e_p50_s", "makespan_s")}
 
 
 def _cell(v: Any, fmt: str | None = None) -> str:
@@ -133,8 +136,29 @@ def sweep_command(root: Path) -> str | None:
     return " ".join(["python -m testbed.run -m", *overrides])
 
 
-def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[str, str]]) -> Path:
-    """report.md in ``out``: findings, tables, the figures (paths relative to ``out``), all runs."""
+def side_by_side_section(table: pd.DataFrame) -> list[str]:
+    """The report's lines for `testbed.report.side_by_side`'s table: each figure of each run and,
+    for predicted runs, its error against the measured reference."""
+    cols = ["group", "workload", "backend", "run", "reference"]
+    names: dict[str, str] = {}
+    for figure in ("hit_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s",
+                   "makespan_s"):
+        cols.append(figure)
+        if f"{figure}_error" in table and table[f"{figure}_error"].notna().any():
+            cols.append(f"{figure}_error")
+            names[f"{figure}_error"] = "error"
+    return ["## Predicted against measured", "",
+            "Runs of one workload (the same `workload`, `arrival` and `seed` config) on the "
+            "simulator and on a server or the engine; `error` is the predicted figure's relative "
+            "error against the reference run (a server's, else an engine's). Per-request figures "
+            "are in `side_by_side.csv` and the figures below.", "",
+            markdown_table(table, cols, names), ""]
+
+
+def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[str, str]],
+                 side_by_side: pd.DataFrame | None = None) -> Path:
+    """report.md in ``out``: findings, tables, predicted against measured (when there are such
+    runs), the figures (paths relative to ``out``), all runs."""
     ok = df["status"] == "ok"
     keys = setting_keys(df)
     rank = {v: i for i, v in enumerate(sorted(df["variant"].unique(), key=variant_key))}
@@ -166,6 +190,8 @@ def write_report(df: pd.DataFrame, root: Path, out: Path, figures: list[tuple[st
         table = pivot_table(df, value)
         if table:
             text += [f"## {title}", "", table, ""]
+    if side_by_side is not None:
+        text += side_by_side_section(side_by_side)
     text += ["## Figures", ""]
     text += [f"![{title}]({rel})\n" for rel, title in figures] or ["(no figure: too little data)",
                                                                      ""]
