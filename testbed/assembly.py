@@ -71,6 +71,7 @@ class Assembly:
     timeline: bool = False  # write timeline.json (Perfetto)
     arrival: Arrival | None = None  # the arrival group, checked (None: the workload's default)
     max_in_flight: int | None = None  # programs at once: arrival.max_in_flight, else the workload's
+    max_concurrency: int | None = None  # calls outstanding at once: arrival.max_concurrency
     notes: list[str] = field(default_factory=list)  # printed before the run
 
     # ------------------------------------------------------------------ run settings
@@ -346,6 +347,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
-        max_in_flight=programs_in_flight(config, arrival))
+        max_in_flight=programs_in_flight(config, arrival),
+        max_concurrency=arrival.max_concurrency)
     run.check_builds()
     return run

@@ -134,6 +134,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         check_prompt = limits.check_submitted
     scheduler, result = serve(requests, cache, run.scheduler, executor, seed=run.seed,
                               max_in_flight=run.max_in_flight, generate=generate,
+                              max_concurrency=run.max_concurrency,
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
                               if engine else (), reuse=run.reuse, check_prompt=check_prompt,
@@ -189,7 +190,8 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
     result = simulate_cluster(
         requests, lambda: run.build_cache(capacity, requests), run.scheduler,
         executor, run.build_router(capacity), replicas=run.replicas, seed=run.seed,
-        max_in_flight=run.max_in_flight, network_delay_s=network_delay_s,
+        max_in_flight=run.max_in_flight, max_concurrency=run.max_concurrency,
+        network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
         observe=True, check_invariants=run.check_invariants)
     extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,
