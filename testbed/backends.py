@@ -4,7 +4,9 @@
 - ``sim``: the shared scheduler and cache in SimPy, steps timed by a cost model;
 - ``engine``: the same scheduler and cache, steps run by the real model and timed; with reuse
   beyond exact prefixes the records carry the quality the engine measured (`add_quality_fields`);
-- ``custom``: the shared scheduler and cache, steps run by ``backend.target`` (an executor).
+- ``custom``: the shared scheduler and cache, steps run by ``backend.target`` (an executor);
+- ``server``: a live OpenAI-compatible server at ``server.url`` (`testbed.remote`, imported only
+  for it).
 
 KV capacity for ``sim`` and ``engine`` is ``cache.capacity_tokens`` when given, else what the
 model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_bytes_per_token``; the
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.assembly import REPLAY, Assembly
+from testbed.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
@@ -33,15 +35,19 @@ class BackendResult:
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
     notes: list[str] = field(default_factory=list)  # printed last: what the reader must not miss
     observer: Any = None  # sim and engine: the run's `RunObserver` (steps, request phases)
-    # the ideal hit rate when the run itself reached it (replay, unlimited radix cache, page 1)
+    # the ideal hit rate when the backend knows it: replay through an unlimited radix cache of
+    # page 1 reached it; a server's run counts it over the calls as they ran
     ideal_hit_rate: float | None = None
 
 
 def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
-    if run.backend != "engine":
+    if run.backend not in ("engine", SERVER):
         refuse_generating(requests, run.backend)
     if run.backend not in (REPLAY, "engine"):  # the engine's limits say it for the engine
         refuse_empty_prompts(requests, run.backend)
+    if run.backend == SERVER:
+        from testbed.remote import run_server
+        return run_server(run, requests)
     if run.backend == REPLAY:
         capacity = run.capacity_tokens
         cache = run.build_cache(capacity, requests)
