@@ -288,9 +288,11 @@ def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> 
         return
     if backend == REPLAY:
         raise BadInput("replicas > 1 needs backend=sim (replay serves one cache)")
-    if backend in ("engine", SERVER):
-        raise BadInput(f"replicas={replicas} needs backend=sim; backend={backend} serves one "
-                       "replica")
+    if backend == "engine":
+        raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
+    if backend == SERVER:
+        raise BadInput(f"replicas={replicas} needs backend=sim; backend=server sends to one "
+                       "server (server.url)")
     c = config["cache"]
     if has_lower_tiers(c):
         raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
