@@ -6,7 +6,8 @@ output ids derived from the prompt, one token a chunk, each choice carrying ``to
 prompt against every prompt + output it produced before, which is exactly the ideal hit (so a
 run one call at a time reaches the ideal hit rate). Options make it misbehave: omit the cached
 tokens or the token ids, stop early at its EOS unless told to ignore it, fail chosen calls (by
-order of receipt) with a status and message, or wait before answering. It records every body it
+order of receipt) with a status and message, cut their stream or wait before answering. It
+records every body it
 received. Runs in a thread on a free loopback port (`StubServer.start`).
 """
 
@@ -41,6 +42,7 @@ class StubOptions:
     eos_after: int | None = None  # without ignore_eos: EOS as this many-th token, ending the call
     fail: dict[int, tuple[int, str]] = field(default_factory=dict)  # receipt index -> status, msg
     delay_s: dict[int, float] = field(default_factory=dict)  # receipt index -> wait first
+    break_after: dict[int, int] = field(default_factory=dict)  # receipt index -> tokens, then cut
 
 
 class StubServer:
@@ -79,7 +81,8 @@ class StubServer:
             if index in self.options.fail:
                 status, message = self.options.fail[index]
                 return JSONResponse({"error": {"message": message, "code": status}}, status)
-            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+            return StreamingResponse(self._stream(body, self.options.break_after.get(index)),
+                                     media_type="text/event-stream")
 
         return app
 
@@ -94,7 +97,7 @@ class StubServer:
             best = max(best, n)
         return best
 
-    def _stream(self, body: dict[str, Any]):
+    def _stream(self, body: dict[str, Any], cut: int | None = None):
         prompt = list(body["prompt"])
         n = body["max_tokens"]
         out = output_ids(prompt, n)
@@ -105,6 +108,8 @@ class StubServer:
         self.history.append(prompt + out)
         self.cached.append(cached)
         for i, token in enumerate(out):
+            if i == cut:  # the connection drops mid-answer
+                raise ConnectionResetError("the stub cut this stream")
             choice = {"index": 0, "text": f"<{token}>",
                       "finish_reason": None if i < len(out) - 1 else
                       ("stop" if token == EOS else "length")}

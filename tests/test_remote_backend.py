@@ -121,6 +121,14 @@ def test_a_failed_call_is_recorded_and_the_run_goes_on(compose, tmp_path, stub):
     assert notes[0].startswith("2 of 4 requests failed") and "HTTP 500: boom" in notes[0]
 
 
+def test_a_broken_stream_fails_that_call_only(compose, tmp_path, stub):
+    stub.reset(break_after={0: 1})
+    _, rows, _ = run(compose, tmp_path, stub)
+    assert rows["a1"]["failed"] and rows["a1"]["error"].startswith("the stream broke: ")
+    assert rows["a1"]["status"] == 200 and rows["a1"]["output_ids"] == output_ids([1, 2, 3, 4], 1)
+    assert not any(rows[i]["failed"] for i in ("b", "c", "a2"))
+
+
 def test_a_call_past_its_timeout_fails(compose, tmp_path, stub):
     stub.reset(delay_s={1: 0.5})
     _, rows, _ = run(compose, tmp_path, stub, "server.timeout_s=0.1")
@@ -182,3 +190,19 @@ def test_the_client_reaches_the_ideal_on_a_generated_workload(compose, tmp_path,
             for i, (b, h) in enumerate(zip(stub.received, stub.history))]
     assert stub.cached == ideal_hits(sent)
     assert summary["hit_rate"] == pytest.approx(summary["ideal_hit_rate"])
+
+
+def test_a_connection_refused_mid_run_stops_it_naming_the_url():
+    import asyncio
+
+    from testbed.remote.openai_client import OpenAIClient, ServerUnreachable, completion_body
+    from testbed.remote.settings import ServerSettings
+
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def one_call():
+        async with OpenAIClient(ServerSettings(url)) as client:
+            return await client.complete(completion_body(MODEL, [1, 2], 2, True, 0.0, 1.0))
+
+    with pytest.raises(ServerUnreachable, match=rf"^cannot reach the server at {url}: "):
+        asyncio.run(one_call())
