@@ -64,12 +64,10 @@ async def _run(run: Assembly, requests: list[Request]) -> BackendResult:
         sent = await driver.run()
     save_ids = run.get("save_token_ids", False)
     records = [record_of(s, driver.t0, save_ids) for s in sent]
-    served = [s for s in sent if not s.completion.failed]
     extra = {"server_url": settings.url, "server_model": model, "forced": forced,
              "temperature": temperature}
     return BackendResult(records, extra=extra, notes=notes_of(records, sent, forced),
-                         ideal_hit_rate=ideal_hit_rate(as_ran(s) for s in sent)
-                         if served or not sent else None)
+                         ideal_hit_rate=ideal_hit_rate(as_ran(s) for s in sent))
 
 
 def as_ran(s: Sent) -> Request:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,7 @@ class OpenAIClient:
         self._http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> "OpenAIClient":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call (Hydra: INFO)
         timeout = httpx.Timeout(None, connect=self.settings.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits)
