@@ -206,3 +206,34 @@ def test_a_connection_refused_mid_run_stops_it_naming_the_url():
 
     with pytest.raises(ServerUnreachable, match=rf"^cannot reach the server at {url}: "):
         asyncio.run(one_call())
+
+
+def peak_outstanding(rows: dict) -> int:
+    """The most calls outstanding at once: sent (``arrival_s``) to the stream's end."""
+    events = sorted([(r["arrival_s"], 1) for r in rows.values()]
+                    + [(r["finish_s"], -1) for r in rows.values()])
+    now = peak = 0
+    for _, delta in events:  # an end sorts before a start at the same instant
+        now += delta
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("concurrency, peak", [(2, 2), (None, None)])
+def test_call_slots_bound_the_calls_outstanding(compose, tmp_path, stub, concurrency, peak):
+    cfg = compose("backend=server", f"server.url={stub.url}", "workload.num_problems=2",
+                  f"arrival.max_concurrency={'null' if concurrency is None else concurrency}")
+    execute(cfg, tmp_path)
+    rows = {r["id"]: r for r in map(json.loads, (tmp_path / "requests.jsonl").open())}
+    if peak is None:
+        assert peak_outstanding(rows) > 2  # the two problems' forks at once
+    else:
+        assert peak_outstanding(rows) == peak
+
+
+def test_a_closed_loop_runs_one_program_after_another(compose, tmp_path, stub):
+    cfg = compose("backend=server", f"server.url={stub.url}", "workload.num_problems=3",
+                  "arrival.max_in_flight=1")
+    execute(cfg, tmp_path)
+    programs = [json.loads(line)["program"] for line in (tmp_path / "requests.jsonl").open()]
+    assert programs == sorted(programs) and len(set(programs)) == 3
