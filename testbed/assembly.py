@@ -314,6 +314,8 @@ def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timel
     if timeline:
         raise BadInput("timeline=true needs backend=sim or backend=engine (backend=server sees "
                        "no steps)")
+    for key, default in (("temperature", 0.0), ("top_p", 1.0)):  # sent with every call
+        group_values.number(config, key, "", default)
     return ServerSettings.from_mapping(config.get("server"))
 
 

@@ -15,6 +15,7 @@ they ran: their prompts as sent and the outputs received.
 from __future__ import annotations
 
 import asyncio
+
 import numpy as np
 
 from testbed.assembly import Assembly
