@@ -47,7 +47,9 @@ def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
         refuse_empty_prompts(requests, run.backend)
     if run.backend == SERVER:
         from testbed.remote import run_server
-        return run_server(run, requests)
+        done = run_server(run, requests)
+        return BackendResult(done.records, extra=done.extra, notes=done.notes,
+                             ideal_hit_rate=done.ideal_hit_rate)
     if run.backend == REPLAY:
         capacity = run.capacity_tokens
         cache = run.build_cache(capacity, requests)

@@ -15,11 +15,12 @@ they ran: their prompts as sent and the outputs received.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from testbed.assembly import Assembly
-from testbed.backends import BackendResult
 from testbed.errors import BadInput
 from testbed.group_values import number
 from testbed.metrics import RequestRecord, ideal_hit_rate
@@ -33,12 +34,23 @@ NOT_REPORTED = ("the server did not report cached tokens (usage.prompt_tokens_de
                 "--enable-prompt-tokens-details, SGLang with --enable-cache-report")
 
 
-def run_server(run: Assembly, requests: list[Request]) -> BackendResult:
+@dataclass
+class ServerRun:
+    """What `testbed.backends` makes its `BackendResult` of (this module does not import it:
+    it imports this one)."""
+
+    records: list[RequestRecord]
+    extra: dict[str, Any]  # summary fields
+    notes: list[str] = field(default_factory=list)  # printed after the run
+    ideal_hit_rate: float | None = None  # of the calls as they ran
+
+
+def run_server(run: Assembly, requests: list[Request]) -> ServerRun:
     """Serve ``requests`` on the server of ``run.server``."""
     return asyncio.run(_run(run, requests))
 
 
-async def _run(run: Assembly, requests: list[Request]) -> BackendResult:
+async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
     settings: ServerSettings = run.server
     forced = bool(run.get("forced", True))
     temperature = number(run.config, "temperature", "", 0.0)
@@ -67,8 +79,8 @@ async def _run(run: Assembly, requests: list[Request]) -> BackendResult:
     records = [record_of(s, driver.t0, save_ids) for s in sent]
     extra = {"server_url": settings.url, "server_model": model, "forced": forced,
              "temperature": temperature}
-    return BackendResult(records, extra=extra, notes=notes_of(records, sent, forced),
-                         ideal_hit_rate=ideal_hit_rate(as_ran(s) for s in sent))
+    return ServerRun(records, extra, notes_of(records, sent, forced),
+                     ideal_hit_rate(as_ran(s) for s in sent))
 
 
 def as_ran(s: Sent) -> Request:
