@@ -237,3 +237,15 @@ def test_a_closed_loop_runs_one_program_after_another(compose, tmp_path, stub):
     execute(cfg, tmp_path)
     programs = [json.loads(line)["program"] for line in (tmp_path / "requests.jsonl").open()]
     assert programs == sorted(programs) and len(set(programs)) == 3
+
+
+def test_error_bodies_of_the_usual_servers_give_their_message():
+    from testbed.remote.openai_client import error_message
+
+    assert error_message(400, '{"error": {"message": "too long", "code": 400}}') == "too long"
+    assert error_message(400, '{"object": "error", "message": "bad max_tokens"}') == \
+        "bad max_tokens"
+    assert error_message(422, '{"detail": [{"loc": ["body"], "msg": "x"}]}') == \
+        '[{"loc": ["body"], "msg": "x"}]'
+    assert error_message(502, "Bad Gateway\n") == "Bad Gateway"
+    assert error_message(500, "") == "HTTP 500"
