@@ -121,7 +121,8 @@ class Scheduler:
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
                   submitted_s=now, seq=self._seq)
         if self.eos_for_all or request.generates:
-            req.stop_token_ids = self.eos_token_ids
+            eos = frozenset() if request.ignore_eos else self.eos_token_ids
+            req.stop_token_ids = eos | frozenset(int(t) for t in request.stop_token_ids)
         self._seq += 1
         extra = 1 if self.config.overlap and req.max_new_tokens > 0 else 0
         if not self.cache.fits(req.kv_needed + extra):
@@ -492,7 +493,9 @@ class Scheduler:
                 if token is None:
                     raise ValueError(f"request {req.id}: the executor produced no token")
                 req.output.append(int(token))
-                stopped = int(token) in req.stop_token_ids  # EOS (kept in the output)
+                # EOS or a stop token (kept in the output), once min_tokens came before it
+                stopped = int(token) in req.stop_token_ids \
+                    and len(req.output) > req.request.min_tokens
                 if req.first_token_s is None:
                     req.first_token_s = now
             if stopped or req.remaining_new_tokens == 0:
@@ -527,6 +530,37 @@ class Scheduler:
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now
+
+    # ------------------------------------------------------------------ aborts
+    def abort(self, req: Req, now: float) -> bool:
+        """End ``req`` now, unfinished (a client went away): it leaves the queue, the chunked
+        slot, the running batch or the load-backs, and gives its lease up. The tokens it has KV
+        for (``req.computed`` of its fill) enter the cache, as SGLang caches a request finished
+        by an abort (``cache_finished_req``); a waiting one (never admitted, or retracted) holds
+        no KV. Call it between steps only (after `complete`, before `next_batch`): a result
+        still pending under ``overlap`` is then dropped, as for any finished request. Returns
+        False when the request had already finished (nothing to do)."""
+        if req.finished:
+            return False
+        if any(r is req for r in self.loading):
+            self.loads.done(req, 0.0)  # the copy is given up; its lease freed, nothing inserted
+        elif req.lease is not None:
+            with_kv = self._exact(req, req.computed)
+            released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
+            if self.reuse is not None:
+                self.reuse.release(req)
+                self.reuse.inserted(req, req.fill()[:with_kv])
+            req.inserted = released.inserted
+            req.lease = None
+        self.waiting = [r for r in self.waiting if r is not req]
+        if any(r is req for r in self.running):
+            self.running = [r for r in self.running if r is not req]
+            self.batch_is_full = False
+        if self.chunked is req:
+            self.chunked = None
+        req.aborted = True
+        req.finish_s = now
+        return True
 
     def check_drained(self) -> None:
         """At the end of a run: every request finished, no lease held, nothing locked in the
