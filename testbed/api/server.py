@@ -13,6 +13,7 @@ the host's.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,13 +106,29 @@ def serve_forever(run: Assembly, settings: ServeSettings) -> None:
     engine, facts = build_engine(run, settings)
     sock = bind(settings.host, settings.port)
     server = uvicorn_server(engine, facts, settings.log_level)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handler it found: this one ends `run` instead of killing the process before the engine's
+    # thread is joined
+    found = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     engine.start()
     try:
         print(ready_line(run, facts, settings.host, sock.getsockname()[1]), flush=True)
         server.run(sockets=[sock])
+    except _Stopped:
+        pass
     finally:
         engine.stop()
         sock.close()
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
+
+
+class _Stopped(Exception):
+    """A stop signal, after uvicorn's graceful shutdown."""
+
+
+def _stopped(_sig, _frame) -> None:
+    raise _Stopped
 
 
 # ---------------------------------------------------------------------------- tests, load test
@@ -124,20 +141,24 @@ class ServerHandle:
     _sock: socket.socket | None = None
     _proc: subprocess.Popen | None = None
 
-    def stop(self) -> None:
-        """Stop the server and the engine's loop; the subprocess by SIGTERM (killed after 30 s)."""
+    output: str = ""  # a subprocess's stdout and stderr, once stopped
+
+    def stop(self) -> int | None:
+        """Stop the server and the engine's loop; the subprocess by SIGTERM (killed after 30 s):
+        its exit status."""
         if self._proc is not None:
             self._proc.terminate()
             try:
-                self._proc.wait(30)
+                self.output = self._proc.communicate(timeout=30)[0]
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.wait()
-            return
+                self.output = self._proc.communicate()[0]
+            return self._proc.returncode
         self._server.should_exit = True
         self._thread.join(30)
         self.engine.stop()
         self._sock.close()
+        return None
 
 
 def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool = True,
