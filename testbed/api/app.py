@@ -181,4 +181,4 @@ def engine_state(engine: OnlineEngine) -> dict[str, Any]:
             "leases": len(s.leases()), "protected_tokens": int(cache.protected_size),
             "evictable_tokens": int(cache.evictable_size),
             "free_tokens": None if pool is None or pool.unbounded else int(pool.num_free),
-            "has_work": s.has_work, "invariants": invariants}
+            "preemptions": s.preemptions, "has_work": s.has_work, "invariants": invariants}

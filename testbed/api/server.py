@@ -4,7 +4,8 @@ bound here (the ready line is printed once it listens); `start_server` starts on
 the load test (in this process, in a thread, or as ``python -m testbed.serve``), on a free
 loopback port, and returns once ``/health`` answers.
 
-KV pool: ``cache.capacity_tokens`` when given; else on CUDA what free memory leaves after the
+On a CPU the server's process runs torch on one thread (`one_cpu_thread`). KV pool:
+``cache.capacity_tokens`` when given; else on CUDA what free memory leaves after the
 weights (the engine's rule), and on a CPU ``CPU_KV_BYTES`` (256 MiB) of KV: a server has no
 workload to cap the pool by, and the hardware preset's memory (an A10G's 24 GB by default) is not
 the host's.
@@ -103,6 +104,8 @@ def uvicorn_server(engine: OnlineEngine, facts: ServerFacts, log_level: str):
 def serve_forever(run: Assembly, settings: ServeSettings) -> None:
     """Build, print the ready line once the socket listens, serve until SIGINT/SIGTERM
     (uvicorn's handlers), then stop the engine's loop thread and join it."""
+    if not run.engine_device.startswith("cuda"):
+        one_cpu_thread()
     engine, facts = build_engine(run, settings)
     sock = bind(settings.host, settings.port)
     server = uvicorn_server(engine, facts, settings.log_level)
@@ -121,6 +124,15 @@ def serve_forever(run: Assembly, settings: ServeSettings) -> None:
         sock.close()
         for sig, handler in found.items():
             signal.signal(sig, handler)
+
+
+def one_cpu_thread() -> None:
+    """One intra-op thread for torch on a CPU: the HTTP threads share the cores with the engine,
+    and torch's threads spin waiting for each other while those run (the load test's steps took
+    5x longer with two threads on 2 cores, docs/results/serve.md)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 class _Stopped(Exception):
