@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from testbed.api.online import OnlineEngine, Update, generating_request
+from testbed.api.online import EngineDead, OnlineEngine, Update, generating_request
 from testbed.api.protocol import (ApiError, Generation, ServerFacts, choice, envelope, parse,
                                   usage)
 from testbed.api.text import Detokenizer
@@ -66,15 +66,16 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
 
     async def generate(request: Request, chat: bool) -> Response:
         gen = parse(await json_body(request), facts, chat)
-        if not engine.alive:
-            raise ApiError(503, f"the engine loop is not running ({engine.error})",
-                           code="engine_dead", kind="server_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
         req = generating_request(rid, gen.prompt, gen.max_tokens, ignore_eos=gen.ignore_eos,
                                  min_tokens=gen.min_tokens, stop_token_ids=gen.stop_token_ids)
-        if not engine.submit(req, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u)):
+        try:
+            taken = engine.submit(req, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        except EngineDead as e:
+            raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
+        if not taken:
             raise ApiError(429, f"the server holds {engine.max_live} requests already "
                            "(serve.max_queue); retry later", code="queue_full",
                            kind="rate_limit_error")
@@ -111,7 +112,8 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
         if last.finish_reason == "error":
             raise ApiError(500, f"the engine failed: {last.error}", code="engine_error",
                            kind="server_error")
-        text = Detokenizer(facts.tokenizer).feed(ids) if ids else ""
+        detok = Detokenizer(facts.tokenizer)
+        text = detok.feed(ids) + detok.finish()
         body = envelope(gen, rid, facts.model_name,
                         [choice(gen, text, ids, last.finish_reason, stream=False)], stream=False)
         body["usage"] = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class Update:
 
 
 Sink = Callable[[Update], None]
+
+
+class EngineDead(RuntimeError):
+    """The loop thread has stopped or failed: nothing can be submitted."""
 
 
 @dataclass
@@ -94,8 +99,11 @@ class OnlineEngine:
 
     def submit(self, request: Request, sink: Sink) -> bool:
         """Queue a generating request (``max_new_tokens`` set, no output); False when
-        ``max_live`` requests are held already (the caller answers 429)."""
+        ``max_live`` requests are held already (the caller answers 429). Raises `EngineDead`
+        when the loop is not running."""
         with self._wake:
+            if self.error is not None or self._stop:
+                raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
             if len(self._live) >= self.max_live:
                 return False
             if request.id in self._live:
@@ -135,12 +143,14 @@ class OnlineEngine:
                         return
                     inbox, self._inbox = list(self._inbox), deque()
                 self._take(inbox)
-                if self.scheduler.has_work:
-                    self._step()
-        except BaseException as e:  # the server reports it: /health 503, requests end "error"
+                if self.scheduler.has_work and not self._step():
+                    with self._wake:  # work but no batch: wait for input rather than spin
+                        if not (self._stop or self._inbox):
+                            self._wake.wait(self.idle_wait_s / 50)
+        except Exception as e:  # the server reports it: /health 503, requests end "error"
             self.error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
             self._fail_all()
-            raise
 
     def _take(self, inbox: list[tuple[str, Any]]) -> None:
         for kind, item in inbox:
@@ -165,7 +175,8 @@ class OnlineEngine:
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step, its tokens and finishes handed on; False when no batch formed."""
         s = self.scheduler
         batch = s.next_batch(self.now())
         finished = s.take_finished()
@@ -178,6 +189,7 @@ class OnlineEngine:
         self._send_tokens()
         for req in finished:
             self._finished(req, self._reason(req))
+        return batch is not None
 
     def _send_tokens(self) -> None:
         """Each live request's output tokens not sent yet (a finished one's go with its end)."""
@@ -210,10 +222,16 @@ class OnlineEngine:
         return "stop" if stopped else "length"
 
     def _fail_all(self) -> None:
+        """The loop died: every live request ends with ``error``; inspections waiting in the
+        inbox fail."""
         with self._wake:
             lives, self._live = list(self._live.values()), {}
+            inbox, self._inbox = list(self._inbox), deque()
         for live in lives:
             self._emit(live.sink, Update(finish_reason="error", error=self.error))
+        for kind, item in inbox:
+            if kind == "inspect":
+                item[1].set_exception(RuntimeError(f"the engine loop died: {self.error}"))
 
     @staticmethod
     def _emit(sink: Sink, update: Update) -> None:

@@ -522,14 +522,18 @@ class Scheduler:
         """cache_finished_req: every token with KV (all but the last output; the whole prompt of a
         prefill-only call) enters the cache; a slot taken for a step still in flight (overlap) is
         freed."""
-        with_kv = self._exact(req, req.fill_len - 1 if req.output else req.fill_len)
+        self._release_inserting(req, req.fill_len - 1 if req.output else req.fill_len)
+        req.finish_s = now
+
+    def _release_inserting(self, req: Req, n: int) -> None:
+        """The fill's first ``n`` tokens (those with KV) enter the cache, and the lease ends."""
+        with_kv = self._exact(req, n)
         released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
         if self.reuse is not None:
             self.reuse.release(req)
             self.reuse.inserted(req, req.fill()[:with_kv])
         req.inserted = released.inserted
         req.lease = None
-        req.finish_s = now
 
     # ------------------------------------------------------------------ aborts
     def abort(self, req: Req, now: float) -> bool:
@@ -545,13 +549,7 @@ class Scheduler:
         if any(r is req for r in self.loading):
             self.loads.done(req, 0.0)  # the copy is given up; its lease freed, nothing inserted
         elif req.lease is not None:
-            with_kv = self._exact(req, req.computed)
-            released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
-            if self.reuse is not None:
-                self.reuse.release(req)
-                self.reuse.inserted(req, req.fill()[:with_kv])
-            req.inserted = released.inserted
-            req.lease = None
+            self._release_inserting(req, req.computed)
         self.waiting = [r for r in self.waiting if r is not req]
         if any(r is req for r in self.running):
             self.running = [r for r in self.running if r is not req]
