@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -80,7 +80,7 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
                            "(serve.max_queue); retry later", code="queue_full",
                            kind="rate_limit_error")
         if gen.stream:
-            return StreamingResponse(stream(gen, rid, updates), media_type="text/event-stream")
+            return AbortingStream(stream(gen, rid, updates), lambda: engine.abort(rid))
         return await whole(request, gen, rid, updates)
 
     async def whole(request: Request, gen: Generation, rid: str,
@@ -121,37 +121,47 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
 
     async def stream(gen: Generation, rid: str,
                      updates: asyncio.Queue[Update]) -> AsyncIterator[str]:
-        done = False
+        done, first = False, True
         detok = Detokenizer(facts.tokenizer)
-        first = True
-        try:
-            if gen.chat:  # the assistant's role first, as OpenAI streams it
-                yield sse(envelope(gen, rid, facts.model_name, [choice(gen, "", [], None, True)],
-                                   stream=True, first=True))
-                first = False
-            while not done:
-                u = await updates.get()
-                if u.finish_reason == "error":
-                    done = True
-                    yield sse(ApiError(500, f"the engine failed: {u.error}", code="engine_error",
-                                       kind="server_error").body())
-                    break
-                done = u.finish_reason is not None
-                piece = detok.feed(u.tokens) + (detok.finish() if done else "")
-                yield sse(envelope(gen, rid, facts.model_name,
-                                   [choice(gen, piece, list(u.tokens), u.finish_reason, True)],
-                                   stream=True, first=first))
-                first = False
-                if done and gen.include_usage:
-                    chunk = envelope(gen, rid, facts.model_name, [], stream=True)
-                    chunk["usage"] = usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-                    yield sse(chunk)
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:  # cancelled: the client disconnected (or the server stops)
-                engine.abort(rid)
+        if gen.chat:  # the assistant's role first, as OpenAI streams it
+            yield sse(envelope(gen, rid, facts.model_name, [choice(gen, "", [], None, True)],
+                               stream=True, first=True))
+            first = False
+        while not done:
+            u = await updates.get()
+            if u.finish_reason == "error":
+                yield sse(ApiError(500, f"the engine failed: {u.error}", code="engine_error",
+                                   kind="server_error").body())
+                break
+            done = u.finish_reason is not None
+            piece = detok.feed(u.tokens) + (detok.finish() if done else "")
+            yield sse(envelope(gen, rid, facts.model_name,
+                               [choice(gen, piece, list(u.tokens), u.finish_reason, True)],
+                               stream=True, first=first))
+            first = False
+            if done and gen.include_usage:
+                chunk = envelope(gen, rid, facts.model_name, [], stream=True)
+                chunk["usage"] = usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                yield sse(chunk)
+        yield "data: [DONE]\n\n"
 
     return app
+
+
+class AbortingStream(StreamingResponse):
+    """A server-sent event stream that aborts its request however it ends: Starlette cancels it
+    when the client disconnects, even before its first chunk. (After a normal end the abort
+    finds the request finished and does nothing.)"""
+
+    def __init__(self, content: AsyncIterator[str], abort: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.abort()
 
 
 async def json_body(request: Request) -> Any:
