@@ -93,6 +93,8 @@ def test_updates_carry_the_tokens_in_order_and_end_with_finish_and_usage():
     finally:
         engine.stop()
     assert not engine.alive
+    with pytest.raises(EngineDead):  # nothing to run it any more
+        engine.inspect(lambda e: None)
 
 
 def test_an_abort_ends_the_request_between_steps_silently_and_frees_its_kv():

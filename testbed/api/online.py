@@ -119,7 +119,10 @@ class OnlineEngine:
 
     def inspect(self, fn: Callable[["OnlineEngine"], Any], timeout: float = 30.0) -> Any:
         """``fn(engine)`` run in the loop thread between steps (where the scheduler and the cache
-        may be read); its result, or its exception raised here."""
+        may be read); its result, or its exception raised here (`EngineDead` when the loop is
+        not running)."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
         future: Future = Future()
         self._post("inspect", (fn, future))
         return future.result(timeout)
@@ -140,6 +143,7 @@ class OnlineEngine:
                     while not (self._stop or self._inbox or self.scheduler.has_work):
                         self._wake.wait(self.idle_wait_s)
                     if self._stop:
+                        self._fail_inspections("the engine stopped")
                         return
                     inbox, self._inbox = list(self._inbox), deque()
                 self._take(inbox)
@@ -226,12 +230,17 @@ class OnlineEngine:
         inbox fail."""
         with self._wake:
             lives, self._live = list(self._live.values()), {}
-            inbox, self._inbox = list(self._inbox), deque()
         for live in lives:
             self._emit(live.sink, Update(finish_reason="error", error=self.error))
+        self._fail_inspections(f"the engine loop died: {self.error}")
+
+    def _fail_inspections(self, why: str) -> None:
+        """Inspections left in the inbox (the loop will not run them) raise ``why``."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
         for kind, item in inbox:
             if kind == "inspect":
-                item[1].set_exception(RuntimeError(f"the engine loop died: {self.error}"))
+                item[1].set_exception(RuntimeError(why))
 
     @staticmethod
     def _emit(sink: Sink, update: Update) -> None:
