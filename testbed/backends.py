@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from testbed.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
@@ -165,7 +166,19 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         add_quality_fields(records, {rid: q.fields() for rid, q in quality.records().items()})
     extra |= tier_extra(cache)
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
-    return BackendResult(records, scheduler.preemptions, extra, note, result.observer)
+    ideal = ideal_as_ran(result.reqs) if rebuilds_prompts(requests, generate) else None
+    return BackendResult(records, scheduler.preemptions, extra, note, result.observer,
+                         ideal_hit_rate=ideal)
+
+
+def ideal_as_ran(reqs: list) -> float:
+    """The ideal hit rate of the calls as the engine ran them (its generated outputs, the prompts
+    rebuilt from them), in submission order: the workload's own outputs are not what ran."""
+    from testbed.metrics import ideal_hit_rate
+    from testbed.workloads.request import TOKEN_DTYPE
+
+    return ideal_hit_rate(Request(r.id, r.prompt, np.asarray(r.output, dtype=TOKEN_DTYPE))
+                          for r in reqs)
 
 
 def _sim_attention(run: Assembly, executor: Any) -> dict[str, Any]:

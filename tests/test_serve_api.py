@@ -110,6 +110,19 @@ def test_cached_tokens_is_the_exact_shared_prefix(server):
                                "prompt_tokens_details": {"cached_tokens": 33}}
 
 
+def test_max_tokens_0_is_a_prefill_only_call_whose_prompt_is_cached(server):
+    """SGLang's fork: the shared prompt computed once, nothing produced; later calls hit it."""
+    prompt = tokens(40)
+    first = completion(server, prompt, max_tokens=0)
+    assert first["choices"][0]["token_ids"] == [] and first["choices"][0]["finish_reason"] == \
+        "length"
+    assert first["usage"]["completion_tokens"] == 0
+    chunks = streamed(server, prompt + tokens(5), max_tokens=0)
+    assert [c for chunk in chunks for choice in chunk["choices"] for c in choice["token_ids"]] \
+        == []
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+
+
 def test_eos_ignore_eos_min_tokens_and_stop_token_ids(server):
     prompt = tokens(20)
     ids = completion(server, prompt, max_tokens=6)["choices"][0]["token_ids"]
@@ -139,8 +152,8 @@ MALFORMED = [
     ("no prompt", {"max_tokens": 3}, 400, "prompt must be a string or a list of token ids"),
     ("a batch", {"prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
     ("empty prompt", {"prompt": []}, 400, "empty prompt"),
-    ("max_tokens 0", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens must be >= 1, got 0"),
-    ("max_tokens negative", {"prompt": [1], "max_tokens": -4}, 400, "max_tokens must be >= 1"),
+    ("max_tokens negative", {"prompt": [1], "max_tokens": -4}, 400,
+     "max_tokens must be >= 0, got -4"),
     ("max_tokens text", {"prompt": [1], "max_tokens": "5"}, 400, "max_tokens must be an integer"),
     ("past the context", {"prompt": [1] * 100, "max_tokens": 4000}, 400,
      "prompt 100 + output 4000 tokens exceeds the model's context of 4096"),

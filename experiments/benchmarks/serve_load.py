@@ -46,7 +46,7 @@ DEFAULT_OVERRIDES = ["model=tiny", "device=cpu", "cache.capacity_tokens=512",
 VOCAB = 256  # the tiny model's
 MALFORMED = {  # kind -> the raw body sent
     "bad_json": '{"prompt": [1, 2, 3], "max_tokens": ',
-    "max_tokens_0": json.dumps({"prompt": [1, 2, 3], "max_tokens": 0}),
+    "max_tokens_negative": json.dumps({"prompt": [1, 2, 3], "max_tokens": -1}),
     "past_context": json.dumps({"prompt": [1] * 64, "max_tokens": 5000}),
     "outside_vocabulary": json.dumps({"prompt": [1, VOCAB + 7, 3], "max_tokens": 4}),
     "batch_of_prompts": json.dumps({"prompt": [[1, 2], [3, 4]], "max_tokens": 4}),

@@ -171,7 +171,7 @@ def parse(body: Any, facts: ServerFacts, chat: bool) -> Generation:
     _sampling(body, facts)
     prompt = chat_prompt(body, facts) if chat else completion_prompt(body, facts)
     asked = _int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body
-                 else "max_tokens", None, 1)
+                 else "max_tokens", None, 0)
     context = facts.limits.context
     max_tokens = asked if asked is not None else facts.default_max_tokens
     if asked is None and context is not None:  # the default never runs past the context
