@@ -9,15 +9,8 @@ import pytest
 from experiments.validation.server_vs_engine import HIT_TOLERANCE, Case, run_case
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Both sides on one torch thread (the server's process runs on one on a CPU)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# both sides on one torch thread (the server's process runs on one on a CPU), so they round alike
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_one_call_at_a_time_every_request_hits_exactly_as_offline(tmp_path):
