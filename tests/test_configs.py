@@ -73,6 +73,8 @@ def test_every_config_option_assembles_and_builds(compose, tmp_path, monkeypatch
         overrides.append("cost_model.path=conf/calibration/tiny_cpu.yaml")
     if group == "backend" and option == "engine":
         overrides += ["model=tiny", "device=cpu"]
+    if group == "scheduler" and option == "vllm":  # vLLM's scheduler runs on its block cache
+        overrides.append("cache=block_hash")
     if group == "cost_model" and option == "vidur":
         from tests.test_vidur_cost import write_profile
 
