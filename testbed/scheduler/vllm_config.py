@@ -1,5 +1,5 @@
-"""`VllmSchedulerConfig`: the ``scheduler=vllm`` config group, validated, and the choice between
-the two schedulers the testbed has (`scheduler_config`, `build_scheduler`).
+"""`VllmSchedulerConfig`: the ``scheduler=vllm`` config group, validated; `scheduler_config`
+reads a ``scheduler`` group as vLLM's or SGLang's (`testbed.scheduler.build` builds either).
 
 Keys are named as vLLM names them (``vllm/config/scheduler.py``, ``SchedulerConfig`` of vLLM
 0.32); defaults are its class defaults. ``conf/scheduler/vllm.yaml`` says where each comes from.
@@ -8,7 +8,7 @@ Keys are named as vLLM names them (``vllm/config/scheduler.py``, ``SchedulerConf
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Collection, Mapping
+from typing import Any, Mapping
 
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
@@ -48,6 +48,10 @@ class VllmSchedulerConfig:
         for key in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, key) < 1:
                 raise BadInput(f"scheduler.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # SchedulerConfig.verify_max_model_len
+            raise BadInput(f"scheduler.max_num_batched_tokens must be >= scheduler.max_num_seqs "
+                           f"(vLLM refuses fewer), got {self.max_num_batched_tokens} < "
+                           f"{self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
             raise BadInput(f"scheduler.long_prefill_token_threshold must be >= 0 (0: off), got "
                            f"{self.long_prefill_token_threshold}")
@@ -77,19 +81,3 @@ def check_vllm_cache(config: Any, cache_name: str | None, reuse_active: bool) ->
     if reuse_active:
         raise BadInput("scheduler=vllm reuses exact prefixes only (cache.reuse / cache.match "
                        "need scheduler=fcfs, lpm, ...)")
-
-
-def build_scheduler(cache, config: Any, seed: int = 0, eos_token_ids: Collection[int] = (),
-                    eos_for_all: bool = False, reuse=None, check_invariants: bool = False):
-    """The scheduler a config asks for over ``cache``: vLLM V1's (`testbed.scheduler.vllm`) or
-    SGLang's (`testbed.scheduler.scheduler`)."""
-    config = scheduler_config(config)
-    if isinstance(config, VllmSchedulerConfig):
-        from testbed.scheduler.vllm import VllmScheduler
-
-        return VllmScheduler(cache, config, eos_token_ids=eos_token_ids, eos_for_all=eos_for_all,
-                             check_invariants=check_invariants)
-    from testbed.scheduler.scheduler import Scheduler
-
-    return Scheduler(cache, config, seed=seed, eos_token_ids=eos_token_ids,
-                     eos_for_all=eos_for_all, reuse=reuse, check_invariants=check_invariants)

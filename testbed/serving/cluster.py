@@ -35,7 +35,8 @@ from testbed.router.base import Loads, Router
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
-from testbed.scheduler.vllm_config import build_scheduler, scheduler_config
+from testbed.scheduler.build import build_scheduler
+from testbed.scheduler.vllm_config import scheduler_config
 from testbed.serving.driver import Driver, Replica, StepStats
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver

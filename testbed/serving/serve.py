@@ -14,7 +14,7 @@ from testbed.cache import PrefixCache, ReuseConfig
 from testbed.metrics import RequestRecord
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
-from testbed.scheduler.vllm_config import build_scheduler
+from testbed.scheduler.build import build_scheduler
 from testbed.serving.driver import Driver, DriverResult
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
