@@ -487,15 +487,7 @@ class Scheduler:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
                 continue
-            stopped = False
-            if req.remaining_new_tokens > 0:  # (a prefill-only call, max_new 0, makes none)
-                if token is None:
-                    raise ValueError(f"request {req.id}: the executor produced no token")
-                req.output.append(int(token))
-                stopped = int(token) in req.stop_token_ids  # EOS (kept in the output)
-                if req.first_token_s is None:
-                    req.first_token_s = now
-            if stopped or req.remaining_new_tokens == 0:
+            if req.take_token(token, now):
                 self._finish(req, now)
                 finished.append(req)
             elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on

@@ -88,11 +88,10 @@ class VllmScheduler:
                 f"scheduler.max_num_batched_tokens={budget} with enable_chunked_prefill=false "
                 "(vLLM requires max_model_len <= max_num_batched_tokens then); raise it or "
                 "enable chunked prefill")
-        if not self.cache.fits(req.kv_needed):
-            req.aborted = True
-            req.finish_s = now
-            return req
-        self.waiting.append(req)
+        if self.cache.fits(req.kv_needed):
+            self.waiting.append(req)
+        else:  # never fits: aborted, it finishes at once
+            req.aborted, req.finish_s = True, now
         return req
 
     @property
@@ -217,15 +216,7 @@ class VllmScheduler:
             req = entry.req
             if req.finished or entry.gen != req.preemptions or not entry.produces_token:
                 continue
-            stopped = False
-            if req.remaining_new_tokens > 0:  # (a prefill-only call, max_new 0, makes none)
-                if token is None:
-                    raise ValueError(f"request {req.id}: the executor produced no token")
-                req.output.append(int(token))
-                stopped = int(token) in req.stop_token_ids  # check_stop: EOS, kept in the output
-                if req.first_token_s is None:
-                    req.first_token_s = now
-            if stopped or req.remaining_new_tokens == 0:
+            if req.take_token(token, now):  # check_stop: its length, or a stop token
                 self._finish(req, now)
                 finished.append(req)
         if finished:
