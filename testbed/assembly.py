@@ -40,6 +40,7 @@ from testbed.workloads import WORKLOADS, Request, build_workload
 from testbed.workloads.arrivals import Arrival
 
 REPLAY = "replay"  # the backend without an executor: requests one at a time, no time
+SERVER = "server"  # nor has this one: a live OpenAI-compatible server serves (testbed/remote/)
 
 
 def plain(node: Any) -> Any:
@@ -67,12 +68,14 @@ class Assembly:
     scheduler: SchedulerConfig | VllmSchedulerConfig
     router: Resolved
     cost_model: Resolved
-    executor: Resolved | None  # None: replay
+    executor: Resolved | None  # None: replay, server
     reuse: ReuseConfig = field(default_factory=ReuseConfig)  # beyond exact prefixes (scheduler)
     timeline: bool = False  # write timeline.json (Perfetto)
     arrival: Arrival | None = None  # the arrival group, checked (None: the workload's default)
     max_in_flight: int | None = None  # programs at once: arrival.max_in_flight, else the workload's
+    max_concurrency: int | None = None  # calls outstanding at once: arrival.max_concurrency
     notes: list[str] = field(default_factory=list)  # printed before the run
+    server: Any = None  # backend=server: the server block, checked (`ServerSettings`)
 
     # ------------------------------------------------------------------ run settings
     def get(self, key: str, default: Any = None) -> Any:
@@ -124,7 +127,11 @@ class Assembly:
         return has_lower_tiers(self.config["cache"])
 
     def labels(self) -> dict[str, Any]:
-        """The summary's names of the run's choices (a user class by its import path)."""
+        """The summary's names of the run's choices (a user class by its import path); a
+        server's cache and eviction are its own, named ``server``."""
+        if self.backend == SERVER:
+            return {"backend": SERVER, "workload": self.workload.label, "cache": SERVER,
+                    "eviction": SERVER}
         return {"backend": self.backend, "workload": self.workload.label,
                 "cache": self.cache.label, "eviction": self.eviction.label}
 
@@ -193,7 +200,7 @@ class Assembly:
         policy = self.build_policy([])
         if tier_options(self.config["cache"]) is None:  # tiers: their settings checked
             self.cache.build(capacity_tokens=None, policy=policy)
-        if self.backend != REPLAY:
+        if self.backend not in (REPLAY, SERVER):
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
             if self.config.get("attention") is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
@@ -284,11 +291,33 @@ def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> 
         raise BadInput("replicas > 1 needs backend=sim (replay serves one cache)")
     if backend == "engine":
         raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
+    if backend == SERVER:
+        raise BadInput(f"replicas={replicas} needs backend=sim; backend=server sends to one "
+                       "server (server.url)")
     c = config["cache"]
     if has_lower_tiers(c):
         raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
     if reuse.active:
         raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
+
+
+def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timeline: bool):
+    """backend=server: the ``server`` block checked (`testbed.remote.settings`), and what the
+    server's own cache and scheduler decide refused: reuse beyond prefixes, lower tiers, a
+    timeline (the client sees no steps). Other backends ignore the block."""
+    if backend != SERVER:
+        return None
+    from testbed.remote.settings import ServerSettings
+
+    if reuse.active or has_lower_tiers(config["cache"]):
+        raise BadInput("cache.reuse / cache.match / cache.host_tokens / cache.disk_tokens do not "
+                       "apply to backend=server: its cache is the server's")
+    if timeline:
+        raise BadInput("timeline=true needs backend=sim or backend=engine (backend=server sees "
+                       "no steps)")
+    for key, default in (("temperature", 0.0), ("top_p", 1.0)):  # sent with every call
+        group_values.number(config, key, "", default)
+    return ServerSettings.from_mapping(config.get("server"))
 
 
 def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
@@ -303,13 +332,13 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     backend = config["backend"].get("name")
     # the simulator and replay price or ignore the preset's shape: no model download for them
     config["model"] = resolve_model_group(config["model"],
-                                          need_checkpoint=backend not in ("sim", REPLAY))
-    if backend == REPLAY:
+                                          need_checkpoint=backend not in ("sim", REPLAY, SERVER))
+    if backend in (REPLAY, SERVER):
         executor = None
     elif backend in EXECUTORS or backend == CUSTOM:
         executor = EXECUTORS.resolve(config["backend"])
     else:
-        raise BadInput(f"backend must be one of {', '.join([*EXECUTORS, REPLAY])} or "
+        raise BadInput(f"backend must be one of {', '.join([*EXECUTORS, REPLAY, SERVER])} or "
                        f"{CUSTOM}; got {backend!r}")
     group_values.integer(config, "seed", "", minimum=0, default=0)
     group_values.integer(config, "replicas", "", minimum=1, default=1)
@@ -338,6 +367,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     timeline = check_setting("timeline", "bool", config.get("timeline")) or False
     if timeline and backend == REPLAY:
         raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
+    server = check_server(config, backend, reuse, timeline)
     arrival = Arrival.from_mapping(config.get("arrival"),
                                    is_trace=config["workload"].get("name") == "trace")
     run = Assembly(
@@ -349,6 +379,71 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
-        max_in_flight=programs_in_flight(config, arrival))
+        max_in_flight=programs_in_flight(config, arrival),
+        max_concurrency=arrival.max_concurrency, server=server)
     run.check_builds()
     return run
+
+
+# ---------------------------------------------------------------------------- python -m testbed.serve
+SERVE_KEYS = ("host", "port", "model_name", "max_queue", "default_max_tokens", "log_level")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The ``serve`` block of ``conf/serve.yaml``, checked (docs/design.md §3 "Serving over
+    HTTP")."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # None: the model group's name, else its directory's
+    max_queue: int = 256  # requests held at once (waiting or running); more: 429
+    default_max_tokens: int = 256  # a request's max_tokens when it gives none
+    log_level: str = "warning"  # uvicorn's
+
+
+def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, ServeSettings]:
+    """`assemble` for the server: backend=engine only, the engine generating (``forced`` does
+    not apply to generated calls; it is set false), plus the ``serve`` keys, each refused in one
+    line naming the key and what is allowed. A random model (no ``model.path``) of a billion
+    parameters or more on the CPU is refused too: it would take minutes and tens of GB to build."""
+    config = dict(plain(cfg))
+    block = config.pop("serve", None) or {}
+    if not isinstance(block, Mapping):
+        raise BadInput(f"serve must be a mapping of {', '.join(SERVE_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - set(SERVE_KEYS))
+    if unknown:
+        raise BadInput(f"serve.{unknown[0]} is not a serve key; allowed: {', '.join(SERVE_KEYS)}")
+    if (config.get("backend") or {}).get("name") != "engine":
+        raise BadInput("python -m testbed.serve needs backend=engine (the model generates); got "
+                       f"backend={(config.get('backend') or {}).get('name')}")
+    if (config.get("replicas") or 1) != 1:
+        raise BadInput("python -m testbed.serve serves one replica: replicas must be 1")
+    config["forced"] = False
+    run = assemble(config)
+    host = block.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise BadInput(f"serve.host must be a host name or address, got {host!r}")
+    port = group_values.integer(block, "port", "serve", minimum=0, default=8000)
+    if port > 65535:
+        raise BadInput(f"serve.port must be in 0..65535 (0: any free port), got {port}")
+    name = block.get("model_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise BadInput(f"serve.model_name must be a non-empty string or null, got {name!r}")
+    level = block.get("log_level", "warning")
+    if level not in LOG_LEVELS:
+        raise BadInput(f"serve.log_level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
+    settings = ServeSettings(
+        host=host, port=port, model_name=name,
+        max_queue=group_values.integer(block, "max_queue", "serve", minimum=1, default=256),
+        default_max_tokens=group_values.integer(block, "default_max_tokens", "serve",
+                                                minimum=1, default=256),
+        log_level=level)
+    model = run.config["model"]
+    if not model.get("path") and not run.engine_device.startswith("cuda") \
+            and run.model_shape.params >= 1e9:
+        raise BadInput(f"model={model.get('name')} has no checkpoint (model.path) and would be a "
+                       f"random {run.model_shape.params / 1e9:.1f}e9-parameter model on the CPU; "
+                       "pick model=tiny, model=smollm2_135m or model.path=DIR")
+    return run, settings

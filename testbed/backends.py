@@ -4,7 +4,9 @@
 - ``sim``: the shared scheduler and cache in SimPy, steps timed by a cost model;
 - ``engine``: the same scheduler and cache, steps run by the real model and timed; with reuse
   beyond exact prefixes the records carry the quality the engine measured (`add_quality_fields`);
-- ``custom``: the shared scheduler and cache, steps run by ``backend.target`` (an executor).
+- ``custom``: the shared scheduler and cache, steps run by ``backend.target`` (an executor);
+- ``server``: a live OpenAI-compatible server at ``server.url`` (`testbed.remote`, imported only
+  for it).
 
 KV capacity for ``sim`` and ``engine`` is ``cache.capacity_tokens`` when given, else what the
 model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_bytes_per_token``; the
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.assembly import REPLAY, Assembly
+from testbed.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
@@ -33,15 +35,21 @@ class BackendResult:
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific summary fields
     notes: list[str] = field(default_factory=list)  # printed last: what the reader must not miss
     observer: Any = None  # sim and engine: the run's `RunObserver` (steps, request phases)
-    # the ideal hit rate when the run itself reached it (replay, unlimited radix cache, page 1)
+    # the ideal hit rate when the backend knows it: replay through an unlimited radix cache of
+    # page 1 reached it; a server's run counts it over the calls as they ran
     ideal_hit_rate: float | None = None
 
 
 def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
-    if run.backend != "engine":
+    if run.backend not in ("engine", SERVER):
         refuse_generating(requests, run.backend)
     if run.backend not in (REPLAY, "engine"):  # the engine's limits say it for the engine
         refuse_empty_prompts(requests, run.backend)
+    if run.backend == SERVER:
+        from testbed.remote import run_server
+        done = run_server(run, requests)
+        return BackendResult(done.records, extra=done.extra, notes=done.notes,
+                             ideal_hit_rate=done.ideal_hit_rate)
     if run.backend == REPLAY:
         capacity = run.capacity_tokens
         cache = run.build_cache(capacity, requests)
@@ -134,6 +142,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         check_prompt = limits.check_submitted
     scheduler, result = serve(requests, cache, run.scheduler, executor, seed=run.seed,
                               max_in_flight=run.max_in_flight, generate=generate,
+                              max_concurrency=run.max_concurrency,
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=executor.runner.model.config.eos_token_ids
                               if engine else (), reuse=run.reuse, check_prompt=check_prompt,
@@ -189,7 +198,8 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
     result = simulate_cluster(
         requests, lambda: run.build_cache(capacity, requests), run.scheduler,
         executor, run.build_router(capacity), replicas=run.replicas, seed=run.seed,
-        max_in_flight=run.max_in_flight, network_delay_s=network_delay_s,
+        max_in_flight=run.max_in_flight, max_concurrency=run.max_concurrency,
+        network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
         observe=True, check_invariants=run.check_invariants)
     extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,

@@ -10,7 +10,11 @@ prompt, cache-warm otherwise; ``cold_requests`` counts the cold ones served and 
 under load, SGLang issue 31954). An engine run with approximate reuse carries each request's
 quality against exact recomputation (``token_agreement``, ``kl_mean``, ``first_divergence``,
 ``rouge_l``; measured by the engine, `testbed.engine.quality`) and the summary their means; other
-runs leave those fields out.
+runs leave those fields out. A live server's run (``backend=server``) adds to each record its
+inter-token gaps (``itl_s``), HTTP ``status``, ``error`` and whether the call ``failed`` (left
+out of the latency figures, counted in ``failed_requests``); its ``cached_tokens`` is None where
+the server reported none, and the hit rate is then over the requests whose hits are known (null
+when none is: ``cached_tokens_reported`` false).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class RequestRecord:
     first_token_s: float | None
     finish_s: float | None
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: not known (a live server that did not report it)
     output_tokens: int
     evicted_tokens: int  # tokens evicted to make room for this request
     inserted: bool  # false when the request could not be cached
@@ -58,11 +62,17 @@ class RequestRecord:
     rouge_l: float | None = None
     quality_measured: bool = False  # the run measured quality: the four fields above are written
     answer: str | None = None  # the request's expected answer (tasks with ground truth), if any
+    # a live server's call (backend=server): gaps between the chunks that carried tokens, the
+    # HTTP status (None: no response), why it failed (None: it did not); None itl_s: another run
+    itl_s: list[float] | None = None
+    status: int | None = None
+    error: str | None = None
+    failed: bool = False  # no complete answer: left out of the latency figures
 
     def to_json(self) -> dict[str, Any]:
         """The requests.jsonl line: every field in order, less the token ids and tier fields
-        when they are None, the quality fields when the run did not measure quality and
-        ``answer`` when the request has none."""
+        when they are None, the quality fields when the run did not measure quality,
+        ``answer`` when the request has none and the server fields outside a server run."""
         row = {name: getattr(self, name) for name in _field_names(type(self))}
         del row["quality_measured"]
         if self.prompt_ids is None:
@@ -75,6 +85,9 @@ class RequestRecord:
                 del row[key]
         if self.answer is None:
             del row["answer"]
+        if self.itl_s is None:
+            for key in SERVER_FIELDS:
+                del row[key]
         return row
 
 
@@ -85,6 +98,7 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 TIER_FIELDS = ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "load_s")
 QUALITY_FIELDS = ("token_agreement", "kl_mean", "first_divergence", "rouge_l")
+SERVER_FIELDS = ("itl_s", "status", "error", "failed")
 
 
 def tier_fields(hit: int, loaded: Mapping[str, int] | None,
@@ -140,12 +154,18 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def _timed(records: list[RequestRecord]) -> list[RequestRecord]:
     """Requests that were served and finished: those the latency figures count."""
-    return [r for r in records if r.finish_s is not None and not r.aborted]
+    return [r for r in records if r.finish_s is not None and not r.aborted and not r.failed]
 
 
 def _ttfts(records: list[RequestRecord]) -> list[float]:
     """Time to first token of the timed requests that produced one."""
     return [r.first_token_s - r.arrival_s for r in _timed(records) if r.first_token_s is not None]
+
+
+def _tpots(timed: list[RequestRecord]) -> list[float]:
+    """Time per output token after the first, of the timed requests with more than one."""
+    return [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
+            for r in timed if r.first_token_s is not None and r.output_tokens > 1]
 
 
 def is_cold(record: RequestRecord) -> bool:
@@ -155,8 +175,9 @@ def is_cold(record: RequestRecord) -> bool:
 
 def cold_warm_summary(records: list[RequestRecord]) -> dict[str, Any]:
     """TTFT of cache-cold requests against cache-warm ones; aborted requests are left out, as in
-    the other latency figures. Percentiles are None where a group has no TTFT (replay)."""
-    served = [r for r in records if not r.aborted]
+    the other latency figures, and so are requests whose hit is not known (a server's).
+    Percentiles are None where a group has no TTFT (replay)."""
+    served = [r for r in records if not r.aborted and not r.failed and r.cached_tokens is not None]
     cold = [r for r in served if is_cold(r)]
     warm = [r for r in served if not is_cold(r)]
     return {"cold_requests": len(cold),
@@ -169,13 +190,14 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
               preemptions: int = 0) -> dict[str, Any]:
     """The summary.json figures for one run."""
     prompt = sum(r.prompt_tokens for r in records)
-    cached = sum(r.cached_tokens for r in records)
+    known = [r for r in records if r.cached_tokens is not None]  # all but a server's unreported
+    cached = sum(r.cached_tokens for r in known) if known or not records else None
+    known_prompt = sum(r.prompt_tokens for r in known)
     output = sum(r.output_tokens for r in records)
     timed = _timed(records)
     makespan = (max(r.finish_s for r in timed) - min(r.arrival_s for r in timed)) if timed else None
     ttft = _ttfts(records)
-    tpot = [(r.finish_s - r.first_token_s) / (r.output_tokens - 1)
-            for r in timed if r.first_token_s is not None and r.output_tokens > 1]
+    tpot = _tpots(timed)
     e2e = [r.finish_s - r.arrival_s for r in timed if r.output_tokens]  # prefill-only calls
     # (a fork's shared-prompt prefill) produce no token: latency counts generating requests
     rate = (lambda x: x / makespan) if makespan else (lambda x: None)
@@ -185,7 +207,7 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "cached_tokens": cached,
         "approx_hit_tokens": sum(r.approx_hit_tokens for r in records),
         "recomputed_tokens": sum(r.recomputed_tokens for r in records),
-        "hit_rate": cached / prompt if prompt else 0.0,
+        "hit_rate": None if cached is None else cached / known_prompt if known_prompt else 0.0,
         "ideal_hit_rate": ideal,
         "output_tokens": output,
         "evicted_tokens": sum(r.evicted_tokens for r in records),
@@ -202,7 +224,21 @@ def summarize(records: list[RequestRecord], ideal: float, wall_s: float,
         "e2e_p50_s": _percentile(e2e, 50),
         "e2e_p99_s": _percentile(e2e, 99),
         "wall_s": wall_s,
-    } | tier_summary(records, prompt) | quality_summary(records)
+    } | tier_summary(records, prompt) | quality_summary(records) | server_summary(records)
+
+
+def server_summary(records: list[RequestRecord]) -> dict[str, Any]:
+    """A live server's run (records with ``itl_s``): failed calls, whether the server reported
+    cached tokens, inter-token latency and the tail of TPOT; nothing for other runs."""
+    if not records or records[0].itl_s is None:
+        return {}
+    timed = _timed(records)
+    itl = [gap for r in timed for gap in r.itl_s]
+    tpot = _tpots(timed)
+    return {"failed_requests": sum(r.failed for r in records),
+            "cached_tokens_reported": any(r.cached_tokens is not None for r in records),
+            "tpot_p99_s": _percentile(tpot, 99),
+            "itl_p50_s": _percentile(itl, 50), "itl_p99_s": _percentile(itl, 99)}
 
 
 def tier_summary(records: list[RequestRecord], prompt: int) -> dict[str, Any]:

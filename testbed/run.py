@@ -69,8 +69,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2 if failure_kind(e) == "bad_input" else 1)
     (run_dir / "failed.json").unlink(missing_ok=True)  # an earlier failure, now superseded
     if sweeping:
-        span = summary["makespan_s"]
-        print(f"done: {' '.join(overrides)} · hit_rate {summary['hit_rate']:.4g}"
+        span, hit = summary["makespan_s"], summary["hit_rate"]
+        print(f"done: {' '.join(overrides)} · hit_rate "
+              + (f"{hit:.4g}" if hit is not None else "not reported")
               + (f" · makespan_s {span:.4g}" if span is not None else "") + f" · {run_dir}")
         for line in notes:
             print(f"  {line}")
@@ -86,7 +87,9 @@ def summary_head(summary: dict) -> str:
     """The first line a single run prints: what ran."""
     head = [f"backend={summary['backend']}", f"workload={summary['workload']}",
             f"cache={summary['cache']}", f"eviction={summary['eviction']}"]
-    if summary["backend"] != "replay":
+    if summary["backend"] == "server":
+        head += [f"server_url={summary['server_url']}", f"server_model={summary['server_model']}"]
+    elif summary["backend"] != "replay":
         head += [f"scheduler={summary['scheduler']}", f"model={summary['model']}",
                  f"hardware={summary['hardware']}",
                  f"kv_capacity_tokens={summary['kv_capacity_tokens']}"]

@@ -57,7 +57,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             "hit_rate", "ideal_hit_rate",
             *[k for k in ("hit_rate_gpu", "hit_rate_host", "hit_rate_disk") if k in summary],
             "output_tokens", "evicted_tokens", "uncached_requests", "aborted_requests", "preemptions", "makespan_s",
-            "throughput_req_s", "throughput_tok_s", "ttft_p50_s", "e2e_p50_s", "wall_s"]
+            "throughput_req_s", "throughput_tok_s", "ttft_p50_s", "e2e_p50_s",
+            *[k for k in ("failed_requests", "itl_p50_s") if k in summary], "wall_s"]
     width = max(map(len, keys + ["timing"]))
     lines = [f"  {k:<{width}}  {fmt(summary.get(k))}" for k in keys]
     timing = summary.get("timing")

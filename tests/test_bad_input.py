@@ -61,7 +61,8 @@ CONFIG_CASES = [
     (["arrival.kind=poisson", "arrival.rate=fast"], "requests",
      "arrival.rate must be a number, got 'fast'"),
     (["+arrival.burst=3"], "requests",
-     "arrival.burst is not a setting of arrival; allowed: kind, rate, time_scale, max_in_flight"),
+     "arrival.burst is not a setting of arrival; allowed: kind, rate, time_scale, "
+     "max_in_flight, max_concurrency"),
     (["hardware.flops=0"], "hardware", "hardware.flops must be > 0, got 0"),
     (["hardware.mem_bw=fast"], "hardware", "hardware.mem_bw must be a number, got 'fast'"),
     (["model.num_layers=0"], "model", "model.num_layers must be >= 1, got 0"),

@@ -174,6 +174,59 @@ def test_a_request_that_could_never_fit_the_pool_is_aborted_at_submission():
     assert r.aborted and not s.has_work
 
 
+def test_an_aborted_request_frees_its_blocks_and_its_hashed_ones_stay_cached():
+    s = scheduler(blocks=8, block_size=4, max_num_batched_tokens=6)
+    a = s.submit(request("a", range(1, 10), out=5), 0.0)
+    b = s.submit(request("b", range(20, 25), out=2), 0.0)
+    assert step(s) == [("a", 0, 6)]
+    assert s.abort(a, 1.0) and a.aborted and a.finish_s == 1.0
+    assert s.cache.protected_size == 0 and s.cache.evictable_size == 4  # its one full block
+    assert s.abort(b, 1.0) and not s.has_work  # a waiting one just leaves the queue
+    assert not s.abort(b, 2.0)
+    s.check_drained()
+    assert s.cache.free_blocks == 8
+    c = s.submit(request("c", range(1, 10), out=1), 2.0)
+    assert step(s) == [("c", 4, 5)] and c.cached_tokens == 4
+
+
+def test_per_request_stops_end_a_generated_request_once_min_tokens_came():
+    """A generated call stops on its own stop tokens (EOS too unless ``ignore_eos``), but not
+    before ``min_tokens`` of output (the same rule as SGLang's scheduler)."""
+    cache = BlockHashCache(None, 4)
+    s = VllmScheduler(cache, VllmSchedulerConfig(), eos_token_ids=[7], check_invariants=True)
+    calls = [Request("eos", np.asarray([1, 2], TOKEN_DTYPE), np.zeros(0, TOKEN_DTYPE),
+                     max_new_tokens=5),
+             Request("late", np.asarray([1, 3], TOKEN_DTYPE), np.zeros(0, TOKEN_DTYPE),
+                     max_new_tokens=5, min_tokens=2),
+             Request("own", np.asarray([1, 4], TOKEN_DTYPE), np.zeros(0, TOKEN_DTYPE),
+                     max_new_tokens=5, ignore_eos=True, stop_token_ids=(9,))]
+    reqs = [s.submit(c, 0.0) for c in calls]
+    script = [7, 5, 7, 9, 5]
+    while s.has_work:
+        batch = s.next_batch(0.0)
+        s.complete(batch, [script[len(e.req.output)] for e in batch.entries], 0.0)
+    assert [r.output for r in reqs] == [[7], [7, 5, 7], [7, 5, 7, 9]]
+
+
+def test_the_online_engine_serves_with_vllms_scheduler(tmp_path):
+    """``python -m testbed.serve`` builds the scheduler the config asks for: vLLM's here, over
+    the block cache, on the tiny model; a request generates its tokens."""
+    from testbed.api.online import generating_request
+    from testbed.api.server import build_engine
+    from testbed.assembly import assemble_serve
+
+    run, settings = assemble_serve(compose_config(
+        ["model=tiny", "device=cpu", "cache=block_hash", "cache.capacity_tokens=512",
+         "scheduler=vllm"], name="serve"))
+    engine, _ = build_engine(run, settings)
+    assert type(engine.scheduler).__name__ == "VllmScheduler"
+    req = engine.scheduler.submit(generating_request("x", np.arange(1, 20, dtype=TOKEN_DTYPE), 3,
+                                                     ignore_eos=True), 0.0)
+    while engine.scheduler.has_work:
+        assert engine._step()
+    assert len(req.output) == 3 and req.finished
+
+
 def test_scheduler_vllm_needs_the_block_cache_and_its_own_keys(compose):
     with pytest.raises(BadInput, match=r"^scheduler=vllm needs cache=block_hash .*got cache=radix$"):
         assemble(compose("scheduler=vllm", "cache=radix"))

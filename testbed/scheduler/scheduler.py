@@ -121,7 +121,7 @@ class Scheduler:
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
                   submitted_s=now, seq=self._seq)
         if self.eos_for_all or request.generates:
-            req.stop_token_ids = self.eos_token_ids
+            req.use_stop_tokens(self.eos_token_ids)
         self._seq += 1
         extra = 1 if self.config.overlap and req.max_new_tokens > 0 else 0
         if not self.cache.fits(req.kv_needed + extra):
@@ -511,14 +511,43 @@ class Scheduler:
         """cache_finished_req: every token with KV (all but the last output; the whole prompt of a
         prefill-only call) enters the cache; a slot taken for a step still in flight (overlap) is
         freed."""
-        with_kv = self._exact(req, req.fill_len - 1 if req.output else req.fill_len)
+        self._release_inserting(req, req.fill_len - 1 if req.output else req.fill_len)
+        req.finish_s = now
+
+    def _release_inserting(self, req: Req, n: int) -> None:
+        """The fill's first ``n`` tokens (those with KV) enter the cache, and the lease ends."""
+        with_kv = self._exact(req, n)
         released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
         if self.reuse is not None:
             self.reuse.release(req)
             self.reuse.inserted(req, req.fill()[:with_kv])
         req.inserted = released.inserted
         req.lease = None
+
+    # ------------------------------------------------------------------ aborts
+    def abort(self, req: Req, now: float) -> bool:
+        """End ``req`` now, unfinished (a client went away): it leaves the queue, the chunked
+        slot, the running batch or the load-backs, and gives its lease up. The tokens it has KV
+        for (``req.computed`` of its fill) enter the cache, as SGLang caches a request finished
+        by an abort (``cache_finished_req``); a waiting one (never admitted, or retracted) holds
+        no KV. Call it between steps only (after `complete`, before `next_batch`): a result
+        still pending under ``overlap`` is then dropped, as for any finished request. Returns
+        False when the request had already finished (nothing to do)."""
+        if req.finished:
+            return False
+        if any(r is req for r in self.loading):
+            self.loads.done(req, 0.0)  # the copy is given up; its lease freed, nothing inserted
+        elif req.lease is not None:
+            self._release_inserting(req, req.computed)
+        self.waiting = [r for r in self.waiting if r is not req]
+        if any(r is req for r in self.running):
+            self.running = [r for r in self.running if r is not req]
+            self.batch_is_full = False
+        if self.chunked is req:
+            self.chunked = None
+        req.aborted = True
         req.finish_s = now
+        return True
 
     def check_drained(self) -> None:
         """At the end of a run: every request finished, no lease held, nothing locked in the

@@ -80,7 +80,7 @@ class VllmScheduler:
                   submitted_s=now, seq=self._seq)
         self._seq += 1
         if self.eos_for_all or request.generates:
-            req.stop_token_ids = self.eos_token_ids
+            req.use_stop_tokens(self.eos_token_ids)
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and req.kv_needed > budget:
             raise WorkloadRefused(
@@ -233,6 +233,22 @@ class VllmScheduler:
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now
+
+    # ------------------------------------------------------------------ aborts
+    def abort(self, req: Req, now: float) -> bool:
+        """``finish_requests(..., FINISHED_ABORTED)`` (a client went away): it leaves the running
+        list or the queue and its blocks are freed as at finish (``_free_request``); those
+        already hashed stay cached. Call it between steps. Returns False when it had already
+        finished."""
+        if req.finished:
+            return False
+        if req.lease is not None:
+            self._finish(req, now)
+        self.running = [r for r in self.running if r is not req]
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        req.aborted = True
+        req.finish_s = now
+        return True
 
     # ------------------------------------------------------------------ checks
     def leases(self) -> list[Lease]:

@@ -32,6 +32,10 @@ class VllmSchedulerConfig:
     def target(self) -> None:  # what run summaries read of a scheduler config (no custom class)
         return None
 
+    @property
+    def overlap(self) -> bool:  # vLLM's synchronous scheduler: results before the next step
+        return False
+
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "VllmSchedulerConfig":
         known = {f.name: f.type for f in fields(cls)}

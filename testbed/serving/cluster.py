@@ -93,9 +93,9 @@ class ClusterDriver(Driver):
     def __init__(self, requests: list[Request], schedulers: list[Scheduler], executor: Executor,
                  router: Router, max_in_flight: int | None = None, network_delay_s: float = 0.0,
                  transfer_s_per_token: float = 0.0, progress: bool = False,
-                 observer: RunObserver | None = None) -> None:
+                 observer: RunObserver | None = None, max_concurrency: int | None = None) -> None:
         super().__init__(requests, schedulers, executor, max_in_flight=max_in_flight,
-                         progress=progress, observer=observer)
+                         progress=progress, observer=observer, max_concurrency=max_concurrency)
         if network_delay_s < 0 or transfer_s_per_token < 0:
             raise ValueError("router.network_delay_s and router.transfer_s_per_token must be >= 0, "
                              f"got {network_delay_s} and {transfer_s_per_token}")
@@ -174,9 +174,8 @@ class ClusterDriver(Driver):
             final_loads=Loads(tuple(self.load_tokens), tuple(self.load_requests)),
             observer=self.observer)
 
-    def _submit_at(self, call: Request, when: float):
-        if when > self.env.now:
-            yield self.env.timeout(when - self.env.now)
+    def _dispatch(self, call: Request):
+        """Route a ready ``call`` now and submit it where the trip ends."""
         loads = Loads(tuple(self.load_tokens), tuple(self.load_requests))
         w = self.router.route(call.prompt, loads, self.env.now)
         if not 0 <= w < len(self.replicas):
@@ -215,7 +214,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      replicas: int, seed: int = 0, max_in_flight: int | None = None,
                      network_delay_s: float = 0.0, progress: bool = False,
                      transfer_s_per_token: float = 0.0, observe: bool = False,
-                     check_invariants: bool = False) -> ClusterResult:
+                     check_invariants: bool = False,
+                     max_concurrency: int | None = None) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
     scheduler, seeded ``seed + i``) behind ``router``, in virtual time; with ``observe`` the
     result carries a `RunObserver`'s steps and request phases; with ``check_invariants`` every
@@ -232,7 +232,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     driver = ClusterDriver(requests, schedulers, executor, router, max_in_flight=max_in_flight,
                            network_delay_s=network_delay_s,
                            transfer_s_per_token=transfer_s_per_token, progress=progress,
-                           observer=RunObserver(schedulers) if observe else None)
+                           observer=RunObserver(schedulers) if observe else None,
+                           max_concurrency=max_concurrency)
     result = driver.run()
     for scheduler in schedulers if check_invariants else ():
         scheduler.check_drained()

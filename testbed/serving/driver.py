@@ -4,8 +4,12 @@ think times, and one step loop per replica, in SimPy's virtual time.
 Virtual time advances by each step's duration, whoever computed it (a cost model or a timed model
 step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
 dependencies finished; with ``max_in_flight`` at most that many programs run at once (a closed
-loop), the next starting when one finishes. A request that can never fit in the KV cache is
-aborted at submission and counts as finished for its dependents.
+loop), the next starting when one finishes; with ``max_concurrency`` at most that many calls are
+outstanding at once, across programs (bench_serving's ``--max-concurrency``): a ready call waits
+in a FIFO for a slot before it is submitted, and its record's arrival is when it got one. A
+request that can never fit in the KV cache is aborted at submission and counts as finished for
+its dependents. The program bookkeeping is `testbed.workloads.graph.ProgramGraph`, shared with
+the live-server client (`testbed.remote.driver`).
 
 `Driver` serves one replica; `testbed.serving.cluster.ClusterDriver` puts a router in front of N
 and changes only where a call goes (routing, the trip there) and the load it keeps per replica:
@@ -31,6 +35,7 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
+from testbed.workloads.graph import ProgramGraph
 from testbed.workloads.request import TOKEN_DTYPE, Request, materialize
 
 
@@ -101,10 +106,12 @@ class Driver:
                  executor: Executor, max_in_flight: int | None = None, generate: bool = False,
                  progress: bool = False, record_steps: bool = False,
                  observer: RunObserver | None = None,
-                 check_prompt: Callable[[Request, np.ndarray], None] | None = None) -> None:
+                 check_prompt: Callable[[Request, np.ndarray], None] | None = None,
+                 max_concurrency: int | None = None) -> None:
         """``scheduler``: one replica's, or a list, one per replica (a subclass routes among
         them). ``check_prompt``: called on each prompt rebuilt from real outputs before its call
-        is submitted (the engine refuses one its model cannot take)."""
+        is submitted (the engine refuses one its model cannot take). ``max_concurrency``: calls
+        outstanding at once (None: unlimited)."""
         self.env = simpy.Environment()
         self.requests = requests
         schedulers = scheduler if isinstance(scheduler, list) else [scheduler]
@@ -118,34 +125,17 @@ class Driver:
         self.reqs: list[Req] = []
         self.steps: list[StepRecord] = []
         self._outputs: dict[str, np.ndarray] = {}
-        self._finish_s: dict[str, float] = {}
-        self._dependents: dict[str, list[Request]] = {}
-        self._waiting_on: dict[str, int] = {}
-        self._calls_left: dict[str, int] = {}
-        self._programs: list[str] = []  # in order of arrival
-        self._roots: dict[str, list[Request]] = {}
+        self.graph = ProgramGraph(requests)
         self._started = 0
         self._in_flight = 0
         self._slot_free: simpy.Event | None = None
+        # max_concurrency: a FIFO of calls waiting for one of N slots, each held until its call
+        # finishes (the slot's request by call id)
+        self._call_slots = None if max_concurrency is None else \
+            simpy.Resource(self.env, capacity=max_concurrency)
+        self._slot_of: dict[str, Any] = {}
         self._bar = tqdm(total=len(requests), desc="simulate", unit="req",
                          disable=None if progress else True)
-        self._index()
-
-    def _index(self) -> None:
-        ids = {r.id for r in self.requests}
-        for r in self.requests:
-            program = r.program_id
-            if program not in self._calls_left:
-                self._programs.append(program)
-                self._calls_left[program] = 0
-                self._roots[program] = []
-            self._calls_left[program] += 1
-            deps = [a for a in r.after if a in ids]
-            self._waiting_on[r.id] = len(deps)
-            for a in deps:
-                self._dependents.setdefault(a, []).append(r)
-            if not deps:
-                self._roots[program].append(r)
 
     # ------------------------------------------------------------------ processes
     def run(self) -> DriverResult:
@@ -162,25 +152,36 @@ class Driver:
 
     def _start_programs(self):
         """Start programs in arrival order, at most ``max_in_flight`` at once."""
-        while self._started < len(self._programs):
+        programs = self.graph.programs
+        while self._started < len(programs):
             if self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
                 self._slot_free = self.env.event()
                 yield self._slot_free
                 continue
-            program = self._programs[self._started]
+            program = programs[self._started]
             self._started += 1
             self._in_flight += 1
-            for call in self._roots[program]:
+            for call in self.graph.roots[program]:
                 self.env.process(self._submit_at(call, call.arrival_s))
-            if self._started < len(self._programs):
-                nxt = min(r.arrival_s for r in self._roots[self._programs[self._started]])
+            if self._started < len(programs):
+                nxt = self.graph.first_arrival(self._started)
                 if nxt > self.env.now:
                     yield self.env.timeout(nxt - self.env.now)
 
     def _submit_at(self, call: Request, when: float):
+        """Submit ``call`` at ``when``, once a call slot is free (``max_concurrency``)."""
         if when > self.env.now:
             yield self.env.timeout(when - self.env.now)
+        if self._call_slots is not None:
+            slot = self._call_slots.request()
+            yield slot
+            self._slot_of[call.id] = slot
+        yield from self._dispatch(call)
+
+    def _dispatch(self, call: Request):
+        """Send a ready ``call`` to its replica (here the one replica, at once)."""
         self._submit(self.replicas[0], call)
+        yield from ()
 
     def _submit(self, rep: Replica, call: Request, routed_s: float | None = None) -> None:
         """Hand ``call`` to ``rep``'s scheduler now (routed at ``routed_s``, default now)."""
@@ -201,7 +202,6 @@ class Driver:
         """One replica's loop: form a batch, run it on the executor, advance time by its
         duration, hand the results to the scheduler; idle until a submission or a load-back
         wakes it."""
-        total = len(self.requests)
         scheduler = rep.scheduler
         while True:
             batch = scheduler.next_batch(self.env.now)
@@ -214,7 +214,7 @@ class Driver:
             if self.observer is not None:
                 self.observer.formed(batch, self.env.now, replica=rep.index)
             if batch is None:
-                if len(self._finish_s) == total:
+                if self.graph.all_finished:
                     return
                 rep.wake = self.env.event()
                 yield rep.wake
@@ -250,24 +250,21 @@ class Driver:
 
     def _on_finish(self, req: Req) -> None:
         call = req.request
-        self._finish_s[call.id] = self.env.now
+        program_done, ready = self.graph.finish(call, self.env.now)
         if self.observer is not None:
             self.observer.finished(req, self.env.now)
         self._outputs[call.id] = (call.output if req.aborted
                                   else np.asarray(req.output, dtype=TOKEN_DTYPE))
         self._bar.update(1)
-        program = call.program_id
-        self._calls_left[program] -= 1
-        if self._calls_left[program] == 0:
+        if call.id in self._slot_of:
+            self._call_slots.release(self._slot_of.pop(call.id))
+        if program_done:
             self._in_flight -= 1
             if self._slot_free is not None and not self._slot_free.triggered:
                 self._slot_free.succeed()
-        for dep in self._dependents.get(call.id, []):
-            self._waiting_on[dep.id] -= 1
-            if self._waiting_on[dep.id] == 0:
-                ready = max(self._finish_s[a] for a in dep.after if a in self._finish_s)
-                self.env.process(self._submit_at(dep, max(dep.arrival_s, ready + dep.think_time_s)))
-        if len(self._finish_s) == len(self.requests):  # idle replicas can stop now
+        for dep, when in ready:
+            self.env.process(self._submit_at(dep, when))
+        if self.graph.all_finished:  # idle replicas can stop now
             for rep in self.replicas:
                 rep.notify()
 

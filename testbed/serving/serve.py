@@ -27,7 +27,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
           observe: bool = False, eos_token_ids: Collection[int] = (),
           reuse: ReuseConfig | None = None,
           check_prompt: Callable[[Request, np.ndarray], None] | None = None,
-          check_invariants: bool = False) -> tuple[Scheduler, DriverResult]:
+          check_invariants: bool = False,
+          max_concurrency: int | None = None) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
@@ -37,7 +38,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     ``eos_token_ids`` ends its request. ``reuse``: the cache group's reuse keys (beyond exact
     prefixes). ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
-    ``check_invariants``: the scheduler checks the cache after every step (``debug.``)."""
+    ``check_invariants``: the scheduler checks the cache after every step (``debug.``).
+    ``max_concurrency``: calls outstanding at once (``arrival.``; None: unlimited)."""
     scheduler = build_scheduler(cache, scheduler_cfg, seed=seed, eos_token_ids=eos_token_ids,
                                 eos_for_all=generate, reuse=reuse,
                                 check_invariants=check_invariants)
@@ -45,7 +47,7 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
                     generate=rebuilds_prompts(requests, generate), progress=progress,
                     record_steps=record_steps,
                     observer=RunObserver([scheduler]) if observe else None,
-                    check_prompt=check_prompt)
+                    check_prompt=check_prompt, max_concurrency=max_concurrency)
     result = driver.run()
     if check_invariants:
         scheduler.check_drained()

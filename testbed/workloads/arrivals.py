@@ -5,6 +5,10 @@
 - ``poisson``: programs arrive as a Poisson process of ``rate`` programs per second;
 - ``trace``: the trace's own timestamps, multiplied by ``time_scale``;
 - ``auto``: ``trace`` for recorded traces, ``offline`` for generated workloads.
+
+``max_in_flight`` bounds the programs running at once (a closed loop), ``max_concurrency`` the
+calls outstanding at once, across programs (bench_serving's ``--max-concurrency``); the serving
+loops (sim, engine, server) apply both.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from testbed.workloads.request import Request
 
 ARRIVALS = ("auto", "offline", "poisson", "trace")
 #: the keys of the ``arrival`` config group
-ARRIVAL_KEYS = ("kind", "rate", "time_scale", "max_in_flight")
+ARRIVAL_KEYS = ("kind", "rate", "time_scale", "max_in_flight", "max_concurrency")
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Arrival:
     rate: float | None = None
     time_scale: float = 1.0
     max_in_flight: int | None = None
+    max_concurrency: int | None = None  # calls outstanding at once (None: unlimited)
 
     @classmethod
     def from_mapping(cls, arrival: Mapping[str, Any] | None, is_trace: bool) -> "Arrival":
@@ -49,6 +54,10 @@ class Arrival:
             raise BadInput(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
         if max_in_flight is not None and max_in_flight < 1:
             raise BadInput(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
+        max_concurrency = check_setting("arrival.max_concurrency", "int",
+                                        arrival.get("max_concurrency"))
+        if max_concurrency is not None and max_concurrency < 1:
+            raise BadInput(f"arrival.max_concurrency must be >= 1 or null, got {max_concurrency}")
         if kind == "auto":
             kind = "trace" if is_trace else "offline"
         time_scale = 1.0 if time_scale is None else time_scale
@@ -56,7 +65,7 @@ class Arrival:
             raise BadInput(f"arrival.time_scale must be >= 0, got {time_scale}")
         if kind == "poisson" and (rate is None or rate <= 0):
             raise BadInput(f"arrival.rate must be > 0 for arrival.kind=poisson, got {rate}")
-        return cls(kind, rate, time_scale, max_in_flight)
+        return cls(kind, rate, time_scale, max_in_flight, max_concurrency)
 
     def apply(self, requests: list[Request], seed: int = 0) -> list[Request]:
         """Requests with ``arrival_s`` set by the arrival process (all calls of a program share

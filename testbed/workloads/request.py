@@ -59,6 +59,10 @@ class Request:
     category: str | None = None  # e.g. a trace's request type and turn (eviction policies)
     max_new_tokens: int | None = None  # generate mode (no predetermined output): the engine's
     answer: str | None = None  # the expected answer text, for tasks with ground truth (text.py)
+    # generate mode only (the server's per-request sampling parameters, OpenAI/vLLM names):
+    ignore_eos: bool = False  # the model's EOS does not end the call
+    min_tokens: int = 0  # a stop token ends the call only after at least this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end the call (kept in the output)
 
     @property
     def program_id(self) -> str:

@@ -1,0 +1,196 @@
+"""`make_app`: the OpenAI-compatible HTTP API (FastAPI) in front of an `OnlineEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
+events with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /debug/state`` (the
+scheduler and cache, read between steps: counts, locks, invariants). A request is parsed and
+checked here (`testbed.api.protocol`), then handed to the engine with a sink that moves its
+updates onto this event loop; a client that goes away (a stream cancelled by Starlette, or a
+non-streaming client found disconnected) has its request aborted, its KV released at the next
+step boundary. Errors are OpenAI's JSON ``{"error": {...}}`` with a 4xx/5xx status
+(docs/design.md §3 "Serving over HTTP").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from testbed.api.online import EngineDead, OnlineEngine, Update, generating_request
+from testbed.api.protocol import (ApiError, Generation, ServerFacts, choice, envelope, parse,
+                                  usage)
+from testbed.api.text import Detokenizer
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+
+
+def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
+    app = FastAPI(title=f"testbed.serve: {facts.model_name}")
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.alive:
+            return JSONResponse({"status": "error", "error": engine.error or "engine stopped"},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "model": facts.model_name, "live": engine.live})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": facts.model_name, "object": "model", "created": 0, "owned_by": "testbed",
+            "max_model_len": facts.limits.context}]}
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict[str, Any]:
+        if not engine.alive:
+            raise ApiError(503, f"the engine loop is not running ({engine.error})",
+                           code="engine_dead", kind="server_error")
+        return await run_in_threadpool(engine.inspect, engine_state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        gen = parse(await json_body(request), facts, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+        req = generating_request(rid, gen.prompt, gen.max_tokens, ignore_eos=gen.ignore_eos,
+                                 min_tokens=gen.min_tokens, stop_token_ids=gen.stop_token_ids)
+        try:
+            taken = engine.submit(req, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        except EngineDead as e:
+            raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
+        if not taken:
+            raise ApiError(429, f"the server holds {engine.max_live} requests already "
+                           "(serve.max_queue); retry later", code="queue_full",
+                           kind="rate_limit_error")
+        if gen.stream:
+            return AbortingStream(stream(gen, rid, updates), lambda: engine.abort(rid))
+        return await whole(request, gen, rid, updates)
+
+    async def whole(request: Request, gen: Generation, rid: str,
+                    updates: asyncio.Queue[Update]) -> Response:
+        async def collect() -> tuple[list[int], Update]:
+            ids: list[int] = []
+            while True:
+                u = await updates.get()
+                ids += u.tokens
+                if u.finish_reason is not None:
+                    return ids, u
+
+        async def client_gone() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+
+        answer = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():  # the client went away, or the server is stopping
+                answer.cancel()
+                engine.abort(rid)
+        if answer.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+        ids, last = answer.result()
+        if last.finish_reason == "error":
+            raise ApiError(500, f"the engine failed: {last.error}", code="engine_error",
+                           kind="server_error")
+        detok = Detokenizer(facts.tokenizer)
+        text = detok.feed(ids) + detok.finish()
+        body = envelope(gen, rid, facts.model_name,
+                        [choice(gen, text, ids, last.finish_reason, stream=False)], stream=False)
+        body["usage"] = usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        return JSONResponse(body)
+
+    async def stream(gen: Generation, rid: str,
+                     updates: asyncio.Queue[Update]) -> AsyncIterator[str]:
+        done, first = False, True
+        detok = Detokenizer(facts.tokenizer)
+        if gen.chat:  # the assistant's role first, as OpenAI streams it
+            yield sse(envelope(gen, rid, facts.model_name, [choice(gen, "", [], None, True)],
+                               stream=True, first=True))
+            first = False
+        while not done:
+            u = await updates.get()
+            if u.finish_reason == "error":
+                yield sse(ApiError(500, f"the engine failed: {u.error}", code="engine_error",
+                                   kind="server_error").body())
+                break
+            done = u.finish_reason is not None
+            piece = detok.feed(u.tokens) + (detok.finish() if done else "")
+            yield sse(envelope(gen, rid, facts.model_name,
+                               [choice(gen, piece, list(u.tokens), u.finish_reason, True)],
+                               stream=True, first=first))
+            first = False
+            if done and gen.include_usage:
+                chunk = envelope(gen, rid, facts.model_name, [], stream=True)
+                chunk["usage"] = usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                yield sse(chunk)
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+class AbortingStream(StreamingResponse):
+    """A server-sent event stream that aborts its request however it ends: Starlette cancels it
+    when the client disconnects, even before its first chunk. (After a normal end the abort
+    finds the request finished and does nothing.)"""
+
+    def __init__(self, content: AsyncIterator[str], abort: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.abort = abort
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.abort()
+
+
+async def json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def engine_state(engine: OnlineEngine) -> dict[str, Any]:
+    """The scheduler and cache as the loop thread sees them between steps (``/debug/state``):
+    requests held, locks and leases, and whether the cache's invariants hold (their message when
+    not)."""
+    s = engine.scheduler
+    cache = s.cache
+    try:
+        cache.check_invariants(s.leases())
+        invariants = "ok"
+    except AssertionError as e:
+        invariants = f"violated: {e}"
+    pool = cache.pool
+    return {"live": engine.live, **engine.counts,
+            "waiting": len(s.waiting), "running": sum(not r.finished for r in s.running),
+            "leases": len(s.leases()), "protected_tokens": int(cache.protected_size),
+            "evictable_tokens": int(cache.evictable_size),
+            "free_tokens": None if pool is None or pool.unbounded else int(pool.num_free),
+            "preemptions": s.preemptions, "has_work": s.has_work, "invariants": invariants}

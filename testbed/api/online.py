@@ -1,0 +1,258 @@
+"""`OnlineEngine`: the shared scheduler and the engine stepped on wall-clock time, for the server.
+
+One background thread owns the `Scheduler`, its cache and the executor; nothing else touches
+them. It loops: take the inbox (submissions, aborts, inspections) in arrival order, form the next
+batch (``now`` = seconds since the engine started, `time.perf_counter`), run it, report its
+tokens, and hand each request's new tokens and its finish to that request's ``sink`` (a callable
+the HTTP layer gives; it must not block). With nothing to do it sleeps on the inbox's condition:
+no busy wait. Caching and scheduling stay in the scheduler and the cache; this loop only calls
+their API, as `testbed.serving.driver` does in virtual time.
+
+Other threads call `submit`, `abort` and `inspect`; each only appends to the inbox. An abort
+acts at the next step boundary (`Scheduler.abort`). Lower-tier load-backs complete at once (no
+copy engine is modelled here: the cache has already counted the loaded slots).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from testbed.scheduler.request_state import Req
+from testbed.scheduler.scheduler import Scheduler
+from testbed.workloads.request import Request
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a request's sink receives: tokens new since the last update, and at the end
+    ``finish_reason`` (``stop``: a stop token, kept in ``tokens``; ``length``: max tokens;
+    ``abort``; ``error``: the loop failed, ``error`` says how) with the counts usage reports."""
+
+    tokens: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens hit at first admission
+    error: str | None = None
+
+
+Sink = Callable[[Update], None]
+
+
+class EngineDead(RuntimeError):
+    """The loop thread has stopped or failed: nothing can be submitted."""
+
+
+@dataclass
+class _Live:
+    req: Req | None  # None until the loop thread submitted it
+    sink: Sink
+    sent: int = 0  # output tokens handed to the sink
+
+
+class OnlineEngine:
+    def __init__(self, scheduler: Scheduler, executor: Any, max_live: int,
+                 idle_wait_s: float = 0.5) -> None:
+        """``max_live``: requests held at once (waiting or running); `submit` refuses more."""
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_live = max_live
+        self.idle_wait_s = idle_wait_s
+        self.error: str | None = None  # set when the loop thread died
+        self.counts = {"submitted": 0, "finished": 0, "aborted": 0, "steps": 0}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        self._live: dict[str, _Live] = {}  # request id -> its state (both threads; under _wake)
+        self._stop = False
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="online-engine", daemon=True)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> "OnlineEngine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after its current step and join it."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def live(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._live)
+
+    def submit(self, request: Request, sink: Sink) -> bool:
+        """Queue a generating request (``max_new_tokens`` set, no output); False when
+        ``max_live`` requests are held already (the caller answers 429). Raises `EngineDead`
+        when the loop is not running."""
+        with self._wake:
+            if self.error is not None or self._stop:
+                raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+            if len(self._live) >= self.max_live:
+                return False
+            if request.id in self._live:
+                raise ValueError(f"request id {request.id} is already being served")
+            self._live[request.id] = _Live(None, sink)
+            self._inbox.append(("submit", request))
+            self._wake.notify()
+        return True
+
+    def abort(self, request_id: str) -> None:
+        """End the request at the next step boundary, its KV released (no update is sent)."""
+        self._post("abort", request_id)
+
+    def inspect(self, fn: Callable[["OnlineEngine"], Any], timeout: float = 30.0) -> Any:
+        """``fn(engine)`` run in the loop thread between steps (where the scheduler and the cache
+        may be read); its result, or its exception raised here (`EngineDead` when the loop is
+        not running)."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+        future: Future = Future()
+        self._post("inspect", (fn, future))
+        return future.result(timeout)
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._wake:
+            self._inbox.append((kind, item))
+            self._wake.notify()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._stop or self._inbox or self.scheduler.has_work):
+                        self._wake.wait(self.idle_wait_s)
+                    if self._stop:
+                        self._fail_inspections("the engine stopped")
+                        return
+                    inbox, self._inbox = list(self._inbox), deque()
+                self._take(inbox)
+                if self.scheduler.has_work and not self._step():
+                    with self._wake:  # work but no batch: wait for input rather than spin
+                        if not (self._stop or self._inbox):
+                            self._wake.wait(self.idle_wait_s / 50)
+        except Exception as e:  # the server reports it: /health 503, requests end "error"
+            self.error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            self._fail_all()
+
+    def _take(self, inbox: list[tuple[str, Any]]) -> None:
+        for kind, item in inbox:
+            if kind == "submit":
+                req = self.scheduler.submit(item, self.now())
+                self.counts["submitted"] += 1
+                with self._wake:
+                    self._live[item.id].req = req
+                if req.finished:  # could never fit the KV pool (the app checks it first)
+                    self._finished(req, "abort")
+            elif kind == "abort":
+                live = self._live.get(item)
+                if live is not None and live.req is not None \
+                        and self.scheduler.abort(live.req, self.now()):
+                    self.counts["aborted"] += 1
+                    with self._wake:
+                        self._live.pop(item, None)
+            else:
+                fn, future = item
+                try:
+                    future.set_result(fn(self))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
+
+    def _step(self) -> bool:
+        """One step, its tokens and finishes handed on; False when no batch formed."""
+        s = self.scheduler
+        batch = s.next_batch(self.now())
+        finished = s.take_finished()
+        for req in s.take_loads():  # no copy engine here: the load-back is done at once
+            s.load_done(req)
+        if batch is not None:
+            outcome = self.executor.execute(batch)
+            self.counts["steps"] += 1
+            finished += s.complete(batch, outcome.tokens, self.now())
+        self._send_tokens()
+        for req in finished:
+            self._finished(req, self._reason(req))
+        return batch is not None
+
+    def _send_tokens(self) -> None:
+        """Each live request's output tokens not sent yet (a finished one's go with its end)."""
+        with self._wake:
+            lives = list(self._live.values())
+        for live in lives:
+            req = live.req
+            if req is not None and not req.finished and len(req.output) > live.sent:
+                new = tuple(req.output[live.sent:])
+                live.sent = len(req.output)
+                self._emit(live.sink, Update(tokens=new))
+
+    def _finished(self, req: Req, reason: str) -> None:
+        with self._wake:
+            live = self._live.pop(req.id, None)
+        if live is None:
+            return
+        self.counts["finished"] += 1
+        self._emit(live.sink, Update(
+            tokens=tuple(req.output[live.sent:]), finish_reason=reason,
+            prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
+            cached_tokens=req.cached_tokens or 0))
+
+    @staticmethod
+    def _reason(req: Req) -> str:
+        if req.aborted:
+            return "abort"
+        stopped = bool(req.output) and req.output[-1] in req.stop_token_ids \
+            and len(req.output) > req.request.min_tokens
+        return "stop" if stopped else "length"
+
+    def _fail_all(self) -> None:
+        """The loop died: every live request ends with ``error``; inspections waiting in the
+        inbox fail."""
+        with self._wake:
+            lives, self._live = list(self._live.values()), {}
+        for live in lives:
+            self._emit(live.sink, Update(finish_reason="error", error=self.error))
+        self._fail_inspections(f"the engine loop died: {self.error}")
+
+    def _fail_inspections(self, why: str) -> None:
+        """Inspections left in the inbox (the loop will not run them) raise ``why``."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
+        for kind, item in inbox:
+            if kind == "inspect":
+                item[1].set_exception(RuntimeError(why))
+
+    @staticmethod
+    def _emit(sink: Sink, update: Update) -> None:
+        try:
+            sink(update)
+        except RuntimeError:  # the HTTP side's event loop is closed (shutting down)
+            pass
+
+
+def generating_request(request_id: str, prompt: np.ndarray, max_tokens: int, *,
+                       ignore_eos: bool = False, min_tokens: int = 0,
+                       stop_token_ids: tuple[int, ...] = ()) -> Request:
+    """A server request as the scheduler takes it: generate mode, no output."""
+    return Request(request_id, prompt, np.zeros(0, dtype=prompt.dtype), max_new_tokens=max_tokens,
+                   ignore_eos=ignore_eos, min_tokens=min_tokens, stop_token_ids=stop_token_ids)

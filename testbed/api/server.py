@@ -1,0 +1,225 @@
+"""Building and running the server: `build_engine` turns an assembled run into an `OnlineEngine`
+and the `ServerFacts` its API checks requests against; `serve_forever` runs uvicorn on a socket
+bound here (the ready line is printed once it listens); `start_server` starts one for tests and
+the load test (in this process, in a thread, or as ``python -m testbed.serve``), on a free
+loopback port, and returns once ``/health`` answers.
+
+On a CPU the server's process runs torch on one thread (`one_cpu_thread`). KV pool:
+``cache.capacity_tokens`` when given; else on CUDA what free memory leaves after the
+weights (the engine's rule), and on a CPU ``CPU_KV_BYTES`` (256 MiB) of KV: a server has no
+workload to cap the pool by, and the hardware preset's memory (an A10G's 24 GB by default) is not
+the host's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from testbed.api.online import OnlineEngine
+from testbed.api.protocol import ServerFacts
+from testbed.assembly import Assembly, ServeSettings, assemble_serve, compose_config
+
+CPU_KV_BYTES = 256 * 2**20
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, ServerFacts]:
+    """The model, its KV pool, the cache and the scheduler of ``run``, behind an engine (not
+    started) and the facts requests are checked against."""
+    from testbed.engine.limits import ModelLimits
+    from testbed.scheduler.build import build_scheduler
+
+    capacity = run.capacity_tokens
+    if capacity is None and not run.engine_device.startswith("cuda"):
+        capacity = max(1, CPU_KV_BYTES // run.model_shape.kv_bytes_per_token)
+    executor = run.build_executor(capacity)
+    capacity = executor.runner.num_slots
+    planner = None
+    if run.has_lower_tiers:
+        from testbed.sim.transfer import make_planner
+        planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
+    cache = run.build_cache(capacity, [], planner=planner, record_transfers=True)
+    model = executor.runner.model
+    if cache.lower_tiers:
+        from testbed.engine.host_kv import TieredEngineExecutor
+        executor = TieredEngineExecutor(executor, cache)
+    scheduler = build_scheduler(cache, run.scheduler, seed=run.seed,
+                                eos_token_ids=model.config.eos_token_ids, eos_for_all=True,
+                                reuse=run.reuse, check_invariants=run.check_invariants)
+    group = run.config["model"]
+    path = group.get("path")
+    name = settings.model_name or group.get("name") or Path(path).name
+    extra = 1 if run.scheduler.overlap else 0  # under overlap the last token takes a slot too
+    facts = ServerFacts(
+        model_name=name, temperature=float(run.get("temperature", 0.0)),
+        top_p=float(run.get("top_p", 1.0)), default_max_tokens=settings.default_max_tokens,
+        limits=ModelLimits.for_group(group, model.config.vocab_size),
+        fits=lambda n: cache.fits(n - 1 + extra), kv_tokens=int(cache.available_size),
+        tokenizer=load_tokenizer(path))
+    return OnlineEngine(scheduler, executor, settings.max_queue), facts
+
+
+def load_tokenizer(path: str | None) -> Any:
+    """The checkpoint directory's tokenizer (its chat template too), or None without one."""
+    if not path or not any((Path(path) / f).is_file()
+                           for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def ready_line(run: Assembly, facts: ServerFacts, host: str, port: int) -> str:
+    return (f"serving {facts.model_name} on http://{host}:{port} (cache={run.cache.label}, "
+            f"scheduler={run.scheduler.target or run.scheduler.name}, "
+            f"kv_capacity_tokens={facts.kv_tokens})")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+def uvicorn_server(engine: OnlineEngine, facts: ServerFacts, log_level: str):
+    import uvicorn
+
+    from testbed.api.app import make_app
+
+    config = uvicorn.Config(make_app(engine, facts), log_level=log_level, lifespan="off",
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def serve_forever(run: Assembly, settings: ServeSettings) -> None:
+    """Build, print the ready line once the socket listens, serve until SIGINT/SIGTERM
+    (uvicorn's handlers), then stop the engine's loop thread and join it."""
+    if not run.engine_device.startswith("cuda"):
+        one_cpu_thread()
+    engine, facts = build_engine(run, settings)
+    sock = bind(settings.host, settings.port)
+    server = uvicorn_server(engine, facts, settings.log_level)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
+    # handler it found: this one ends `run` instead of killing the process before the engine's
+    # thread is joined
+    found = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    engine.start()
+    try:
+        print(ready_line(run, facts, settings.host, sock.getsockname()[1]), flush=True)
+        server.run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        engine.stop()
+        sock.close()
+        for sig, handler in found.items():
+            signal.signal(sig, handler)
+
+
+def one_cpu_thread() -> None:
+    """One intra-op thread for torch on a CPU: the HTTP threads share the cores with the engine,
+    and torch's threads spin waiting for each other while those run (the load test's steps took
+    5x longer with two threads on 2 cores, docs/results/serve.md)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class _Stopped(Exception):
+    """A stop signal, after uvicorn's graceful shutdown."""
+
+
+def _stopped(_sig, _frame) -> None:
+    raise _Stopped
+
+
+# ---------------------------------------------------------------------------- tests, load test
+@dataclass
+class ServerHandle:
+    url: str
+    engine: OnlineEngine | None = None  # in this process only
+    _server: Any = None
+    _thread: threading.Thread | None = None
+    _sock: socket.socket | None = None
+    _proc: subprocess.Popen | None = None
+
+    output: str = ""  # a subprocess's stdout and stderr, once stopped
+
+    def stop(self) -> int | None:
+        """Stop the server and the engine's loop; the subprocess by SIGTERM (killed after 30 s):
+        its exit status."""
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self.output = self._proc.communicate(timeout=30)[0]
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self.output = self._proc.communicate()[0]
+            return self._proc.returncode
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.engine.stop()
+        self._sock.close()
+        return None
+
+
+def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool = True,
+                 timeout_s: float = 120.0) -> ServerHandle:
+    """A server of ``conf/serve.yaml`` with ``overrides`` on ``127.0.0.1:port`` (0: a free one),
+    returned once ``/health`` answers 200 (polled until ``timeout_s``)."""
+    if in_process:
+        run, settings = assemble_serve(compose_config(list(overrides), name="serve"))
+        engine, facts = build_engine(run, settings)
+        sock = bind("127.0.0.1", port)
+        server = uvicorn_server(engine, facts, settings.log_level)
+        engine.start()
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                  name="uvicorn", daemon=True)
+        thread.start()
+        handle = ServerHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server,
+                              thread, sock)
+    else:
+        if port == 0:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        proc = subprocess.Popen([sys.executable, "-m", "testbed.serve", *overrides,
+                                 "serve.host=127.0.0.1", f"serve.port={port}"], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        handle = ServerHandle(f"http://127.0.0.1:{port}", _proc=proc)
+    try:
+        wait_healthy(handle, timeout_s)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(handle.url + "/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if handle._proc is not None and handle._proc.poll() is not None:
+            raise RuntimeError(f"testbed.serve exited {handle._proc.returncode}: "
+                               f"{handle._proc.stdout.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{handle.url}/health did not answer 200 within {timeout_s} s")
+        time.sleep(0.05)  # between polls: a refused connection returns at once

@@ -1,0 +1,72 @@
+"""The ``server`` config block (used only by ``backend=server``), read and checked before anything
+is generated: where the OpenAI-compatible server is, which of its models to ask, and how long to
+wait. Importing it pulls in no HTTP client (`testbed.assembly` reads it for every backend=server
+run, even one refused later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+from urllib.parse import urlsplit
+
+from testbed.errors import BadInput
+from testbed.group_values import check_setting
+
+#: the keys of the ``server`` block (conf/config.yaml)
+SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``url``: the server's base, ``http(s)://HOST:PORT`` (a trailing ``/v1`` or slash is
+    dropped: the client adds ``/v1/...``). ``model``: the ``model`` of every call; None asks
+    ``GET /v1/models`` and takes the first. ``timeout_s``: one call's limit, from sending it to
+    the stream's end (None: none). ``connect_timeout_s``: the limit on opening a connection."""
+
+    url: str
+    model: str | None = None
+    timeout_s: float | None = None
+    connect_timeout_s: float = 10.0
+
+    @classmethod
+    def from_mapping(cls, server: Mapping[str, Any] | None) -> "ServerSettings":
+        server = dict(server or {})
+        unknown = sorted(set(server) - set(SERVER_KEYS))
+        if unknown:
+            raise BadInput(f"server.{unknown[0]} is not a setting of server; allowed: "
+                           f"{', '.join(SERVER_KEYS)}")
+        url = _base_url(server.get("url"))
+        model = server.get("model")
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise BadInput(f"server.model must be a model id (a non-empty string) or null, "
+                           f"got {model!r}")
+        timeout_s = check_setting("server.timeout_s", "float", server.get("timeout_s"))
+        if timeout_s is not None and timeout_s <= 0:
+            raise BadInput(f"server.timeout_s must be > 0 (seconds) or null, got {timeout_s}")
+        connect = check_setting("server.connect_timeout_s", "float",
+                                server.get("connect_timeout_s"))
+        connect = 10.0 if connect is None else connect
+        if connect <= 0:
+            raise BadInput(f"server.connect_timeout_s must be > 0 (seconds), got {connect}")
+        return cls(url, model, timeout_s, float(connect))
+
+
+def _base_url(url: Any) -> str:
+    """``url`` checked and without a trailing slash or ``/v1``; BadInput naming the key."""
+    usage = "server.url=http://HOST:PORT"
+    if url is None or url == "":
+        raise BadInput(f"backend=server needs the server's address: {usage}")
+    if not isinstance(url, str):
+        raise BadInput(f"server.url must be a URL like http://HOST:PORT, got {url!r}")
+    parts = urlsplit(url.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 \
+            or parts.query or parts.fragment:
+        raise BadInput(f"server.url must be a URL like http://HOST:PORT (http or https), "
+                       f"got {url!r}")
+    base = url.strip().rstrip("/")
+    return base.removesuffix("/v1")
