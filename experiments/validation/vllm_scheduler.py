@@ -8,7 +8,8 @@ it, plus a random tail), 1-24 forced output tokens each; block sizes 4, 8, 16; p
 enough blocks for the largest request to room for all; budgets (``max_num_batched_tokens``) of
 8-2048 tokens, ``max_num_seqs`` 1-128, ``long_prefill_token_threshold`` 0, 4 or 16, chunked
 prefill mostly on (off: a budget above every sequence) and ``scheduler_reserve_full_isl`` mostly
-on. Each case runs through vLLM's ``schedule`` / ``update_from_output`` loop, every sampled token
+on; a third of the cases abort one or two requests between steps (vLLM's ``finish_requests``
+with ``FINISHED_ABORTED``, our ``abort``). Each case runs through vLLM's ``schedule`` / ``update_from_output`` loop, every sampled token
 the forced one (`vllm_wheel.VllmSide`), and through our `VllmScheduler` over a
 ``BlockHashCache`` of the same usable blocks. Compared, step by step: the requests scheduled and
 how many tokens each, in order; the requests preempted; each request's hit at its first
@@ -49,6 +50,7 @@ class Case:
     num_blocks: int
     settings: dict[str, Any]
     requests: list[tuple[str, list[int], list[int]]]  # id, prompt, output
+    aborts: dict[int, str] = field(default_factory=dict)  # before step k, request id aborted
 
 
 @dataclass
@@ -88,7 +90,14 @@ def make_case(rng: np.random.Generator, index: int) -> Case:
                     enable_chunked_prefill=chunked,
                     long_prefill_token_threshold=int(rng.choice([0, 0, 0, 4, 16])),
                     scheduler_reserve_full_isl=bool(rng.random() < 0.75))
-    return Case(f"case{index}", b, num_blocks, settings, reqs)
+    # a third of the cases abort one or two requests between steps (drawn apart, so that the
+    # cases are otherwise those drawn without aborts)
+    other = np.random.default_rng([index, 7])
+    aborts = {}
+    if other.random() < 1 / 3:
+        for _ in range(int(other.integers(1, 3))):
+            aborts[int(other.integers(0, 12))] = reqs[int(other.integers(len(reqs)))][0]
+    return Case(f"case{index}", b, num_blocks, settings, reqs, aborts)
 
 
 def run_ours(case: Case) -> Trace:
@@ -97,7 +106,12 @@ def run_ours(case: Case) -> Trace:
     reqs = [s.submit(Request(rid, np.asarray(p, TOKEN_DTYPE), np.asarray(o, TOKEN_DTYPE)), 0.0)
             for rid, p, o in case.requests]
     trace = Trace()
+    by_id = {r.id: r for r in reqs}
     while s.has_work and len(trace.steps) < MAX_STEPS:
+        if len(trace.steps) in case.aborts:
+            s.abort(by_id[case.aborts[len(trace.steps)]], 0.0)
+            if not s.has_work:
+                break
         before = {r.id: r.preemptions for r in reqs}
         batch = s.next_batch(0.0)
         trace.preempted.append({r.id for r in reqs if r.preemptions != before[r.id]})
@@ -121,6 +135,10 @@ def run_vllm(v, case: Case) -> Trace:
         side.add(rid, p, o)
     trace = Trace()
     while side.has_work and len(trace.steps) < MAX_STEPS:
+        if len(trace.steps) in case.aborts:
+            side.abort(case.aborts[len(trace.steps)])
+            if not side.has_work:
+                break
         scheduled, preempted, hits = side.step()
         trace.preempted.append(preempted)
         if not scheduled:
@@ -180,7 +198,7 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     start = time.time()
     agree, shown = 0, 0
-    counts = dict(steps=0, preemptions=0, hit_reqs=0, hit_tokens=0, mixed=0, chunked=0)
+    counts = dict(steps=0, preemptions=0, hit_reqs=0, hit_tokens=0, mixed=0, chunked=0, aborts=0)
     for i in range(n):
         case = make_case(rng, i)
         ours, theirs = run_ours(case), run_vllm(v, case)
@@ -194,6 +212,7 @@ def main() -> int:
             counts["mixed"] += sum(len(s) > 1 for s in ours.steps)
             counts["chunked"] += case.settings["max_num_batched_tokens"] < max(
                 len(p) for _, p, _ in case.requests)
+            counts["aborts"] += bool(case.aborts)
         elif shown < args.show:
             shown += 1
             print(f"  {case.name} (B={case.block_size}, {case.num_blocks} blocks, "
@@ -203,7 +222,7 @@ def main() -> int:
           f"{counts['steps']} steps ({counts['mixed']} with several requests), "
           f"{counts['preemptions']} preemptions, {counts['hit_reqs']} requests with a hit "
           f"({counts['hit_tokens']} tokens), {counts['chunked']} cases whose budget chunks a "
-          f"prompt ({time.time() - start:.0f} s)")
+          f"prompt, {counts['aborts']} with aborts ({time.time() - start:.0f} s)")
     return 0 if agree == n else 1
 
 

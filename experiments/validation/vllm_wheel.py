@@ -83,7 +83,7 @@ def load(root: Path) -> SimpleNamespace:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     init_none_hash(sha256)
     return SimpleNamespace(torch=torch, SchedulerConfig=SchedulerConfig,
@@ -91,7 +91,8 @@ def load(root: Path) -> SimpleNamespace:
                            get_request_block_hasher=get_request_block_hasher,
                            Scheduler=Scheduler, FullAttentionSpec=FullAttentionSpec,
                            KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-                           ModelRunnerOutput=ModelRunnerOutput, Request=Request, root=root)
+                           ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+                           RequestStatus=RequestStatus, root=root)
 
 
 class _Strict:
@@ -191,6 +192,10 @@ class VllmSide:
                                           sampled_token_ids=sampled)
         self.scheduler.update_from_output(out, result)
         return scheduled, set(out.preempted_req_ids or ()), hits
+
+    def abort(self, rid: str) -> None:
+        """A client went away: ``finish_requests`` with ``FINISHED_ABORTED``."""
+        self.scheduler.finish_requests(rid, self.v.RequestStatus.FINISHED_ABORTED)
 
     @property
     def has_work(self) -> bool:
