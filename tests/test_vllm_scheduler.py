@@ -234,6 +234,11 @@ def test_scheduler_vllm_needs_the_block_cache_and_its_own_keys(compose):
         assemble(compose("scheduler=vllm", "cache=block_hash", "+scheduler.overlap=true"))
     with pytest.raises(BadInput, match="max_num_batched_tokens must be >= scheduler.max_num_seqs"):
         assemble(compose("scheduler=vllm", "cache=block_hash", "scheduler.max_num_seqs=4096"))
+    with pytest.raises(BadInput, match="^scheduler.max_num_seqs must be set for scheduler=vllm"):
+        assemble(compose("scheduler=vllm", "cache=block_hash", "scheduler.max_num_seqs=null"))
+    with pytest.raises(BadInput, match="^scheduler.enable_chunked_prefill must be true or false"):
+        assemble(compose("scheduler=vllm", "cache=block_hash",
+                         "scheduler.enable_chunked_prefill=2"))
 
 
 def test_a_sim_run_end_to_end_has_vllms_exact_hits(tmp_path):

@@ -43,8 +43,11 @@ class VllmSchedulerConfig:
         if unknown:
             raise BadInput(f"scheduler.{unknown[0]} is not a setting of scheduler=vllm; allowed: "
                            f"{', '.join(k for k in known if k != 'name')}")
-        config = cls(**{k: check_setting(f"scheduler.{k}", known[k], v) for k, v in cfg.items()
-                        if v is not None or k == "name"})
+        empty = [k for k, v in cfg.items() if v is None]
+        if empty:
+            raise BadInput(f"scheduler.{empty[0]} must be set for scheduler=vllm (vLLM's "
+                           "SchedulerConfig takes no null there), got null")
+        config = cls(**{k: check_setting(f"scheduler.{k}", known[k], v) for k, v in cfg.items()})
         config.validate()
         return config
 
