@@ -32,6 +32,7 @@ from testbed.model_group import resolve_model_group
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
 from testbed.scheduler.decode_groups import cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
 from testbed.serving.executor import EXECUTORS
@@ -64,7 +65,7 @@ class Assembly:
     workload: Resolved
     eviction: Resolved
     cache: Resolved
-    scheduler: SchedulerConfig
+    scheduler: SchedulerConfig | VllmSchedulerConfig
     router: Resolved
     cost_model: Resolved
     executor: Resolved | None  # None: replay, server
@@ -361,6 +362,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         raise BadInput("cache.reuse=blend / cache.match=semantic need backend=sim or engine "
                        "(replay has no prefill steps to reuse KV in)")
     check_replicas(config, backend, reuse)
+    check_vllm_cache(scheduler_config(config["scheduler"]), c.get("target") or c.get("name"),
+                     reuse.active)
     timeline = check_setting("timeline", "bool", config.get("timeline")) or False
     if timeline and backend == REPLAY:
         raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
@@ -372,7 +375,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         workload=WORKLOADS.resolve(config["workload"]),
         eviction=EVICTION.resolve(config["eviction"]),
         cache=CACHES.resolve(config["cache"]),
-        scheduler=SchedulerConfig.from_mapping(config["scheduler"]),
+        scheduler=scheduler_config(config["scheduler"]),
         router=ROUTERS.resolve(config["router"]),
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,

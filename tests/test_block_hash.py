@@ -272,3 +272,18 @@ def test_popping_every_holder_of_a_key_at_once_evicts_them_all():
     assert cache.extend(big, 24) == 24
     cache.check_invariants([big])
     assert cache.match(prompt) == 0
+
+
+def test_peek_counts_a_hit_and_its_blocks_in_the_free_queue_without_touching_anything():
+    """What vLLM's admission counts (`testbed.scheduler.vllm`): the hit, and how many of its
+    blocks taking it would pull out of the free queue; a look-up changes nothing."""
+    cache = BlockHashCache(capacity=40, block_size=4)
+    prompt = np.arange(1, 14, dtype=np.int32)  # 13 tokens: 3 whole blocks
+    held = cache.acquire(prompt)
+    cache.extend(held, 13)
+    cache.commit(held, prompt)
+    assert cache.peek(prompt) == (12, 0)  # all three blocks held by the running request
+    cache.release(held, prompt)
+    free = cache.free_blocks
+    assert cache.peek(prompt) == (12, 3) and cache.peek(prompt, limit=5) == (4, 1)
+    assert cache.free_blocks == free == 10 and cache.protected_size == 0

@@ -73,6 +73,8 @@ def test_every_config_option_assembles_and_builds(compose, tmp_path, monkeypatch
         overrides.append("cost_model.path=conf/calibration/tiny_cpu.yaml")
     if group == "backend" and option == "engine":
         overrides += ["model=tiny", "device=cpu"]
+    if group == "scheduler" and option == "vllm":  # vLLM's scheduler runs on its block cache
+        overrides.append("cache=block_hash")
     if group == "backend" and option == "server":  # assembled only: nothing is sent
         overrides.append("server.url=http://127.0.0.1:8000")
     if group == "cost_model" and option == "vidur":

@@ -4,6 +4,8 @@
 - `sglang_wheel`: SGLang 0.4.10's modules, fetched from its wheel and loaded with stand-ins.
 - `sglang_mirror`: SGLang's non-overlap event loop, as `sglang` drives it.
 - `sglang_replay`: part (c) of `sglang`, our paged replay against SGLang's RadixCache.
+- `vllm_scheduler`: ``scheduler=vllm`` against vLLM 0.32's own ``Scheduler`` and ``KVCacheManager``.
+- `vllm_wheel`: vLLM 0.32's scheduler modules, fetched from its wheel and loaded with stand-ins.
 - `vidur`: our simulator against Vidur on the same Azure requests.
 - `vidur_drive`: one timed Vidur run, run by file path in Vidur's own virtual environment.
 - `roofline`: the roofline's efficiencies fitted to a Vidur profile (`testbed.sim.roofline_fit`).

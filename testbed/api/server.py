@@ -36,7 +36,7 @@ def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, 
     """The model, its KV pool, the cache and the scheduler of ``run``, behind an engine (not
     started) and the facts requests are checked against."""
     from testbed.engine.limits import ModelLimits
-    from testbed.scheduler.scheduler import Scheduler
+    from testbed.scheduler.build import build_scheduler
 
     capacity = run.capacity_tokens
     if capacity is None and not run.engine_device.startswith("cuda"):
@@ -52,9 +52,9 @@ def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, 
     if cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor
         executor = TieredEngineExecutor(executor, cache)
-    scheduler = Scheduler(cache, run.scheduler, seed=run.seed,
-                          eos_token_ids=model.config.eos_token_ids, eos_for_all=True,
-                          reuse=run.reuse, check_invariants=run.check_invariants)
+    scheduler = build_scheduler(cache, run.scheduler, seed=run.seed,
+                                eos_token_ids=model.config.eos_token_ids, eos_for_all=True,
+                                reuse=run.reuse, check_invariants=run.check_invariants)
     group = run.config["model"]
     path = group.get("path")
     name = settings.model_name or group.get("name") or Path(path).name

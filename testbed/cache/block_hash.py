@@ -121,6 +121,18 @@ class BlockHashCache(PrefixCache):
         # A look-up (as vLLM's scheduler computes a hit): no statistics change, no policy access.
         return len(self._lookup(self.block_keys(tokens), len(tokens), limit)) * self.block_size
 
+    def peek(self, tokens: np.ndarray, limit: int | None = None) -> tuple[int, int]:
+        """A look-up, as `match`: (hit tokens, how many of the hit's blocks sit in the free
+        queue), the blocks that taking the hit would take from it (vLLM's admission counts them:
+        ``SingleTypeKVCacheManager.get_num_blocks_to_allocate``, ``_get_num_evictable_blocks``)."""
+        hits = self._lookup(self.block_keys(tokens), len(tokens), limit)
+        return len(hits) * self.block_size, int((self._ref[hits] == 0).sum())
+
+    @property
+    def free_blocks(self) -> int | None:
+        """Blocks in the free queue (cached or not); None when unbounded."""
+        return None if self.num_blocks is None else len(self._free)
+
     @property
     def available_size(self) -> float:
         return math.inf if self.num_blocks is None else len(self._free) * self.block_size

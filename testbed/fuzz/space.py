@@ -144,6 +144,19 @@ def scheduler_overrides(rng: np.random.Generator) -> list[str]:
     return out
 
 
+def vllm_overrides(rng: np.random.Generator) -> list[str]:
+    """``scheduler=vllm`` with small budgets, so that prompts are chunked and steps mixed."""
+    budget = int(rng.choice([8, 16, 64, 2048]))
+    out = ["scheduler=vllm", f"scheduler.max_num_batched_tokens={budget}",
+           f"scheduler.max_num_seqs={min(budget, int(rng.choice([1, 2, 8, 128])))}"]
+    for key, values, p in (("long_prefill_token_threshold", ["0", "4"], 0.3),
+                           ("scheduler_reserve_full_isl", ["true", "false"], 0.3),
+                           ("enable_chunked_prefill", ["true", "false"], 0.15)):
+        if rng.random() < p:
+            out.append(f"scheduler.{key}={rng.choice(values)}")
+    return out
+
+
 def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
     """One random config, without its capacity (`capacity_overrides` adds that)."""
     backend = str(rng.choice(list(BACKENDS), p=list(BACKENDS.values())))
@@ -163,7 +176,10 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
     out += cache_overrides(rng, backend)
     if backend == "replay":
         return out
-    out += scheduler_overrides(rng)
+    sglang = scheduler_overrides(rng)  # drawn in any case: the stream stays as it was
+    # half the block-cache configs run vLLM's scheduler instead, drawn from their own stream
+    vllm = np.random.default_rng([index, 31])
+    out += vllm_overrides(vllm) if "cache=block_hash" in out and vllm.random() < 0.5 else sglang
     if backend == "engine":
         out += ["model=tiny", "device=cpu"]
         if rng.random() < 0.3:

@@ -69,6 +69,29 @@ class Req:
     def finished(self) -> bool:
         return self.finish_s is not None
 
+    def use_stop_tokens(self, eos_token_ids: frozenset[int]) -> None:
+        """A request the model generates stops at the model's EOS (unless ``ignore_eos``) and at
+        its own ``stop_token_ids``."""
+        eos = frozenset() if self.request.ignore_eos else eos_token_ids
+        self.stop_token_ids = eos | frozenset(int(t) for t in self.request.stop_token_ids)
+
+    def take_token(self, token: int | None, now: float) -> bool:
+        """The token the step that completed its fill produced (a prefill-only call, with
+        ``max_new_tokens`` 0, makes none): appended to its output, the first one's time noted.
+        Returns whether the request is done: its output is as long as allowed, or the token is
+        one of its stop tokens (EOS or its own, kept in the output) once ``min_tokens`` came
+        before it (SGLang's ``check_finished``, vLLM's ``check_stop``)."""
+        stopped = False
+        if self.remaining_new_tokens > 0:
+            if token is None:
+                raise ValueError(f"request {self.id}: the executor produced no token")
+            self.output.append(int(token))
+            stopped = int(token) in self.stop_token_ids \
+                and len(self.output) > self.request.min_tokens
+            if self.first_token_s is None:
+                self.first_token_s = now
+        return stopped or self.remaining_new_tokens == 0
+
     def fill(self) -> np.ndarray:
         """The tokens whose KV a prefill computes: prompt plus what was generated before a
         retraction (re-prefilled rather than lost)."""

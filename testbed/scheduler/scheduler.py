@@ -121,8 +121,7 @@ class Scheduler:
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
                   submitted_s=now, seq=self._seq)
         if self.eos_for_all or request.generates:
-            eos = frozenset() if request.ignore_eos else self.eos_token_ids
-            req.stop_token_ids = eos | frozenset(int(t) for t in request.stop_token_ids)
+            req.use_stop_tokens(self.eos_token_ids)
         self._seq += 1
         extra = 1 if self.config.overlap and req.max_new_tokens > 0 else 0
         if not self.cache.fits(req.kv_needed + extra):
@@ -488,17 +487,7 @@ class Scheduler:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
                 continue
-            stopped = False
-            if req.remaining_new_tokens > 0:  # (a prefill-only call, max_new 0, makes none)
-                if token is None:
-                    raise ValueError(f"request {req.id}: the executor produced no token")
-                req.output.append(int(token))
-                # EOS or a stop token (kept in the output), once min_tokens came before it
-                stopped = int(token) in req.stop_token_ids \
-                    and len(req.output) > req.request.min_tokens
-                if req.first_token_s is None:
-                    req.first_token_s = now
-            if stopped or req.remaining_new_tokens == 0:
+            if req.take_token(token, now):
                 self._finish(req, now)
                 finished.append(req)
             elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on

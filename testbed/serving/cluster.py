@@ -33,9 +33,10 @@ from testbed.cache import PrefixCache
 from testbed.metrics import RequestRecord, ideal_hit_rate, summarize
 from testbed.router.base import Loads, Router
 from testbed.scheduler.batch import Batch
-from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
+from testbed.scheduler.build import build_scheduler
+from testbed.scheduler.vllm_config import scheduler_config
 from testbed.serving.driver import Driver, Replica, StepStats
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
@@ -221,12 +222,12 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     scheduler checks its cache after every step."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
-    config = SchedulerConfig.of(scheduler_cfg)
+    config = scheduler_config(scheduler_cfg)
     caches = [make_cache() for _ in range(replicas)]
     if len({id(c) for c in caches}) != replicas:
         raise ValueError("make_cache must build a new cache on every call")
     router.bind(replicas, caches)
-    schedulers = [Scheduler(c, config, seed=seed + i, check_invariants=check_invariants)
+    schedulers = [build_scheduler(c, config, seed=seed + i, check_invariants=check_invariants)
                   for i, c in enumerate(caches)]
     driver = ClusterDriver(requests, schedulers, executor, router, max_in_flight=max_in_flight,
                            network_delay_s=network_delay_s,

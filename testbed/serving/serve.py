@@ -12,9 +12,9 @@ import numpy as np
 
 from testbed.cache import PrefixCache, ReuseConfig
 from testbed.metrics import RequestRecord
-from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
+from testbed.scheduler.build import build_scheduler
 from testbed.serving.driver import Driver, DriverResult
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
@@ -40,9 +40,9 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``).
     ``max_concurrency``: calls outstanding at once (``arrival.``; None: unlimited)."""
-    scheduler = Scheduler(cache, SchedulerConfig.of(scheduler_cfg), seed=seed,
-                          eos_token_ids=eos_token_ids, eos_for_all=generate, reuse=reuse,
-                          check_invariants=check_invariants)
+    scheduler = build_scheduler(cache, scheduler_cfg, seed=seed, eos_token_ids=eos_token_ids,
+                                eos_for_all=generate, reuse=reuse,
+                                check_invariants=check_invariants)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight,
                     generate=rebuilds_prompts(requests, generate), progress=progress,
                     record_steps=record_steps,
