@@ -91,7 +91,7 @@ def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]
     if summary_p.is_file() and not (failed_p.is_file()
                                     and failed_p.stat().st_mtime > summary_p.stat().st_mtime):
         summary = read_json(summary_p)
-        flat = _flatten(summary.pop("config", None) or {})
+        flat = served_config(_flatten(summary.pop("config", None) or {}), summary)
         row |= {"status": "ok", "error": None, "failure": None}
         row |= {k: v for k, v in summary.items()
                 if k not in CHOICES and not isinstance(v, (dict, list))}
@@ -104,6 +104,19 @@ def load_run(run_dir: Path, root: Path) -> tuple[dict[str, Any], dict[str, Any]]
                 # internal (a defect) or bad_input; failed.json files older than the kind: unknown
                 "failure": failed.get("kind", "unknown")}
     return row, flat
+
+
+def served_config(flat: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    """The flat config as it bears on what ran: a live server's run (``backend=server``) ran the
+    server's model (``server_model``) on no preset hardware or cost model, and only such runs
+    have ``server.*`` settings (the address differs from machine to machine, not the study); its
+    cache, eviction and scheduler are the server's own, whatever the client's config says."""
+    if flat.get("backend.name") != "server":
+        return {k: v for k, v in flat.items() if not k.startswith("server.")}
+    out = {k: v for k, v in flat.items() if not k.startswith(
+        ("model.", "hardware.", "cost_model.", "server.url", "cache.", "eviction.", "scheduler."))}
+    return out | {"model.name": summary.get("server_model"), "cache.name": "server",
+                  "eviction.name": "server", "scheduler.name": "server"}
 
 
 def _varying_config(flats: list[dict[str, Any]]) -> list[str]:
