@@ -93,3 +93,21 @@ def test_a_folder_without_a_measured_run_has_no_comparison(tmp_path):
     assert result["side_by_side"] is None
     assert "Predicted against measured" not in result["report"].read_text()
     assert not (tmp_path / "side_by_side.csv").exists()
+
+
+def test_a_server_run_is_tabulated_with_the_servers_model_and_cache(tmp_path):
+    from testbed.report.table import load_results
+
+    write_run(tmp_path, "sim", "sim", [request("a", 0, 0.1, 0.3)])
+    write_run(tmp_path, "server", "server", [request("a", 0, 0.1, 0.3)])
+    summary_path = tmp_path / "server" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["server_model"] = "smollm2_135m"
+    summary["config"] |= {"model": {"name": "llama2_7b"}, "hardware": {"name": "a10g"},
+                          "server": {"url": "http://127.0.0.1:8000", "model": None}}
+    summary_path.write_text(json.dumps(summary))
+    table = load_results(tmp_path, progress=False).set_index("run")
+    assert table.loc["server", "model"] == "smollm2_135m"  # not the client's config default
+    assert table.loc["server", "hardware"] is None
+    assert table.loc["server", "cache"] == "server" and table.loc["sim", "cache"] == "radix"
+    assert "server.url" not in table.columns  # the address is not part of the study
