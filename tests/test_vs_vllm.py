@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -15,7 +16,7 @@ from testbed.execute import execute
 
 LOG = """\
 (EngineCore pid=1) INFO 12-02 08:21:20 [utils.py:347] Using LBHNC KV cache layout.
-(EngineCore pid=1) INFO 12-02 08:21:21 [kv_cache_utils.py:2620] Overriding num_gpu_blocks=727 \
+(EngineCore pid=1) INFO 12-02 08:21:21 [kv_cache_utils.py:2620] Overriding num_gpu_blocks=728 \
 with num_gpu_blocks_override=512
 """
 
@@ -74,3 +75,24 @@ def test_the_last_output_token_decides_whether_a_block_is_cached(tmp_path):
     assert vs_vllm.same_cached(ran, replayed) == (2, None)
     ran.loc[1, "cached_tokens"] = 8  # what a replay of the whole output would have said
     assert vs_vllm.same_cached(ran, replayed) == (1, "b: vLLM 8, replay 4 of 9")
+
+
+def test_remapped_ids_fit_the_vocabulary_and_keep_equal_ids_equal():
+    ids = np.arange(0, 600_000, 7)
+    out = vs_vllm.remap(ids)
+    assert out.min() >= vs_vllm.FIRST_ID and out.max() < vs_vllm.VOCAB
+    assert (vs_vllm.remap(ids) == out).all()
+    assert len(np.unique(out[:200])) >= 195  # distinct ids stay (almost always) distinct
+
+
+def test_the_mooncake_case_is_its_first_requests_cut_and_remapped(tmp_path):
+    path = tmp_path / "mooncake.jsonl"
+    lines = [{"timestamp": 0, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
+             {"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 3]},
+             {"timestamp": 9, "input_length": 10, "output_length": 1, "hash_ids": [4]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    a, b = vs_vllm.mooncake_trace(path, requests=2, prompt=1024, output=16)
+    assert (len(a["prompt"]), len(a["output"]), len(b["prompt"]), len(b["output"])) == \
+        (1024, 16, 600, 3)
+    assert a["prompt"][:512] == b["prompt"][:512] and a["prompt"][512] != b["prompt"][512]
+    assert max(a["prompt"] + b["prompt"]) < vs_vllm.VOCAB and "arrival_s" not in a

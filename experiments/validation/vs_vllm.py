@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pandas as pd
 
 VERSION = "0.32.0"
@@ -64,6 +65,13 @@ WORKLOADS = {
     "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=2",
                         "workload.vocab_size=49152"],
 }
+# The first requests of Mooncake's conversation trace (FAST'25): its prompts run to 87k tokens, past
+# SmolLM2's context, so each is cut to its first MOONCAKE_PROMPT tokens (block 0, shared by all,
+# and one of its own) and each output to MOONCAKE_OUTPUT tokens, for time on 2 cores.
+MOONCAKE = "data:mooncake_conversation"
+MOONCAKE_REQUESTS, MOONCAKE_PROMPT, MOONCAKE_OUTPUT = 16, 1024, 16
+VOCAB = 49_152  # SmolLM2's
+FIRST_ID = 100  # remapped ids stay above the special tokens
 SIM = ["backend=sim", "scheduler=vllm", "cache=block_hash", "model=smollm2_135m", "hardware=cpu",
        "cost_model=fitted_smollm2_cpu"]
 
@@ -225,6 +233,31 @@ def token_trace(rows: pd.DataFrame) -> list[dict]:
     return lines
 
 
+def remap(ids: np.ndarray, vocab: int = VOCAB) -> np.ndarray:
+    """Token ids mapped into ``[FIRST_ID, vocab)`` by a fixed 64-bit mix: equal ids stay equal,
+    distinct ones collide with probability about 1 / vocab per token (a whole block of 32 never)."""
+    x = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (FIRST_ID + x % np.uint64(vocab - FIRST_ID)).astype(np.int64)
+
+
+def mooncake_trace(path: Path, requests: int = MOONCAKE_REQUESTS, prompt: int = MOONCAKE_PROMPT,
+                   output: int = MOONCAKE_OUTPUT) -> list[dict]:
+    """The first ``requests`` of a Mooncake trace as token-trace lines: the testbed's expansion
+    of its block hashes (``workload.format=mooncake``), each prompt cut to ``prompt`` tokens and
+    output to ``output``, ids remapped into SmolLM2's vocabulary; no arrival times (the
+    arrival settings decide)."""
+    from testbed.workloads.traces import load_mooncake
+    lines = []
+    for r in load_mooncake(path)[:requests]:
+        lines.append({"id": r.id, "prompt": remap(r.prompt[:prompt]).tolist(),
+                      "output": remap(r.output[:output]).tolist()})
+    return lines
+
+
 def replay_overrides(trace: Path, served: Served) -> list[str]:
     return ["backend=replay", "workload=trace", f"workload.path={trace}",
             "workload.format=tokens", "cache=block_hash", f"cache.block_size={served.block_size}",
@@ -251,25 +284,25 @@ def hit_rate(rows: pd.DataFrame) -> float:
 
 
 # ---------------------------------------------------------------- cases
-def run_server(workload: str, served: Served, arrival: list[str], out: Path) -> pd.DataFrame:
+def run_server(words: list[str], served: Served, arrival: list[str], out: Path) -> pd.DataFrame:
     """The workload on vLLM from an empty cache."""
     from testbed.assembly import compose_config
     from testbed.execute import execute
     reset_cache(served.url)
-    execute(compose_config(server_overrides(workload, served, arrival)), out)
+    execute(compose_config(server_overrides(words, served, arrival)), out)
     return records(out)
 
 
-def server_overrides(workload: str, served: Served, arrival: list[str]) -> list[str]:
-    return [*WORKLOADS[workload], *arrival, "backend=server", f"server.url={served.url}",
+def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
+    return [*words, *arrival, "backend=server", f"server.url={served.url}",
             f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "forced=true",
             "save_token_ids=true", "progress=false"]
 
 
-def one_at_a_time(workload: str, served: Served, out: Path) -> dict:
+def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) -> dict:
     from testbed.assembly import compose_config
     from testbed.execute import execute
-    server = run_server(workload, served, ["arrival.max_concurrency=1"], out / "server")
+    server = run_server(words, served, ["arrival.max_concurrency=1"], out / "server")
     trace = out / "trace.jsonl"
     trace.write_text("".join(json.dumps(line) + "\n" for line in token_trace(server)))
     execute(compose_config(replay_overrides(trace, served)), out / "replay")
@@ -281,12 +314,12 @@ def one_at_a_time(workload: str, served: Served, out: Path) -> dict:
             "ok": equal == len(server) == len(replayed)}
 
 
-def closed_loop(workload: str, served: Served, n: int, out: Path) -> dict:
+def closed_loop(workload: str, words: list[str], served: Served, n: int, out: Path) -> dict:
     from testbed.assembly import compose_config
     from testbed.execute import execute
     arrival = [f"arrival.max_in_flight={n}"]
-    server = run_server(workload, served, arrival, out / "server")
-    sim = [*SIM, *WORKLOADS[workload], *arrival, f"cache.block_size={served.block_size}",
+    server = run_server(words, served, arrival, out / "server")
+    sim = [*SIM, *words, *arrival, f"cache.block_size={served.block_size}",
            f"cache.capacity_tokens={served.capacity_tokens}", "forced=true", "progress=false"]
     execute(compose_config(sim), out / "sim")
     simulated = records(out / "sim")
@@ -298,12 +331,29 @@ def closed_loop(workload: str, served: Served, n: int, out: Path) -> dict:
             and abs(ours - theirs) <= HIT_TOLERANCE}
 
 
+def mooncake_words(source: str, out: Path) -> list[str]:
+    """The overrides of the Mooncake case: its token trace written under ``out``."""
+    from testbed.data import resolve_trace
+    from testbed.data.fetch import DataError
+    try:
+        path, _ = resolve_trace(source)
+    except DataError as e:
+        raise Fail(f"--mooncake {source}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "mooncake_tokens.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in mooncake_trace(path)))
+    return ["workload=trace", f"workload.path={trace}", "workload.format=tokens"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validation.vs_vllm",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("what", nargs="?", choices=["run", "setup", "serve"], default="run",
                     help="setup: the venv only; serve: start vLLM and keep it until stopped")
-    ap.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--workload", nargs="+", default=[*WORKLOADS, "mooncake"],
+                    choices=[*WORKLOADS, "mooncake"])
+    ap.add_argument("--mooncake", default=MOONCAKE, help="the Mooncake conversation trace "
+                    "(data:NAME or a file; only its first lines are read)")
     ap.add_argument("--loops", nargs="*", type=int, default=[4, 16])
     ap.add_argument("--block-size", type=int, default=32, help="a multiple of 32 (vLLM's CPU)")
     ap.add_argument("--blocks", type=int, default=512, help="vLLM's KV blocks (null included)")
@@ -334,10 +384,11 @@ def main(argv: list[str] | None = None) -> int:
                 while True:
                     time.sleep(3600)
             for w in args.workload:
-                rows.append(one_at_a_time(w, served, out / w / "one"))
+                words = WORKLOADS.get(w) or mooncake_words(args.mooncake, out / w)
+                rows.append(one_at_a_time(w, words, served, out / w / "one"))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
                 for n in args.loops:
-                    rows.append(closed_loop(w, served, n, out / w / f"loop{n}"))
+                    rows.append(closed_loop(w, words, served, n, out / w / f"loop{n}"))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     except Fail as e:
         print(f"error: {e}", file=sys.stderr)
