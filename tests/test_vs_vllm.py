@@ -96,3 +96,16 @@ def test_the_mooncake_case_is_its_first_requests_cut_and_remapped(tmp_path):
         (1024, 16, 600, 3)
     assert a["prompt"][:512] == b["prompt"][:512] and a["prompt"][512] != b["prompt"][512]
     assert max(a["prompt"] + b["prompt"]) < vs_vllm.VOCAB and "arrival_s" not in a
+
+
+def test_the_as_ran_trace_keeps_the_programs_and_takes_what_ran():
+    from testbed.workloads.request import Request
+    requests = [Request("a", np.array([1, 2]), np.array([5]), program="p"),
+                Request("b", np.array([1, 2, 5, 3]), np.array([6, 6]), program="p", after=["a"],
+                        think_time_s=0.5)]
+    ran = rows(("b", 1.0, [1, 2, 9, 3], [7, 7], 2), ("a", 0.0, [1, 2], [9], 0))
+    assert vs_vllm.as_ran_trace(requests, ran) == [
+        {"id": "a", "prompt": [1, 2], "output": [9], "arrival_s": 0.0, "think_time_s": 0.0,
+         "program": "p"},
+        {"id": "b", "prompt": [1, 2, 9, 3], "output": [7, 7], "arrival_s": 0.0,
+         "think_time_s": 0.5, "program": "p", "after": ["a"]}]
