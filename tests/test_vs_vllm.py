@@ -38,6 +38,8 @@ def test_the_server_is_told_the_block_size_and_blocks():
     pairs = dict(zip(cmd, cmd[1:]))
     assert (pairs["--block-size"], pairs["--num-gpu-blocks-override"]) == ("64", "100")
     assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
+    assert pairs["--max-model-len"] == str(99 * 64)  # no more than the pool holds
+    assert vs_vllm.max_model_len(32, 512) == 4096
 
 
 def rows(*calls):

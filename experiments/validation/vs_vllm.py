@@ -135,12 +135,19 @@ class Served:
         return (self.blocks - 1) * self.block_size
 
 
+def max_model_len(block_size: int, blocks: int) -> int:
+    """4,096, or what the pool holds when it is smaller (vLLM refuses a pool that cannot hold
+    one request of ``--max-model-len``)."""
+    return min(4096, (blocks - 1) * block_size)
+
+
 def server_command(python: Path, model_dir: Path, block_size: int, blocks: int, port: int
                    ) -> list[str]:
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32",
-            "--max-model-len", "4096", "--block-size", str(block_size),
+            "--max-model-len", str(max_model_len(block_size, blocks)),
+            "--block-size", str(block_size),
             "--num-gpu-blocks-override", str(blocks),
             # vLLM 0.32's SchedulerConfig defaults, which scheduler=vllm takes (a platform may
             # raise them in `vllm serve`)
