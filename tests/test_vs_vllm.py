@@ -34,11 +34,11 @@ def test_the_testbeds_pool_leaves_out_vllms_null_block():
 
 
 def test_the_server_is_told_the_block_size_and_blocks():
-    cmd = vs_vllm.server_command(Path("py"), Path("/m"), 64, 100, 8000)
+    cmd = vs_vllm.server_command(Path("py"), Path("/m"), 64, 40, 8000)
     pairs = dict(zip(cmd, cmd[1:]))
-    assert (pairs["--block-size"], pairs["--num-gpu-blocks-override"]) == ("64", "100")
+    assert (pairs["--block-size"], pairs["--num-gpu-blocks-override"]) == ("64", "40")
     assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
-    assert pairs["--max-model-len"] == str(99 * 64)  # no more than the pool holds
+    assert pairs["--max-model-len"] == str(39 * 64)  # no more than the pool holds
     assert vs_vllm.max_model_len(32, 512) == 4096
 
 
