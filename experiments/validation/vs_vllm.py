@@ -108,11 +108,9 @@ def venv_python(cache: Path) -> Path:
 
 # ---------------------------------------------------------------- the server
 def kv_blocks(log: str) -> int | None:
-    """The number of KV blocks vLLM's engine allocated, from its log (None: not logged yet)."""
-    found = re.findall(r"num_gpu_blocks_override=(\d+)", log)
-    if found:
-        return int(found[-1])
-    found = re.findall(r"num_gpu_blocks[= ](\d+)", log)
+    """The number of KV blocks vLLM's engine allocated, from its log line ``Overriding
+    num_gpu_blocks=M with num_gpu_blocks_override=N`` (None: no such line yet)."""
+    found = re.findall(r"with num_gpu_blocks_override=(\d+)", log)
     return int(found[-1]) if found else None
 
 
