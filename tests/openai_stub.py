@@ -43,6 +43,7 @@ class StubOptions:
     fail: dict[int, tuple[int, str]] = field(default_factory=dict)  # receipt index -> status, msg
     delay_s: dict[int, float] = field(default_factory=dict)  # receipt index -> wait first
     break_after: dict[int, int] = field(default_factory=dict)  # receipt index -> tokens, then cut
+    refuse_zero: bool = False  # max_tokens 0 answered 400, as vLLM does
 
 
 class StubServer:
@@ -78,6 +79,9 @@ class StubServer:
             self.received.append(body)
             if index in self.options.delay_s:
                 await asyncio.sleep(self.options.delay_s[index])
+            if self.options.refuse_zero and body["max_tokens"] == 0:
+                return JSONResponse({"error": {"message": "max_tokens must be at least 1, "
+                                               "got 0.", "code": 400}}, 400)
             if index in self.options.fail:
                 status, message = self.options.fail[index]
                 return JSONResponse({"error": {"message": message, "code": status}}, status)

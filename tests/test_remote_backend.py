@@ -157,6 +157,32 @@ def test_without_output_ids_only_workloads_that_splice_no_outputs_run(compose, t
     assert summary["hit_rate"] == 2 / 7
 
 
+PREFILL_TRACE = [{"id": "fork", "prompt": [1, 2, 3, 4, 5], "output": []},
+                 {"id": "x", "prompt": [1, 2, 3, 4, 5, 6], "output": [9, 9]}]
+
+
+def test_a_prefill_only_call_asks_for_zero_tokens_by_default(compose, tmp_path, stub):
+    _, rows, _ = run(compose, tmp_path, stub, trace=PREFILL_TRACE)
+    assert [b["max_tokens"] for b in stub.received] == [0, 2]
+    assert rows["fork"]["output_ids"] == [] and not rows["fork"]["failed"]
+    stub.reset(refuse_zero=True)  # as vLLM: that call fails, the run goes on
+    summary, rows, _ = run(compose, tmp_path, stub, trace=PREFILL_TRACE)
+    assert rows["fork"]["failed"] and "at least 1" in rows["fork"]["error"]
+    assert summary["failed_requests"] == 1
+
+
+def test_a_prefill_only_call_sent_as_one_token_records_none(compose, tmp_path, stub):
+    stub.reset(refuse_zero=True)
+    summary, rows, _ = run(compose, tmp_path, stub, "server.prefill_only=one_token",
+                           trace=PREFILL_TRACE)
+    fork, x = stub.received
+    assert (fork["max_tokens"], fork["ignore_eos"], fork["min_tokens"]) == (1, True, 1)
+    assert x["max_tokens"] == 2  # only output length 0 changes
+    assert rows["fork"]["output_ids"] == [] and rows["fork"]["output_tokens"] == 0
+    assert rows["fork"]["first_token_s"] is None and not rows["fork"]["failed"]
+    assert rows["x"]["cached_tokens"] == 5 and summary["failed_requests"] == 0
+
+
 def test_the_server_keys_are_checked_before_anything_runs(compose):
     from testbed.assembly import assemble
     with pytest.raises(BadInput, match=r"^backend=server needs the server's address: "
@@ -166,6 +192,8 @@ def test_the_server_keys_are_checked_before_anything_runs(compose):
         assemble(compose("backend=server", "server.url=localhost:8000"))
     with pytest.raises(BadInput, match=r"^server.timeout_s must be > 0 \(seconds\) or null"):
         assemble(compose("backend=server", "server.url=http://h:1", "server.timeout_s=0"))
+    with pytest.raises(BadInput, match=r"^server.prefill_only must be one of zero, one_token"):
+        assemble(compose("backend=server", "server.url=http://h:1", "server.prefill_only=2"))
     with pytest.raises(BadInput, match=r"^cache.reuse .* do not apply to backend=server"):
         assemble(compose("backend=server", "server.url=http://h:1", "cache.reuse=blend"))
 

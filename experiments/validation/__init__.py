@@ -6,6 +6,9 @@
 - `sglang_replay`: part (c) of `sglang`, our paged replay against SGLang's RadixCache.
 - `vllm_scheduler`: ``scheduler=vllm`` against vLLM 0.32's own ``Scheduler`` and ``KVCacheManager``.
 - `vllm_wheel`: vLLM 0.32's scheduler modules, fetched from its wheel and loaded with stand-ins.
+- `vs_vllm`: a live vLLM 0.32 (CPU, its own venv) driven by ``backend=server``: its cached
+  tokens against a block-hash replay of what ran, its closed-loop hit rates against
+  ``scheduler=vllm``.
 - `vidur`: our simulator against Vidur on the same Azure requests.
 - `vidur_drive`: one timed Vidur run, run by file path in Vidur's own virtual environment.
 - `roofline`: the roofline's efficiencies fitted to a Vidur profile (`testbed.sim.roofline_fit`).

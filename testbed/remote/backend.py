@@ -6,6 +6,8 @@ there stops the run in one line naming the URL). Each call asks for its workload
 (``max_tokens``; with ``forced=true`` also ``ignore_eos`` and ``min_tokens``, so the server
 produces exactly that many tokens, its own ones; ``forced=false``: up to that many, EOS ends it) or,
 for a generated call, ``max_new_tokens``; greedy unless the run's ``temperature`` says otherwise.
+A prefill-only call (output length 0) asks for 0 tokens, or with ``server.prefill_only=one_token``
+for 1, dropped from its record (vLLM refuses ``max_tokens: 0``).
 The server's cache is the server's: the records' ``cached_tokens`` are what it reports (None
 where it reports nothing), ``evicted_tokens`` is 0 and ``inserted`` true (neither is known), and
 the summary's ``cache`` and ``eviction`` say ``server``. The ideal hit rate is of the calls as
@@ -25,7 +27,7 @@ from testbed.errors import BadInput
 from testbed.group_values import number
 from testbed.metrics import RequestRecord, ideal_hit_rate
 from testbed.remote.driver import RemoteDriver, Sent
-from testbed.remote.openai_client import OpenAIClient, completion_body
+from testbed.remote.openai_client import Completion, OpenAIClient, completion_body
 from testbed.remote.settings import ServerSettings
 from testbed.workloads.request import TOKEN_DTYPE, OutputRef, Request
 
@@ -60,9 +62,13 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
         model = settings.model or await client.first_model()
 
         async def send(call: Request, prompt: np.ndarray):
-            body = completion_body(model, prompt.tolist(), call.output_limit,
-                                   forced and not call.generates, temperature, top_p)
+            one_token = call.output_limit == 0 and settings.prefill_only == "one_token"
+            limit = 1 if one_token else call.output_limit
+            body = completion_body(model, prompt.tolist(), limit, forced and not call.generates,
+                                   temperature, top_p)
             done = await client.complete(body)
+            if one_token and not done.failed:
+                drop_output(done)
             if splices and not done.failed and done.output_ids is None:
                 raise BadInput(f"the server at {settings.url} sends no output token ids "
                                "(vLLM's return_token_ids: token_ids on each choice), and "
@@ -81,6 +87,15 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
              "temperature": temperature}
     return ServerRun(records, extra, notes_of(records, sent, forced),
                      ideal_hit_rate(as_ran(s) for s in sent))
+
+
+def drop_output(done: Completion) -> None:
+    """A prefill-only call sent as one token (``server.prefill_only=one_token``) recorded as
+    asked: no output, no token times."""
+    done.output_ids = [] if done.output_ids is not None else None
+    done.token_times.clear()
+    done.chunks_with_tokens = 0
+    done.usage_output_tokens = 0
 
 
 def as_ran(s: Sent) -> Request:

@@ -14,7 +14,9 @@ from testbed.errors import BadInput
 from testbed.group_values import check_setting
 
 #: the keys of the ``server`` block (conf/config.yaml)
-SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s")
+SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s", "prefill_only")
+#: how a prefill-only call (output length 0, a fork's shared prompt) is asked for
+PREFILL_ONLY = ("zero", "one_token")
 
 
 @dataclass(frozen=True)
@@ -22,12 +24,18 @@ class ServerSettings:
     """``url``: the server's base, ``http(s)://HOST:PORT`` (a trailing ``/v1`` or slash is
     dropped: the client adds ``/v1/...``). ``model``: the ``model`` of every call; None asks
     ``GET /v1/models`` and takes the first. ``timeout_s``: one call's limit, from sending it to
-    the stream's end (None: none). ``connect_timeout_s``: the limit on opening a connection."""
+    the stream's end (None: none). ``connect_timeout_s``: the limit on opening a connection.
+    ``prefill_only``: how a call with an output of length 0 is sent: ``zero`` asks for
+    ``max_tokens: 0`` (SGLang and testbed.serve compute and cache the prompt); ``one_token`` asks
+    for 1 token (forced) and drops it from the record, for servers that refuse 0 (vLLM): the
+    server's cache then holds the same KV, the prompt's, as the sampled token's KV is never
+    computed."""
 
     url: str
     model: str | None = None
     timeout_s: float | None = None
     connect_timeout_s: float = 10.0
+    prefill_only: str = "zero"
 
     @classmethod
     def from_mapping(cls, server: Mapping[str, Any] | None) -> "ServerSettings":
@@ -49,7 +57,12 @@ class ServerSettings:
         connect = 10.0 if connect is None else connect
         if connect <= 0:
             raise BadInput(f"server.connect_timeout_s must be > 0 (seconds), got {connect}")
-        return cls(url, model, timeout_s, float(connect))
+        prefill_only = server.get("prefill_only")
+        prefill_only = "zero" if prefill_only is None else prefill_only
+        if prefill_only not in PREFILL_ONLY:
+            raise BadInput(f"server.prefill_only must be one of {', '.join(PREFILL_ONLY)}, "
+                           f"got {prefill_only!r}")
+        return cls(url, model, timeout_s, float(connect), prefill_only)
 
 
 def _base_url(url: Any) -> str:

