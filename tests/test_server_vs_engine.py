@@ -42,7 +42,7 @@ def test_real_chat_one_turn_at_a_time_hits_exactly_as_offline(tmp_path):
     row = run_case(Case("smollm2_135m", "sharegpt_chat", "one call at a time",
                         ["arrival.max_concurrency=1"],
                         ("workload.num_conversations=3", "workload.max_turns=2",
-                         "workload.max_total_len=512")), tmp_path)
+                         "workload.max_total_len=256")), tmp_path)
     n = row["requests"]  # a conversation ends before a turn past max_total_len
     assert n >= 3 and row["matched"] == n and row["failed"] == 0
     assert row["same_cached_tokens"] == n and row["same_output_ids"] == n
