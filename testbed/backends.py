@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from testbed.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields

@@ -1,7 +1,7 @@
 """The server entry point: ``python -m testbed.serve [overrides] serve.host=H serve.port=P``.
 
 Composes ``conf/serve.yaml`` (the run config with ``backend=engine`` and a ``serve`` block),
-checks every value (`testbed.assembly.assemble_serve`), builds the engine and serves the
+checks every value (`testbed.api.settings.assemble_serve`), builds the engine and serves the
 OpenAI-compatible API until SIGINT or SIGTERM (`testbed.api`). Refused input prints one
 ``error:`` line and exits 2, as ``python -m testbed.run`` does.
 """
@@ -20,7 +20,7 @@ from testbed.errors import BadInput
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
 def main(cfg: DictConfig) -> None:
     from testbed.api.server import serve_forever
-    from testbed.assembly import assemble_serve
+    from testbed.api.settings import assemble_serve
 
     try:
         run, settings = assemble_serve(cfg)

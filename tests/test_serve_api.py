@@ -324,7 +324,7 @@ def test_python_m_testbed_serve_prints_its_ready_line_and_stops_cleanly_on_sigte
      "info, debug, trace; got 'loud'"),
 ])
 def test_a_bad_serve_key_stops_the_entry_point_with_one_line(override, line):
-    from testbed.assembly import assemble_serve
+    from testbed.api.settings import assemble_serve
     from testbed.errors import BadInput
 
     with pytest.raises(BadInput) as e:

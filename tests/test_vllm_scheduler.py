@@ -213,7 +213,7 @@ def test_the_online_engine_serves_with_vllms_scheduler(tmp_path):
     the block cache, on the tiny model; a request generates its tokens."""
     from testbed.api.online import generating_request
     from testbed.api.server import build_engine
-    from testbed.assembly import assemble_serve
+    from testbed.api.settings import assemble_serve
 
     run, settings = assemble_serve(compose_config(
         ["model=tiny", "device=cpu", "cache=block_hash", "cache.capacity_tokens=512",

@@ -38,7 +38,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -115,12 +114,6 @@ def kv_blocks(log: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Served:
     url: str
@@ -157,6 +150,8 @@ def server_command(python: Path, model_dir: Path, block_size: int, blocks: int, 
 def serve(python: Path, model_dir: Path, block_size: int, blocks: int, log: Path,
           timeout_s: float = START_TIMEOUT_S) -> Iterator[Served]:
     """vLLM serving ``model_dir`` on a free loopback port until the block ends."""
+    from testbed.api.server import free_port
+
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib(blocks, block_size)),
                VLLM_SERVER_DEV_MODE="1")  # for /reset_prefix_cache

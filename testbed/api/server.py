@@ -26,7 +26,8 @@ from typing import Any, Sequence
 
 from testbed.api.online import OnlineEngine
 from testbed.api.protocol import ServerFacts
-from testbed.assembly import Assembly, ServeSettings, assemble_serve, compose_config
+from testbed.api.settings import ServeSettings, assemble_serve
+from testbed.assembly import Assembly, compose_config
 
 CPU_KV_BYTES = 256 * 2**20
 REPO = Path(__file__).resolve().parents[2]
@@ -189,10 +190,7 @@ def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool 
         handle = ServerHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, server,
                               thread, sock)
     else:
-        if port == 0:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+        port = port or free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen([sys.executable, "-m", "testbed.serve", *overrides,
@@ -205,6 +203,13 @@ def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool 
         handle.stop()
         raise
     return handle
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a server started in another process)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:

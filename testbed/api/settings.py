@@ -1,0 +1,78 @@
+"""The ``serve`` block of ``python -m testbed.serve`` (conf/serve.yaml), checked with the run config
+it shares: `assemble_serve` is `testbed.assembly.assemble` for the server, plus the ``serve``
+keys, each refused in one line naming the key and what is allowed (docs/design.md §3 "Serving
+over HTTP"). It imports neither the web framework nor torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from omegaconf import DictConfig
+
+from testbed import group_values
+from testbed.assembly import Assembly, assemble, plain
+from testbed.errors import BadInput
+
+SERVE_KEYS = ("host", "port", "model_name", "max_queue", "default_max_tokens", "log_level")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """The ``serve`` block of ``conf/serve.yaml``, checked (docs/design.md §3 "Serving over
+    HTTP")."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # None: the model group's name, else its directory's
+    max_queue: int = 256  # requests held at once (waiting or running); more: 429
+    default_max_tokens: int = 256  # a request's max_tokens when it gives none
+    log_level: str = "warning"  # uvicorn's
+
+
+def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, ServeSettings]:
+    """`assemble` for the server: backend=engine only, the engine generating (``forced`` does
+    not apply to generated calls; it is set false), plus the ``serve`` keys, each refused in one
+    line naming the key and what is allowed. A random model (no ``model.path``) of a billion
+    parameters or more on the CPU is refused too: it would take minutes and tens of GB to build."""
+    config = dict(plain(cfg))
+    block = config.pop("serve", None) or {}
+    if not isinstance(block, Mapping):
+        raise BadInput(f"serve must be a mapping of {', '.join(SERVE_KEYS)}, got {block!r}")
+    unknown = sorted(set(block) - set(SERVE_KEYS))
+    if unknown:
+        raise BadInput(f"serve.{unknown[0]} is not a serve key; allowed: {', '.join(SERVE_KEYS)}")
+    if (config.get("backend") or {}).get("name") != "engine":
+        raise BadInput("python -m testbed.serve needs backend=engine (the model generates); got "
+                       f"backend={(config.get('backend') or {}).get('name')}")
+    if (config.get("replicas") or 1) != 1:
+        raise BadInput("python -m testbed.serve serves one replica: replicas must be 1")
+    config["forced"] = False
+    run = assemble(config)
+    host = block.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise BadInput(f"serve.host must be a host name or address, got {host!r}")
+    port = group_values.integer(block, "port", "serve", minimum=0, default=8000)
+    if port > 65535:
+        raise BadInput(f"serve.port must be in 0..65535 (0: any free port), got {port}")
+    name = block.get("model_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise BadInput(f"serve.model_name must be a non-empty string or null, got {name!r}")
+    level = block.get("log_level", "warning")
+    if level not in LOG_LEVELS:
+        raise BadInput(f"serve.log_level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
+    settings = ServeSettings(
+        host=host, port=port, model_name=name,
+        max_queue=group_values.integer(block, "max_queue", "serve", minimum=1, default=256),
+        default_max_tokens=group_values.integer(block, "default_max_tokens", "serve",
+                                                minimum=1, default=256),
+        log_level=level)
+    model = run.config["model"]
+    if not model.get("path") and not run.engine_device.startswith("cuda") \
+            and run.model_shape.params >= 1e9:
+        raise BadInput(f"model={model.get('name')} has no checkpoint (model.path) and would be a "
+                       f"random {run.model_shape.params / 1e9:.1f}e9-parameter model on the CPU; "
+                       "pick model=tiny, model=smollm2_135m or model.path=DIR")
+    return run, settings
