@@ -13,6 +13,11 @@ configured ``hardware``), and writes into the run directory:
   ``cost_model=fitted cost_model.path=.../cost_model.yaml``);
 - ``calibration.json``: every measured step, the fit, and its error (MAPE per kind);
 - ``calibration.png``: predicted against measured step time.
+
+``calibrate.server_runs=[DIR, ...]`` fits a live server instead: the steps it ran are recovered from
+the token times those ``backend=server`` runs recorded (`testbed.server_steps`; the token budget
+per step is ``scheduler=vllm``'s ``max_num_batched_tokens``, else ``scheduler.chunked_prefill_size``,
+or ``calibrate.token_budget``), and no engine is built.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
+from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
-from testbed.sim.fit import fit_coefficients, mape  # noqa: E402
+from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
 from testbed.sim.step_shape import StepShape  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402
 
@@ -169,10 +175,12 @@ def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
 
 
 def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
-                  floor: RooflineCostModel, run_dir: Path) -> dict[str, Any]:
-    """Fit the `fitted` cost model to ``samples`` and write ``cost_model.yaml``,
-    ``calibration.json`` and ``calibration.png`` into ``run_dir``; returns the report."""
-    coeffs = fit_coefficients(samples)
+                  floor: RooflineCostModel, run_dir: Path, relative: bool = True,
+                  exclude: Sequence[str] = ()) -> dict[str, Any]:
+    """Fit the `fitted` cost model to ``samples`` (least squares on relative error, else on
+    absolute) and write ``cost_model.yaml``, ``calibration.json`` and ``calibration.png`` into
+    ``run_dir``; returns the report."""
+    coeffs = fit_coefficients(samples, relative=relative, exclude=exclude)
     fitted = FittedCostModel(coeffs, floor_model=floor)
     meta = meta | {"steps_measured": len(samples)}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -190,8 +198,53 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
     return result
 
 
+def server_samples(cfg: DictConfig, run: Any) -> tuple[list[tuple[StepShape, float]], dict]:
+    """The steps of ``calibrate.server_runs``, recovered from their token times, and what was
+    recovered (for the meta)."""
+    c = cfg.calibrate
+    dirs = c.server_runs
+    if isinstance(dirs, str) or not isinstance(dirs, Sequence) or not dirs:
+        raise BadInput(f"calibrate.server_runs must be a non-empty list of backend=server run "
+                       f"directories, got {dirs!r}")
+    budget = c.get("token_budget")
+    if budget is None:
+        sched = run.scheduler  # vLLM's budget, else SGLang's chunk size (None: unchunked)
+        budget = getattr(sched, "max_num_batched_tokens", None) or getattr(
+            sched, "chunked_prefill_size", None)
+    elif isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise BadInput(f"calibrate.token_budget must be an integer >= 1 or null, got {budget!r}")
+    gap_s = c.get("gap_s")
+    if gap_s is not None and (isinstance(gap_s, bool) or not isinstance(gap_s, (int, float))
+                              or gap_s <= 0):
+        raise BadInput(f"calibrate.gap_s must be a number > 0 or null, got {gap_s!r}")
+    exclude = c.get("exclude_terms") or []
+    if isinstance(exclude, str) or not isinstance(exclude, Sequence) \
+            or any(t not in COEFFS for t in exclude):
+        raise BadInput(f"calibrate.exclude_terms must be a list of the fitted form's terms "
+                       f"({', '.join(COEFFS)}), got {exclude!r}")
+    samples, recovered, merged = [], 0, 0
+    for d in dirs:
+        steps = recover_steps(read_run(d), budget, gap_s)
+        recovered, merged = recovered + len(steps), merged + sum(s.merged for s in steps)
+        samples += [(s.shape, s.duration_s) for s in usable(steps)]
+    if not samples:
+        raise BadInput(f"calibrate.server_runs: no steps recovered from {list(dirs)}")
+    return samples, {"server_runs": [str(d) for d in dirs], "exclude_terms": list(exclude),
+                     "token_budget": budget,
+                     "gap_s": gap_s, "steps_recovered": recovered, "steps_merged": merged}
+
+
 def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     run = assemble(cfg)
+    model, hw = run.model_shape, run.hardware
+    if cfg.calibrate.get("server_runs") is not None:
+        samples, meta = server_samples(cfg, run)
+        meta = {"model": model.name, "device": "server", "hardware": hw.name,
+                "fit": "absolute error", **meta}
+        # absolute error: a recovered step's time is noisier than a timed one (a burst's steps
+        # share theirs), and what a served run adds up is the steps' total
+        return fit_and_write(samples, meta, RooflineCostModel(model, hw), run_dir,
+                             relative=False, exclude=meta["exclude_terms"])
     if run.backend != "engine":
         raise BadInput(f"testbed.calibrate measures the engine: backend must be engine, got "
                        f"{run.backend}")
@@ -199,7 +252,6 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     steps = grid(c)
     repeats = group_values.integer(c, "repeats", "calibrate", minimum=1)
     executor = run.build_executor(grid_slots(steps))
-    model, hw = run.model_shape, run.hardware
     samples = measure(executor, steps, repeats, model.vocab_size, run.seed,
                       run.get("progress", False))
     return fit_and_write(samples, engine_meta(executor, model, hw), RooflineCostModel(model, hw),
@@ -214,8 +266,11 @@ def main(cfg: DictConfig) -> None:
     except BadInput as e:  # anything else is a defect: its traceback, exit 1
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"calibrated {result['meta']['model']} on {result['meta']['device']}: "
-          f"{result['meta']['steps_measured']} step shapes")
+    meta = result["meta"]
+    print(f"calibrated {meta['model']} on {meta['device']}: {meta['steps_measured']} steps")
+    if "server_runs" in meta:
+        print(f"  recovered from the token times of {len(meta['server_runs'])} server run(s): "
+              f"{meta['steps_recovered']} steps, {meta['steps_merged']} merged (left out)")
     for kind, coeffs in result["coefficients"].items():
         terms = "  ".join(f"{k}={v:.3g}" for k, v in coeffs.items())
         print(f"  {kind:<8} {terms}   MAPE {result['mape'][kind]:.1%}")

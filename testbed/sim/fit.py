@@ -59,11 +59,14 @@ def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
     return x
 
 
-def fit_coefficients(samples: Iterable[tuple[StepShape, float]],
-                     relative: bool = True) -> dict[str, dict[str, float]]:
+def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool = True,
+                     exclude: Iterable[str] = ()) -> dict[str, dict[str, float]]:
     """Coefficients per step kind from (step, measured seconds) pairs: least squares on relative
     error by default (each row weighted by 1/measured, so short decode steps count as much as long
-    prefills), or on absolute time (``relative=False``: a makespan is a sum of step times)."""
+    prefills), or on absolute time (``relative=False``: a makespan is a sum of step times).
+    Coefficients named in ``exclude`` are held at 0 (a term the measured system is known not to
+    have, which the data alone would confound with another)."""
+    dropped = np.array([name in set(exclude) for name in COEFFS])
     by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
     for step, seconds in samples:
         by_kind[step.kind].append((features(step), seconds))
@@ -72,6 +75,7 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]],
         if not rows:
             raise ValueError(f"no {kind} steps to fit")
         x = np.array([r[0] for r in rows])
+        x[:, dropped] = 0.0
         y = np.array([r[1] for r in rows])
         scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # conditioning: columns of similar size
         weights = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
