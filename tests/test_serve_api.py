@@ -330,3 +330,17 @@ def test_a_bad_serve_key_stops_the_entry_point_with_one_line(override, line):
     with pytest.raises(BadInput) as e:
         assemble_serve(compose_config([*TINY, override], name="serve"))
     assert f"error: {e.value}" == line
+
+
+def test_reset_prefix_cache_empties_the_cache_so_a_repeated_prompt_misses(server):
+    prompt = tokens(45)
+    completion(server, prompt, max_tokens=3)
+    assert completion(server, prompt, max_tokens=3)["usage"]["prompt_tokens_details"][
+        "cached_tokens"] == 44  # the last prompt token is always computed
+    held = state(server)["evictable_tokens"]
+    r = post(server, "/reset_prefix_cache", None)
+    assert r.status_code == 200 and r.json() == {"success": True, "evicted_tokens": held,
+                                                 "live": 0}
+    assert state(server)["evictable_tokens"] == 0
+    assert completion(server, prompt, max_tokens=3)["usage"]["prompt_tokens_details"][
+        "cached_tokens"] == 0

@@ -49,12 +49,20 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
             "id": facts.model_name, "object": "model", "created": 0, "owned_by": "testbed",
             "max_model_len": facts.limits.context}]}
 
-    @app.get("/debug/state")
-    async def debug_state() -> dict[str, Any]:
+    async def in_loop(fn: Callable[[OnlineEngine], Any]) -> Any:
+        """``fn(engine)`` run in the loop thread between steps; 503 when the loop is dead."""
         if not engine.alive:
             raise ApiError(503, f"the engine loop is not running ({engine.error})",
                            code="engine_dead", kind="server_error")
-        return await run_in_threadpool(engine.inspect, engine_state)
+        return await run_in_threadpool(engine.inspect, fn)
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict[str, Any]:
+        return await in_loop(engine_state)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        return await in_loop(empty_cache)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -174,6 +182,18 @@ async def json_body(request: Request) -> Any:
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def empty_cache(engine: OnlineEngine) -> dict[str, Any]:
+    """Evict every cached entry (``POST /reset_prefix_cache``, as vLLM's and SGLang's
+    ``/flush_cache``): only while no request is held, since a held request's KV is in use;
+    ``success`` false otherwise, and nothing changes."""
+    if engine.live:
+        return {"success": False, "evicted_tokens": 0, "live": engine.live}
+    cache = engine.scheduler.cache
+    evicted = cache.evict(int(cache.evictable_size)) if cache.evictable_size else 0
+    return {"success": cache.evictable_size == 0 and cache.protected_size == 0,
+            "evicted_tokens": int(evicted), "live": 0}
 
 
 def engine_state(engine: OnlineEngine) -> dict[str, Any]:
