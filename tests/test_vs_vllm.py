@@ -111,3 +111,21 @@ def test_the_as_ran_trace_keeps_the_programs_and_takes_what_ran():
          "program": "p"},
         {"id": "b", "prompt": [1, 2, 9, 3], "output": [7, 7], "arrival_s": 0.0,
          "think_time_s": 0.5, "program": "p", "after": ["a"]}]
+
+
+def test_latency_rounds_are_summarized_as_medians_with_vllms_spread():
+    from experiments.validation.vllm_latency import METRICS, summarize_rounds
+    runs = pd.DataFrame([{"workload": "w", "loop": 4, "round": r, "held_out": True,
+                          "requests": 10, "failed": 0, "step_mape": mape,
+                          "ttft_request_err": err,
+                          **{f"{m}_vllm": v for m in METRICS},
+                          **{f"{m}_sim": s for m in METRICS}}
+                         for r, (v, s, mape, err) in enumerate([(1.0, 0.9, 0.1, -0.1),
+                                                                 (2.0, 1.8, 0.3, 0.1),
+                                                                 (1.6, 1.5, 0.2, 0.0)])])
+    (row,) = summarize_rounds(runs).to_dict("records")
+    assert row["rounds"] == 3 and row["step_mape"] == pytest.approx(0.2)
+    assert row["ttft_request_err"] == pytest.approx(0.0)
+    assert row["ttft_p50_s_vllm"] == 1.6 and row["ttft_p50_s_sim"] == 1.5
+    assert row["ttft_p50_s_err"] == pytest.approx(1.5 / 1.6 - 1)
+    assert row["ttft_p50_s_spread"] == pytest.approx((2.0 - 1.0) / 1.6)

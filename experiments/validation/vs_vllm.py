@@ -171,6 +171,15 @@ def serve(python: Path, model_dir: Path, block_size: int, blocks: int, log: Path
         stop(proc)
 
 
+def vllm_server(url: str | None, block_size: int, blocks: int, cache_dir: Path, log: Path
+                ) -> contextlib.AbstractContextManager[Served]:
+    """The vLLM at ``url`` (served with these blocks), or one started here (`serve`)."""
+    if url:
+        return contextlib.nullcontext(Served(url, block_size, blocks, None))
+    from testbed.data import resolve_model
+    return serve(venv_python(cache_dir), resolve_model(MODEL), block_size, blocks, log)
+
+
 def kv_gib(blocks: int, block_size: int) -> int:
     """GiB of KV space for ``blocks`` (SmolLM2-135M in fp32: 30 layers x K,V x 3 heads x 64),
     rounded up, at least 1: vLLM's CPU backend sizes its pool from this before the override."""
@@ -395,17 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="vs_vllm_"))
     rows: list[dict] = []
     try:
-        if args.url:
-            server = contextlib.nullcontext(Served(args.url, args.block_size, args.blocks, None))
-        else:
-            python = venv_python(args.cache_dir)
-            if args.what == "setup":
-                print(python)
-                return 0
-            from testbed.data import resolve_model
-            server = serve(python, resolve_model(MODEL), args.block_size, args.blocks,
-                           out / "vllm.log")
-        with server as served:
+        if args.what == "setup" and not args.url:
+            print(venv_python(args.cache_dir))
+            return 0
+        with vllm_server(args.url, args.block_size, args.blocks, args.cache_dir,
+                         out / "vllm.log") as served:
             print(f"vLLM at {served.url}: {served.blocks} blocks of {served.block_size} "
                   f"(testbed: cache.capacity_tokens={served.capacity_tokens})", file=sys.stderr,
                   flush=True)
