@@ -40,6 +40,7 @@ class BackendResult:
     # the ideal hit rate when the backend knows it: replay through an unlimited radix cache of
     # page 1 reached it; a server's run counts it over the calls as they ran
     ideal_hit_rate: float | None = None
+    beams: Any = None  # the engine's beam calls (`testbed.scheduler.beam.BeamCalls`), if any
 
 
 def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
@@ -102,7 +103,8 @@ def unfit_note(run: Assembly, sizes: list[int], total: int, capacity: int | None
 def aborted_sizes(records: list[RequestRecord], requests: list[Request]) -> list[int]:
     """Prompt + planned output of the aborted requests (their records hold no output)."""
     planned = {r.id: r.output_limit for r in requests}
-    return [r.prompt_tokens + planned[r.id] for r in records if r.aborted]
+    return [r.prompt_tokens + planned.get(r.id, 0)  # a beam call's request: prompt only
+            for r in records if r.aborted]
 
 
 def tier_extra(cache: PrefixCache) -> dict[str, Any]:
@@ -169,7 +171,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
     ideal = ideal_as_ran(result.reqs) if rebuilds_prompts(requests, generate) else None
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer,
-                         ideal_hit_rate=ideal)
+                         ideal_hit_rate=ideal, beams=result.beams)
 
 
 def ideal_as_ran(reqs: list) -> float:
