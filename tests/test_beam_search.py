@@ -200,3 +200,38 @@ def test_the_best_beam_equals_hf_generate_on_the_real_model_when_greedy_calls_re
     by_id = {r["id"]: r for r in requests}
     for rec in greedy:
         assert by_id[rec["id"]]["output_ids"] == hf_generate(hf, rec["prompt"], 10), rec["id"]
+
+
+# ---------------------------------------------------------------------------- workload=beam_search
+def test_the_beam_search_workload_forks_the_best_beams_one_token_apart():
+    from testbed.workloads.beam_search import beam_search
+    calls = beam_search(num_prompts=2, prompt_len=40, beam_width=4, depth=8, seed=1)
+    assert len(calls) == 2 * (1 + 4 * 7)
+    by_id = {c.id: c for c in calls}
+    children = {}
+    for c in calls[1:29]:  # program beam0 after its round 0
+        rnd = int(c.id.split("/r")[1].split("b")[0])
+        parent = next(p for p in c.after if (by_id[p].prompt == c.prompt[:-1]).all())
+        assert c.after == [f"beam0/r{rnd - 1}b{i}" for i in range(1 if rnd == 1 else 4)]
+        assert len(c.prompt) == 40 + rnd and len(c.output) == 0 and c.program == "beam0"
+        children.setdefault(parent, []).append(c.id)
+    # some beams fork twice or more, so others are pruned (no child)
+    assert max(map(len, children.values())) >= 2
+    assert len(children) < 1 + 4 * 6
+
+
+def test_radix_page_1_hits_more_than_16_token_blocks_on_beam_search_in_replay(tmp_path):
+    """W = 4: a beam request's prompt is its parent's plus one token, so page 1 hits all but
+    that token and 16-token blocks lose what follows the last whole block (here 8 of 41..47)."""
+    base = ["backend=replay", "workload=beam_search", "workload.num_prompts=2",
+            "workload.prompt_len=40", "workload.beam_width=4", "workload.depth=8"]
+    radix, radix_requests = run(tmp_path / "radix", *base, "cache=radix")
+    block, block_requests = run(tmp_path / "block", *base, "cache=block_hash",
+                                "cache.block_size=16")
+    for r, b in zip(radix_requests, block_requests):
+        first = r["id"].endswith("/r0b0")
+        assert r["cached_tokens"] == (0 if first else r["prompt_tokens"] - 1)
+        assert b["cached_tokens"] == (0 if first else 32)
+    assert radix["cached_tokens"] == 2 * sum(4 * (40 + t - 1) for t in range(1, 8)) == 2408
+    assert block["cached_tokens"] == 2 * 28 * 32 == 1792
+    assert radix["hit_rate"] > block["hit_rate"]
