@@ -102,6 +102,16 @@ def test_a_bad_beam_line_is_named(tmp_path, record, message):
         load_tokens(write_trace(tmp_path / "t.jsonl", [record]))
 
 
+def test_only_the_engine_runs_beam_calls():
+    from testbed.errors import WorkloadRefused
+    from testbed.workloads.request import refuse_beams
+    call = Request("c", np.array([1]), np.zeros(0, np.int32), max_new_tokens=2, beam_width=2)
+    refuse_beams([], "server")
+    with pytest.raises(WorkloadRefused, match="request c has 'beam_width': only backend=engine "
+                                              r"runs beam search \(backend=server\)"):
+        refuse_beams([call], "server")
+
+
 # ---------------------------------------------------------------------------- tiny models
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -137,7 +147,8 @@ def test_beam_requests_hit_all_but_their_newest_token_and_replay_from_the_saved_
         tmp_path, tiny):
     ckpt, hf, prompts = tiny
     records = [{"id": "c0", "prompt": prompts[0], "max_new_tokens": 6, "beam_width": 4}]
-    summary, requests, beams = beam_run(tmp_path, records, f"model.path={ckpt}")
+    summary, requests, beams = beam_run(tmp_path, records, f"model.path={ckpt}",
+                                        "debug.check_invariants=true")
     assert [r["id"] for r in requests[:6]] == ["c0/r0b0", "c0/r1b0", "c0/r1b1", "c0/r1b2",
                                                "c0/r1b3", "c0/r2b0"]
     assert len(requests) == 1 + 4 * 5  # the 6th round's candidates end without a request

@@ -112,6 +112,14 @@ def refuse_generating(requests: list[Request], backend: str) -> None:
                        "output ids")
 
 
+def refuse_beams(requests: list[Request], backend: str) -> None:
+    """Only the engine runs beam search: one line naming the first beam call."""
+    call = next((r for r in requests if r.beam_width is not None), None)
+    if call is not None:
+        raise WorkloadRefused(f"request {call.id} has 'beam_width': only backend=engine runs beam "
+                              f"search (backend={backend})")
+
+
 def refuse_empty_prompts(requests: list[Request], backend: str) -> None:
     """A served call computes at least one prompt token (its prefill makes the first output):
     one line naming the first call whose prompt is empty. (Replay only counts tokens.)"""
