@@ -10,7 +10,8 @@ For beam widths W = 2, 4, 8 and the caches none, radix page 1, radix page 16 and
 - **engine**: real beam calls (``"beam_width"`` in a token trace) on SmolLM2-135M-Instruct on
   the CPU, one torch thread, chat prompts through the model's template; steps timed by this
   process's CPU time (``--clock cpu``); each configuration ``--repeats`` times, interleaved, the
-  fastest kept (the machine is shared). The engine's beam
+  fastest kept (the machine is shared); a KV pool with room for every beam tree in whole pages
+  (``--engine-capacity``), so that no cache evicts. The engine's beam
   tree of each W is saved (``beam_trace.jsonl``) and replayed through every cache too.
 
 Per run: hit rate, prefill tokens (computed by prefill steps, from ``steps.jsonl``), makespan and
@@ -118,7 +119,8 @@ def time_by_cpu() -> None:
     executor.make_engine_executor = timed_by_cpu
 
 
-def engine(work: Path, prompts: list[list[int]], depth: int, repeats: int) -> list[dict]:
+def engine(work: Path, prompts: list[list[int]], depth: int, repeats: int,
+           capacity: int) -> list[dict]:
     rows, best = [], {}
     for w in WIDTHS:
         trace = work / f"beam_calls_w{w}.jsonl"
@@ -130,7 +132,8 @@ def engine(work: Path, prompts: list[list[int]], depth: int, repeats: int) -> li
             for label, cache in CACHES.items():
                 got = run(work, f"engine_w{w}_{label}_{r}",
                           ["backend=engine", "model=smollm2_135m", "device=cpu",
-                           "workload=trace", f"workload.path={trace}", *cache])
+                           "workload=trace", f"workload.path={trace}",
+                           f"cache.capacity_tokens={capacity}", *cache])
                 key = (w, label)
                 if key not in best or got["makespan_s"] < best[key]["makespan_s"]:
                     best[key] = got
@@ -169,16 +172,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
     for ax, (backend, key, title) in zip(axes, panels):
         for i, label in enumerate(CACHES):
-            values = [next((r[key] for r in rows if r["backend"] == backend and r["width"] == w
+            values = [next((r[key] for r in rows if r["backend"] == backend
+                            and int(r["width"]) == w
                             and r["cache"] == label), None) for w in WIDTHS]
             ax.bar([j + 0.2 * (i - 1.5) for j in range(len(WIDTHS))],
-                   [v or 0 for v in values], width=0.2, label=label)
+                   [float(v or 0) for v in values], width=0.2, label=label)
         ax.set_xticks(range(len(WIDTHS)), [f"W={w}" for w in WIDTHS])
         ax.set_title(title, fontsize=9)
         if key == "speedup_vs_none":
             ax.set_yscale("log")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", ncol=len(CACHES),
+               fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
     fig.savefig(path, dpi=120)
 
 
@@ -192,10 +197,19 @@ def main() -> None:
     ap.add_argument("--engine-prompts", type=int, default=2)
     ap.add_argument("--engine-depth", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2, help="engine runs per configuration")
+    ap.add_argument("--engine-capacity", type=int, default=4096,
+                    help="the engine's KV pool (tokens): room for every beam tree in whole pages, "
+                         "so no cache evicts")
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                     help="engine step times: this process's CPU seconds, or wall time")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw the figure from --out's results.csv")
     args = ap.parse_args()
+    if args.replot:
+        with (args.out / "results.csv").open() as f:
+            plot(list(csv.DictReader(f)), args.out / "beam_search.png")
+        return
     torch.set_num_threads(1)
     if args.clock == "cpu":
         time_by_cpu()
@@ -203,7 +217,7 @@ def main() -> None:
     rows = simulate(args.work, args.prompts, args.depth)
     if not args.no_engine:
         rows += engine(args.work, chat_prompts(args.engine_prompts), args.engine_depth,
-                       args.repeats)
+                       args.repeats, args.engine_capacity)
     rows = with_ratios(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "results.csv").open("w", newline="") as f:
