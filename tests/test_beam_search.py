@@ -143,7 +143,7 @@ def test_the_best_beam_equals_hf_generate_num_beams_on_a_tiny_llama(tmp_path, ti
     assert summary["aborted_requests"] == 0
 
 
-def test_beam_requests_hit_all_but_their_newest_token_and_replay_from_the_saved_trace(
+def test_beam_requests_hit_all_but_their_newest_token_and_the_saved_tree_replays_and_simulates(
         tmp_path, tiny):
     ckpt, hf, prompts = tiny
     records = [{"id": "c0", "prompt": prompts[0], "max_new_tokens": 6, "beam_width": 4}]
@@ -158,9 +158,10 @@ def test_beam_requests_hit_all_but_their_newest_token_and_replay_from_the_saved_
     trace = load_tokens(tmp_path / "run" / "beam_trace.jsonl")
     assert [t.id for t in trace] == [r["id"] for r in requests]
     assert trace[5].after == [f"c0/r1b{i}" for i in range(4)] and trace[5].program == "c0"
-    replayed, again = run(tmp_path / "replay", "backend=replay", "workload=trace",
-                          f"workload.path={tmp_path / 'run' / 'beam_trace.jsonl'}")
-    assert [r["cached_tokens"] for r in again] == [r["cached_tokens"] for r in requests]
+    for backend in ("replay", "sim"):  # the tree the engine ran, served again
+        _, again = run(tmp_path / backend, f"backend={backend}", "workload=trace",
+                       f"workload.path={tmp_path / 'run' / 'beam_trace.jsonl'}")
+        assert [r["cached_tokens"] for r in again] == [r["cached_tokens"] for r in requests]
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -246,3 +247,14 @@ def test_radix_page_1_hits_more_than_16_token_blocks_on_beam_search_in_replay(tm
     assert radix["cached_tokens"] == 2 * sum(4 * (40 + t - 1) for t in range(1, 8)) == 2408
     assert block["cached_tokens"] == 2 * 28 * 32 == 1792
     assert radix["hit_rate"] > block["hit_rate"]
+
+
+def test_an_aborted_beam_request_ends_its_call_once_its_round_has_finished():
+    s = search(width=2, n=4)
+    first = s.start()
+    s.observe(first[0].id, np.array([5, 6, 7, 8]), np.log(np.array([.4, .3, .2, .1], np.float32)))
+    second = s.finished(first[0].id)
+    assert [r.id for r in second] == ["c/r1b0", "c/r1b1"] and not s.done
+    assert s.finished("c/r1b0", aborted=True) == [] and not s.done  # c/r1b1 still runs
+    assert s.finished("c/r1b1") == [] and s.done
+    assert s.result() == {"id": "c", "sequences": [], "scores": [], "aborted": True}

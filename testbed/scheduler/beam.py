@@ -129,11 +129,14 @@ class BeamSearch:
 
     def finished(self, request_id: str, aborted: bool = False) -> list[Request]:
         """``request_id`` finished: once its whole round has, the next round's requests (none when
-        the search is over). An aborted request (it could never fit the KV pool) ends the call."""
+        the search is over). An aborted request (it could never fit the KV pool) ends the call
+        once the rest of its round has finished: ``done`` turns true exactly once."""
         self._open.discard(request_id)
-        if aborted:
-            self.aborted = self.done = True
-        if self._open or self.done:
+        self.aborted |= aborted
+        if self._open:
+            return []
+        if self.aborted:
+            self.done = True
             return []
         return self._step()
 
