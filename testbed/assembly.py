@@ -218,7 +218,7 @@ class Assembly:
         if self.executor is None:
             raise ValueError(f"backend={self.backend} has no executor")
         most = None if requests is None else \
-            sum(len(r.prompt) + r.output_limit for r in requests) + 1
+            sum(r.most_kv_tokens for r in requests) + 1
         device = c.get("device")
         if self.backend == "engine":
             device = self.engine_device

@@ -28,7 +28,7 @@ from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
-from testbed.workloads.request import refuse_empty_prompts, refuse_generating
+from testbed.workloads.request import refuse_beams, refuse_empty_prompts, refuse_generating
 
 @dataclass
 class BackendResult:
@@ -40,11 +40,14 @@ class BackendResult:
     # the ideal hit rate when the backend knows it: replay through an unlimited radix cache of
     # page 1 reached it; a server's run counts it over the calls as they ran
     ideal_hit_rate: float | None = None
+    beams: Any = None  # the engine's beam calls (`testbed.scheduler.beam.BeamCalls`), if any
 
 
 def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
     if run.backend not in ("engine", SERVER):
         refuse_generating(requests, run.backend)
+    if run.backend != "engine":
+        refuse_beams(requests, run.backend)
     if run.backend not in (REPLAY, "engine"):  # the engine's limits say it for the engine
         refuse_empty_prompts(requests, run.backend)
     if run.backend == SERVER:
@@ -102,7 +105,8 @@ def unfit_note(run: Assembly, sizes: list[int], total: int, capacity: int | None
 def aborted_sizes(records: list[RequestRecord], requests: list[Request]) -> list[int]:
     """Prompt + planned output of the aborted requests (their records hold no output)."""
     planned = {r.id: r.output_limit for r in requests}
-    return [r.prompt_tokens + planned[r.id] for r in records if r.aborted]
+    return [r.prompt_tokens + planned.get(r.id, 0)  # a beam call's request: prompt only
+            for r in records if r.aborted]
 
 
 def tier_extra(cache: PrefixCache) -> dict[str, Any]:
@@ -169,7 +173,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
     ideal = ideal_as_ran(result.reqs) if rebuilds_prompts(requests, generate) else None
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer,
-                         ideal_hit_rate=ideal)
+                         ideal_hit_rate=ideal, beams=result.beams)
 
 
 def ideal_as_ran(reqs: list) -> float:

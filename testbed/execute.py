@@ -45,7 +45,7 @@ def execute(cfg: DictConfig, run_dir: str | Path,
     summary |= result.extra
     observer = result.observer
     write_run(run_dir, summary, result.records, config=run.config,
-              steps=observer.rows if observer is not None else None)
+              steps=observer.rows if observer is not None else None, beams=result.beams)
     if run.timeline:
         write_timeline(Path(run_dir) / "timeline.json", observer,
                        {k: summary.get(k) for k in ("backend", "workload", "cache", "scheduler",

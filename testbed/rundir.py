@@ -1,6 +1,7 @@
 """A run directory's files: writing a run's results (``summary.json``, ``requests.jsonl`` and, sim
-and engine, ``steps.jsonl``; docs/design.md §3), a failure's ``failed.json``, and whether a sweep's
-run already has the results of its config."""
+and engine, ``steps.jsonl``; with beam calls ``beams.jsonl`` and ``beam_trace.jsonl``;
+docs/design.md §3), a failure's ``failed.json``, and whether a sweep's run already has the
+results of its config."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from testbed.errors import failure_kind
 from testbed.metrics import RequestRecord
 from testbed.serving.observer import StepRow
 
-RUN_FILES = ("summary.json", "requests.jsonl", "steps.jsonl", "timeline.json")
+RUN_FILES = ("summary.json", "requests.jsonl", "steps.jsonl", "timeline.json", "beams.jsonl",
+             "beam_trace.jsonl")
 
 
 def write_run(run_dir: str | Path, summary: dict[str, Any], records: list[RequestRecord],
               config: dict[str, Any] | None = None,
-              steps: Iterable[StepRow] | None = None) -> Path:
+              steps: Iterable[StepRow] | None = None, beams: Any = None) -> Path:
     """Write the run's files into ``run_dir`` (created if needed); returns the directory.
-    ``steps`` (sim and engine runs) become ``steps.jsonl``, one line per step. summary.json comes
-    last, so a run dir with one is complete; a ``timing`` dict in ``summary`` gets ``write_s``,
-    the seconds spent writing the other files."""
+    ``steps`` (sim and engine runs) become ``steps.jsonl``, one line per step; ``beams`` (the
+    engine's `testbed.scheduler.beam.BeamCalls`, when the workload had beam calls) become
+    ``beams.jsonl``, one line per call, and ``beam_trace.jsonl``, its requests as a token trace.
+    summary.json comes last, so a run dir with one is complete; a ``timing`` dict in ``summary``
+    gets ``write_s``, the seconds spent writing the other files."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -32,6 +36,12 @@ def write_run(run_dir: str | Path, summary: dict[str, Any], records: list[Reques
     if steps is not None:
         with (run_dir / "steps.jsonl").open("w") as f:
             f.writelines(json.dumps(row.to_json()) + "\n" for row in steps)
+    if beams is not None:
+        from testbed.workloads.traces import save_tokens
+
+        with (run_dir / "beams.jsonl").open("w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in beams.results())
+        save_tokens(beams.trace(), run_dir / "beam_trace.jsonl")
     if isinstance(summary.get("timing"), dict):
         summary["timing"]["write_s"] = time.perf_counter() - started
     doc = dict(summary)

@@ -61,6 +61,7 @@ class EngineExecutor:
         start, wall = clock(), time.perf_counter()
         logits = self.runner.run(batch)
         sampled = self.sampler(logits).tolist()  # reading the tokens back syncs the device
+        logprobs = top_logprobs(batch, logits)
         if cuda:
             torch.cuda.synchronize(self.runner.device)
         duration = clock() - start
@@ -79,7 +80,23 @@ class EngineExecutor:
             else:
                 tokens.append(int(own))
         self.quality.observe(batch, logits, tokens)  # after the timed part: not in duration_s
-        return StepOutcome(duration_s=duration, tokens=tokens)
+        return StepOutcome(duration_s=duration, tokens=tokens, logprobs=logprobs)
+
+
+def top_logprobs(batch: Batch, logits: torch.Tensor) -> list | None:
+    """For each entry whose request asks for ``top_logprobs`` (beam search) and ends its fill:
+    the most likely next tokens and their log-probs (log-softmax of the float32 logits, as HF's
+    beam search takes them), highest first; None for the others, or for a batch without any."""
+    rows = [i for i, e in enumerate(batch.entries)
+            if e.req.request.top_logprobs and e.produces_token]
+    if not rows:
+        return None
+    out: list = [None] * len(batch.entries)
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    for row, lp in zip(rows, logprobs):
+        values, ids = lp.topk(min(batch.entries[row].req.request.top_logprobs, lp.shape[-1]))
+        out[row] = (ids.cpu().numpy(), values.cpu().numpy())
+    return out
 
 
 def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,

@@ -12,6 +12,7 @@ if configured, is held in CPU memory too: the engine checks the data path, not S
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -73,4 +74,4 @@ class TieredEngineExecutor:
             torch.cuda.synchronize(self.executor.runner.device)
         copy_s = time.perf_counter() - started
         outcome = self.executor.execute(batch)
-        return StepOutcome(duration_s=outcome.duration_s + copy_s, tokens=outcome.tokens)
+        return replace(outcome, duration_s=outcome.duration_s + copy_s)

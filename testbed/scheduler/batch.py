@@ -74,7 +74,11 @@ class Batch:
 @dataclass(frozen=True)
 class StepOutcome:
     """What an executor (the simulator's or the engine's) returns for one `Batch`: how long the
-    step took and the token each entry produced (None where an entry produces none)."""
+    step took and the token each entry produced (None where an entry produces none). An entry
+    whose request asks for ``top_logprobs`` (a beam search's, `testbed.scheduler.beam`) and ends
+    its fill gets the most likely next tokens and their log-probs in ``logprobs`` (the engine's
+    only; None elsewhere)."""
 
     duration_s: float
     tokens: list[int | None]
+    logprobs: list[tuple[np.ndarray, np.ndarray] | None] | None = None

@@ -31,6 +31,7 @@ import simpy
 from tqdm import tqdm
 
 from testbed.scheduler.batch import Batch
+from testbed.scheduler.beam import BeamCalls
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.executor import Executor
@@ -75,6 +76,7 @@ class DriverResult:
     end_s: float
     steps: list[StepRecord] = field(default_factory=list)  # with record_steps=True
     observer: RunObserver | None = None  # steps and request phases, when one watched
+    beams: BeamCalls | None = None  # the beam calls' searches, when the workload had any
 
 
 class Replica:
@@ -136,12 +138,14 @@ class Driver:
         self._slot_of: dict[str, Any] = {}
         self._bar = tqdm(total=len(requests), desc="simulate", unit="req",
                          disable=None if progress else True)
+        # beam calls (testbed/scheduler/beam.py): rounds of requests, stopping at the model's EOS
+        self.beams = BeamCalls(self.replicas[0].scheduler.eos_token_ids)
 
     # ------------------------------------------------------------------ processes
     def run(self) -> DriverResult:
         self._serve()
         return DriverResult(self.reqs, self.replicas[0].stats, self.env.now, self.steps,
-                            self.observer)
+                            self.observer, self.beams if self.beams.searches else None)
 
     def _serve(self) -> None:
         """Run arrivals and every replica's step loop until every request has finished."""
@@ -188,6 +192,10 @@ class Driver:
         prompt = materialize(call.segments, self._outputs) if self.generate and call.segments else None
         if prompt is not None and self.check_prompt is not None:
             self.check_prompt(call, prompt)
+        if call.beam_width is not None:  # its first round stands for it
+            for first in self.beams.start(call, call.prompt if prompt is None else prompt):
+                self._submit(rep, first, routed_s)
+            return
         req = rep.scheduler.submit(call, self.env.now, prompt=prompt)
         self.reqs.append(req)
         rep.reqs.append(req)
@@ -221,6 +229,9 @@ class Driver:
                 continue
             before = self._before_step(batch)
             outcome = self.executor.execute(batch)
+            for entry, top in zip(batch.entries, outcome.logprobs or ()):
+                if top is not None and self.beams.owns(entry.req.id):
+                    self.beams.observe(entry.req.id, *top)
             if self.record_steps:
                 new, context = batch.shape()
                 self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
@@ -249,12 +260,31 @@ class Driver:
         rep.notify()
 
     def _on_finish(self, req: Req) -> None:
-        call = req.request
-        program_done, ready = self.graph.finish(call, self.env.now)
         if self.observer is not None:
             self.observer.finished(req, self.env.now)
-        self._outputs[call.id] = (call.output if req.aborted
-                                  else np.asarray(req.output, dtype=TOKEN_DTYPE))
+        if self.beams.owns(req.id):  # a beam call's request: its next round, or the call's end
+            search, following = self.beams.finished(req.id, aborted=req.aborted)
+            if following:
+                self.env.process(self._submit_beams(following))
+            elif search.done:
+                self._call_done(search.call, search.best)
+            return
+        call = req.request
+        self._call_done(call, call.output if req.aborted
+                        else np.asarray(req.output, dtype=TOKEN_DTYPE))
+
+    def _submit_beams(self, requests: list[Request]):
+        """A beam search's next round, to the one replica (the engine serves beam calls, and it
+        runs no cluster)."""
+        for r in requests:
+            self._submit(self.replicas[0], r)
+        yield from ()
+
+    def _call_done(self, call: Request, output: np.ndarray) -> None:
+        """``call`` is over (its output as ran, or the workload's if it was aborted): its program
+        and dependents move on."""
+        program_done, ready = self.graph.finish(call, self.env.now)
+        self._outputs[call.id] = output
         self._bar.update(1)
         if call.id in self._slot_of:
             self._call_slots.release(self._slot_of.pop(call.id))

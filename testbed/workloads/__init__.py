@@ -13,6 +13,7 @@ from typing import Any, Mapping
 from testbed.errors import BadInput, WorkloadRefused
 from testbed.registry import Registry
 from testbed.workloads.arrivals import Arrival
+from testbed.workloads.beam_search import beam_search
 from testbed.workloads.beyond_prefix import paraphrase, rag
 from testbed.workloads.mixed import mix
 from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,
@@ -31,6 +32,7 @@ for _name, _generator in (("few_shot", few_shot), ("chat", chat),
                           ("self_consistency", self_consistency),
                           ("tree_of_thought", tree_of_thought), ("multimodal", multimodal),
                           ("shared_prefix", shared_prefix), ("random_tree", random_tree),
+                          ("beam_search", beam_search),
                           ("rag", rag), ("paraphrase", paraphrase),
                           # text through a tokenizer and chat template (text.py, rag_text.py)
                           ("sharegpt", sharegpt), ("sharegpt_chat", sharegpt_chat),

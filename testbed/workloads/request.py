@@ -8,7 +8,8 @@ while ``prompt`` holds it materialised with the predetermined outputs the replay
 backends use.
 
 A call may also carry no output at all, only ``max_new_tokens``: then the model must generate it
-(the engine backend; a token trace's ``"max_new_tokens"``), and only the engine can serve it.
+(the engine backend; a token trace's ``"max_new_tokens"``), and only the engine can serve it; with
+``beam_width`` too, by beam search (`testbed.scheduler.beam`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class Request:
     ignore_eos: bool = False  # the model's EOS does not end the call
     min_tokens: int = 0  # a stop token ends the call only after at least this many tokens
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end the call (kept in the output)
+    # beam search (testbed/scheduler/beam.py): a call with beam_width runs as rounds of requests
+    # that each return the top_logprobs most likely next tokens with their log-probs
+    beam_width: int | None = None
+    top_logprobs: int = 0
 
     @property
     def program_id(self) -> str:
@@ -78,6 +83,12 @@ class Request:
     def output_limit(self) -> int:
         """The most output tokens the call can produce: its output's length, or max_new_tokens."""
         return self.max_new_tokens if self.max_new_tokens is not None else len(self.output)
+
+    @property
+    def most_kv_tokens(self) -> int:
+        """The most tokens of KV the call can ever hold: prompt and output, and for a beam call
+        each of its beams' tokens."""
+        return len(self.prompt) + self.output_limit * (self.beam_width or 1)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,6 +110,14 @@ def refuse_generating(requests: list[Request], backend: str) -> None:
         raise WorkloadRefused(f"request {call.id} has 'max_new_tokens' and no 'output': only "
                        f"backend=engine generates outputs; backend={backend} needs concrete "
                        "output ids")
+
+
+def refuse_beams(requests: list[Request], backend: str) -> None:
+    """Only the engine runs beam search: one line naming the first beam call."""
+    call = next((r for r in requests if r.beam_width is not None), None)
+    if call is not None:
+        raise WorkloadRefused(f"request {call.id} has 'beam_width': only backend=engine runs beam "
+                              f"search (backend={backend})")
 
 
 def refuse_empty_prompts(requests: list[Request], backend: str) -> None:

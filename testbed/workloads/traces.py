@@ -2,8 +2,9 @@
 
 - ``tokens``: JSONL ``{"prompt": [ints], "output": [ints]}`` with optional ``id``, ``arrival_s``,
   ``program``, ``after``, ``think_time_s``, ``priority``; read and written, so any workload can be
-  saved and replayed. ``"max_new_tokens": N`` instead of ``output`` makes the engine generate; a
-  prompt item ``{"output": "ID"}`` splices in call ID's output (the real one when generating).
+  saved and replayed. ``"max_new_tokens": N`` instead of ``output`` makes the engine generate
+  (``"beam_width": W`` too: by beam search); a prompt item ``{"output": "ID"}`` splices in call
+  ID's output (the real one when generating; a beam call's best sequence).
 - ``mooncake``: FAST'25 JSONL with ``timestamp`` (ms), ``input_length``, ``output_length`` and
   ``hash_ids`` (chained hashes of 512-token blocks). Block id ``b`` becomes the 512 tokens
   ``b*512 .. b*512+511`` (distinct, determined by ``b`` alone); the last block is cut to the remainder
@@ -141,6 +142,7 @@ def load_tokens(path: str | Path) -> list[Request]:
                 output = np.zeros(0, dtype=TOKEN_DTYPE)
             else:
                 raise TraceError(f"{where}: missing field 'output' (or 'max_new_tokens')")
+            beam = _beam_width(rec, max_new, where)
         except ValueError as e:  # also numpy's, on a ragged list of token ids
             raise TraceError(str(e) if isinstance(e, BadInput) else f"{where}: {e}") from None
         arrival = _seconds(rec, "arrival_s", where, default=0.0)
@@ -150,11 +152,26 @@ def load_tokens(path: str | Path) -> list[Request]:
             id=str(rec.get("id", len(requests))), prompt=prompt, output=output,
             arrival_s=arrival, program=rec.get("program"), after=after,
             think_time_s=think, priority=priority, segments=segments, max_new_tokens=max_new,
+            beam_width=beam,
         )
         outputs[request.id] = output
         waits_for[request.id] = waits
         requests.append(request)
     return requests
+
+
+def _beam_width(rec: dict, max_new: int | None, where: str) -> int | None:
+    """A beam call's ``beam_width`` (None for other calls): an int >= 1, with ``max_new_tokens``
+    >= 1 (beam search generates; testbed/scheduler/beam.py)."""
+    if "beam_width" not in rec:
+        return None
+    width = _field(rec, "beam_width", int, where)
+    if width < 1:
+        raise TraceError(f"{where}: 'beam_width' must be >= 1, got {width}")
+    if max_new is None or max_new < 1:
+        raise TraceError(f"{where}: a call with 'beam_width' needs 'max_new_tokens' >= 1 (beam "
+                         "search generates its output)")
+    return width
 
 
 def save_tokens(requests: list[Request], path: str | Path) -> None:
@@ -171,6 +188,8 @@ def save_tokens(requests: list[Request], path: str | Path) -> None:
             rec = {"id": r.id, "arrival_s": r.arrival_s, "prompt": prompt}
             if r.generates:
                 rec["max_new_tokens"] = r.max_new_tokens
+                if r.beam_width is not None:
+                    rec["beam_width"] = r.beam_width
             else:
                 rec["output"] = r.output.tolist()
             if r.program is not None:
