@@ -110,6 +110,8 @@ class Scheduler:
         self.new_token_ratio_decay = (c.init_new_token_ratio - self.min_new_token_ratio) / c.new_token_ratio_decay_steps
         self.new_token_ratio = c.init_new_token_ratio
         self.preemptions = 0
+        self.processed_tokens = 0  # prefill tokens run so far (SGLang's processed_tokens_counter)
+        self._now = 0.0  # the clock of the latest next_batch
         self._seq = 0
         self.loads = LoadBacks(cache)  # lower-tier load-backs in flight
 
@@ -119,7 +121,8 @@ class Scheduler:
         overlap it needs one slot more, its last token's, as it is decoded once more before its
         finish is applied."""
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
-                  submitted_s=now, seq=self._seq)
+                  submitted_s=now, seq=self._seq, queued_s=now,
+                  queued_tokens=self.processed_tokens)
         if self.eos_for_all or request.generates:
             req.use_stop_tokens(self.eos_token_ids)
         self._seq += 1
@@ -147,6 +150,7 @@ class Scheduler:
         and unlocked or freed its KV), the step is formed again at once: SGLang's overlap loop
         goes round again without waiting for input. The driver would otherwise wait for an
         arrival that may never come while admissible requests sit in the queue."""
+        self._now = now
         batch = self._form(now)
         if self._pending is not None:
             done, tokens = self._pending
@@ -213,6 +217,7 @@ class Scheduler:
             return None
         held: set[int] = set()
         if self.waiting:
+            self.policy.processed_tokens = self.processed_tokens
             ordering = self.policy.order(self.waiting, now)
             if c.target is not None:  # a user's policy: check what the built-ins guarantee
                 ordering = self._checked(ordering)
@@ -266,6 +271,7 @@ class Scheduler:
                 self.reuse.attach(entries[-1])
         if not entries:
             return None
+        self.processed_tokens += sum(e.new for e in entries)  # run_batch: extend_num_tokens
         return Batch("prefill", entries,
                      kv_copies=self.reuse.stores(entries) if self.reuse is not None else [])
 
@@ -457,6 +463,8 @@ class Scheduler:
             req.reuse_plan = None
         if self.chunked is req:
             self.chunked = None
+        # _add_request_to_queue(is_retracted=True): it enters the queue anew (HRRN, priority)
+        req.queued_s, req.queued_tokens = self._now, self.processed_tokens
         self.waiting.append(req)
 
     # ------------------------------------------------------------------ results in
