@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.validation import sglang_replay, sglang_wheel
+from experiments.validation import sglang_eviction, sglang_replay, sglang_wheel
 from experiments.validation.sglang_mirror import SglangLoop
 from experiments.validation.sglang_wheel import SglReq
 from testbed.assembly import Assembly, assemble, compose_config, plain
@@ -69,7 +69,7 @@ from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads import generate
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
-DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"sglang-{sglang_wheel.VERSION}"
+CACHE_ROOT = Path.home() / ".cache" / "radix-testbed"  # the wheel of release V in sglang-V/
 SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs"}
 # Small instances of the project's generators (names and parameters as in conf/workload/).
 WORKLOADS = {
@@ -93,16 +93,18 @@ QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
 
 
 @lru_cache(maxsize=None)
-def run_config(policy: str) -> dict:
-    """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy``."""
+def run_config(policy: str, release: str = sglang_wheel.VERSION) -> dict:
+    """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy`` with
+    the rules of SGLang ``release``."""
     return plain(compose_config(["cache=radix", "cache.page_size=1", "eviction=lru",
-                                 f"scheduler={policy}"]))
+                                 f"scheduler={policy}", f"scheduler.sglang={release}"]))
 
 
-def assembled(policy: str, capacity: int | None = None, **scheduler) -> Assembly:
+def assembled(policy: str, capacity: int | None = None, release: str = sglang_wheel.VERSION,
+              **scheduler) -> Assembly:
     """`run_config` with a cache capacity and scheduler settings set, assembled (composed once
     per policy: 120 cases would otherwise spend seconds composing)."""
-    config = copy.deepcopy(run_config(policy))
+    config = copy.deepcopy(run_config(policy, release))
     config["cache"]["capacity_tokens"] = capacity
     config["scheduler"].update(scheduler)
     return assemble(config)
@@ -318,8 +320,10 @@ def print_batches(rows: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
-                    help=f"where the wheel is kept (default {DEFAULT_CACHE})")
+    ap.add_argument("--sglang", choices=sglang_wheel.RELEASES, default="0.5.23",
+                    help="the release to check against (0.5.23: `sglang_check523`)")
+    ap.add_argument("--cache-dir", type=Path,
+                    help=f"where the wheel is kept (default {CACHE_ROOT}/sglang-RELEASE)")
     ap.add_argument("--quick", action="store_true",
                     help="300 queues, 30 of the 120 cases, a smaller (c) (~20 s)")
     ap.add_argument("--queues", type=int, help="random queues in (a) (default 1000; 300 quick)")
@@ -328,8 +332,12 @@ def main() -> int:
     ap.add_argument("--show", type=int, default=3, help="disagreements to print in detail")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.cache_dir = (args.cache_dir or CACHE_ROOT / f"sglang-{args.sglang}").expanduser()
+    if args.sglang == "0.5.23":
+        from experiments.validation import sglang_check523
+        return sglang_check523.main(args)
     try:
-        sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir.expanduser()))
+        sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir))
     except Exception as e:
         print(f"cannot get SGLang {sglang_wheel.VERSION} into {args.cache_dir}: {e}",
               file=sys.stderr)
@@ -367,6 +375,9 @@ def main() -> int:
     replay_rows = sglang_replay.check_replay(sgl, args.quick, args.show)
     print()
     sglang_replay.print_replay(replay_rows)
+    print("\n(d) eviction order on random trees (its radix cache's one order, LRU)")
+    evictions = sglang_eviction.check_eviction(sgl, 100 if args.quick else 500, args.seed)
+    sglang_eviction.print_eviction(evictions)
     done = [r for r in rows if "hits" in r]
     same = sum(r["diff"] is None for r in done)
     # SGLang stalls for good (work left it never schedules) and ours goes on: same until then
