@@ -257,3 +257,36 @@ def test_eviction_settings_are_checked_naming_the_key():
         EVICTION.build({"name": "lfu", "hits": "often"})
     with pytest.raises(BadInput, match="eviction.threshold must be an integer >= 0"):
         EVICTION.build({"name": "tlru", "threshold": -1})
+
+
+# ---------------------------------------------------------------- priority preemption
+def preemption_case(**config):
+    s = Scheduler(RadixCache(1000), SchedulerConfig(name="fcfs", enable_priority_scheduling=True,
+                                                    max_running_requests=2, **config))
+    out = np.arange(1000, 1005, dtype=np.int32)
+    reqs = {}
+    for t, (rid, prio) in enumerate((("a", 20), ("b", 20))):
+        reqs[rid] = s.submit(Request(rid, toks(*range(10 * t, 10 * t + 8)), out, priority=prio),
+                             float(t))
+    batch = s.next_batch(1.0)
+    s.complete(batch, [1000, 1000], 1.0)
+    for t, (rid, prio) in enumerate((("c", 15), ("d", 0)), start=2):
+        reqs[rid] = s.submit(Request(rid, toks(*range(10 * t, 10 * t + 8)), out, priority=prio),
+                             float(t))
+    return s, reqs, s.next_batch(3.0)
+
+
+def test_an_urgent_request_preempts_the_least_urgent_latest_running_one_past_the_threshold():
+    s, reqs, batch = preemption_case()
+    assert batch.kind == "prefill" and [e.req.id for e in batch.entries] == ["d"]
+    assert (reqs["a"].preemptions, reqs["b"].preemptions) == (0, 1)  # b entered the queue later
+    assert [r.id for r in s.waiting] == ["c", "b"]  # c (15 vs 20: within 10) preempts nobody
+    assert [r.id for r in s.running] == ["a"] and reqs["b"].lease is None
+    s.complete(batch, [1000], 3.0)
+    drive(s)
+    assert all(r.output == list(range(1000, 1005)) for r in reqs.values())
+
+
+def test_priority_scheduling_without_preemption_waits_for_a_free_slot():
+    s, reqs, batch = preemption_case(disable_priority_preemption=True)
+    assert batch.kind == "decode" and s.preemptions == 0

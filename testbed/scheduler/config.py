@@ -40,6 +40,8 @@ class SchedulerConfig:
     retract_order: str = "newest"  # who goes first when decode runs out of KV
     sglang: str = "0.5.23"  # whose rules apply where SGLang releases differ (docs/design.md §4)
     enable_priority_scheduling: bool = False  # SGLang's --enable-priority-scheduling
+    disable_priority_preemption: bool = False  # ... without preempting running requests
+    priority_preemption_threshold: int = 10  # --priority-scheduling-preemption-threshold
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "SchedulerConfig":
@@ -84,7 +86,7 @@ class SchedulerConfig:
         if self.lpm_aging < 0:
             raise BadInput(f"scheduler.lpm_aging must be >= 0, got {self.lpm_aging}")
         for key in ["in_batch_prefix_caching", "in_batch_hold", "overlap",
-                    "enable_priority_scheduling"]:
+                    "enable_priority_scheduling", "disable_priority_preemption"]:
             if not isinstance(getattr(self, key), bool):
                 raise BadInput(f"scheduler.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ["init_new_token_ratio", "min_new_token_ratio_factor"]:

@@ -121,8 +121,12 @@ def queue_matches(cache: PrefixCache, queue: list[Req], sglang: str) -> tuple[li
     matches the fill less one token (``adjust_max_prefix_ids``), both the same then."""
     if sglang == "0.4.10":
         hits = [cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester) for r in queue]
+        for r, h in zip(queue, hits):
+            r.matched = h
         return hits, hits
     matched = [cache.match(r.fill(), requester=r.requester) for r in queue]
+    for r, m in zip(queue, matched):
+        r.matched = m  # match_kv_cache sets req.prefix_len (priority preemption reads it)
     return [min(m, max(r.fill_len - 1, 0)) for m, r in zip(matched, queue)], matched
 
 

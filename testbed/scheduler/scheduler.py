@@ -63,6 +63,7 @@ from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
+from testbed.scheduler.preemption import reservation, to_preempt
 from testbed.scheduler.request_state import Req, ReusePlan
 from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.workloads.request import Request
@@ -209,10 +210,13 @@ class Scheduler:
 
     def _prefill_batch(self, now: float) -> Batch | None:
         c = self.config
+        preempt = c.enable_priority_scheduling and not c.disable_priority_preemption
+        if preempt:  # a full batch may still make room by preempting (testbed.scheduler.preemption)
+            self.batch_is_full = False
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.running)
-        if self.max_running - running_bs <= 0 and self.chunked is None:
+        if self.max_running - running_bs <= 0 and self.chunked is None and not preempt:
             self.batch_is_full = True
             return None
         held: set[int] = set()
@@ -236,10 +240,25 @@ class Scheduler:
             adder.take(new, min(req.max_new_tokens, c.clip_max_new_tokens) if last else 0)
             self.chunked = None if last else req
 
+        preempted: list[Req] = []
         for req in list(self.waiting):
             if len(admitted) >= self.max_running - running_bs:
                 self.batch_is_full = True
-                break
+            if self.batch_is_full:  # SGLang 0.5.23: each request past here must preempt
+                victims = to_preempt(req, self.running, adder, c.clip_max_new_tokens,
+                                     self.new_token_ratio, c.priority_preemption_threshold
+                                     ) if preempt else []
+                if not victims:
+                    break
+                for victim in victims:
+                    self.running.remove(victim)
+                    adder.rem_total_offset -= reservation(victim, c.clip_max_new_tokens,
+                                                          self.new_token_ratio)
+                    self._release_kv(victim)
+                    victim.preemptions += 1
+                    self.preemptions += 1
+                preempted += victims
+                running_bs = len(self.running)
             if id(req) in held:
                 continue
             result = self._add_one(req, adder, admitted)
@@ -249,6 +268,8 @@ class Scheduler:
                 if result is AddResult.NO_TOKEN:
                     self.batch_is_full = True
                 break
+        for victim in preempted:  # back into the queue after the step's admissions
+            self._enqueue(victim)
         if not admitted:
             return None
         chosen = {id(e.req) for e in admitted}
@@ -294,6 +315,7 @@ class Scheduler:
         fill = req.fill()
         available_before = self.cache.available_size
         lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
+        req.matched = lease.hit
         if lease.lower and self.loads.start(req, lease):
             self.waiting.remove(req)
             return _LOADING  # it waits for the copy; the loaded slots already count against the KV
@@ -456,6 +478,11 @@ class Scheduler:
     def _requeue(self, req: Req) -> None:
         """Free the request's KV beyond its cached prefix and append it to the queue (SGLang's
         ``_extend_requests_to_queue``); it will re-prefill prompt and outputs so far."""
+        self._release_kv(req)
+        self._enqueue(req)
+
+    def _release_kv(self, req: Req) -> None:
+        """A retracted or preempted request gives its KV beyond the cached prefix back."""
         self.cache.release(req.lease, req.fill(), insert=False)
         req.lease, req.computed = None, 0
         if self.reuse is not None:  # donors unlocked; readmission plans anew
@@ -463,7 +490,9 @@ class Scheduler:
             req.reuse_plan = None
         if self.chunked is req:
             self.chunked = None
-        # _add_request_to_queue(is_retracted=True): it enters the queue anew (HRRN, priority)
+
+    def _enqueue(self, req: Req) -> None:
+        """_add_request_to_queue: it enters the queue anew (HRRN's and priority's marks)."""
         req.queued_s, req.queued_tokens = self._now, self.processed_tokens
         self.waiting.append(req)
 
