@@ -52,18 +52,16 @@ import argparse
 import sys
 import time
 from collections import Counter
-import copy
 from dataclasses import fields
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from experiments.validation import sglang_eviction, sglang_replay, sglang_wheel
+from experiments.validation.sglang_cases import assembled, random_instance
 from experiments.validation.sglang_mirror import SglangLoop
 from experiments.validation.sglang_wheel import SglReq
-from testbed.assembly import Assembly, assemble, compose_config, plain
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads import generate
@@ -92,48 +90,7 @@ CONFIGS = [("ample", 64, None, 16384), ("ample", 4, 64, 16384), ("ample", 16, 81
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
 
 
-@lru_cache(maxsize=None)
-def run_config(policy: str, release: str = sglang_wheel.VERSION) -> dict:
-    """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy`` with
-    the rules of SGLang ``release``."""
-    return plain(compose_config(["cache=radix", "cache.page_size=1", "eviction=lru",
-                                 f"scheduler={policy}", f"scheduler.sglang={release}"]))
-
-
-def assembled(policy: str, capacity: int | None = None, release: str = sglang_wheel.VERSION,
-              **scheduler) -> Assembly:
-    """`run_config` with a cache capacity and scheduler settings set, assembled (composed once
-    per policy: 120 cases would otherwise spend seconds composing)."""
-    config = copy.deepcopy(run_config(policy, release))
-    config["cache"]["capacity_tokens"] = capacity
-    config["scheduler"].update(scheduler)
-    return assemble(config)
-
-
 # ---------------------------------------------------------------- (a) queue order
-def random_instance(rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]]]:
-    """Token runs for the tree and prompts for the queue, each branching off an earlier run or
-    prompt at a random point (a small vocabulary adds accidental partial matches)."""
-    vocab = int(rng.choice([8, 64, 1000]))
-
-    def grow(pool: list[list[int]]) -> list[int]:
-        if pool and rng.random() < 0.8:
-            base = pool[int(rng.integers(len(pool)))]
-            seq = base[: int(rng.integers(0, len(base) + 1))]
-        else:
-            seq = []
-        return seq + rng.integers(0, vocab, int(rng.integers(1, 80))).tolist()
-
-    tree: list[list[int]] = []
-    for _ in range(int(rng.integers(0, 25))):
-        tree.append(grow(tree))
-    size = int(rng.integers(129, 161)) if rng.random() < 0.1 else int(rng.integers(1, 41))
-    queue: list[list[int]] = []
-    for _ in range(size):
-        queue.append(grow(tree + queue))
-    return tree, queue
-
-
 def held_ids(ordering, reqs: list[Req]) -> set[str]:
     """The ids of the requests an `Ordering` holds out of the step (``in_batch_hold``)."""
     return deprioritized_ids(ordering, reqs) if ordering.held else set()

@@ -1,6 +1,6 @@
 """Queue order against SGLang 0.5.23's own ``SchedulePolicy.calc_priority`` (``--sglang 0.5.23``).
 
-The random trees and queues of `experiments.validation.sglang.random_instance` (1-40 requests,
+The random trees and queues of `experiments.validation.sglang_cases.random_instance` (1-40 requests,
 some 129-160 to cross the FCFS fallback at 128), inserted into 0.5.23's RadixCache and ours in
 the same order. Each waiting request also gets a random number of prefill tokens that had run when
 it entered the queue (``arrival_processed_tokens``; ties frequent, as among a burst of arrivals)
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from experiments.validation.sglang import assembled, random_instance
+from experiments.validation.sglang_cases import assembled, random_instance
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
