@@ -14,9 +14,17 @@
 Reusable code lives in `testbed`; these modules print, plot and write results. `REPO` is the
 repository root; `MOONCAKE_TRACE` the Mooncake conversation trace where this project's development
 machine keeps it (beside the repository; ``data:mooncake_conversation`` fetches it anywhere).
+`save_figure` writes a matplotlib figure, making its folder.
 """
 
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay ``fig`` out tightly and write it to ``path`` (its folder made if missing)."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)

@@ -22,9 +22,10 @@ def serve(cache, seq, requester=None):
 
 
 def use(cache, seq):
-    """A request hits ``seq`` and leaves without adding anything (a use, unlike a look-up)."""
+    """A request hits all of ``seq`` and finishes, inserting it again (a use, unlike a look-up:
+    one hit under either count, SGLang 0.5.23's insert count and the match count)."""
     lease = cache.acquire(toks(*seq))
-    cache.release(lease, toks(*seq), insert=False)
+    cache.release(lease, toks(*seq)[: lease.hit])
 
 
 def leaves(cache: RadixCache) -> set[tuple[int, ...]]:

@@ -107,7 +107,7 @@ def test_cache_and_eviction_choices_name_the_key_and_allowed_values_on_bad_input
         CACHES.build("lru")
     with pytest.raises(ValueError, match="cache.block_size is not a setting of cache=radix"):
         CACHES.build({"name": "radix", "block_size": 16})
-    with pytest.raises(ValueError, match="eviction must be one of lru, fifo, lfu"):
+    with pytest.raises(ValueError, match="eviction must be one of lru, fifo, filo, lfu"):
         EVICTION.build("nope")
 
 

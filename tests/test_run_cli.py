@@ -62,4 +62,4 @@ def test_bad_values_fail_with_one_line_naming_the_key(tmp_path):
     assert proc.stderr.strip() == "error: cache must be one of block_hash, custom, none, radix; got 'lru'"
     proc = run("scheduler=sjf", f"hydra.run.dir={tmp_path}")
     assert proc.stderr.strip() == \
-        "error: scheduler must be one of custom, dfs_weight, fcfs, lof, lpm, random, vllm; got 'sjf'"
+        "error: scheduler must be one of custom, dfs_weight, fcfs, hrrn, lof, lpm, random, vllm; got 'sjf'"

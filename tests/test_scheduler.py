@@ -118,7 +118,7 @@ def test_unknown_policy_and_bad_settings_name_the_key():
         SchedulerConfig.from_mapping({"name": "sjf"})
     with pytest.raises(ValueError, match="scheduler.max_prefill_tokens must be >= 1, got 0"):
         SchedulerConfig.from_mapping({"name": "fcfs", "max_prefill_tokens": 0})
-    with pytest.raises(ValueError, match="scheduler.chunk is not a setting of scheduler=fcfs; allowed: name, max_running_requests"):
+    with pytest.raises(ValueError, match="scheduler.chunk is not a setting of scheduler=fcfs; allowed: name, sglang, enable_priority_scheduling, max_running_requests"):
         SchedulerConfig.from_mapping({"chunk": 3})
 
 

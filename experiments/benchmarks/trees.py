@@ -324,8 +324,8 @@ def replay_edge(requests: Iterable, tree: EdgeRadix) -> tuple[list[int], list[in
 # ------------------------------------------------------------------------- SGLang's own
 def load_sglang(cache_dir: Path = SGLANG_CACHE):
     """SGLang 0.4.10's modules from the unpacked wheel in ``cache_dir`` (`sglang_wheel.load`),
-    or None when it is not there (`python -m experiments.validation.sglang --quick` fetches it;
-    the benchmark never downloads)."""
+    or None when it is not there (`python -m experiments.validation.sglang --sglang 0.4.10
+    --quick` fetches it; the benchmark never downloads)."""
     root = cache_dir / "src"
     if not (root / "sglang/srt/mem_cache/radix_cache.py").exists():
         return None

@@ -52,24 +52,22 @@ import argparse
 import sys
 import time
 from collections import Counter
-import copy
 from dataclasses import fields
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from experiments.validation import sglang_replay, sglang_wheel
+from experiments.validation import sglang_eviction, sglang_replay, sglang_wheel
+from experiments.validation.sglang_cases import assembled, random_instance
 from experiments.validation.sglang_mirror import SglangLoop
 from experiments.validation.sglang_wheel import SglReq
-from testbed.assembly import Assembly, assemble, compose_config, plain
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads import generate
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
-DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"sglang-{sglang_wheel.VERSION}"
+CACHE_ROOT = Path.home() / ".cache" / "radix-testbed"  # the wheel of release V in sglang-V/
 SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs"}
 # Small instances of the project's generators (names and parameters as in conf/workload/).
 WORKLOADS = {
@@ -92,46 +90,7 @@ CONFIGS = [("ample", 64, None, 16384), ("ample", 4, 64, 16384), ("ample", 16, 81
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
 
 
-@lru_cache(maxsize=None)
-def run_config(policy: str) -> dict:
-    """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy``."""
-    return plain(compose_config(["cache=radix", "cache.page_size=1", "eviction=lru",
-                                 f"scheduler={policy}"]))
-
-
-def assembled(policy: str, capacity: int | None = None, **scheduler) -> Assembly:
-    """`run_config` with a cache capacity and scheduler settings set, assembled (composed once
-    per policy: 120 cases would otherwise spend seconds composing)."""
-    config = copy.deepcopy(run_config(policy))
-    config["cache"]["capacity_tokens"] = capacity
-    config["scheduler"].update(scheduler)
-    return assemble(config)
-
-
 # ---------------------------------------------------------------- (a) queue order
-def random_instance(rng: np.random.Generator) -> tuple[list[list[int]], list[list[int]]]:
-    """Token runs for the tree and prompts for the queue, each branching off an earlier run or
-    prompt at a random point (a small vocabulary adds accidental partial matches)."""
-    vocab = int(rng.choice([8, 64, 1000]))
-
-    def grow(pool: list[list[int]]) -> list[int]:
-        if pool and rng.random() < 0.8:
-            base = pool[int(rng.integers(len(pool)))]
-            seq = base[: int(rng.integers(0, len(base) + 1))]
-        else:
-            seq = []
-        return seq + rng.integers(0, vocab, int(rng.integers(1, 80))).tolist()
-
-    tree: list[list[int]] = []
-    for _ in range(int(rng.integers(0, 25))):
-        tree.append(grow(tree))
-    size = int(rng.integers(129, 161)) if rng.random() < 0.1 else int(rng.integers(1, 41))
-    queue: list[list[int]] = []
-    for _ in range(size):
-        queue.append(grow(tree + queue))
-    return tree, queue
-
-
 def held_ids(ordering, reqs: list[Req]) -> set[str]:
     """The ids of the requests an `Ordering` holds out of the step (``in_batch_hold``)."""
     return deprioritized_ids(ordering, reqs) if ordering.held else set()
@@ -318,8 +277,10 @@ def print_batches(rows: list[dict]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
-                    help=f"where the wheel is kept (default {DEFAULT_CACHE})")
+    ap.add_argument("--sglang", choices=sglang_wheel.RELEASES, default="0.5.23",
+                    help="the release to check against (0.5.23: `sglang_check523`)")
+    ap.add_argument("--cache-dir", type=Path,
+                    help=f"where the wheel is kept (default {CACHE_ROOT}/sglang-RELEASE)")
     ap.add_argument("--quick", action="store_true",
                     help="300 queues, 30 of the 120 cases, a smaller (c) (~20 s)")
     ap.add_argument("--queues", type=int, help="random queues in (a) (default 1000; 300 quick)")
@@ -328,8 +289,12 @@ def main() -> int:
     ap.add_argument("--show", type=int, default=3, help="disagreements to print in detail")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.cache_dir = (args.cache_dir or CACHE_ROOT / f"sglang-{args.sglang}").expanduser()
+    if args.sglang == "0.5.23":
+        from experiments.validation import sglang_check523
+        return sglang_check523.main(args)
     try:
-        sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir.expanduser()))
+        sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir))
     except Exception as e:
         print(f"cannot get SGLang {sglang_wheel.VERSION} into {args.cache_dir}: {e}",
               file=sys.stderr)
@@ -367,6 +332,9 @@ def main() -> int:
     replay_rows = sglang_replay.check_replay(sgl, args.quick, args.show)
     print()
     sglang_replay.print_replay(replay_rows)
+    print("\n(d) eviction order on random trees (its radix cache's one order, LRU)")
+    evictions = sglang_eviction.check_eviction(sgl, 100 if args.quick else 500, args.seed)
+    sglang_eviction.print_eviction(evictions)
     done = [r for r in rows if "hits" in r]
     same = sum(r["diff"] is None for r in done)
     # SGLang stalls for good (work left it never schedules) and ours goes on: same until then

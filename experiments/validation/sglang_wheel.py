@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 
 VERSION = "0.4.10"
-WHEEL = f"sglang-{VERSION}-py3-none-any.whl"
+RELEASES = ("0.5.23", "0.4.10")  # those the differential check knows (0.5.23: `sglang_wheel523`)
 # Imported by the two modules but unused on our path: (module, names it must offer, why).
 STAND_INS = [
     ("sglang.srt.managers.schedule_batch", ("Req", "ScheduleBatch"), "type hints only"),
@@ -37,13 +37,18 @@ STAND_INS = [
 ]
 
 
-def fetch(cache_dir: Path) -> Path:
-    """The unzipped wheel's root (holding ``sglang/``), downloading the wheel if it is missing."""
+def fetch(cache_dir: Path, version: str = VERSION) -> Path:
+    """The unzipped wheel's root (holding ``sglang/``), downloading the wheel if it is missing.
+    (0.4.10's wheel is pure Python; 0.5.23's is built per platform, e.g.
+    ``sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl``: whichever pip picks will do, as only
+    its Python sources are read.)"""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    wheel = cache_dir / WHEEL
-    if not wheel.exists():
+    wheels = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
+    if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        f"sglang=={VERSION}", "-d", str(cache_dir)], check=True)
+                        f"sglang=={version}", "-d", str(cache_dir)], check=True)
+        wheels = sorted(cache_dir.glob(f"sglang-{version}-*.whl"))
+    wheel = wheels[0]
     root = cache_dir / "src"
     if not (root / "sglang/srt/managers/schedule_policy.py").exists():
         with zipfile.ZipFile(wheel) as z:
@@ -60,6 +65,10 @@ class _Clock:
     def monotonic(self) -> int:
         self.t += 1
         return self.t
+
+    @staticmethod
+    def perf_counter() -> float:  # 0.5.23 times its evictions for metrics we leave off
+        return 0.0
 
 
 def load(root: Path) -> SimpleNamespace:
@@ -79,7 +88,8 @@ def load(root: Path) -> SimpleNamespace:
     radix.time = _Clock()
     policy = importlib.import_module("sglang.srt.managers.schedule_policy")
     gc = importlib.import_module("sglang.global_config").global_config
-    return SimpleNamespace(radix=radix, policy=policy, global_config=gc, root=root)
+    return SimpleNamespace(radix=radix, policy=policy, global_config=gc, root=root,
+                           version=VERSION)
 
 
 class SglReq:

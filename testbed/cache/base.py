@@ -46,7 +46,8 @@ class Lease:
     by them and ``loaded`` says how many came from each tier) or gives them up (recompute).
     """
 
-    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "spare", "lower", "loaded")
+    __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "spare", "lower", "loaded",
+                 "inserted")
 
     def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
                  cached: int | None = None, requester: Requester | None = None) -> None:
@@ -59,6 +60,8 @@ class Lease:
         self.spare = EMPTY_SLOTS  # the unused tail of the last page
         self.lower = 0  # matched tokens below the GPU, not loaded yet
         self.loaded: dict[str, int] | None = None  # tokens loaded back, per lower tier
+        self.inserted = 0  # tokens the holder inserted into the cache so far (chunks, SGLang's
+        # ``cache_inserted_len``): a later insert counts no hit on them again
 
     @property
     def slots(self) -> np.ndarray:

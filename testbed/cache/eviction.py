@@ -37,9 +37,11 @@ class EntryStats(Protocol):
     id: int
     last_access: int  # logical clock of the latest access; unique per access
     access_count: int  # creation counts one, each hit one more
+    hits: int  # SGLang 0.5.23's ``hit_count``: inserts passing the entry (the creating one too)
     created: int  # logical clock at creation
     start: int  # tokens before the entry on its sequence (its depth)
     size: int  # tokens in the entry
+    history: int  # T-LRU: the deepest sequence (in tokens) ever cached through the entry
     priority: int  # the most urgent priority of the requests that used it
     category: str | None  # the category of the request that created it
 
@@ -52,6 +54,7 @@ class EvictionPolicy:
     # (GDSF's aging clock, the workload-aware estimates): a queued entry then keeps the value it
     # had when it was queued, as those algorithms specify, and a recomputed one may differ.
     priority_drifts = False
+    needs_history = False  # whether the cache must keep `EntryStats.history` (T-LRU)
 
     def priority(self, entry: EntryStats) -> Any:
         return entry.last_access
@@ -97,13 +100,46 @@ class FIFO(EvictionPolicy):
         return (entry.created, entry.id)
 
 
+HIT_COUNTS = ("insert", "match", "none")
+
+
+def check_hits(hits: str) -> str:
+    if hits not in HIT_COUNTS:
+        raise BadInput(f"eviction.hits must be one of {', '.join(HIT_COUNTS)}; got {hits!r}")
+    return hits
+
+
+def hit_count(entry: EntryStats, hits: str) -> int:
+    """The hit count a frequency policy reads, per ``eviction.hits``: ``insert`` SGLang 0.5.23's
+    (``TreeNode.hit_count``: each insert walking through the entry, the one creating it
+    included, except over what the same request inserted before), ``match`` this project's
+    earlier count (creation one, each non-look-up match one more), ``none`` SGLang 0.4.10's
+    (never incremented, so its LFU was LRU; SGLang PR 18843)."""
+    if hits == "insert":
+        return entry.hits
+    return entry.access_count if hits == "match" else 0
+
+
+class FILO(EvictionPolicy):
+    """Newest entry first, however often it was used (SGLang 0.5.23's ``FILOStrategy``)."""
+
+    name = "filo"
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (-entry.created, -entry.id)
+
+
 class LFU(EvictionPolicy):
-    """Fewest hits first; ties by LRU."""
+    """Fewest hits first; ties by LRU (SGLang 0.5.23's ``LFUStrategy``; ``hits``: which count,
+    `hit_count`)."""
 
     name = "lfu"
 
+    def __init__(self, hits: str = "insert") -> None:
+        self.hits = check_hits(hits)
+
     def priority(self, entry: EntryStats) -> Any:
-        return (entry.access_count, entry.last_access)
+        return (hit_count(entry, self.hits), entry.last_access)
 
 
 class MRU(EvictionPolicy):
@@ -116,13 +152,45 @@ class MRU(EvictionPolicy):
 
 
 class SLRU(EvictionPolicy):
-    """Segmented LRU: entries never hit since creation (probation) go before hit ones
-    (protected); LRU within each segment."""
+    """Segmented LRU (SGLang 0.5.23's ``SLRUStrategy``): entries hit fewer than
+    ``protected_threshold`` times (probation) go before the others (protected); LRU within each
+    segment. With the default ``hits=insert`` and threshold 2, an entry is protected once a second
+    request's insert walked through it."""
 
     name = "slru"
 
+    def __init__(self, protected_threshold: int = 2, hits: str = "insert") -> None:
+        if protected_threshold < 0:
+            raise BadInput(f"eviction.protected_threshold must be >= 0, got {protected_threshold}")
+        self.protected_threshold = protected_threshold
+        self.hits = check_hits(hits)
+
     def priority(self, entry: EntryStats) -> Any:
-        return (entry.access_count > 1, entry.last_access)
+        return (hit_count(entry, self.hits) >= self.protected_threshold, entry.last_access)
+
+
+class TLRU(EvictionPolicy):
+    """Tail-optimized LRU (Zhang et al., arXiv:2510.15152; SGLang 0.5.23's ``TLRUStrategy``).
+    A conversation whose history reached L tokens and whose next prompt adds about
+    ``next_prompt_estimate`` (Q) needs only its first L + Q - ``threshold`` tokens cached to keep
+    its next prefill within the budget ``threshold`` (tokens); an entry lying wholly past that
+    point (its ``start`` at least the budget) cannot help the tail and goes first, then LRU. L is
+    the entry's ``history``, which the tree raises along the path whenever a deeper sequence is
+    cached under it and never lowers (so a trimmed conversation is not walked down to nothing)."""
+
+    name = "tlru"
+    needs_history = True  # the tree keeps `EntryStats.history` only for policies that ask
+
+    def __init__(self, threshold: int = 0, next_prompt_estimate: int = 0) -> None:
+        for key, value in (("threshold", threshold), ("next_prompt_estimate", next_prompt_estimate)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise BadInput(f"eviction.{key} must be an integer >= 0 (tokens), got {value!r}")
+        self.threshold = threshold
+        self.next_prompt_estimate = next_prompt_estimate
+
+    def priority(self, entry: EntryStats) -> Any:
+        budget = max(entry.history + self.next_prompt_estimate - self.threshold, 0)
+        return (-1 if entry.start >= budget else 0, entry.last_access)
 
 
 class PriorityLRU(EvictionPolicy):
@@ -193,7 +261,7 @@ class WorkloadAware(EvictionPolicy):
 
 EVICTION = Registry("eviction", methods=("priority", "on_access", "on_create", "on_hit", "on_evict"),
                     context_keys=("requests", "cost_fn"), what="an eviction policy")
-for _policy in (LRU, FIFO, LFU, MRU, SLRU, PriorityLRU, GDSF, WorkloadAware):
+for _policy in (LRU, FIFO, FILO, LFU, MRU, SLRU, TLRU, PriorityLRU, GDSF, WorkloadAware):
     EVICTION.register(_policy.name, _policy)
 # "oracle" registers in testbed/cache/oracle.py: it is built from the whole workload (``requests``)
 # scikit-learn is imported only when a run chooses it (testbed/cache/learned.py)

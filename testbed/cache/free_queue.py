@@ -41,6 +41,16 @@ class BlockStats:
     priority: int = 0
     category: str | None = None
 
+    # Blocks have no insert walk nor branch: a hit is a match (``eviction.hits`` reads the same
+    # count either way), and a block's history is its own depth.
+    @property
+    def hits(self) -> int:
+        return self.access_count
+
+    @property
+    def history(self) -> int:
+        return self.start + self.size
+
 
 class FreeBlockQueue:
     def __init__(self, policy: EvictionPolicy) -> None:

@@ -80,7 +80,7 @@ class RadixCache(RadixTree, PrefixCache):
         present = lease.cached
         slots = lease.slots
         if insert:
-            present = self.insert(tokens, slots[: len(tokens)], lease.requester)
+            present = self.insert(tokens, slots[: len(tokens)], lease.requester, lease.inserted)
             # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
             # meanwhile (whole pages: both ends are aligned); the unaligned tail (page_size > 1)
             # was not inserted, and with the spare slots it makes up the last page.
@@ -132,9 +132,11 @@ class RadixCache(RadixTree, PrefixCache):
             x.last_access = clock
             if urgent is not None and urgent < x.priority:
                 x.priority = urgent
+        for x in path:  # the insert's hits (SGLang 0.5.23's ``hit_count``)
+            x.hits += 1
         self._clock = clock
         if at < len(kb) and kb[at : at + TOKEN_BYTES] in node.children:
-            end, at = self._descend(node, kb, at, len(kb), requester, False, [])
+            end, at = self._descend(node, kb, at, len(kb), requester, False, [], 0)
         else:  # the usual case: nothing cached beyond the hit (`_descend` would only offer it)
             end = node
             self.eviction.offer(node)
@@ -151,7 +153,8 @@ class RadixCache(RadixTree, PrefixCache):
         if len(tokens) > lease.num_tokens:
             raise ValueError(f"commit: {len(tokens)} tokens for a lease of {lease.num_tokens} slots")
         slots = lease.slots
-        present = self.insert(tokens, slots[: len(tokens)], lease.requester)
+        present = self.insert(tokens, slots[: len(tokens)], lease.requester, lease.inserted)
+        lease.inserted = max(lease.inserted, self._aligned(len(tokens)))
         self.pool.free(slots[lease.cached : present])
         # now all cached; re-matched as SGLang's cache_unfinished_req does (a look-up, not a hit)
         n, node, cached_slots = self.match_prefix(tokens, lease.requester, lookup=True)

@@ -87,6 +87,7 @@ class RadixTree:
         self._on_access = (None if type(self.policy).on_access is EvictionPolicy.on_access
                            else self.policy.on_access)
         self._leaf_hook = leaf_hook
+        self._history = getattr(self.policy, "needs_history", False)
         self._clock = 0
         self._ids = count()
         self.root = TreeNode(next(self._ids), None, b"", EMPTY_SLOTS, 0)
@@ -134,6 +135,7 @@ class RadixTree:
                         start=node.start)
         head.lock_ref = node.lock_ref
         head.access_count = node.access_count
+        head.hits, head.history = node.hits, node.history
         head.priority, head.category = node.priority, node.category
         node.start += at
         head.children[node.kb[cut : cut + kw]] = node
@@ -146,16 +148,20 @@ class RadixTree:
         return head
 
     def _walk(self, kb: bytes, end: int, requester: Requester | None, hit: bool,
-              path: list[TreeNode]) -> tuple[TreeNode, int]:
+              path: list[TreeNode], counted: int | None = None) -> tuple[TreeNode, int]:
         """Follow ``kb[:end]`` (token bytes, ``end`` page-aligned) from the root, touching every
         node on the way (as hits for a match) and splitting the edge the walk stops inside.
         Returns (last node, bytes matched) and appends the nodes passed to ``path``.
-        ``requester`` None: a look-up, which refreshes recency only."""
+        ``requester`` None: a look-up, which refreshes recency only. ``counted`` (an insert's
+        walk): bytes the inserting request inserted before; each node the walk passes whose end
+        lies beyond them counts an insert hit (``TreeNode.hits``, SGLang 0.5.23's
+        ``_insert_helper``)."""
         self._touch(self.root, requester)
-        return self._descend(self.root, kb, 0, end, requester, hit, path)
+        return self._descend(self.root, kb, 0, end, requester, hit, path, counted)
 
     def _descend(self, node: TreeNode, kb: bytes, at: int, end: int, requester: Requester | None,
-                 hit: bool, path: list[TreeNode]) -> tuple[TreeNode, int]:
+                 hit: bool, path: list[TreeNode], counted: int | None = None
+                 ) -> tuple[TreeNode, int]:
         """`_walk` from ``node`` (already touched), ``kb[:at]`` being its path. (The loop runs for
         every edge walked: `_touch` and `_hit` are inlined, the clock kept in a local.)"""
         kw = self._kw
@@ -169,8 +175,6 @@ class RadixTree:
             clock += 1
             before = child.last_access
             child.last_access = clock
-            if urgent is not None and urgent < child.priority:
-                child.priority = urgent
             edge = child.kb
             split = not kb.startswith(edge, at, end)
             if split:
@@ -185,12 +189,16 @@ class RadixTree:
                     self.eviction.offer(tail)
             else:
                 k = len(edge)
+            if urgent is not None and urgent < child.priority:  # (a split's tail keeps its own)
+                child.priority = urgent
             if hit:  # the head of a split: its tail was only passed through
                 child.access_count += 1
                 if on_hit is not None:
                     on_hit(child)
             path.append(child)
             at += k
+            if counted is not None and at > counted:
+                child.hits += 1
             node = child
             if split:
                 break
@@ -215,21 +223,25 @@ class RadixTree:
         slots = np.concatenate([x.slots for x in path]) if path else EMPTY_SLOTS
         return matched // TOKEN_BYTES, node, slots
 
-    def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None) -> int:
+    def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None,
+               inserted: int = 0) -> int:
         """Cache ``key`` with KV ``slots`` (same length); returns how many leading tokens were
         already cached. Their entries in ``slots`` are duplicates the caller gives back. With
-        ``page_size > 1`` only whole pages are inserted (the caller frees the rest)."""
-        walked = self._insert_walk(key, slots, requester)
+        ``page_size > 1`` only whole pages are inserted (the caller frees the rest).
+        ``inserted``: tokens of ``key`` the same request inserted before (a chunk), whose nodes
+        count no insert hit again."""
+        walked = self._insert_walk(key, slots, requester, inserted)
         if walked is None:
             return 0
         node, kb, at, n = walked
         present = at // TOKEN_BYTES
         if present < n:
-            self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester)
+            self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester,
+                           hits=int(n > inserted))
         return present
 
-    def _insert_walk(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None
-                     ) -> tuple[TreeNode, bytes, int, int] | None:
+    def _insert_walk(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None,
+                     inserted: int = 0) -> tuple[TreeNode, bytes, int, int] | None:
         """`insert`'s check and walk: None if ``key`` holds no whole page, else (the node the walk
         of its whole pages ends at, those pages' bytes, bytes matched, tokens in those pages)."""
         if len(key) != len(slots):
@@ -238,17 +250,21 @@ class RadixTree:
         if n == 0:
             return None
         kb = as_bytes(key[:n])
-        node, at = self._walk(kb, len(kb), requester, False, [])
+        node, at = self._walk(kb, len(kb), requester, False, [], inserted * TOKEN_BYTES)
         return node, kb, at, n
 
     def _add_leaf(self, parent: TreeNode, kb: bytes, slots: np.ndarray, start: int,
-                  requester: Requester | None) -> TreeNode:
+                  requester: Requester | None, hits: int = 1) -> TreeNode:
         """A new leaf under ``parent`` holding the tokens ``kb`` and their ``slots`` (kept, not
-        copied), newest in the eviction order and offered as a victim."""
+        copied), newest in the eviction order and offered as a victim; ``hits``: its insert hit
+        count (the creating insert's)."""
         self._clock += 1
         leaf = TreeNode(next(self._ids), parent, kb, slots, self._clock, start, requester)
+        leaf.hits = hits
         if self._leaf_hook is not None:
             self._leaf_hook(leaf)
+        if self._history:
+            raise_history(leaf, start + len(slots))
         parent.children[kb[: self._kw]] = leaf
         self.num_nodes += 1
         self._evictable += len(slots)
@@ -312,3 +328,14 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def raise_history(leaf: TreeNode, depth: int) -> None:
+    """T-LRU's branch high-water mark: ``depth`` tokens are now cached through ``leaf`` and its
+    ancestors; raise their ``history`` to it, stopping at the first ancestor already that deep
+    (SGLang 0.5.23's ``_set_tlru_lens_and_raise_history``)."""
+    leaf.history = max(leaf.history, depth)
+    node = leaf.parent
+    while node is not None and node.history < depth:
+        node.history = depth
+        node = node.parent

@@ -158,17 +158,19 @@ class TieredRadixCache(RadixCache):
             self._after_walk(node)
         return matched, node, slots
 
-    def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None) -> int:
+    def insert(self, key: np.ndarray, slots: np.ndarray, requester: Requester | None = None,
+               inserted: int = 0) -> int:
         """Cache ``key`` with GPU KV ``slots``; path nodes held only below the GPU adopt their part
         of ``slots``. Returns how many leading tokens were already on the GPU (duplicates)."""
-        walked = self._insert_walk(key, slots, requester)
+        walked = self._insert_walk(key, slots, requester, inserted)
         if walked is None:
             return 0
         node, kb, at, n = walked
         present = at // TOKEN_BYTES
         on_gpu, new = self._adopt(node, slots)
         if present < n:
-            new.append(self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester))
+            new.append(self._add_leaf(node, kb[at:], slots[present:n].copy(), present, requester,
+                                      hits=int(n > inserted)))
         if self.write_policy == "write_through":  # once the whole path is on the GPU
             for x in new:
                 self._backup(x)

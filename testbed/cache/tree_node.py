@@ -20,7 +20,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "parent", "children", "kb", "slots", "lock_ref", "last_access", "access_count",
-        "created", "start", "priority", "category", "offer", "alive", "tier",
+        "created", "start", "priority", "category", "offer", "alive", "tier", "hits", "history",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", kb: bytes, slots: np.ndarray,
@@ -33,6 +33,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = clock
         self.access_count = 1
+        self.hits = 0  # SGLang 0.5.23's hit_count: inserts through the node (`RadixTree.insert`)
+        self.history = 0  # T-LRU only: deepest sequence cached through the node (tokens)
         self.created = clock
         self.start = start  # tokens on the path before this node
         self.priority = requester.priority if requester else 0

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.registry import Resolved
-from testbed.scheduler.policy import QUEUE_POLICIES
+from testbed.scheduler.policy import QUEUE_POLICIES, SGLANG_RELEASES
 
 RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
 
@@ -38,6 +38,10 @@ class SchedulerConfig:
     clip_max_new_tokens: int = 4096
     retract_decode_steps: int = 20
     retract_order: str = "newest"  # who goes first when decode runs out of KV
+    sglang: str = "0.5.23"  # whose rules apply where SGLang releases differ (docs/design.md §4)
+    enable_priority_scheduling: bool = False  # SGLang's --enable-priority-scheduling
+    disable_priority_preemption: bool = False  # ... without preempting running requests
+    priority_preemption_threshold: int = 10  # --priority-scheduling-preemption-threshold
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> "SchedulerConfig":
@@ -65,6 +69,9 @@ class SchedulerConfig:
                 if f.name not in ("name", "target", "policy_settings")}
 
     def validate(self) -> None:
+        if self.sglang not in SGLANG_RELEASES:
+            raise BadInput(f"scheduler.sglang must be one of {', '.join(SGLANG_RELEASES)}; "
+                           f"got {self.sglang!r}")
         self.queue_policy()
         if self.retract_order not in RETRACT_ORDERS:
             raise BadInput(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
@@ -78,7 +85,8 @@ class SchedulerConfig:
                 raise BadInput(f"scheduler.{key} must be >= 1{' or null' if key in optional_positive else ''}, got {value}")
         if self.lpm_aging < 0:
             raise BadInput(f"scheduler.lpm_aging must be >= 0, got {self.lpm_aging}")
-        for key in ["in_batch_prefix_caching", "in_batch_hold", "overlap"]:
+        for key in ["in_batch_prefix_caching", "in_batch_hold", "overlap",
+                    "enable_priority_scheduling", "disable_priority_preemption"]:
             if not isinstance(getattr(self, key), bool):
                 raise BadInput(f"scheduler.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ["init_new_token_ratio", "min_new_token_ratio_factor"]:

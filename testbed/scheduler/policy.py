@@ -5,7 +5,22 @@
   back to FCFS when more than ``lpm_fallback_threshold`` requests wait (matching all is too slow);
 - ``dfs_weight``: SGLang's DFS-weight order over the radix tree: at each node, visit the child
   subtrees holding more waiting requests first, then the requests whose match ends at the node;
+- ``hrrn``: SGLang 0.5.23's highest response ratio next with token-based aging: the most prefill
+  tokens processed since the request (re)entered the queue per uncached prompt token first, ties
+  (and every new arrival, which has waited 0 tokens) by request id as a string;
 - ``random``: a seeded shuffle; ``lof``: longest output first.
+
+``sglang`` picks the release whose rules apply where they differ (docs/design.md §4): under
+``0.5.23`` (the default) the queue's cache match is over the whole fill (its key capped at the
+fill less one token), in-batch prefix caching checks that uncapped match and keeps whole fills in
+its tree of waiting prefixes, and a cache-agnostic order (fcfs, lof, random, and LPM or HRRN
+fallen back to FCFS) over an LRU radix tree refreshes the recency of the first 128 waiting
+requests' prefixes, last first, every 32nd step (``_touch_waiting_prefixes``). Under ``0.4.10``
+the match and the in-batch tree stop one token short of the fill, and nothing is refreshed.
+``enable_priority_scheduling`` (0.5.23's ``--enable-priority-scheduling``) sorts fcfs (when
+configured, not fallen back to) by priority, then time of entering the queue, and lof by priority,
+then output length; priorities are this project's (lower is more urgent: SGLang's with
+``--schedule-low-priority-values-first``).
 
 The order is applied to the queue in place and persists, as in SGLang, where
 ``SchedulePolicy.calc_priority`` sorts ``waiting_queue`` itself (a stable sort): ties keep the
@@ -49,28 +64,75 @@ class Ordering:
     held: bool = False  # whether the deferred sit this step out (``in_batch_hold``)
 
 
+SGLANG_RELEASES = ("0.5.23", "0.4.10")
+REFRESH_EVERY = 32  # SGLang 0.5.23's WAITING_PREFIX_REFRESH_INTERVAL (scheduling passes)
+REFRESH_FIRST = 128  # ... over this many waiting requests (WAITING_QUEUE_PREFIX_MATCH_MAX)
+
+
 class QueuePolicy:
     """The interface of a queue policy, and FCFS: ``order(waiting, now)`` returns the order in
     which to try the waiting requests (the queue as it stands, ties kept in its order; ``now`` is
-    the scheduler's clock). A policy may read the ``cache`` it is built with (look-ups only:
+    the scheduler's clock; ``processed_tokens``, set by the scheduler before each call, the prefill
+    tokens it has run so far). A policy may read the ``cache`` it is built with (look-ups only:
     `PrefixCache.match`), never change it."""
 
     name = "fcfs"
+    processed_tokens = 0  # the scheduler's counter of prefill tokens run (HRRN's clock)
 
-    def __init__(self, cache: PrefixCache) -> None:
+    def __init__(self, cache: PrefixCache, sglang: str = "0.5.23",
+                 enable_priority_scheduling: bool = False) -> None:
         self.cache = cache
+        self.sglang = sglang
+        self.enable_priority_scheduling = enable_priority_scheduling
+        self._refresh_calls = 0
+        # SGLang refreshes under --radix-eviction-policy lru only (a user's class: never)
+        self._refreshes = (sglang == "0.5.23" and isinstance(cache, RadixCache)
+                           and getattr(cache.policy, "name", None) == "lru")
 
     def effective(self, num_waiting: int) -> str:
         """The policy actually applied with this many requests waiting."""
         return self.name
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
-        return Ordering(list(waiting))
+        queue = list(waiting)
+        if self.enable_priority_scheduling:
+            queue.sort(key=lambda r: (r.request.priority, r.queued_s))
+        return self.refreshed(Ordering(queue))
+
+    def refreshed(self, ordering: Ordering) -> Ordering:
+        """SGLang 0.5.23's ``_touch_waiting_prefixes`` after a cache-agnostic order over an LRU
+        radix tree: every `REFRESH_EVERY`-th such order, the prefixes of the first `REFRESH_FIRST`
+        requests are looked up (recency refreshed) from the last to the first, so that LRU
+        evicts them in the reverse of the order they will be admitted in."""
+        if not self._refreshes or not ordering.queue:
+            return ordering
+        refresh = self._refresh_calls % REFRESH_EVERY == 0
+        self._refresh_calls += 1
+        if refresh:
+            for r in reversed(ordering.queue[:REFRESH_FIRST]):
+                self.cache.match(r.fill())
+        return ordering
+
+
+def queue_matches(cache: PrefixCache, queue: list[Req], sglang: str) -> tuple[list[int], list[int]]:
+    """Each waiting request's cache look-up, as the queue's sort sees it: (the policy's key, at
+    most the fill less one token; the match the in-batch check reads). SGLang 0.5.23 matches the
+    whole fill (``match_kv_cache``) and caps the key (``num_matched_prefix_tokens``); 0.4.10
+    matches the fill less one token (``adjust_max_prefix_ids``), both the same then."""
+    if sglang == "0.4.10":
+        hits = [cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester) for r in queue]
+        for r, h in zip(queue, hits):
+            r.matched = h
+        return hits, hits
+    matched = [cache.match(r.fill(), requester=r.requester) for r in queue]
+    for r, m in zip(queue, matched):
+        r.matched = m  # match_kv_cache sets req.prefix_len (priority preemption reads it)
+    return [min(m, max(r.fill_len - 1, 0)) for m, r in zip(matched, queue)], matched
 
 
 @QUEUE_POLICIES.register("fcfs")
 class FCFS(QueuePolicy):
-    """Submission order."""
+    """Submission order (with ``enable_priority_scheduling``: priority first)."""
 
 
 @QUEUE_POLICIES.register("lpm")
@@ -83,8 +145,8 @@ class LongestPrefixMatch(QueuePolicy):
     def __init__(self, cache: PrefixCache, lpm_fallback_threshold: int = 128,
                  in_batch_prefix_caching: bool = True, in_batch_check_threshold: int = 32,
                  in_batch_deprioritize_threshold: int = 32, in_batch_hold: bool = False,
-                 lpm_aging: float = 0.0) -> None:
-        super().__init__(cache)
+                 lpm_aging: float = 0.0, sglang: str = "0.5.23") -> None:
+        super().__init__(cache, sglang)
         self.lpm_fallback_threshold = lpm_fallback_threshold
         self.in_batch = in_batch_prefix_caching and cache.name != "none"
         self.check_threshold = in_batch_check_threshold
@@ -100,11 +162,10 @@ class LongestPrefixMatch(QueuePolicy):
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
         queue = list(waiting)
         if self.effective(len(queue)) == "fcfs":
-            return Ordering(queue)
+            return self.refreshed(Ordering(queue))
         # a look-up of every waiting request (recency only; see PrefixCache.match)
-        hits = [self.cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester)
-                for r in queue]
-        deferred = self._in_batch_deferrals(queue, hits)
+        hits, matched = queue_matches(self.cache, queue, self.sglang)
+        deferred = self._in_batch_deferrals(queue, matched)
         aging = self.lpm_aging
 
         def key(i: int) -> float:
@@ -115,15 +176,16 @@ class LongestPrefixMatch(QueuePolicy):
         order = sorted(range(len(queue)), key=key)
         return Ordering([queue[i] for i in order], deferred, held=self.in_batch_hold)
 
-    def _in_batch_deferrals(self, reqs: list[Req], hits: list[int]) -> set[int]:
+    def _in_batch_deferrals(self, reqs: list[Req], matched: list[int]) -> set[int]:
         if not self.in_batch:
             return set()
         pending = RadixCache(capacity=None)  # prefixes earlier waiting requests will compute
         deferred = set()
-        for req, hit in zip(reqs, hits):
+        whole = self.sglang != "0.4.10"  # 0.5.23 keeps whole fills in the tree of waiting prefixes
+        for req, hit in zip(reqs, matched):
             if hit > self.check_threshold:
                 continue
-            key = req.fill()[: req.fill_len - 1]
+            key = req.fill() if whole else req.fill()[: req.fill_len - 1]
             shared, _, _ = pending.match_prefix(key)
             if shared >= self.deprioritize_threshold:
                 deferred.add(id(req))
@@ -144,7 +206,8 @@ class DFSWeight(QueuePolicy):
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
         if self.effective(len(waiting)) == "fcfs":
             return Ordering(list(waiting))
-        last_nodes = [self.cache.match_prefix(r.fill()[: r.fill_len - 1], lookup=True)[1]
+        cut = 1 if self.sglang == "0.4.10" else 0  # 0.5.23 matches the whole fill (queue_matches)
+        last_nodes = [self.cache.match_prefix(r.fill()[: r.fill_len - cut], lookup=True)[1]
                       for r in waiting]
         return Ordering(dfs_weight_order(self.cache.root, list(waiting), last_nodes))
 
@@ -155,12 +218,13 @@ class RandomOrder(QueuePolicy):
 
     name = "random"
 
-    def __init__(self, cache: PrefixCache, rng: np.random.Generator) -> None:
-        super().__init__(cache)
+    def __init__(self, cache: PrefixCache, rng: np.random.Generator, sglang: str = "0.5.23"
+                 ) -> None:
+        super().__init__(cache, sglang)
         self.rng = rng
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
-        return Ordering([waiting[i] for i in self.rng.permutation(len(waiting))])
+        return self.refreshed(Ordering([waiting[i] for i in self.rng.permutation(len(waiting))]))
 
 
 @QUEUE_POLICIES.register("lof")
@@ -170,7 +234,51 @@ class LongestOutputFirst(QueuePolicy):
     name = "lof"
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
-        return Ordering(sorted(waiting, key=lambda r: -r.max_new_tokens))
+        if self.enable_priority_scheduling:
+            queue = sorted(waiting, key=lambda r: (r.request.priority, -r.max_new_tokens))
+        else:
+            queue = sorted(waiting, key=lambda r: -r.max_new_tokens)
+        return self.refreshed(Ordering(queue))
+
+
+@QUEUE_POLICIES.register("hrrn")
+class HighestResponseRatio(LongestPrefixMatch):
+    """SGLang 0.5.23's HRRN (``_sort_by_hrrn``): the key of a request is minus the prefill tokens
+    the scheduler ran since it entered the queue (``processed_tokens`` less its
+    ``Req.queued_tokens``) per prompt token not cached (prompt length less its capped match), then
+    its id as a string; a deprioritized request (in-batch prefix caching, as LPM) sorts last, one
+    with nothing left to prefill first. It falls back to FCFS as LPM does (more than
+    ``lpm_fallback_threshold`` waiting, or no cache). ``in_batch_hold`` and ``lpm_aging`` do not
+    apply; the match is 0.5.23's whatever ``sglang`` says (HRRN is not in 0.4.10)."""
+
+    name = "hrrn"
+
+    def __init__(self, cache: PrefixCache, lpm_fallback_threshold: int = 128,
+                 in_batch_prefix_caching: bool = True, in_batch_check_threshold: int = 32,
+                 in_batch_deprioritize_threshold: int = 32, sglang: str = "0.5.23") -> None:
+        super().__init__(cache, lpm_fallback_threshold, in_batch_prefix_caching,
+                         in_batch_check_threshold, in_batch_deprioritize_threshold)
+        self._refreshes = sglang == "0.5.23" and self._refreshes  # for the FCFS fallback
+
+    def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        queue = list(waiting)
+        if self.effective(len(queue)) == "fcfs":
+            return self.refreshed(Ordering(queue))
+        hits, matched = queue_matches(self.cache, queue, "0.5.23")
+        deferred = self._in_batch_deferrals(queue, matched)
+        processed = self.processed_tokens
+
+        def key(i: int) -> tuple[float, str]:
+            r = queue[i]
+            if id(r) in deferred:
+                return (math.inf, r.id)
+            uncached = len(r.prompt) - hits[i]
+            if uncached <= 0:
+                return (-math.inf, r.id)
+            return (-max(0, processed - r.queued_tokens) / uncached, r.id)
+
+        order = sorted(range(len(queue)), key=key)
+        return Ordering([queue[i] for i in order], deferred)
 
 
 def dfs_weight_order(root: TreeNode, reqs: list[Req], last_nodes: list[TreeNode]) -> list[Req]:

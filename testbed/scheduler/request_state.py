@@ -36,6 +36,9 @@ class Req:
     prompt: np.ndarray  # as submitted (rebuilt from actual outputs when the engine generates)
     submitted_s: float
     seq: int  # submission order: FCFS and tie breaks
+    queued_s: float = 0.0  # when it last entered the waiting queue (priority scheduling's tie)
+    queued_tokens: int = 0  # the scheduler's prefill tokens run by then (HRRN's arrival mark)
+    matched: int = 0  # its cached prefix at its last look-up (SGLang's req.prefix_len)
     output: list[int] = field(default_factory=list)
     lease: Lease | None = None
     computed: int = 0  # tokens of prompt + output whose KV exists

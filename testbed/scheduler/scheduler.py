@@ -63,6 +63,7 @@ from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
+from testbed.scheduler.preemption import reservation, to_preempt
 from testbed.scheduler.request_state import Req, ReusePlan
 from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.workloads.request import Request
@@ -110,6 +111,8 @@ class Scheduler:
         self.new_token_ratio_decay = (c.init_new_token_ratio - self.min_new_token_ratio) / c.new_token_ratio_decay_steps
         self.new_token_ratio = c.init_new_token_ratio
         self.preemptions = 0
+        self.processed_tokens = 0  # prefill tokens run so far (SGLang's processed_tokens_counter)
+        self._now = 0.0  # the clock of the latest next_batch
         self._seq = 0
         self.loads = LoadBacks(cache)  # lower-tier load-backs in flight
 
@@ -119,7 +122,8 @@ class Scheduler:
         overlap it needs one slot more, its last token's, as it is decoded once more before its
         finish is applied."""
         req = Req(request=request, prompt=request.prompt if prompt is None else prompt,
-                  submitted_s=now, seq=self._seq)
+                  submitted_s=now, seq=self._seq, queued_s=now,
+                  queued_tokens=self.processed_tokens)
         if self.eos_for_all or request.generates:
             req.use_stop_tokens(self.eos_token_ids)
         self._seq += 1
@@ -147,6 +151,7 @@ class Scheduler:
         and unlocked or freed its KV), the step is formed again at once: SGLang's overlap loop
         goes round again without waiting for input. The driver would otherwise wait for an
         arrival that may never come while admissible requests sit in the queue."""
+        self._now = now
         batch = self._form(now)
         if self._pending is not None:
             done, tokens = self._pending
@@ -205,14 +210,18 @@ class Scheduler:
 
     def _prefill_batch(self, now: float) -> Batch | None:
         c = self.config
+        preempt = c.enable_priority_scheduling and not c.disable_priority_preemption
+        if preempt:  # a full batch may still make room by preempting (testbed.scheduler.preemption)
+            self.batch_is_full = False
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.running)
-        if self.max_running - running_bs <= 0 and self.chunked is None:
+        if self.max_running - running_bs <= 0 and self.chunked is None and not preempt:
             self.batch_is_full = True
             return None
         held: set[int] = set()
         if self.waiting:
+            self.policy.processed_tokens = self.processed_tokens
             ordering = self.policy.order(self.waiting, now)
             if c.target is not None:  # a user's policy: check what the built-ins guarantee
                 ordering = self._checked(ordering)
@@ -231,10 +240,25 @@ class Scheduler:
             adder.take(new, min(req.max_new_tokens, c.clip_max_new_tokens) if last else 0)
             self.chunked = None if last else req
 
+        preempted: list[Req] = []
         for req in list(self.waiting):
             if len(admitted) >= self.max_running - running_bs:
                 self.batch_is_full = True
-                break
+            if self.batch_is_full:  # SGLang 0.5.23: each request past here must preempt
+                victims = to_preempt(req, self.running, adder, c.clip_max_new_tokens,
+                                     self.new_token_ratio, c.priority_preemption_threshold
+                                     ) if preempt else []
+                if not victims:
+                    break
+                for victim in victims:
+                    self.running.remove(victim)
+                    adder.rem_total_offset -= reservation(victim, c.clip_max_new_tokens,
+                                                          self.new_token_ratio)
+                    self._release_kv(victim)
+                    victim.preemptions += 1
+                    self.preemptions += 1
+                preempted += victims
+                running_bs = len(self.running)
             if id(req) in held:
                 continue
             result = self._add_one(req, adder, admitted)
@@ -244,6 +268,8 @@ class Scheduler:
                 if result is AddResult.NO_TOKEN:
                     self.batch_is_full = True
                 break
+        for victim in preempted:  # back into the queue after the step's admissions
+            self._enqueue(victim)
         if not admitted:
             return None
         chosen = {id(e.req) for e in admitted}
@@ -266,6 +292,7 @@ class Scheduler:
                 self.reuse.attach(entries[-1])
         if not entries:
             return None
+        self.processed_tokens += sum(e.new for e in entries)  # run_batch: extend_num_tokens
         return Batch("prefill", entries,
                      kv_copies=self.reuse.stores(entries) if self.reuse is not None else [])
 
@@ -288,6 +315,7 @@ class Scheduler:
         fill = req.fill()
         available_before = self.cache.available_size
         lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
+        req.matched = lease.hit
         if lease.lower and self.loads.start(req, lease):
             self.waiting.remove(req)
             return _LOADING  # it waits for the copy; the loaded slots already count against the KV
@@ -450,6 +478,11 @@ class Scheduler:
     def _requeue(self, req: Req) -> None:
         """Free the request's KV beyond its cached prefix and append it to the queue (SGLang's
         ``_extend_requests_to_queue``); it will re-prefill prompt and outputs so far."""
+        self._release_kv(req)
+        self._enqueue(req)
+
+    def _release_kv(self, req: Req) -> None:
+        """A retracted or preempted request gives its KV beyond the cached prefix back."""
         self.cache.release(req.lease, req.fill(), insert=False)
         req.lease, req.computed = None, 0
         if self.reuse is not None:  # donors unlocked; readmission plans anew
@@ -457,6 +490,10 @@ class Scheduler:
             req.reuse_plan = None
         if self.chunked is req:
             self.chunked = None
+
+    def _enqueue(self, req: Req) -> None:
+        """_add_request_to_queue: it enters the queue anew (HRRN's and priority's marks)."""
+        req.queued_s, req.queued_tokens = self._now, self.processed_tokens
         self.waiting.append(req)
 
     # ------------------------------------------------------------------ results in
