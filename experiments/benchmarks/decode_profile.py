@@ -7,7 +7,11 @@ the operators that take it, grouped into what they do (weights' matmuls, attenti
 writes and gathers, sampling, the rest), each as a share of the profiled CPU time.
 
     python -m experiments.benchmarks.decode_profile [--batch 1 8 32] [--context 448]
-        [--steps 10] [overrides, e.g. model=smollm2_135m attention=torch]
+        [--steps 10] [--served] [overrides, e.g. model=smollm2_135m attention=torch]
+
+``--served`` also starts ``testbed.serve`` with the same overrides and streams one completion
+of 48 tokens on a prompt of ``--context`` tokens, twice: the median gap between its tokens is a
+served decode step at batch 1, to set beside the engine's own.
 
 Used in docs/results/vs_vllm_serving.md to say where the engine's decode step loses to vLLM's.
 """
@@ -66,12 +70,37 @@ def profile_decode(executor, batch: int, context: int, steps: int, vocab: int) -
             **{g: v / total for g, v in sorted(groups.items(), key=lambda x: -x[1])}}
 
 
+def served_step_ms(overrides: list[str], context: int, tokens: int = 48) -> float:
+    """The median inter-token gap of one streamed completion on ``testbed.serve`` (the faster of
+    two)."""
+    import httpx
+
+    from testbed.api.server import start_server
+    handle = start_server(["device=cpu", *overrides], in_process=False, timeout_s=600)
+    try:
+        best = np.inf
+        for _ in range(2):
+            body = {"prompt": list(range(1000, 1000 + context)), "max_tokens": tokens,
+                    "ignore_eos": True, "stream": True}
+            times = []
+            with httpx.stream("POST", handle.url + "/v1/completions", json=body,
+                              timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter())
+            best = min(best, float(np.median(np.diff(times[1:]))))
+        return 1e3 * best
+    finally:
+        handle.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m experiments.benchmarks.decode_profile",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--context", type=int, default=448)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--served", action="store_true", help="also a served step at batch 1")
     ap.add_argument("overrides", nargs="*", default=["model=smollm2_135m"])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as testbed.serve on a CPU
@@ -83,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
         parts = "  ".join(f"{k} {v:.0%}" for k, v in row.items() if isinstance(v, float)
                           and k != "step_ms")
         print(f"batch {b:>3}, context {args.context}: {row['step_ms']:.1f} ms   {parts}")
+    if args.served:
+        ms = served_step_ms(args.overrides, args.context)
+        print(f"served (testbed.serve, one stream), context {args.context}: {ms:.1f} ms a token")
 
 
 if __name__ == "__main__":
