@@ -127,13 +127,16 @@ class RadixCache(RadixTree, PrefixCache):
         # The insert's walk: the root and the matched path touched again, then on from its end.
         urgent = requester.priority if requester is not None else None
         clock = self._clock
-        for x in (self.root, *path):
+        clock += 1
+        self.root.last_access = clock
+        if urgent is not None and urgent < self.root.priority:
+            self.root.priority = urgent
+        for x in path:
             clock += 1
             x.last_access = clock
             if urgent is not None and urgent < x.priority:
                 x.priority = urgent
-        for x in path:  # the insert's hits (SGLang 0.5.23's ``hit_count``)
-            x.hits += 1
+            x.hits += 1  # the insert's hit (SGLang 0.5.23's ``hit_count``)
         self._clock = clock
         if at < len(kb) and kb[at : at + TOKEN_BYTES] in node.children:
             end, at = self._descend(node, kb, at, len(kb), requester, False, [], 0)

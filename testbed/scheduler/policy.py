@@ -119,14 +119,13 @@ def queue_matches(cache: PrefixCache, queue: list[Req], sglang: str) -> tuple[li
     most the fill less one token; the match the in-batch check reads). SGLang 0.5.23 matches the
     whole fill (``match_kv_cache``) and caps the key (``num_matched_prefix_tokens``); 0.4.10
     matches the fill less one token (``adjust_max_prefix_ids``), both the same then."""
-    if sglang == "0.4.10":
-        hits = [cache.match(r.fill(), limit=r.fill_len - 1, requester=r.requester) for r in queue]
-        for r, h in zip(queue, hits):
-            r.matched = h
-        return hits, hits
-    matched = [cache.match(r.fill(), requester=r.requester) for r in queue]
+    old = sglang == "0.4.10"
+    matched = [cache.match(r.fill(), limit=r.fill_len - 1 if old else None,
+                           requester=r.requester) for r in queue]
     for r, m in zip(queue, matched):
         r.matched = m  # match_kv_cache sets req.prefix_len (priority preemption reads it)
+    if old:
+        return matched, matched
     return [min(m, max(r.fill_len - 1, 0)) for m, r in zip(matched, queue)], matched
 
 

@@ -66,7 +66,8 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool 
     prefills), or on absolute time (``relative=False``: a makespan is a sum of step times).
     Coefficients named in ``exclude`` are held at 0 (a term the measured system is known not to
     have, which the data alone would confound with another)."""
-    dropped = np.array([name in set(exclude) for name in COEFFS])
+    excluded = set(exclude)
+    dropped = np.array([name in excluded for name in COEFFS])
     by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
     for step, seconds in samples:
         by_kind[step.kind].append((features(step), seconds))
