@@ -91,7 +91,7 @@ def sync_spy(monkeypatch):
     """Counts calls that read a tensor back to the host (a device sync on CUDA) made from the
     project's own code (the engine, the kernels' wrappers), while ``spy.armed``."""
     spy = SimpleNamespace(armed=False, calls=[])
-    ours = (str(REPO / "testbed"), str(REPO / "kernels"), "radix_kernels", "/kernels/")
+    ours = (str(REPO / "testbed"), str(REPO / "radix_kernels"), "radix_kernels")
 
     def wrap(name, original):
         def method(self, *args, **kwargs):

@@ -250,7 +250,7 @@ class FlatKV:
 
 
 class TritonAttention:
-    """The Triton kernels of `radix_kernels` (``kernels/``): store, then extend or decode."""
+    """The Triton kernels of `radix_kernels` (``radix_kernels/``): store, then extend or decode."""
 
     name = "triton"
 
@@ -259,7 +259,7 @@ class TritonAttention:
         try:
             import radix_kernels
         except ImportError as e:
-            raise BadInput("attention=triton needs the radix_kernels package (kernels/, "
+            raise BadInput("attention=triton needs the radix_kernels package (radix_kernels/, "
                            "installed with this project); use attention=torch") from e
         missing = [f for f in KERNEL_FUNCTIONS if not hasattr(radix_kernels, f)]
         if missing:

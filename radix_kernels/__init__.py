@@ -1,7 +1,7 @@
 """Triton kernels for the engine (extend/prefill and decode attention over paged KV, KV store).
 
-Installed as ``radix_kernels``: the bare name ``kernels`` is a different PyPI package that
-transformers probes for. The kernels themselves arrive with the engine issue.
+Named ``radix_kernels``: the bare name ``kernels`` is a different PyPI package that transformers
+requires and imports, which a folder of that name at the repository root would shadow.
 
 Public API (Triton; imported lazily on first use, so ``import radix_kernels`` never needs
 Triton):
