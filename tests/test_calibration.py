@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import calibrate, grid, grid_slots, synthetic_batch, timed_pass
+from testbed.calibrate import (calibrate, grid, grid_slots, slot_layout, slot_order,
+                               synthetic_batch, timed_pass)
 from testbed.errors import BadInput
 from testbed.engine import make_engine_executor
 from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
@@ -97,6 +98,38 @@ def test_synthetic_batches_have_the_requested_shape_and_distinct_slots():
     assert batch.shape() == (step.new, step.context)
     slots = np.concatenate([e.kv_slots() for e in batch.entries])
     assert len(set(slots.tolist())) == len(slots) == 5 + 10 + 7
+
+
+def test_interleaved_slots_alternate_the_contexts_across_requests_then_give_each_its_new_tokens():
+    step = StepShape(new=(2, 1, 1), context=(3, 1, 2))
+    slots = [s.tolist() for s in slot_order(step, "interleaved")]
+    # token 0 of requests 0,1,2 -> 1,2,3; token 1 of requests 0,2 -> 4,5; token 2 of request 0 -> 6
+    assert slots == [[1, 4, 6, 7, 8], [2, 9], [3, 5, 10]]
+
+
+def test_contiguous_slots_give_each_request_one_run():
+    step = StepShape(new=(2, 1, 1), context=(3, 1, 2))
+    assert [s.tolist() for s in slot_order(step, "contiguous")] == \
+        [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+
+
+def test_a_lone_request_is_contiguous_in_either_layout():
+    step = StepShape.decode((5,))
+    assert slot_order(step, "interleaved")[0].tolist() == list(range(1, 7))
+
+
+def test_synthetic_batches_take_the_layout_they_are_given():
+    step = StepShape.decode((2, 2))
+    batch = synthetic_batch(step, 256, np.random.default_rng(0), "interleaved")
+    assert [e.kv_slots().tolist() for e in batch.entries] == [[1, 3, 5], [2, 4, 6]]
+
+
+def test_slot_layout_defaults_to_interleaved_and_names_the_choices_on_a_bad_value():
+    assert slot_layout({}) == "interleaved"
+    assert slot_layout({"slot_layout": "contiguous"}) == "contiguous"
+    with pytest.raises(BadInput, match="calibrate.slot_layout must be one of interleaved, "
+                                       "contiguous, got 'random'"):
+        slot_layout({"slot_layout": "random"})
 
 
 class RecordingExecutor:

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from testbed.assembly import assemble, compose_config
 from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,
-                               median_times, synthetic_batch, timed_pass)
+                               median_times, slot_layout, synthetic_batch, timed_pass)
 from testbed.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
 from testbed.sim.executor import SimExecutor
@@ -204,7 +204,8 @@ def main() -> None:
         engine.clock = time.process_time
     wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
-    batches = [synthetic_batch(step, model.vocab_size, rng) for step in steps]
+    layout = slot_layout(cal.calibrate)
+    batches = [synthetic_batch(step, model.vocab_size, rng, layout) for step in steps]
 
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
     for w in workloads.values() if not args.real or REAL["warm_workloads"] else ():
@@ -218,8 +219,8 @@ def main() -> None:
             runs[name].append(w.serve(engine))
             wall_over_clock[name].append((engine.wall_s - wall) / (engine.busy_s - busy))
     if steps:
-        cal = fit_and_write(median_times(steps, grid_times), engine_meta(engine, model, hw), floor,
-                            args.out / "calibration")
+        meta = {**engine_meta(engine, model, hw), "slot_layout": layout}
+        cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration")
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
