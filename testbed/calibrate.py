@@ -6,7 +6,8 @@ prefills (new tokens × cached context × batch size) and decodes (batch size ×
 batch's longest KV from one that reads each request's own) — in
 ``calibrate.repeats`` passes over the grid, each shape once per pass in a shuffled order (the
 median counts), fits the ``fitted`` cost model per step kind
-(non-negative least squares on relative error; predictions are floored at the roofline of the
+(non-negative least squares on relative error; decode steps priced per measured batch size
+unless ``calibrate.decode_batch_table=false``; predictions are floored at the roofline of the
 configured ``hardware``), and writes into the run directory:
 
 - ``cost_model.yaml``: the coefficients with the date, model and device (use it with
@@ -92,6 +93,14 @@ def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
     least = min(contexts)
     return [StepShape.decode(tuple(int(round(c)) for c in np.linspace(least, context, batch)))
             for batch in batches if batch >= 2 for context in contexts if context > least]
+
+
+def decode_batch_knots(cfg: Any, steps: Sequence[StepShape]) -> list[int]:
+    """``calibrate.decode_batch_table`` (default true): the decode batch sizes of ``steps``, each
+    of which the fit then prices on its own (``n<K>``, `testbed.sim.fit`); else none."""
+    on = group_values.check_setting("calibrate.decode_batch_table", bool,
+                                     cfg.get("decode_batch_table", True))
+    return sorted({s.batch for s in steps if s.kind == "decode"}) if on else []
 
 
 #: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
@@ -216,15 +225,32 @@ def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
             "attention": type(executor.runner.attention).__name__}
 
 
+def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel
+                ) -> dict[str, Any]:
+    """How many measured steps ran faster than the roofline floor, which is then no lower bound
+    on this machine (its ``hardware`` preset's peak FLOP/s or bandwidth is too low) and would
+    lift the fit's predictions above what was measured; warns on stderr when any did."""
+    ratios = [floor.floor(s) / t for s, t in samples if t > 0]
+    above = [r for r in ratios if r > 1]
+    if above:
+        print(f"warning: the roofline floor of hardware={floor.hw.name} is above {len(above)} of "
+              f"{len(samples)} measured steps (by up to {max(above):.2f}x): hardware.flops and "
+              f"hardware.mem_bw are not upper bounds for this machine, so the fit's predictions "
+              f"are floored above what it measured; raise them", file=sys.stderr)
+    return {"steps_below_floor": len(above)}
+
+
 def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
                   floor: RooflineCostModel, run_dir: Path, relative: bool = True,
-                  exclude: Sequence[str] = ()) -> dict[str, Any]:
+                  exclude: Sequence[str] = (), decode_batch_knots: Sequence[int] = ()
+                  ) -> dict[str, Any]:
     """Fit the `fitted` cost model to ``samples`` (least squares on relative error, else on
     absolute) and write ``cost_model.yaml``, ``calibration.json`` and ``calibration.png`` into
-    ``run_dir``; returns the report."""
-    coeffs = fit_coefficients(samples, relative=relative, exclude=exclude)
+    ``run_dir``; returns the report. ``decode_batch_knots``: see `testbed.sim.fit`."""
+    coeffs = fit_coefficients(samples, relative=relative, exclude=exclude,
+                              decode_batch_knots=decode_batch_knots)
     fitted = FittedCostModel(coeffs, floor_model=floor)
-    meta = meta | {"steps_measured": len(samples)}
+    meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor)}
     run_dir.mkdir(parents=True, exist_ok=True)
     save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
     errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],
@@ -294,11 +320,12 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     steps = grid(c)
     repeats = group_values.integer(c, "repeats", "calibrate", minimum=1)
     layout = slot_layout(c)
+    knots = decode_batch_knots(c, steps)
     executor = run.build_executor(grid_slots(steps))
     samples = measure(executor, steps, repeats, model.vocab_size, run.seed,
                       run.get("progress", False), layout)
     return fit_and_write(samples, {**engine_meta(executor, model, hw), "slot_layout": layout},
-                         RooflineCostModel(model, hw), run_dir)
+                         RooflineCostModel(model, hw), run_dir, decode_batch_knots=knots)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import (calibrate, grid, grid_slots, slot_layout, slot_order,
+from testbed.calibrate import (calibrate, decode_batch_knots, floor_check, grid, grid_slots, slot_layout, slot_order,
                                synthetic_batch, timed_pass)
 from testbed.errors import BadInput
 from testbed.engine import make_engine_executor
-from testbed.sim.cost_model import RooflineCostModel, StepShape, load_fitted
+from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape, batch_weights,
+                                   load_fitted, save_fitted)
+from testbed.sim.specs import HardwareSpec
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, nnls
 from testbed.serving.serve import serve
@@ -76,6 +78,66 @@ def test_fit_tells_a_padded_decode_from_an_unpadded_one_on_ragged_batches():
     assert coeffs["decode"]["e"] == pytest.approx(2e-6, rel=1e-4)
     assert coeffs["decode"]["f"] == pytest.approx(5e-6, rel=1e-4)
     assert coeffs["prefill"]["f"] == 0.0
+
+
+def test_batch_weights_read_between_the_measured_sizes_and_per_request_beyond_them():
+    knots = [2, 4, 8]
+    assert batch_weights(knots, 1) == [1.0, 0.0, 0.0]  # below the least: its cost
+    assert batch_weights(knots, 2) == [1.0, 0.0, 0.0]
+    assert batch_weights(knots, 3) == [0.5, 0.5, 0.0]
+    assert batch_weights(knots, 7) == [0.0, 0.25, 0.75]
+    assert batch_weights(knots, 8) == [0.0, 0.0, 1.0]
+    assert batch_weights(knots, 12) == [0.0, 0.0, 1.5]  # the largest's cost per request
+    assert batch_weights([4], 2) == [1.0] and batch_weights([4], 6) == [1.5]
+
+
+def test_a_decode_batch_table_fits_a_cost_that_jumps_with_the_rows_exactly():
+    # a BLAS that switches code path at 4 rows: 50, 53, 57 ms for 1-3 requests, then 87, 117 and
+    # 129 ms; no a + d·batch + g·few_row_passes follows it, the table does, to the measured sizes
+    jump = {1: 0.050, 2: 0.053, 3: 0.057, 4: 0.087, 8: 0.117, 16: 0.129}
+
+    def true_time(step: StepShape) -> float:
+        return jump[step.batch] + 2e-6 * step.num_context if step.is_decode \
+            else 1e-3 + 1e-5 * step.num_new
+
+    cfg = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
+           "decode_batch": list(jump), "decode_context": [16, 256, 1024]}
+    samples = [(s, true_time(s)) for s in grid(cfg)]
+    coeffs = fit_coefficients(samples, decode_batch_knots=decode_batch_knots(cfg, grid(cfg)))
+    assert {k: round(v, 9) for k, v in coeffs["decode"].items() if k.startswith("n")} == {
+        f"n{k}": v for k, v in jump.items()}
+    assert [coeffs["decode"][k] for k in "abcdg"] == [0.0] * 5
+    assert coeffs["decode"]["e"] + coeffs["decode"]["f"] == pytest.approx(2e-6)
+    assert not any(k.startswith("n") for k in coeffs["prefill"])
+    floor = RooflineCostModel(assemble(config()).model_shape,
+                              HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
+    fitted = FittedCostModel(coeffs, floor)
+    six = StepShape.decode((100,) * 6)  # halfway between 4 and 8
+    assert fitted.step_time(six) == pytest.approx(0.102 + 2e-6 * 600, rel=1e-6)
+    linear = FittedCostModel(fit_coefficients(samples), floor)
+    errors = [abs(linear.step_time(s) / t - 1) for s, t in samples if s.is_decode]
+    assert max(errors) > 0.1  # the line misses the jump by over 10% somewhere
+    assert decode_batch_knots(cfg | {"decode_batch_table": False}, grid(cfg)) == []
+    with pytest.raises(BadInput, match="decode_batch_table must be true or false"):
+        decode_batch_knots(cfg | {"decode_batch_table": "yes"}, grid(cfg))
+
+
+def test_a_fitted_file_keeps_its_batch_table_and_rejects_bad_entries(tmp_path):
+    floor = RooflineCostModel(assemble(config()).model_shape, assemble(config()).hardware)
+    row = dict.fromkeys("abcdefg", 0.0)
+    coeffs = {"decode": row | {"e": 1e-6, "n1": 0.05, "n4": 0.08}, "prefill": row | {"a": 0.01}}
+    save_fitted(tmp_path / "c.yaml", coeffs, {"model": "tiny", "device": "cpu"})
+    loaded = load_fitted(tmp_path / "c.yaml", floor)
+    assert loaded.coeffs == coeffs
+    assert loaded.predict(StepShape.decode((10, 10))) == pytest.approx(
+        0.05 + (0.08 - 0.05) / 3 + 2e-5)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((tmp_path / "c.yaml").read_text().replace("n4: 0.08", "n4: -1"))
+    with pytest.raises(BadInput, match=r"coeffs.decode.n4 must be a number >= 0, got -1"):
+        load_fitted(bad, floor)
+    bad.write_text((tmp_path / "c.yaml").read_text().replace("n4: 0.08", "m4: 0.08"))
+    with pytest.raises(BadInput, match=r"unknown coeffs.decode keys \['m4'\].*n<K>"):
+        load_fitted(bad, floor)
 
 
 def test_the_ragged_grid_spreads_contexts_from_the_least_to_each_larger_one():
@@ -177,6 +239,38 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
     saved = json.loads((tmp_path / "calibration.json").read_text())
     assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 12
     assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_floor_check_counts_the_steps_measured_faster_than_the_roofline_and_warns(capsys):
+    """A preset whose peak is below what the machine does is no floor: say so, and how far."""
+    shape = assemble(config()).model_shape
+    slow = RooflineCostModel(shape, HardwareSpec("slow", flops=1e9, mem_bw=1e9,
+                                                 memory_bytes=10**10))
+    steps = [StepShape((64,), (0,)), StepShape.decode((32,)), StepShape.decode((32, 32))]
+    floors = [slow.floor(s) for s in steps]
+    samples = [(steps[0], floors[0] / 2), (steps[1], floors[1] * 3), (steps[2], floors[2] / 4)]
+    assert floor_check(samples, slow) == {"steps_below_floor": 2}
+    err = capsys.readouterr().err
+    assert "hardware=slow is above 2 of 3 measured steps (by up to 4.00x)" in err
+    assert "hardware.flops and hardware.mem_bw" in err
+    assert floor_check([(s, f * 1.01) for s, f in zip(steps, floors)], slow) == {
+        "steps_below_floor": 0}
+    assert capsys.readouterr().err == ""
+
+
+def test_the_cpu_presets_floor_is_below_smollm2_steps_measured_on_this_projects_machine():
+    """hardware=cpu's peaks bound real steps: SmolLM2 at one thread on the 2026-12-04 machine
+    (AVX-512) ran 1,024-token prefills at 200 GFLOP/s, twice the old 100 GFLOP/s preset, whose
+    floor then lifted the fit's predictions 50% above the measured prefills."""
+    run = assemble(compose_config(["model=smollm2_135m", "hardware=cpu"], "config"))
+    floor = RooflineCostModel(run.model_shape, run.hardware)
+    measured = [(StepShape((256,) * 4, (0,) * 4), 1.386), (StepShape((256,), (0,)), 0.3736),
+                (StepShape((16,) * 4, (1024,) * 4), 0.2349), (StepShape.decode((64,)), 0.0484),
+                (StepShape.decode((1536,) * 16), 0.398)]
+    assert floor_check(measured, floor) == {"steps_below_floor": 0}
+    old = RooflineCostModel(run.model_shape, HardwareSpec("old", flops=100e9, mem_bw=20e9,
+                                                          memory_bytes=24 * 10**9))
+    assert floor_check(measured, old)["steps_below_floor"] >= 2
 
 
 def test_offline_batch_makes_identical_decisions_on_the_engine_and_the_simulator():

@@ -48,8 +48,8 @@ import torch
 from tqdm import tqdm
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import (engine_meta, fit_and_write, grid, grid_slots,
-                               median_times, slot_layout, synthetic_batch, timed_pass)
+from testbed.calibrate import (decode_batch_knots, engine_meta, fit_and_write, grid,
+                               grid_slots, median_times, slot_layout, synthetic_batch, timed_pass)
 from testbed.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
 from testbed.sim.executor import SimExecutor
@@ -69,9 +69,10 @@ OFFLINE = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_
 GRID: list[str] = []  # overrides of conf/calibrate.yaml's grid (none: its own)
 CAPACITY = 6000  # tokens: small enough that eviction happens
 #: --real: the real model on four text workloads, each held back from the grid; the grid reduced to
-#: the shapes they make (prefills of up to ~1k tokens over up to ~1k cached, batches of up to 8
-#: fresh prompts; decode batches of 1-16 at up to ~1.5k tokens, mixed lengths included, and of
-#: 2 and 3, where this CPU's BLAS reads the weights once per row: `StepShape.few_row_passes`)
+#: the shapes they make (prefills of up to ~1k tokens over up to ~1k cached, batches of up to 16
+#: fresh prompts: few-shot's first step; decode batches of 1-16 at up to ~1.5k tokens, mixed
+#: lengths included, each size measured, since this CPU's BLAS costs move in steps with the rows
+#: and the fit prices each size on its own: `calibrate.decode_batch_table`)
 REAL = {
     "base": ["model=smollm2_135m", "hardware=cpu", "progress=false", "attention=torch"],
     "held_back": {
@@ -85,7 +86,7 @@ REAL = {
                           "workload.max_total_len=256", "arrival.max_in_flight=8"],
     },
     "offline": ["workload=few_shot_text", "workload.num_tasks=2", "workload.questions_per_task=4"],
-    "grid": ["calibrate.prefill_batch=[1,4]", "calibrate.prefill_new=[16,64,256]",
+    "grid": ["calibrate.prefill_batch=[1,4,16]", "calibrate.prefill_new=[16,64,256]",
              "calibrate.prefill_context=[0,384,1024]", "calibrate.decode_batch=[1,2,3,4,8,16]",
              "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true"],
     "rounds": 4,
@@ -205,6 +206,7 @@ def main() -> None:
     wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
     layout = slot_layout(cal.calibrate)
+    knots = decode_batch_knots(cal.calibrate, steps)
     batches = [synthetic_batch(step, model.vocab_size, rng, layout) for step in steps]
 
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
@@ -220,7 +222,8 @@ def main() -> None:
             wall_over_clock[name].append((engine.wall_s - wall) / (engine.busy_s - busy))
     if steps:
         meta = {**engine_meta(engine, model, hw), "slot_layout": layout}
-        cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration")
+        cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration",
+                            decode_batch_knots=knots)
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
@@ -232,7 +235,8 @@ def main() -> None:
     # (those per-round models are this study's own fits, built here rather than from a config).
     paired = {name: [] for name in workloads}
     for r, times in enumerate(grid_times):
-        fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times))), floor_model=floor)
+        fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times)),
+                                                    decode_batch_knots=knots), floor_model=floor)
         for name, w in workloads.items():
             paired[name].append(error(w.serve(SimExecutor(fitted_r))[1]["makespan_s"],
                                       runs[name][r][1]["makespan_s"]))

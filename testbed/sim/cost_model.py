@@ -14,9 +14,10 @@ group's other keys):
 - `FittedCostModel` — ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext
   + f·batch·max(context) + g·few_row_passes`` per kind of step (decode / prefill; the ``f`` term,
   a decode kernel padded to the batch's longest KV, is 0 in a prefill; ``g``'s, a CPU BLAS that
-  reads the weights once per row for 2-3 rows, is ``batch − 1`` then, else 0), with coefficients
-  fitted to measured step times (YAML files written by `save_fitted`), clamped from below by the
-  roofline floor.
+  reads the weights once per row for 2-3 rows, is ``batch − 1`` then, else 0), plus, where a fit
+  measured them, ``n<K>``: a batch of K requests' own cost, read between the measured batch sizes
+  (`batch_weights`), with coefficients fitted to measured step times (YAML files written by
+  `save_fitted`), clamped from below by the roofline floor.
 - `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
   operator by operator.
 
@@ -79,10 +80,12 @@ TTFT there is 11 % short. Pure roofline models miss real step times by 30–50 %
 
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import math
+import re
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import yaml
 
@@ -115,6 +118,36 @@ COEFFS = ("a", "b", "c", "d", "e", "f", "g")
 #: coefficients a file may leave out, and the value they then take: ``f`` and ``g`` came later,
 #: and a file written before them was fitted without them (the same predictions, to the bit)
 OPTIONAL_COEFFS = {"f": 0.0, "g": 0.0}
+#: ``n<K>``: the cost of a batch of K decoding requests, a table in place of ``a + d·batch +
+#: g·few_row_passes`` (which a fit with the table holds at 0, with ``b`` and ``c``, which a decode's
+#: batch and contexts already say: `testbed.sim.fit.TABLED`): a CPU BLAS changes its code path
+#: with the number of rows (on the AVX-512 development machine SmolLM2's decode took 50, 53, 57,
+#: 87, 117 and 129 ms at 1, 2, 3, 4, 8 and 16 requests of 64 tokens), which no line in ``batch``
+#: follows
+BATCH_KEY = re.compile(r"n([1-9][0-9]*)")
+
+
+def batch_weights(knots: Sequence[int], batch: int) -> list[float]:
+    """Each ``n<K>``'s weight in a batch of ``batch`` requests, for the measured sizes ``knots``
+    (ascending): linear between the two around it; the least one's cost below it; beyond the
+    largest, that one's cost per request (``batch / K``)."""
+    weights = [0.0] * len(knots)
+    if batch <= knots[0]:
+        weights[0] = 1.0
+    elif batch >= knots[-1]:
+        weights[-1] = batch / knots[-1]
+    else:
+        i = bisect.bisect_right(knots, batch) - 1  # knots[i] <= batch < knots[i + 1]
+        t = (batch - knots[i]) / (knots[i + 1] - knots[i])
+        weights[i], weights[i + 1] = 1.0 - t, t
+    return weights
+
+
+def batch_table(row: Mapping[str, float]) -> tuple[list[int], list[float]]:
+    """A coefficient row's ``n<K>`` entries: the batch sizes, ascending, and their costs."""
+    table = sorted((int(m.group(1)), v) for key, v in row.items()
+                   if (m := BATCH_KEY.fullmatch(key)))
+    return [k for k, _ in table], [v for _, v in table]
 
 
 class CostModel(Protocol):
@@ -239,20 +272,25 @@ class FittedCostModel:
     ``batch·max(context)`` is `StepShape.padded_decode_area`: the KV a decode kernel padded to the
     batch's longest reads (the engine's ``torch`` attention), 0 in a prefill. ``few_row_passes``
     (`StepShape.few_row_passes`) is ``batch − 1`` for 2 or 3 requests, else 0: the extra weight
-    passes of a CPU BLAS below 4 rows. The KV moves of reuse beyond exact prefixes are not in the
+    passes of a CPU BLAS below 4 rows. ``n<K>`` coefficients, where present, price a batch of K
+    requests (`batch_weights` between them). The KV moves of reuse beyond exact prefixes are not in the
     fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
                  floor_model: RooflineCostModel) -> None:
         self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
+        self.tables = {kind: batch_table(row) for kind, row in self.coeffs.items()}
         self.floor_model = floor_model
 
     def predict(self, step: StepShape) -> float:
         """The fitted form alone, without the floor."""
         k = self.coeffs[step.kind]
+        knots, costs = self.tables[step.kind]
+        table = sum(c * w for c, w in zip(costs, batch_weights(knots, step.batch))) \
+            if knots else 0.0
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
                 + k["d"] * step.batch + k["e"] * step.kv_read_context
-                + k["f"] * step.padded_decode_area + k["g"] * step.few_row_passes)
+                + k["f"] * step.padded_decode_area + k["g"] * step.few_row_passes + table)
 
     def step_time(self, step: StepShape) -> float:
         return max(self.predict(step) + self.floor_model.move_time(step),
@@ -272,7 +310,9 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
     header = ("# Fitted step-time coefficients (testbed.sim.cost_model.FittedCostModel), seconds:\n"
               "# t = a + b*sum(new) + c*sum(attended pairs) + d*batch + e*sum(context)\n"
               "#     + f*batch*max(context) (decode only: the KV padded to the longest)\n"
-              "#     + g*(batch - 1 if batch is 2 or 3, else 0) (a CPU BLAS's per-row passes), where\n"
+              "#     + g*(batch - 1 if batch is 2 or 3, else 0) (a CPU BLAS's per-row passes)\n"
+              "#     + nK for a batch of K requests, where fitted (linear between the K measured,\n"
+              "#       nK*batch/K beyond the largest), where\n"
               "# attended pairs = sum new*(context + (new+1)/2)\n")
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
@@ -319,10 +359,17 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
             if value < 0:
                 raise error(f"{where}: coeffs.{kind}.{c} must be >= 0, got {value}")
             out[kind][c] = float(value)
-        extra = set(row) - set(COEFFS)
+        extra = {key for key in set(row) - set(COEFFS)
+                 if not (isinstance(key, str) and BATCH_KEY.fullmatch(key))}
         if extra:
-            raise error(f"{where}: unknown coeffs.{kind} keys {sorted(extra)} "
-                        f"(allowed: {', '.join(COEFFS)})")
+            raise error(f"{where}: unknown coeffs.{kind} keys {sorted(map(str, extra))} "
+                        f"(allowed: {', '.join(COEFFS)}, and n<K> for a batch of K requests)")
+        for key in sorted(set(row) - set(COEFFS)):
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value) or value < 0:
+                raise error(f"{where}: coeffs.{kind}.{key} must be a number >= 0, got {value!r}")
+            out[kind][key] = float(value)
     return out
 
 
