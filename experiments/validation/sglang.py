@@ -1,4 +1,6 @@
-"""A differential check of our scheduler against SGLang 0.4.10's own scheduling code.
+"""A differential check of our scheduler against SGLang's own scheduling code (0.4.10 or 0.5.23).
+
+This module is 0.4.10's check; ``--sglang 0.5.23`` runs `sglang_check523` instead.
 
 SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy.py``
 (SchedulePolicy, PrefillAdder) and ``radix_cache.py`` (RadixCache) are imported from it
