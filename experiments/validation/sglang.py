@@ -299,6 +299,8 @@ def main() -> int:
                     help="(a): accept held requests equal to SGLang's deprioritized set")
     ap.add_argument("--show", type=int, default=3, help="disagreements to print in detail")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random-batches", type=int,
+                    help="0.5.23: random offline cases after the grid (default 1000; 100 quick)")
     args = ap.parse_args()
     args.cache_dir = (args.cache_dir or CACHE_ROOT / f"sglang-{args.sglang}").expanduser()
     if args.sglang == "0.5.23":
