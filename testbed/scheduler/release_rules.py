@@ -1,9 +1,9 @@
 """`ReleaseRules`: where SGLang 0.4.10's and 0.5.23's step rules differ (``scheduler.sglang``).
 
 Each flag names the 0.5.23 function whose rule it switches on; with all of them off the
-scheduler follows 0.4.10 rule for rule (docs/design.md §4, "SGLang releases"). The queue
-policies' own differences (the look-up of the whole fill, the waiting-prefix refresh) are in
-`testbed.scheduler.policy`.
+scheduler follows 0.4.10 rule for rule (docs/design.md §4, "SGLang releases"; one hand-made step
+test per flag in tests/test_sglang523_steps.py). The queue policies' own differences (the
+look-up of the whole fill, the waiting-prefix refresh) are in `testbed.scheduler.policy`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ from dataclasses import dataclass, fields
 
 @dataclass(frozen=True)
 class ReleaseRules:
-    # PrefillAdder.add_one_req: the admission check reserves min(max_new - outputs, clip) plus
-    # a page (``per_req_token_overhead``), where 0.4.10 reserves min(max_new, clip).
+    # PrefillAdder.add_one_req: the admission check reserves min(max_new - outputs, clip) (a
+    # retracted request's outputs are not reserved again), where 0.4.10 reserves
+    # min(max_new, clip).
     reserve_outputs_left: bool
     # PrefillAdder._update_prefill_budget -> PrefillBudget.reserve: every admission (whole,
-    # chunk or continued chunk) takes one page more from both KV budgets.
+    # chunk or continued chunk) takes one page more from both KV budgets, and add_one_req's
+    # check counts it (``per_req_token_overhead``: the paged allocator may need it).
     page_per_request: bool
     # add_one_req checks the KV budget once, with the prefix locked (_lock_node); 0.4.10 checks
     # before locking and again after, with the input cap between them.
