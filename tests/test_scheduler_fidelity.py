@@ -153,9 +153,9 @@ def test_under_0410_retraction_leaves_the_rest_room_for_retract_decode_steps_tok
     assert retractions[0][:2] == (2, 2)
 
 
-def test_overlap_decodes_a_finished_request_one_step_more_and_inserts_after_the_next_batch():
-    cache = RadixCache(10_000)
-    s = Scheduler(cache, SchedulerConfig(name="fcfs", overlap=True))
+def test_0410_overlap_decodes_a_finished_request_once_more_and_inserts_after_the_next_batch():
+    cache = RadixCache(10_000)  # (0.5.23 skips that step: test_sglang523_steps)
+    s = Scheduler(cache, SchedulerConfig(name="fcfs", overlap=True, sglang="0.4.10"))
     a = s.submit(Request("a", toks(*range(50)), np.arange(1, 3, dtype=np.int32)), 0.0)
     b1 = s.next_batch(0.0)
     s.complete(b1, [1], 1.0)

@@ -192,3 +192,48 @@ def test_the_ratio_after_a_retraction_divides_by_the_output_budget_plus_one(sgla
     # estimate_new_token_ratio_after_retract: the 3 left have 21 outputs each and 10 steps'
     # headroom, over their 3 x 40 outputs (0.5.23: + 1)
     assert retract_once(sglang, 10).new_token_ratio == pytest.approx(ratio, abs=1e-12)
+
+
+# ------------------------------------------------------------------ overlap
+def test_under_overlap_a_request_whose_last_token_is_in_flight_is_not_decoded_again():
+    # event_loop_overlap's enable_skip_finishing_decode (_reqs_finishing_inflight): a's second
+    # and last token is in flight when the third step forms, so no decode step forms; its
+    # results are applied and it finishes (0.4.10 decodes it once more: test_scheduler_fidelity)
+    cache = RadixCache(10_000)
+    s = scheduler(cache, overlap=True)
+    a = s.submit(request("a", range(50), out=2), 0.0)
+    s.complete(s.next_batch(0.0), [1000], 1.0)
+    b2 = s.next_batch(1.0)
+    assert b2.kind == "decode" and a.output == [1000]
+    s.complete(b2, [1001], 2.0)
+    assert s.next_batch(2.0) is None
+    assert a.finished and s.take_finished() == [a] and a.output == [1000, 1001]
+    assert not s.has_work and cache.protected_size == 0
+
+
+@pytest.mark.parametrize("sglang, preemptions", [("0.5.23", 0), ("0.4.10", 1)])
+def test_under_overlap_a_step_short_of_kv_waits_for_finishing_results_instead_of_retracting(
+        sglang, preemptions):
+    # b..e decode (reservations at ratio 0); a is admitted with exactly 3 slots to spare
+    # (extend + 1 output + a page < available) and its one token is in flight when the next
+    # step forms. 0.5.23 leaves a out; b..e need 4 > 3: no step forms until a's results are
+    # applied (it finishes, its prompt becomes evictable), then b..e decode. 0.4.10 needs 5 and
+    # retracts a (no outputs yet: it goes first).
+    cache = RadixCache(150)
+    s = scheduler(cache, sglang, overlap=True, init_new_token_ratio=0.0,
+                  min_new_token_ratio_factor=0.0)
+    for i in range(4):
+        s.submit(request("bcde"[i], range(100 * i, 100 * i + 5), out=30), 0.0)
+    for step in range(3):
+        batch = s.next_batch(float(step))
+        s.complete(batch, [int(e.req.request.output[len(e.req.output)]) for e in batch.entries],
+                   float(step + 1))
+    a = s.submit(request("a", range(1000, 1000 + cache.available_size - 3), out=1), 3.0)
+    batch = s.next_batch(3.0)
+    assert [e.req.id for e in batch.entries] == ["a"] and cache.available_size == 3
+    s.complete(batch, [1000], 4.0)
+    batch = s.next_batch(4.0)
+    assert s.preemptions == preemptions
+    if sglang == "0.5.23":
+        assert a.finished and s.take_finished() == [a]
+        assert [e.req.id for e in batch.entries] == ["b", "c", "d", "e"]

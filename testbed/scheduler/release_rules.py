@@ -49,6 +49,11 @@ class ReleaseRules:
     # (check_decode_mem), where 0.4.10 goes on until ``retract_decode_steps`` tokens each are
     # free; NewTokenRatioTracker.estimate_new_token_ratio_after_retract divides by budget + 1.
     retract_until_step_fits: bool
+    # Scheduler.event_loop_overlap (enable_skip_finishing_decode) -> update_running_batch,
+    # _reqs_finishing_inflight: under overlap a request whose in-flight token is its last by
+    # length is not decoded again; when the step does not fit while such requests exist, no
+    # decode step is formed (their results free KV) instead of retracting.
+    skip_finishing_decode: bool
 
     @classmethod
     def of(cls, release: str) -> "ReleaseRules":

@@ -29,7 +29,8 @@ the admission checks themselves are in `testbed.scheduler.adder`).
 - **Overlap** (``scheduler.overlap``, SGLang's default ``event_loop_overlap``): a batch's results
   (tokens, finishes, the insert after prefill) are applied only after the next batch is formed,
   so that batch decodes requests whose last token is still in flight, and one step more for a
-  request that has just finished (its extra token is dropped, as SGLang frees it). A
+  request that has just finished (its extra token is dropped, as SGLang frees it; 0.5.23
+  skips that step when the request finished by length: `_finishing_in_flight`). A
   prefill-only call (no output) is never decoded: there is no token to feed it. When no batch
   forms until those results are applied, the step is formed again at once (SGLang's loop).
 
@@ -407,11 +408,17 @@ class Scheduler:
         not fit, then one token each."""
         initial = len(self.running)
         self._filter_finished()
+        finishing = self._finishing_in_flight()
+        if finishing:  # their last token is in flight: no step more for them
+            self.running = [r for r in self.running if id(r) not in finishing]
         if not self.running:
             self.batch_is_full = False
             return None
         need = self._decode_cost(self.running)
         early = self._evict_for(need)  # check_decode_mem
+        if self.cache.available_size < need and finishing:
+            self.batch_is_full = False  # their results free KV: decode the rest next step
+            return None
         if self.cache.available_size < need:
             self._retract()
         else:
@@ -427,6 +434,17 @@ class Scheduler:
             entries.append(BatchEntry(req, req.computed, 1, produces_token=True).bind())
             req.computed += 1
         return Batch("decode", entries)
+
+    def _finishing_in_flight(self) -> set[int]:
+        """Under overlap, 0.5.23's ``event_loop_overlap`` (``enable_skip_finishing_decode``;
+        ``update_running_batch`` -> ``_reqs_finishing_inflight``): the running requests whose
+        token still in flight is their last by length (``next_output_finishes_by_length``).
+        0.4.10 decodes them one step more and drops that token."""
+        if not (self.rules.skip_finishing_decode and self._pending):
+            return set()
+        return {id(e.req) for e in self._pending[0].entries
+                if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
+                and len(e.req.output) + 1 >= e.req.max_new_tokens}
 
     def _filter_finished(self) -> None:
         """ScheduleBatch.filter_batch: the running batch drops its finished requests; a smaller
