@@ -1,4 +1,6 @@
-"""A differential check of our scheduler against SGLang 0.4.10's own scheduling code.
+"""A differential check of our scheduler against SGLang's own scheduling code (0.4.10 or 0.5.23).
+
+This module is 0.4.10's check; ``--sglang 0.5.23`` runs `sglang_check523` instead.
 
 SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy.py``
 (SchedulePolicy, PrefillAdder) and ``radix_cache.py`` (RadixCache) are imported from it
@@ -68,7 +70,7 @@ from testbed.workloads import generate
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
 CACHE_ROOT = Path.home() / ".cache" / "radix-testbed"  # the wheel of release V in sglang-V/
-SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs"}
+SGL_NAME = {"lpm": "lpm", "dfs_weight": "dfs-weight", "fcfs": "fcfs", "hrrn": "hrrn"}
 # Small instances of the project's generators (names and parameters as in conf/workload/).
 WORKLOADS = {
     "few_shot": dict(num_tasks=3, questions_per_task=6, num_shots=2, example_len=48,
@@ -181,8 +183,9 @@ def capacities(requests: list[Request]) -> dict[str, int]:
             "tight": max(longest + 16, total // 8)}
 
 
-def run_ours(requests, policy, cap, max_running, chunk, max_prefill):
-    run = assembled(policy, cap, max_running_requests=max_running,
+def run_ours(requests, policy, cap, max_running, chunk, max_prefill,
+             release: str = sglang_wheel.VERSION):
+    run = assembled(policy, cap, release, max_running_requests=max_running,
                     max_prefill_tokens=max_prefill, chunked_prefill_size=chunk)
     sched = Scheduler(run.build_cache(cap, requests), run.scheduler)
     reqs = [sched.submit(r, 0.0) for r in requests]
@@ -199,14 +202,17 @@ def run_ours(requests, policy, cap, max_running, chunk, max_prefill):
     return steps, {r.id: r.cached_tokens for r in reqs}, sched.preemptions, sched.has_work
 
 
-def run_sglang(sgl, requests, policy, cap, max_running, chunk, max_prefill):
+def run_sglang(sgl, requests, policy, cap, max_running, chunk, max_prefill,
+               loop_cls=SglangLoop, req_cls=SglReq):
+    """One case through SGLang's loop (``loop_cls``, with requests ``req_cls``): its steps, each
+    request's first-admission hit, the retractions and whether it stalled for good."""
     max_req_len = cap - 1  # TpModelWorker: min(context_len - 1, max_total_num_tokens - 1)
     for r in requests:  # handle_generate_request would abort it or clip its max_new_tokens
         if len(r.prompt) >= max_req_len - 5 or len(r.prompt) + len(r.output) + 1 > max_req_len:
             raise ValueError(f"{r.id} does not fit SGLang's max_req_len {max_req_len}")
     width = max(len(r.prompt) + len(r.output) for r in requests) + 2
-    loop = SglangLoop(sgl, SGL_NAME[policy], cap, max_running, max_prefill, chunk, width)
-    reqs = [SglReq(r.id, r.prompt.tolist(), r.output.tolist()) for r in requests]
+    loop = loop_cls(sgl, SGL_NAME[policy], cap, max_running, max_prefill, chunk, width)
+    reqs = [req_cls(r.id, r.prompt.tolist(), r.output.tolist()) for r in requests]
     loop.waiting.extend(reqs)
     loop.run()
     return loop.steps, {r.rid: r.first_hit for r in reqs}, loop.retractions, loop.stuck
@@ -223,23 +229,28 @@ def describe(steps: list, i: int) -> str:
     return f"{steps[i][0]} {' '.join(sorted(steps[i][1]))}" if i < len(steps) else "(ended)"
 
 
-def check_batches(sgl, quick: bool, show: int) -> list[dict]:
+def check_batches(sgl, quick: bool, show: int, release: str = sglang_wheel.VERSION,
+                  run_theirs=None, full_policies: tuple[str, ...] = ("fcfs",)) -> list[dict]:
+    """(b) over the grid: our scheduler with ``scheduler.sglang=release`` against
+    ``run_theirs`` (default `run_sglang`, 0.4.10's loop); LPM and DFS-weight, and
+    ``full_policies`` too unless ``quick``."""
+    run_theirs = run_theirs or run_sglang
     rows = []
     for name in WORKLOADS:
         requests = workload(name)
         caps = capacities(requests)
-        for policy in ("lpm", "dfs_weight") + (() if quick else ("fcfs",)):
+        for policy in ("lpm", "dfs_weight") + (() if quick else full_policies):
             for level, max_running, chunk, max_prefill in (QUICK_CONFIGS if quick else CONFIGS):
                 args = (requests, policy, caps[level], max_running, chunk, max_prefill)
                 row = {"case": f"{name}/{policy}/{level}={caps[level]}/run={max_running}/"
                                f"chunk={chunk}/pf={max_prefill}", "reqs": len(requests)}
                 try:
-                    ours = run_ours(*args)
+                    ours = run_ours(*args, release=release)
                 except Exception as e:  # a report, not a test: say what failed and go on
                     ours = None
                     row["error"] = f"ours: {type(e).__name__}: {e}"
                 try:
-                    theirs = run_sglang(sgl, *args)
+                    theirs = run_theirs(sgl, *args)
                 except Exception as e:
                     theirs = None
                     row["error"] = f"SGLang: {type(e).__name__}: {e}"
@@ -288,6 +299,8 @@ def main() -> int:
                     help="(a): accept held requests equal to SGLang's deprioritized set")
     ap.add_argument("--show", type=int, default=3, help="disagreements to print in detail")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--random-batches", type=int,
+                    help="0.5.23: random offline cases after the grid (default 1000; 100 quick)")
     args = ap.parse_args()
     args.cache_dir = (args.cache_dir or CACHE_ROOT / f"sglang-{args.sglang}").expanduser()
     if args.sglang == "0.5.23":

@@ -35,6 +35,8 @@ REAL = {
     "sglang.srt.mem_cache.base_prefix_cache", "sglang.srt.mem_cache.common",
     "sglang.srt.mem_cache.utils", "sglang.srt.mem_cache.cache_init_params",
     "sglang.srt.mem_cache.unified_cache.unified_tree_core",
+    # for whole batches (`sglang_mirror523`): the adder's budget and the allocator's eviction
+    "sglang.srt.mem_cache.prefill_budget", "sglang.srt.mem_cache.allocator.base",
 }
 
 # Third-party packages the real modules import at the top but our path never uses (unified_tree_core
@@ -110,13 +112,34 @@ def load(root: Path) -> SimpleNamespace:
     memory = SimpleNamespace(radix_eviction_policy="lru")
     policy.get_disagg = lambda: SimpleNamespace(disaggregation_mode="null")
     policy.get_memory = lambda: memory
+    runtime(policy, importlib.import_module("sglang.srt.mem_cache.common"))
     return SimpleNamespace(
         radix=radix, policy=policy, memory=memory, root=root, version="0.5.23",
         base=importlib.import_module("sglang.srt.mem_cache.base_prefix_cache"),
         common=importlib.import_module("sglang.srt.mem_cache.common"),
         evict=importlib.import_module("sglang.srt.mem_cache.evict_policy"),
+        environ=importlib.import_module("sglang.srt.environ"),
+        allocator_base=importlib.import_module("sglang.srt.mem_cache.allocator.base"),
         params=importlib.import_module("sglang.srt.mem_cache.cache_init_params"),
         unified=importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core"))
+
+
+def runtime(policy, common) -> None:
+    """The runtime context and feature probes the adder and ``mem_cache/common.py`` read, as a
+    default server on one CUDA GPU sets them: no KV sharding, mamba, DCP, encoder replay, HIP
+    tile budget or speculative decoding; the ``lpm``-style policy names of ``get_schedule`` are
+    read only for shortest-prefill-first, which the checks do not run."""
+    features = SimpleNamespace(enable_encoder_swa_bounded_replay=False)
+    policy.get_exec = lambda: SimpleNamespace(features=features)
+    policy.get_schedule = lambda: SimpleNamespace(schedule_policy="lpm",
+                                                  schedule_low_priority_values_first=True)
+    policy.page_interleave_shard_size = common.page_interleave_shard_size = lambda alloc: 1
+    policy.mamba_prefill_chunk_grid = lambda: 1
+    policy._use_exact_chunk_fill = lambda: False  # gfx95 only
+    policy._IS_HIP = False
+    policy.split_cached_prefix_by_tier = lambda prefix_len, **_: (prefix_len, 0, 0)
+    common.get_spec = lambda: SimpleNamespace(speculative_algorithm=None)
+    common.get_serving = lambda: SimpleNamespace(strip_thinking_cache=False)
 
 
 def tlru_bookkeeping(sgl: SimpleNamespace, cache) -> None:

@@ -1,7 +1,10 @@
-"""The scheduler shared by the simulator and the engine: SGLang 0.4.10's, step by step.
+"""The scheduler shared by the simulator and the engine: SGLang's, step by step.
 
 Each step is a prefill batch or a decode batch, prefill first whenever one can be formed
 (``Scheduler.get_next_batch_to_run``); each rule below names the SGLang function it follows.
+The rules below are 0.4.10's; where 0.5.23 (the default, ``scheduler.sglang``) changed one, a
+`ReleaseRules` flag switches it (`testbed.scheduler.release_rules` names each 0.5.23 function;
+the admission checks themselves are in `testbed.scheduler.adder`).
 
 - **Prefill** (``get_new_batch_prefill``, `PrefillAdder`). A request being chunked continues first
   (``add_chunked_req``); then waiting requests in the queue policy's order are admitted
@@ -26,7 +29,8 @@ Each step is a prefill batch or a decode batch, prefill first whenever one can b
 - **Overlap** (``scheduler.overlap``, SGLang's default ``event_loop_overlap``): a batch's results
   (tokens, finishes, the insert after prefill) are applied only after the next batch is formed,
   so that batch decodes requests whose last token is still in flight, and one step more for a
-  request that has just finished (its extra token is dropped, as SGLang frees it). A
+  request that has just finished (its extra token is dropped, as SGLang frees it; 0.5.23
+  skips that step when the request finished by length: `_finishing_in_flight`). A
   prefill-only call (no output) is never decoded: there is no token to feed it. When no batch
   forms until those results are applied, the step is formed again at once (SGLang's loop).
 
@@ -64,6 +68,7 @@ from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
 from testbed.scheduler.policy import Ordering
 from testbed.scheduler.preemption import reservation, to_preempt
+from testbed.scheduler.release_rules import ReleaseRules
 from testbed.scheduler.request_state import Req, ReusePlan
 from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.workloads.request import Request
@@ -89,6 +94,7 @@ class Scheduler:
         self.eos_for_all = eos_for_all
         self.config = config or SchedulerConfig()
         c = self.config
+        self.rules = ReleaseRules.of(c.sglang)
         self.policy = c.queue_policy().build(cache=cache, rng=np.random.default_rng(seed),
                                              **c.settings())
         capacity = cache.available_size
@@ -169,6 +175,8 @@ class Scheduler:
         if self.chunked is not None and self.config.overlap:
             self._commit_chunk(self.chunked)
         self._merge_last_prefill()
+        if self.rules.filter_finished_first:
+            self._filter_finished()
         batch = self._prefill_batch(now)
         if batch is None:
             before, full = len(self.running), self.batch_is_full
@@ -213,6 +221,8 @@ class Scheduler:
         preempt = c.enable_priority_scheduling and not c.disable_priority_preemption
         if preempt:  # a full batch may still make room by preempting (testbed.scheduler.preemption)
             self.batch_is_full = False
+        if self.rules.full_needs_work and not self.running:
+            self.batch_is_full = False  # an empty running batch is never full
         if (self.batch_is_full or not self.waiting) and self.chunked is None:
             return None
         running_bs = len(self.running)
@@ -229,19 +239,21 @@ class Scheduler:
             held = ordering.deferred if ordering.held else set()
         adder = PrefillAdder.for_step(self.cache, self.running, self.new_token_ratio,
                                       c.clip_max_new_tokens, c.max_prefill_tokens,
-                                      c.chunked_prefill_size, self.page_size)
+                                      c.chunked_prefill_size, self.page_size, self.rules)
         admitted: list[BatchEntry] = []
         if self.chunked is not None:  # add_chunked_req: no KV check, as in SGLang
             req = self.chunked
             todo = req.fill_len - req.computed
-            last = todo <= adder.rem_chunk
-            new = int(min(todo, adder.rem_chunk))
+            new = adder.next_chunk(todo)
+            last = new == todo
             admitted.append(BatchEntry(req, req.computed, new, produces_token=last))
             adder.take(new, min(req.max_new_tokens, c.clip_max_new_tokens) if last else 0)
             self.chunked = None if last else req
 
         preempted: list[Req] = []
         for req in list(self.waiting):
+            if self.rules.other_stops_first and adder.budget_state() is AddResult.OTHER:
+                break  # the continued chunk used up a step budget
             if len(admitted) >= self.max_running - running_bs:
                 self.batch_is_full = True
             if self.batch_is_full:  # SGLang 0.5.23: each request past here must preempt
@@ -265,8 +277,9 @@ class Scheduler:
             if result == _LOADING:
                 continue
             if result is not AddResult.CONTINUE:
-                if result is AddResult.NO_TOKEN:
-                    self.batch_is_full = True
+                if result is AddResult.NO_TOKEN:  # 0.5.23: full only if something else can run
+                    self.batch_is_full = (not self.rules.full_needs_work or bool(admitted)
+                                          or bool(self.running))
                 break
         for victim in preempted:  # back into the queue after the step's admissions
             self._enqueue(victim)
@@ -321,22 +334,15 @@ class Scheduler:
             return _LOADING  # it waits for the copy; the loaded slots already count against the KV
         extend = len(fill) - lease.hit
         reserve = min(req.max_new_tokens, c.clip_max_new_tokens)
-        total = extend + reserve
         input_tokens = adder.ceil_paged(extend)
         locked = available_before - self.cache.available_size  # what the lock took
-        result = None
-        if total >= adder.rem_total + locked:  # SGLang checks once before locking ...
-            result = AddResult.NO_TOKEN
-        elif input_tokens >= adder.rem_input and admitted:
-            result = AddResult.OTHER
-        elif total >= adder.rem_total:  # ... and again after
-            result = AddResult.NO_TOKEN
+        result = adder.refusal(req, extend, c.clip_max_new_tokens, locked, not admitted)
         if result is AddResult.NO_TOKEN and self._alone(admitted):
             first = extend if adder.rem_chunk is None else min(extend, adder.rem_chunk)
             if first <= self.cache.available_size:
                 result = None  # nothing else can run: admit it whatever its reservation
         if result is None and not (adder.rem_chunk is None or input_tokens <= adder.rem_chunk):
-            new = int(adder.rem_chunk) - self.page_size + 1  # a chunk: at least a page left
+            new = adder.first_chunk(lease.hit)
             if new <= 0:
                 result = AddResult.OTHER
         if result is not None:
@@ -401,12 +407,18 @@ class Scheduler:
         """SGLang's ``update_running_batch``: filter out the finished, retract if the step does
         not fit, then one token each."""
         initial = len(self.running)
-        self.running = [r for r in self.running if not r.finished]
+        self._filter_finished()
+        finishing = self._finishing_in_flight()
+        if finishing:  # their last token is in flight: no step more for them
+            self.running = [r for r in self.running if id(r) not in finishing]
         if not self.running:
             self.batch_is_full = False
             return None
         need = self._decode_cost(self.running)
         early = self._evict_for(need)  # check_decode_mem
+        if self.cache.available_size < need and finishing:
+            self.batch_is_full = False  # their results free KV: decode the rest next step
+            return None
         if self.cache.available_size < need:
             self._retract()
         else:
@@ -423,10 +435,32 @@ class Scheduler:
             req.computed += 1
         return Batch("decode", entries)
 
+    def _finishing_in_flight(self) -> set[int]:
+        """Under overlap, 0.5.23's ``event_loop_overlap`` (``enable_skip_finishing_decode``;
+        ``update_running_batch`` -> ``_reqs_finishing_inflight``): the running requests whose
+        token still in flight is their last by length (``next_output_finishes_by_length``).
+        0.4.10 decodes them one step more and drops that token."""
+        if not (self.rules.skip_finishing_decode and self._pending):
+            return set()
+        return {id(e.req) for e in self._pending[0].entries
+                if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
+                and len(e.req.output) + 1 >= e.req.max_new_tokens}
+
+    def _filter_finished(self) -> None:
+        """ScheduleBatch.filter_batch: the running batch drops its finished requests; a smaller
+        batch is not full."""
+        before = len(self.running)
+        self.running = [r for r in self.running if not r.finished]
+        if len(self.running) < before:
+            self.batch_is_full = False
+
     def _retract(self) -> None:
         """SGLang's ``retract_decode``: retract one request, then more until the rest have room
-        for ``retract_decode_steps`` tokens each (evicting the tree for it at once); one is
-        always kept. Then ``new_token_ratio`` is re-estimated from the requests left."""
+        (0.4.10: for ``retract_decode_steps`` tokens each; 0.5.23: for their next step,
+        ``check_decode_mem``), evicting the tree for ``retract_decode_steps`` tokens each at once
+        (``release_req``); one is always kept. Then ``new_token_ratio`` is re-estimated from the
+        requests left (0.5.23's ``estimate_new_token_ratio_after_retract`` divides by the budget
+        plus one)."""
         order = {
             "newest": lambda r: (len(r.output), -len(r.prompt)),
             "longest_prompt": lambda r: (-len(r.prompt), r.seq),
@@ -435,7 +469,7 @@ class Scheduler:
         candidates = sorted(self.running, key=order, reverse=True)
         steps = self.config.retract_decode_steps
         first = True
-        while first or self.cache.available_size < steps * len(candidates):
+        while first or not self._retracted_enough(candidates, steps):
             if len(candidates) == 1:
                 break
             first = False
@@ -447,16 +481,28 @@ class Scheduler:
             self._evict_for(steps * len(candidates))  # to use the freed room at once
         decoded = sum(len(r.output) for r in self.running)
         budget = sum(r.max_new_tokens for r in self.running)
-        if budget:
+        if self.rules.retract_until_step_fits:
+            self.new_token_ratio = min(1.0, (decoded + steps * len(self.running)) / (budget + 1))
+        elif budget:
             self.new_token_ratio = min(1.0, (decoded + steps * len(self.running)) / budget)
 
+    def _retracted_enough(self, kept: list[Req], steps: int) -> bool:
+        """Whether ``retract_decode`` may stop with ``kept`` running."""
+        if self.rules.retract_until_step_fits:  # check_decode_mem: the next step fits
+            need = self._decode_cost(kept)
+            self._evict_for(need)
+            return self.cache.available_size >= need
+        return self.cache.available_size >= steps * len(kept)
+
     def _evict_for(self, num_tokens: int) -> int:
-        """SGLang's ``_evict_tree_cache_if_needed``: when fewer than ``num_tokens`` slots are
-        free, evict ``num_tokens`` (all of it, not the shortfall: SGLang asks the tree for that
-        many). Slot-pool caches only; returns the tokens evicted."""
+        """When fewer than ``num_tokens`` slots are free, evict: 0.4.10's
+        ``_evict_tree_cache_if_needed`` asks the tree for all ``num_tokens``, 0.5.23's
+        ``evict_to_free_tokens`` for the shortfall only. Slot-pool caches only; returns the
+        tokens evicted."""
         pool = self.cache.pool
         if pool is not None and not pool.unbounded and pool.num_free < num_tokens:
-            return self.cache.evict(num_tokens)
+            short = num_tokens - pool.num_free if self.rules.evict_shortfall else num_tokens
+            return self.cache.evict(short)
         return 0
 
     @staticmethod
