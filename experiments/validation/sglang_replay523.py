@@ -213,6 +213,20 @@ def all_agree(rows: list[dict]) -> bool:
                and r["replay_ok"] for r in rows)
 
 
+def per_page(rows: list[dict]) -> str:
+    """Per page size, with 0.5.23's three rules: requests replayed, identical (hit and evicted
+    tokens), differing; final trees the same."""
+    out = []
+    for p in PAGE_SIZES523:
+        mine = [r for r in rows if r["page"] == p]
+        reqs = sum(r["reqs"] for r in mine)
+        same = sum(r[sglang_replay.ALL]["both"] for r in mine)
+        trees = sum(r[sglang_replay.ALL]["same"] for r in mine)
+        out.append(f"page {p}: {reqs} requests replayed, {same} identical, {reqs - same} "
+                   f"differing, the same final tree in {trees}/{sum(r['traces'] for r in mine)}")
+    return "; ".join(out)
+
+
 def report(sgl, quick: bool, show: int) -> tuple[bool, str]:
     """Run and print (c) for 0.5.23; returns whether all agree and the summary line."""
     print(f"\n(c) replay with pages {' and '.join(map(str, PAGE_SIZES523))}, one request at a "
@@ -224,4 +238,4 @@ def report(sgl, quick: bool, show: int) -> tuple[bool, str]:
     rows = check_replay523(sgl, quick, show)
     print()
     sglang_replay.print_replay(rows)
-    return all_agree(rows), sglang_replay.summary(rows)
+    return all_agree(rows), f"{sglang_replay.summary(rows)}\n           {per_page(rows)}"
