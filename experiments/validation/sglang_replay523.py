@@ -120,10 +120,11 @@ class Req523(SimpleNamespace):
 
     def __init__(self, request: Request) -> None:
         prompt = array("q", request.prompt.tolist())
+        # priority: SGLang's tree keeps the higher longer, ours the lower (docs/design.md §4)
         super().__init__(
             rid=request.id, origin_input_ids=prompt, output_ids=array("q", request.output.tolist()),
             full_untruncated_fill_ids=prompt, extra_key=None, cache_salt=None,
-            priority=request.priority or None, lock=None, last_node=None, prefix_len=0,
+            priority=-request.priority or None, lock=None, last_node=None, prefix_len=0,
             finished_len=None, skip_radix_cache_insert=False, kv=Kv523())
 
     def _compute_max_prefix_len(self, input_len: int) -> int:
@@ -193,7 +194,6 @@ def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int 
         hits.append(req.prefix_len)
         sgl.common.release_kv_cache(req, tree, checkpoint=True)
     return hits, evicted, tree.total_size(), sglang_runs(tree)
-
 
 
 PAGE_SIZES523 = (1, 16)  # the pages issue 32 asks for (0.4.10's check runs 1, 4, 16)
