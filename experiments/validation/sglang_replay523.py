@@ -20,6 +20,10 @@ The check after prefill that a running request makes in the server (``checkpoint
 left out, as 0.4.10's check leaves out ``cache_unfinished_req``: replay makes one insert per
 request, and that earlier insert of the prompt changes no recency the final one does not refresh.
 
+``python -m experiments.validation.sglang_replay523`` replays the whole Mooncake conversation
+trace at 3M tokens, pages 1 and 16, through our replay and through 0.5.23's RadixCache fed
+replay.py's own calls (`whole_trace`).
+
 Stand-ins (not isolable): the request and its KV record (`Req523`), the paged allocator
 (`PagedSlots523`: `sglang_replay.PagedSlots` with 0.5.23's ``free_segment(s)`` and
 ``evict_to_free_tokens``) and the req-to-token pool (`OneRow523`).
@@ -32,9 +36,13 @@ from types import SimpleNamespace
 
 import torch
 
+from experiments import MOONCAKE_TRACE
 from experiments.validation import sglang_replay
 from experiments.validation.sglang_replay import PagedSlots, sglang_runs
+from testbed.cache.radix import RadixCache
+from testbed.replay import replay
 from testbed.workloads.request import Request
+from testbed.workloads.traces import load_mooncake
 
 # Where SGLang 0.5.23's serving differs from replay.py: (rule, what SGLang does, where).
 RULES523 = {
@@ -239,3 +247,32 @@ def report(sgl, quick: bool, show: int) -> tuple[bool, str]:
     print()
     sglang_replay.print_replay(rows)
     return all_agree(rows), f"{sglang_replay.summary(rows)}\n           {per_page(rows)}"
+
+
+def whole_trace(sgl, page_size: int, capacity: int) -> tuple[float, float, int, int]:
+    """The whole Mooncake conversation trace through our replay and through 0.5.23's RadixCache
+    fed replay.py's own calls (no `RULES523`): both hit rates, requests agreeing (hit and
+    evicted tokens), requests."""
+    requests = load_mooncake(MOONCAKE_TRACE)
+    prompt = sum(len(r.prompt) for r in requests)
+    records = replay(requests, RadixCache(capacity, page_size=page_size, sglang="0.5.23"))
+    ours = [(r.cached_tokens, r.evicted_tokens) for r in records]
+    hits, evicted, _, _ = serve_sglang523(sgl, requests, page_size, capacity, rules=())
+    same = sum(o == t for o, t in zip(ours, zip(hits, evicted)))
+    return sum(h for h, _ in ours) / prompt, sum(hits) / prompt, same, len(requests)
+
+
+if __name__ == "__main__":  # the whole-trace figures of docs/results/sglang_fidelity.md (~2 min)
+    import sys
+    from pathlib import Path
+
+    from experiments.validation import sglang_wheel, sglang_wheel523
+
+    if not MOONCAKE_TRACE.exists():
+        sys.exit(f"no Mooncake conversation trace at {MOONCAKE_TRACE}")
+    wheel = sglang_wheel523.load(sglang_wheel.fetch(
+        Path.home() / ".cache" / "radix-testbed" / "sglang-0.5.23", "0.5.23"))
+    for page in PAGE_SIZES523:
+        ours, theirs, same, total = whole_trace(wheel, page, 3_000_000)
+        print(f"Mooncake conversation, 3M tokens, page {page}: hit rate ours {ours:.6f}, "
+              f"SGLang 0.5.23 {theirs:.6f}; {same}/{total} requests agree")
