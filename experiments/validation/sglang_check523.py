@@ -4,7 +4,8 @@ SGLang 0.5.23's own code (`sglang_wheel523` says what is imported and what is a 
 (a) queue order (`sglang_queue523`: lpm, dfs-weight, hrrn, and fcfs with priority scheduling, on
 random queues over random trees), (d) eviction order of every strategy of 0.5.23's
 ``evict_policy.py`` (`sglang_eviction`); (c) replay with pages 1 and 16 through 0.5.23's own
-RadixCache, ``match_kv_cache``, ``evict_from_tree_cache`` and ``release_kv_cache``
+RadixCache, ``match_kv_cache``, ``evict_from_tree_cache`` and ``release_kv_cache``, under LRU
+and, on random token runs with priorities, every other strategy its classic tree runs
 (`sglang_replay523`). Whole offline batches (b), which drive 0.4.10's PrefillAdder and
 ScheduleBatch through `sglang_mirror`, are not ported to 0.5.23's interfaces (its adder, request
 and KV bookkeeping were rewritten); they run with ``--sglang 0.4.10``. Exit code 0 when every comparison agrees, 1

@@ -38,7 +38,7 @@ from experiments import MOONCAKE_TRACE
 
 # Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
 # raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
-from testbed.cache.eviction import FIFO, Requester
+from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads import generate
@@ -180,13 +180,14 @@ def key_tokens(key) -> np.ndarray:
 
 
 def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
-               rules: tuple[str, ...] = (), release: str = "0.4.10"
+               rules: tuple[str, ...] = (), release: str = "0.4.10", eviction: str | None = None
                ) -> tuple[list[int], list[int], int, list]:
     """Our RadixCache (following ``release``'s rules, ``scheduler.sglang``) through replay.py's
     calls, with the named `RULES` switched to that SGLang release's (and FIFO eviction for
-    "fifo"). With no rules it is `testbed.replay.replay` (checked by `check_replay`)."""
-    cache = RadixCache(capacity, page_size=page_size, policy=FIFO() if "fifo" in rules else None,
-                       sglang=release)
+    "fifo", else the ``eviction`` policy, else LRU). With no rules it is
+    `testbed.replay.replay` (checked by `check_replay`)."""
+    policy = FIFO() if "fifo" in rules else EVICTION.build(eviction) if eviction else None
+    cache = RadixCache(capacity, page_size=page_size, policy=policy, sglang=release)
     hits, evicted = [], []
     for r in requests:
         seq = r.sequence()

@@ -31,9 +31,11 @@ Stand-ins (not isolable): the request and its KV record (`Req523`), the paged al
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from experiments import MOONCAKE_TRACE
@@ -159,13 +161,15 @@ def runtime(sgl) -> None:
 
 
 def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int | None,
-                    rules: tuple[str, ...] = tuple(RULES523)
+                    rules: tuple[str, ...] = tuple(RULES523), eviction: str = "lru"
                     ) -> tuple[list[int], list[int], int, list]:
     """0.5.23's RadixCache serving ``requests`` one at a time (module docstring). Returns per
     request the hit and the tokens evicted, the tokens left in the tree and its runs
     (`sglang_replay.sglang_runs`). ``rules``: those of `RULES523` SGLang's server follows (all of
     them by default); without them its tree is fed replay.py's calls (the whole prompt matched,
-    prompt + output inserted, the shortfall of whole new pages evicted)."""
+    prompt + output inserted, the shortfall of whole new pages evicted). ``eviction``: the
+    tree's strategy (``--radix-eviction-policy``; not ``tlru``, whose bookkeeping the classic
+    tree lacks)."""
     runtime(sgl)
     last = 1 if "kv" in rules else 0  # the last output token's KV: never computed
     kv_lens = [len(r.prompt) + len(r.output) - last for r in requests]
@@ -175,7 +179,7 @@ def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int 
     rows = OneRow523(max(kv_lens) + 1)
     tree = sgl.radix.RadixCache(sgl.params.CacheInitParams(
         disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
-        page_size=page_size))
+        page_size=page_size, eviction_policy=eviction))
     hits, evicted = [], []
     for r, kv_len in zip(requests, kv_lens):
         if -(-kv_len // page_size) > pages:
@@ -221,6 +225,36 @@ def all_agree(rows: list[dict]) -> bool:
                and r["replay_ok"] for r in rows)
 
 
+# 0.5.23's strategies besides LRU that its classic tree runs alone (T-LRU needs the unified
+# tree's bookkeeping: `sglang_eviction` checks its order)
+STRATEGIES = ("lfu", "slru", "priority", "fifo", "mru", "filo")
+
+
+def check_strategies(sgl, quick: bool) -> dict[str, list[int]]:
+    """Replay under every strategy in `STRATEGIES`, with 0.5.23's three rules: random token runs
+    (`sglang_replay.random_runs`, each request a random priority 0-2: lower more urgent ours,
+    negated for SGLang) at the evicting and tight capacities, pages 1 and 16. Per strategy:
+    [requests agreeing (hit and evicted tokens), requests, final trees the same, trees]."""
+    rng = np.random.default_rng(0)
+    traces = [[dataclasses.replace(r, priority=int(rng.integers(0, 3)))
+               for r in sglang_replay.random_runs(seed)] for seed in range(1 if quick else 4)]
+    out = {}
+    for strategy in STRATEGIES:
+        counts = out[strategy] = [0, 0, 0, 0]
+        for trace in traces:
+            caps = sglang_replay.capacities(trace)
+            for page in PAGE_SIZES523:
+                for level in ("evict", "tight"):
+                    theirs = serve_sglang523(sgl, trace, page, caps[level], eviction=strategy)
+                    ours = sglang_replay.serve_ours(trace, page, caps[level], sglang_replay.ALL,
+                                                    "0.5.23", strategy)
+                    counts[0] += sum(o == t for o, t in zip(zip(*ours[:2]), zip(*theirs[:2])))
+                    counts[1] += len(trace)
+                    counts[2] += ours[3] == theirs[3]
+                    counts[3] += 1
+    return out
+
+
 def per_page(rows: list[dict]) -> str:
     """Per page size, with 0.5.23's three rules: requests replayed, identical (hit and evicted
     tokens), differing; final trees the same."""
@@ -246,7 +280,13 @@ def report(sgl, quick: bool, show: int) -> tuple[bool, str]:
     rows = check_replay523(sgl, quick, show)
     print()
     sglang_replay.print_replay(rows)
-    return all_agree(rows), f"{sglang_replay.summary(rows)}\n           {per_page(rows)}"
+    strategies = check_strategies(sgl, quick)
+    line = ", ".join(f"{s} {c[0]}/{c[1]} ({c[2]}/{c[3]} trees)" for s, c in strategies.items())
+    print(f"other strategies, random token runs with priorities, pages 1 and 16, evicting and "
+          f"tight capacities, with 0.5.23's three rules: requests agreeing {line}")
+    agree = all_agree(rows) and all(c[0] == c[1] and c[2] == c[3] for c in strategies.values())
+    return agree, (f"{sglang_replay.summary(rows)}\n           {per_page(rows)}\n"
+                   f"           (c) other strategies: {line}")
 
 
 def whole_trace(sgl, page_size: int, capacity: int) -> tuple[float, float, int, int]:
