@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Draws docs/radix_steps.png: the nine steps of the RadixAttention walk-through (examples/README.md)
-# from examples/radix_steps.jsonl, replayed through a 26-token radix cache with LRU eviction.
+# from examples/radix_steps.jsonl, replayed through a 26-token radix cache with LRU eviction and
+# SGLang 0.4.10's insert, once per request (0.5.23's checkpoint would also split each prompt off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 "$PY" -m testbed.viz examples/radix_steps.jsonl cache.capacity_tokens=26 eviction=lru \
-  --at 0,1,2,3,4,5,7,8,10 --out "${1:-docs/radix_steps.png}" \
+  scheduler.sglang=0.4.10 --at 0,1,2,3,4,5,7,8,10 --out "${1:-docs/radix_steps.png}" \
   --title "RadixAttention step by step: examples/radix_steps.jsonl, capacity 26 tokens, LRU" \
   --caption "the empty tree" \
   --caption "chat A, turn 1: one new node" \

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
+from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
@@ -179,10 +180,17 @@ class Assembly:
 
         policy = self.build_policy(requests)
         tiered = make_tiered_cache(self.config["cache"], capacity, policy, planner=planner,
-                                   record_transfers=record_transfers)
+                                   record_transfers=record_transfers, sglang=self.sglang)
         if tiered is not None:
             return tiered
-        return self.cache.build(capacity_tokens=capacity, policy=policy)
+        return self.cache.build(capacity_tokens=capacity, policy=policy, sglang=self.sglang)
+
+    @property
+    def sglang(self) -> str:
+        """The SGLang release whose rules the scheduler and the radix cache follow
+        (``scheduler.sglang``; vLLM's scheduler has none: the default, which its block-hash
+        cache does not read)."""
+        return getattr(self.scheduler, "sglang", SGLANG_RELEASES[0])
 
     def build_cost_model(self):
         """The run's cost model (built once: cost models keep no state between steps)."""
@@ -199,7 +207,7 @@ class Assembly:
         steps, and the router of replicas."""
         policy = self.build_policy([])
         if tier_options(self.config["cache"]) is None:  # tiers: their settings checked
-            self.cache.build(capacity_tokens=None, policy=policy)
+            self.cache.build(capacity_tokens=None, policy=policy, sglang=self.sglang)
         if self.backend not in (REPLAY, SERVER):
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
             if self.config.get("attention") is None and self.backend != "engine":

@@ -29,7 +29,7 @@ def test_replay_of_a_token_trace_writes_summary_and_requests(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["num_requests"], summary["prompt_tokens"], summary["cached_tokens"]) == (3, 10, 4)
-    assert summary["evicted_tokens"] == 3 and summary["ideal_hit_rate"] == 0.4
+    assert summary["evicted_tokens"] == 2 and summary["ideal_hit_rate"] == 0.4
     assert summary["makespan_s"] is None
     timing = summary["timing"]
     assert list(timing) == ["load_s", "run_s", "ideal_s", "write_s"]
@@ -37,7 +37,9 @@ def test_replay_of_a_token_trace_writes_summary_and_requests(tmp_path):
     assert sum(v for k, v in timing.items() if k != "write_s") <= summary["wall_s"]
     rows = pd.read_json(out / "requests.jsonl", lines=True)
     assert rows["cached_tokens"].tolist() == [0, 4, 0]
-    assert rows["evicted_tokens"].tolist() == [0, 0, 3]  # the leaf [5, 6, 7], whole
+    # the leaf [6, 7], whole: SGLang 0.5.23's checkpoint split the second request's prompt
+    # [1, 2, 3, 4, 5] off its output (0.4.10: the leaf [5, 6, 7], 3 tokens)
+    assert rows["evicted_tokens"].tolist() == [0, 0, 2]
     assert rows["inserted"].tolist() == [True, True, True]
     assert rows["prompt_ids"][1] == [1, 2, 3, 4, 5] and rows["output_ids"][1] == [6, 7]
     assert "hit_rate" in proc.stdout

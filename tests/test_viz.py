@@ -20,6 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "radix_steps.jsonl"
 CAPACITY = 26
 STEPS = [0, 1, 2, 3, 4, 5, 7, 8, 10]
+# the designed trees insert once per request, as SGLang 0.4.10 (and the RadixAttention paper) do;
+# 0.5.23's checkpoint would also split each prompt off its output (tests/test_radix_checkpoint.py)
+RELEASE = "0.4.10"
 
 # The tree after each of the nine steps: "size [tokens]", ghosts of nodes evicted since the
 # previous step marked "evicted" under the node they hung from.
@@ -89,7 +92,7 @@ NINE_STEPS = [
 
 
 def nine_steps():
-    return replay_panels(load_tokens(EXAMPLE), RadixCache(CAPACITY), STEPS)
+    return replay_panels(load_tokens(EXAMPLE), RadixCache(CAPACITY, sglang=RELEASE), STEPS)
 
 
 def test_the_nine_steps_have_the_designed_trees():
@@ -148,7 +151,7 @@ def test_a_ghost_hangs_where_it_was_when_its_parent_is_split_later():
                 Request("y", toks(1, 2, 3, 4, 5, 6, 7, 8), toks(9)),
                 Request("other", toks(20, 21, 22), toks(23)),  # evicts the leaf Y
                 Request("split", toks(1, 2, 10), toks(11))]   # splits X after 2 tokens
-    first, second = replay_panels(requests, RadixCache(12), [2, 4])
+    first, second = replay_panels(requests, RadixCache(12, sglang=RELEASE), [2, 4])
     assert outline(first) == "root\n  6 [1 2 3 4 5 6]\n    3 [7 8 9]"
     assert outline(second) == """root
   2 [1 2]
@@ -217,7 +220,8 @@ def test_tidy_layout_handles_long_chains_without_recursion():
 
 def test_the_command_draws_the_nine_steps_to_a_png(tmp_path, capsys):
     out = tmp_path / "steps.png"
-    rc = main([str(EXAMPLE), f"cache.capacity_tokens={CAPACITY}", "--at",
+    rc = main([str(EXAMPLE), f"cache.capacity_tokens={CAPACITY}", f"scheduler.sglang={RELEASE}",
+               "--at",
                ",".join(map(str, STEPS)), "--out", str(out), "--text"])
     assert rc == 0
     data = out.read_bytes()
@@ -230,6 +234,7 @@ def test_the_command_draws_the_nine_steps_to_a_png(tmp_path, capsys):
 def test_the_docs_picture_is_drawn_from_the_tested_steps():
     script = (REPO / "examples" / "radix_steps.sh").read_text()
     assert f"cache.capacity_tokens={CAPACITY}" in script
+    assert f"scheduler.sglang={RELEASE}" in script
     assert f"--at {','.join(map(str, STEPS))}" in script
     assert script.count("--caption ") == len(STEPS)
     assert (REPO / "docs" / "radix_steps.png").stat().st_size > 50_000

@@ -7,9 +7,10 @@ random queues over random trees); (b) whole offline batches: the workloads and c
 0.5.23's event loop around its own SchedulePolicy, PrefillAdder and RadixCache
 (`sglang_mirror523`) and through our `Scheduler` with ``scheduler.sglang=0.5.23``; LPM and
 DFS-weight, and in the full grid FCFS and HRRN; then random offline cases (`random_batches`);
-(d) eviction order of every strategy of 0.5.23's ``evict_policy.py`` (`sglang_eviction`). Replay
-with pages (c) drives 0.4.10's ``cache_finished_req`` through `sglang_replay` and is not ported; it
-runs with ``--sglang 0.4.10``.
+(c) replay with pages 1 and 16 through 0.5.23's own RadixCache, ``match_kv_cache``,
+``evict_from_tree_cache`` and ``release_kv_cache``, under LRU and, on random token runs with
+priorities, every other strategy its classic tree runs (`sglang_replay523`); (d) eviction order of
+every strategy of 0.5.23's ``evict_policy.py`` (`sglang_eviction`).
 Exit code 0 when every comparison agrees, 1 when one does not, 2 when the wheel cannot be had.
 """
 
@@ -20,8 +21,8 @@ import random
 import sys
 import time
 
-from experiments.validation import (sglang, sglang_eviction, sglang_queue523, sglang_wheel,
-                                    sglang_wheel523)
+from experiments.validation import (sglang, sglang_eviction, sglang_queue523, sglang_replay523,
+                                    sglang_wheel, sglang_wheel523)
 from experiments.validation.sglang_mirror523 import SglangLoop523
 from experiments.validation.sglang_req523 import SglReq523
 from testbed.workloads import generate
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
           "chunk size, prefill budget)")
     randoms = random_batches(sgl, cases, args.seed, args.show)
     print(f"  identical steps in {randoms[0]}/{randoms[1]}")
-    print("\n(c) replay with pages: not ported to 0.5.23 (run --sglang 0.4.10)")
+    replay_agree, replay_summary = sglang_replay523.report(sgl, args.quick, args.show)
     per_strategy = 100 if args.quick else 500
     print(f"\n(d) eviction order, {per_strategy} random trees per strategy")
     evictions = sglang_eviction.check_eviction(sgl, per_strategy, args.seed)
@@ -96,12 +97,12 @@ def main(args: argparse.Namespace) -> int:
     same = sum(r.get("diff", 0) is None for r in rows)
     hits = sum(r.get("hits", 0) for r in rows), sum(r["reqs"] for r in rows)
     agree = (all(c["agree"] == c.get("queues", c.get("trees")) for c in every)
-             and same == len(rows) and randoms[0] == randoms[1])
+             and same == len(rows) and randoms[0] == randoms[1] and replay_agree)
     print(f"\nagreement: (a) " + ", ".join(f"{p} {c['agree']}/{c['queues']}"
                                         for p, c in queues.items())
           + f" queues; (b) identical steps in {same}/{len(rows)} cases, first-admission hits "
           f"{hits[0]}/{hits[1]} requests, {sum('hits' not in r for r in rows)} cases failed to "
           f"run, {randoms[0]}/{randoms[1]} random cases; (d) "
           + ", ".join(f"{s} {c['agree']}/{c['trees']}" for s, c in evictions.items())
-          + f" trees ({time.time() - start:.0f} s)")
+          + f" trees ({time.time() - start:.0f} s)\n           {replay_summary}")
     return 0 if agree else 1

@@ -38,7 +38,7 @@ from experiments import MOONCAKE_TRACE
 
 # Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
 # raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
-from testbed.cache.eviction import FIFO, Requester
+from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads import generate
@@ -168,17 +168,26 @@ def sglang_runs(tree) -> list[tuple[int, int, int]]:
     out, stack = [], [(child, 0) for child in tree.root_node.children.values()]
     while stack:
         node, start = stack.pop()
-        out.append((start, len(node.key), hash(np.asarray(node.key, TOKEN_DTYPE).tobytes())))
+        out.append((start, len(node.key), hash(key_tokens(node.key).tobytes())))
         stack.extend((child, start + len(node.key)) for child in node.children.values())
     return sorted(out)
 
 
+def key_tokens(key) -> np.ndarray:
+    """A node key's tokens, whichever release's key it is (0.4.10: a list; 0.5.23: a RadixKey)."""
+    tokens = key.token_ids[: len(key)] if hasattr(key, "token_ids") else key
+    return np.asarray(tokens, dtype=TOKEN_DTYPE)
+
+
 def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
-               rules: tuple[str, ...] = ()) -> tuple[list[int], list[int], int, list]:
-    """Our RadixCache through replay.py's calls, with the named `RULES` switched to SGLang's
-    (and FIFO eviction for "fifo"). With no rules it is `testbed.replay.replay` (checked by
-    `check_replay`)."""
-    cache = RadixCache(capacity, page_size=page_size, policy=FIFO() if "fifo" in rules else None)
+               rules: tuple[str, ...] = (), release: str = "0.4.10", eviction: str | None = None
+               ) -> tuple[list[int], list[int], int, list]:
+    """Our RadixCache (following ``release``'s rules, ``scheduler.sglang``) through replay.py's
+    calls, with the named `RULES` switched to that SGLang release's (and FIFO eviction for
+    "fifo", else the ``eviction`` policy, else LRU). With no rules it is
+    `testbed.replay.replay` (checked by `check_replay`)."""
+    policy = FIFO() if "fifo" in rules else EVICTION.build(eviction) if eviction else None
+    cache = RadixCache(capacity, page_size=page_size, policy=policy, sglang=release)
     hits, evicted = [], []
     for r in requests:
         seq = r.sequence()
@@ -194,8 +203,8 @@ def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
         out = 0
         if "evict" in rules and not cache.pool.unbounded:
             need = n + (page_size if page_size > 1 else 0)
-            if cache.pool.num_free < need:
-                out = cache.evict(need)
+            if cache.pool.num_free < need:  # 0.4.10 asks for all of it, 0.5.23 the shortfall
+                out = cache.evict(need if release == "0.4.10" else need - cache.pool.num_free)
         more = cache.extend(lease, n)
         if more is None:
             raise RuntimeError(f"request {r.id}: no room for {len(kv)} tokens")
@@ -258,12 +267,16 @@ def capacities(requests: list[Request]) -> dict[str, int | None]:
     return {"unlimited": None, "evict": max(tight, distinct // 2 // 16 * 16), "tight": tight}
 
 
-def check_replay(sgl, quick: bool, show: int) -> list[dict]:
-    """Rows of (c): per case, page size and capacity, the agreement of every variant."""
+def check_replay(sgl, quick: bool, show: int, release: str = "0.4.10",
+                 serve_theirs=serve_sglang, page_sizes: tuple[int, ...] = PAGE_SIZES
+                 ) -> list[dict]:
+    """Rows of (c): per case, page size and capacity, the agreement of every variant; ours
+    follows ``release``'s rules, SGLang's side is ``serve_theirs`` (0.4.10's `serve_sglang`,
+    or `sglang_replay523.serve_sglang523`)."""
     rows = []
     for name, traces in cases(quick):
         caps = [capacities(t) for t in traces]
-        for p in PAGE_SIZES:
+        for p in page_sizes:
             for level in ("unlimited", "evict", "tight"):
                 row = {"case": name, "page": p, "level": level, "reqs": 0, "traces": 0,
                        "replay_ok": True,
@@ -271,14 +284,14 @@ def check_replay(sgl, quick: bool, show: int) -> list[dict]:
                        **{v: dict(hits=0, evicted=0, both=0, tree=[0, 0], same=0)
                           for v in VARIANTS}}
                 for trace, cap in zip(traces, caps):
-                    theirs = serve_sglang(sgl, trace, p, cap[level])
-                    records = replay(trace, RadixCache(cap[level], page_size=p))
+                    theirs = serve_theirs(sgl, trace, p, cap[level])
+                    records = replay(trace, RadixCache(cap[level], page_size=p, sglang=release))
                     as_is = ([r.cached_tokens for r in records],
                              [r.evicted_tokens for r in records])
                     row["reqs"] += len(trace)
                     row["traces"] += 1
                     for v in VARIANTS:
-                        ours = serve_ours(trace, p, cap[level], v)
+                        ours = serve_ours(trace, p, cap[level], v, release)
                         if not v:
                             row["replay_ok"] &= as_is == ours[:2]
                         tally(row[v], trace, ours, theirs)
@@ -341,6 +354,6 @@ def summary(rows: list[dict]) -> str:
             f"{sum(r['reqs'] for r in ordered)} requests)")
 
 
-def print_rules() -> None:
-    for k, (what, where) in RULES.items():
+def print_rules(rules: dict = RULES) -> None:
+    for k, (what, where) in rules.items():
         print(f"  {k}: SGLang {what} ({where})")

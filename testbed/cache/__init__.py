@@ -1,6 +1,7 @@
 """Prefix caches shared by every backend: radix tree, block hash (vLLM baseline), none.
 
-`CACHES` builds the cache the ``cache`` config group names, `EVICTION` its eviction policy from
+`CACHES` builds the cache the ``cache`` config group names (the radix tree follows the insert
+rule of the run's ``scheduler.sglang``, offered as context), `EVICTION` its eviction policy from
 the ``eviction`` group (the oracle needs the workload, GDSF a recompute-cost function); both are
 registries (testbed/registry.py), so ``cache=custom cache.target=module.Class`` takes a class of
 your own with `PrefixCache`'s methods. The group's lower-tier keys (``host_tokens`` ...) are read
@@ -16,7 +17,7 @@ from testbed.cache.eviction import EVICTION, LRU, EvictionPolicy, Requester
 from testbed.cache.none import NoCache
 from testbed.cache.oracle import Oracle
 from testbed.cache.pool import KVSlotPool
-from testbed.cache.radix import RadixCache
+from testbed.cache.radix import SGLANG_RELEASES, RadixCache
 from testbed.cache.reuse import REUSE_KEYS, ReuseConfig
 from testbed.errors import BadInput
 from testbed.registry import Registry
@@ -29,7 +30,8 @@ TIER_KEYS = ("host_tokens", "disk_tokens", "write_policy", "write_threshold", "h
 
 CACHES = Registry("cache", methods=("fits", "match", "acquire", "extend", "release", "commit",
                                     "evict", "check_invariants"),
-                  run_keys=("capacity_tokens", *TIER_KEYS, *REUSE_KEYS), context_keys=("policy",),
+                  run_keys=("capacity_tokens", *TIER_KEYS, *REUSE_KEYS),
+                  context_keys=("policy", "sglang"),
                   what="a prefix cache")
 
 __all__ = ["BlockHashCache", "CACHES", "EVICTION", "EvictionPolicy", "KVSlotPool", "Lease",
@@ -40,9 +42,10 @@ __all__ = ["BlockHashCache", "CACHES", "EVICTION", "EvictionPolicy", "KVSlotPool
 @CACHES.register("radix")
 def radix(capacity_tokens: int | None = None, page_size: int = 1,
           policy: EvictionPolicy | None = None, evict_unit: str = "node",
-          split_recency: str = "refresh") -> RadixCache:
+          split_recency: str = "refresh", sglang: str = SGLANG_RELEASES[0]) -> RadixCache:
+    # sglang: the run's scheduler.sglang (a context key, not a setting of the cache group)
     return RadixCache(capacity_tokens, page_size=page_size, policy=policy or LRU(),
-                      evict_unit=evict_unit, split_recency=split_recency)
+                      evict_unit=evict_unit, split_recency=split_recency, sglang=sglang)
 
 
 @CACHES.register("block_hash")

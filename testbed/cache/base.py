@@ -47,10 +47,11 @@ class Lease:
     """
 
     __slots__ = ("hit", "handle", "cached", "requester", "_buf", "_n", "spare", "lower", "loaded",
-                 "inserted")
+                 "inserted", "prompt")
 
     def __init__(self, hit: int, handle: Any = None, slots: np.ndarray = EMPTY_SLOTS,
-                 cached: int | None = None, requester: Requester | None = None) -> None:
+                 cached: int | None = None, requester: Requester | None = None,
+                 prompt: int = 0) -> None:
         self.hit = hit
         self.handle = handle
         self.requester = requester  # who holds it: what eviction policies may know
@@ -62,6 +63,9 @@ class Lease:
         self.loaded: dict[str, int] | None = None  # tokens loaded back, per lower tier
         self.inserted = 0  # tokens the holder inserted into the cache so far (chunks, SGLang's
         # ``cache_inserted_len``): a later insert counts no hit on them again
+        self.prompt = prompt  # tokens of the sequence that are the request's own prompt (SGLang's
+        # ``origin_input_ids``): the acquired key's length, which a holder that acquired more
+        # (a fill with outputs, after a retraction) sets back; read by SGLang 0.5.23's insert rule
 
     @property
     def slots(self) -> np.ndarray:

@@ -12,6 +12,10 @@ its unaligned tail page to the pool.
 `replay_one` serves one request of the replay backend in a single pass (page size 1): the match,
 the eviction, the insert and the unlock of `acquire`/`extend`/`release` with the same effects,
 touching the matched path a second time where the insert's walk would, without building a lease.
+
+``sglang`` (the run's ``scheduler.sglang``) picks the release whose insert rule `release` and
+`commit` follow: under ``0.5.23`` (the default) every insert of a request is SGLang 0.5.23's
+``RadixCache.checkpoint`` (`checkpoint_walks`); under ``0.4.10`` the insert alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-
 from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
+from testbed.errors import BadInput
+
+#: the SGLang releases whose rules the radix cache and the scheduler follow, default first
+SGLANG_RELEASES = ("0.5.23", "0.4.10")
 
 
 class RadixCache(RadixTree, PrefixCache):
@@ -39,6 +47,14 @@ class RadixCache(RadixTree, PrefixCache):
     """
 
     name = "radix"
+
+    def __init__(self, *args, sglang: str = SGLANG_RELEASES[0], **kwargs) -> None:
+        if sglang not in SGLANG_RELEASES:
+            raise BadInput(f"scheduler.sglang must be one of {', '.join(SGLANG_RELEASES)}; "
+                           f"got {sglang!r}")
+        super().__init__(*args, **kwargs)
+        self.sglang = sglang
+        self._checkpoints = sglang != "0.4.10"  # 0.5.23's insert rule (module docstring)
 
     def fits(self, num_tokens: int) -> bool:
         return self.pool.capacity is None or self.pool.round_up(num_tokens) <= self.pool.capacity
@@ -59,7 +75,7 @@ class RadixCache(RadixTree, PrefixCache):
         self.policy.on_access(requester)
         hit, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit], requester)
         self.lock(node)
-        return Lease(hit=hit, handle=node, slots=slots, requester=requester)
+        return Lease(hit=hit, handle=node, slots=slots, requester=requester, prompt=len(prompt))
 
     def extend(self, lease: Lease, num_tokens: int) -> int | None:
         """Add ``num_tokens`` slots: the lease's spare ones first, then whole new pages."""
@@ -81,6 +97,8 @@ class RadixCache(RadixTree, PrefixCache):
         slots = lease.slots
         if insert:
             present = self.insert(tokens, slots[: len(tokens)], lease.requester, lease.inserted)
+            if self._checkpoints:
+                self.checkpoint_walks(tokens, slots, lease.prompt, lease.requester)
             # The tree owned slots[:cached] all along; slots[cached:present] duplicate KV cached
             # meanwhile (whole pages: both ends are aligned); the unaligned tail (page_size > 1)
             # was not inserted, and with the spare slots it makes up the last page.
@@ -148,6 +166,12 @@ class RadixCache(RadixTree, PrefixCache):
             self._add_leaf(end, kb[at:], fresh[present - hit :], present, requester)
         if present > hit:
             pool.free(fresh[: present - hit])  # output tokens cached meanwhile: duplicates
+        if self._checkpoints:  # `checkpoint_walks` on the bytes at hand (page size 1)
+            if 0 < len(prompt) < n:
+                self._walk(kb, len(prompt) * TOKEN_BYTES, prompt_requester(requester), False, [],
+                           len(prompt) * TOKEN_BYTES)
+            if n:
+                self._walk(kb, len(kb), None, False, [])
         if locked:
             self.unlock(node)
         return hit, evicted, True, None
@@ -159,6 +183,8 @@ class RadixCache(RadixTree, PrefixCache):
         present = self.insert(tokens, slots[: len(tokens)], lease.requester, lease.inserted)
         lease.inserted = max(lease.inserted, self._aligned(len(tokens)))
         self.pool.free(slots[lease.cached : present])
+        if self._checkpoints:  # checkpoint's prompt insert comes before its look-up (below)
+            self.reinsert_prompt(tokens, slots, lease.prompt, lease.requester)
         # now all cached; re-matched as SGLang's cache_unfinished_req does (a look-up, not a hit)
         n, node, cached_slots = self.match_prefix(tokens, lease.requester, lookup=True)
         self.lock(node)
@@ -167,8 +193,37 @@ class RadixCache(RadixTree, PrefixCache):
         # The unaligned tail (n is page-aligned) and the spare slots stay the request's.
         lease.reset(np.concatenate([cached_slots, slots[n:]]), cached=n, spare=lease.spare)
 
+    # ---------------------------------------------------------------- SGLang 0.5.23's checkpoint
+    def checkpoint_walks(self, tokens: np.ndarray, slots: np.ndarray, prompt_len: int,
+                         requester: Requester | None) -> None:
+        """What SGLang 0.5.23's ``RadixCache.checkpoint`` does after inserting ``tokens`` (a
+        finishing request's, through ``release_kv_cache``): `reinsert_prompt`, then
+        ``match_prefix`` of the whole key (a look-up: recency only), whose node it relocks."""
+        self.reinsert_prompt(tokens, slots, prompt_len, requester)
+        self.match_prefix(tokens, requester, lookup=True)
+
+    def reinsert_prompt(self, tokens: np.ndarray, slots: np.ndarray, prompt_len: int,
+                        requester: Requester | None) -> None:
+        """``_insert_cache(split_prompt=True)``: when the request's prompt (its first
+        ``prompt_len`` tokens, SGLang's ``origin_input_ids``) ends, page-aligned, inside the key
+        just inserted, insert it again: its walk splits the node at the prompt's end (so the
+        output can be evicted without the prompt), touches the prompt's path and gives it the
+        priority of a request one more urgent (SGLang's ``priority + 1``; ours counts down),
+        counting no hit (``inserted_len`` is the prompt's length)."""
+        p = self._aligned(prompt_len)
+        if 0 < p < self._aligned(len(tokens)):
+            self.insert(tokens[:p], slots[:p], prompt_requester(requester), inserted=p)
+
     def check_invariants(self, leases: Iterable[Lease] = ()) -> None:
         """Besides the counts and heap: every slot is free xor owned by one node or one lease
         (its spare slots included), and node slots and lease-owned slots are whole pages
         (`testbed.cache.tree_checks.check_radix_tree`)."""
         check_radix_tree(self, leases)
+
+
+def prompt_requester(requester: Requester | None) -> Requester:
+    """Who re-inserts a prompt (`RadixCache.reinsert_prompt`): the request, one more urgent
+    (SGLang: ``req.priority or 0``, plus one)."""
+    if requester is None:
+        return Requester(None, -1, None)
+    return requester._replace(priority=requester.priority - 1)

@@ -45,7 +45,7 @@ import numpy as np
 from testbed.cache.base import EMPTY_SLOTS, Lease
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.pool import KVSlotPool
-from testbed.cache.radix import RadixCache
+from testbed.cache.radix import SGLANG_RELEASES, RadixCache
 from testbed.cache.tier_config import check_tier_values, tier_options
 from testbed.cache.tier_eviction import TierEviction
 from testbed.cache.tier_state import (GPU, WRITE_POLICIES, LowerTier, TierState,  # noqa: F401
@@ -67,8 +67,9 @@ class TieredRadixCache(RadixCache):
                  host_tokens: int = 0, disk_tokens: int = 0, write_policy: str = "write_through",
                  write_threshold: int = 2, host_policy: EvictionPolicy | None = None,
                  disk_policy: EvictionPolicy | None = None, record_transfers: bool = False,
-                 planner: Any = None) -> None:
-        super().__init__(capacity, page_size, policy, pool, leaf_hook=self._new_leaf)
+                 planner: Any = None, sglang: str = SGLANG_RELEASES[0]) -> None:
+        super().__init__(capacity, page_size, policy, pool, leaf_hook=self._new_leaf,
+                         sglang=sglang)
         check_tier_values(host_tokens, disk_tokens, write_policy, write_threshold)
         if not host_tokens and not disk_tokens:
             raise ValueError("TieredRadixCache needs cache.host_tokens or cache.disk_tokens > 0 "
@@ -216,7 +217,8 @@ class TieredRadixCache(RadixCache):
         matched, node, slots = self.match_prefix(prompt if limit is None else prompt[:limit],
                                                  requester)
         self.lock(node)
-        lease = Lease(hit=len(slots), handle=node, slots=slots, requester=requester)
+        lease = Lease(hit=len(slots), handle=node, slots=slots, requester=requester,
+                      prompt=len(prompt))
         lease.lower = matched - len(slots)
         return lease
 
@@ -358,12 +360,14 @@ class TieredRadixCache(RadixCache):
 
 def make_tiered_cache(cache_cfg: Mapping[str, Any], capacity_tokens: int | None,
                       policy: EvictionPolicy | None = None, planner: Any = None,
-                      record_transfers: bool = False) -> TieredRadixCache | None:
+                      record_transfers: bool = False, sglang: str = SGLANG_RELEASES[0]
+                      ) -> TieredRadixCache | None:
     """The tiered radix cache the ``cache`` config group asks for (its tier settings:
-    `testbed.cache.tier_config.tier_options`), or None when it asks for no lower tier."""
+    `testbed.cache.tier_config.tier_options`), or None when it asks for no lower tier;
+    ``sglang``: whose insert rule it follows (`RadixCache`)."""
     options = tier_options(cache_cfg)
     if options is None:
         return None
     return TieredRadixCache(capacity_tokens, page_size=cache_cfg.get("page_size") or 1,
                             policy=policy, record_transfers=record_transfers, planner=planner,
-                            **options)
+                            sglang=sglang, **options)

@@ -49,7 +49,7 @@ import numpy as np
 
 from testbed.cache.base import PrefixCache
 from testbed.cache.pool import SLOT_DTYPE
-from testbed.cache.radix import RadixCache, TreeNode
+from testbed.cache.radix import SGLANG_RELEASES, RadixCache, TreeNode  # noqa: F401 (re-exported)
 from testbed.registry import Registry
 from testbed.scheduler.request_state import Req
 
@@ -64,7 +64,6 @@ class Ordering:
     held: bool = False  # whether the deferred sit this step out (``in_batch_hold``)
 
 
-SGLANG_RELEASES = ("0.5.23", "0.4.10")
 REFRESH_EVERY = 32  # SGLang 0.5.23's WAITING_PREFIX_REFRESH_INTERVAL (scheduling passes)
 REFRESH_FIRST = 128  # ... over this many waiting requests (WAITING_QUEUE_PREFIX_MATCH_MAX)
 

@@ -328,6 +328,7 @@ class Scheduler:
         fill = req.fill()
         available_before = self.cache.available_size
         lease = self.cache.acquire(fill, limit=len(fill) - 1, requester=req.requester)
+        lease.prompt = len(req.prompt)  # the fill holds outputs after a retraction
         req.matched = lease.hit
         if lease.lower and self.loads.start(req, lease):
             self.waiting.remove(req)
