@@ -3,7 +3,7 @@ SGLang 0.5.23's own code (`sglang_wheel523` says what is imported and what is a 
 
 (a) queue order (`sglang_queue523`: lpm, dfs-weight, hrrn, and fcfs with priority scheduling, on
 random queues over random trees); (b) whole offline batches: the workloads and configurations of
-0.4.10's (b) (`experiments.validation.sglang.WORKLOADS`, ``CONFIGS``), step by step through
+0.4.10's (b) (`experiments.validation.sglang_batches.WORKLOADS`, ``CONFIGS``), step by step through
 0.5.23's event loop around its own SchedulePolicy, PrefillAdder and RadixCache
 (`sglang_mirror523`) and through our `Scheduler` with ``scheduler.sglang=0.5.23``; LPM and
 DFS-weight, and in the full grid FCFS and HRRN; then random offline cases (`random_batches`);
@@ -21,17 +21,17 @@ import random
 import sys
 import time
 
-from experiments.validation import (sglang, sglang_eviction, sglang_queue523, sglang_replay523,
-                                    sglang_wheel, sglang_wheel523)
+from experiments.validation import (sglang_batches, sglang_eviction, sglang_queue523,
+                                    sglang_replay523, sglang_wheel, sglang_wheel523)
 from experiments.validation.sglang_mirror523 import SglangLoop523
 from experiments.validation.sglang_req523 import SglReq523
 from testbed.workloads import generate
 
 
 def run_sglang523(sgl, *case):
-    """One (b) case through 0.5.23's loop (`sglang.run_sglang` says what comes back; the same
+    """One (b) case through 0.5.23's loop (`sglang_batches.run_sglang` says what comes back; the same
     guard keeps every request under max_req_len, so none is aborted or clipped)."""
-    return sglang.run_sglang(sgl, *case, loop_cls=SglangLoop523, req_cls=SglReq523)
+    return sglang_batches.run_sglang(sgl, *case, loop_cls=SglangLoop523, req_cls=SglReq523)
 
 
 def random_batches(sgl, cases: int, seed: int, show: int) -> tuple[int, int]:
@@ -41,19 +41,19 @@ def random_batches(sgl, cases: int, seed: int, show: int) -> tuple[int, int]:
     rng = random.Random(seed)
     same = 0
     for _ in range(cases):
-        name = rng.choice(list(sglang.WORKLOADS))
-        requests = generate({"name": name, **sglang.WORKLOADS[name]}, seed=rng.randrange(1000))
+        name = rng.choice(list(sglang_batches.WORKLOADS))
+        requests = generate({"name": name, **sglang_batches.WORKLOADS[name]}, seed=rng.randrange(1000))
         lengths = [len(r.prompt) + len(r.output) for r in requests]
         args = (requests, rng.choice(["lpm", "dfs_weight", "fcfs", "hrrn"]),
                 rng.randint(max(lengths) + 16, sum(lengths) + 64), rng.choice([2, 4, 8, 16, 64]),
                 rng.choice([None, 16, 32, 64, 256, 8192]), rng.choice([64, 128, 512, 16384]))
-        ours, theirs = sglang.run_ours(*args, release="0.5.23"), run_sglang523(sgl, *args)
-        i = sglang.first_difference(ours[0], theirs[0])
+        ours, theirs = sglang_batches.run_ours(*args, release="0.5.23"), run_sglang523(sgl, *args)
+        i = sglang_batches.first_difference(ours[0], theirs[0])
         same += i is None
         if i is not None and show > 0:
             show -= 1
-            print(f"  {name} {args[1:]}: step {i}\n    ours   {sglang.describe(ours[0], i)}\n"
-                  f"    SGLang {sglang.describe(theirs[0], i)}")
+            print(f"  {name} {args[1:]}: step {i}\n    ours   {sglang_batches.describe(ours[0], i)}\n"
+                  f"    SGLang {sglang_batches.describe(theirs[0], i)}")
     return same, cases
 
 
@@ -78,10 +78,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n(b) whole offline batches ({'quick' if args.quick else 'full'} grid), ours with "
           "scheduler.sglang=0.5.23. hits=: requests whose first-admission hit agrees; o/s: "
           "ours/SGLang; steps: 'same' or the first step whose (kind, request ids) differ")
-    rows = sglang.check_batches(sgl, args.quick, args.show, "0.5.23", run_sglang523,
+    rows = sglang_batches.check_batches(sgl, args.quick, args.show, "0.5.23", run_sglang523,
                                 ("fcfs", "hrrn"))
     print()
-    sglang.print_batches(rows)
+    sglang_batches.print_batches(rows)
     cases = args.random_batches if args.random_batches is not None else (
         100 if args.quick else 1000)
     print(f"\n(b) {cases} random offline cases (workload seed, policy, capacity, running limit, "
