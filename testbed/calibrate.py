@@ -82,7 +82,20 @@ def grid(cfg: Any) -> list[StepShape]:
             steps.append(StepShape.decode((context,) * batch))
     if group_values.check_setting("calibrate.decode_ragged", bool, cfg.get("decode_ragged")):
         steps += ragged_decodes(grid_values(cfg, "decode_batch"), contexts)
+    if group_values.check_setting("calibrate.decode_shared", bool,
+                                  cfg.get("decode_shared", False)):
+        steps += shared_decodes(grid_values(cfg, "decode_batch"), contexts)
     return steps
+
+
+def shared_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
+    """Decode batches whose requests share a prefix: for each batch size of two or more and each
+    context above the least, every request at that context, all but the least's tokens shared
+    (tree-of-thought's siblings, few-shot's questions): what the others read again
+    (`StepShape.reread`), from a CPU's caches."""
+    least = min(contexts)
+    return [StepShape.decode((context,) * batch, reread=(batch - 1) * (context - least))
+            for batch in batches if batch >= 2 for context in contexts if context > least]
 
 
 def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
@@ -117,7 +130,8 @@ def slot_layout(cfg: Any) -> str:
 
 
 def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
-    """Each request's KV slots (context first, then its new tokens), distinct, from 1 up.
+    """Each request's KV slots (context first, then its new tokens), from 1 up, distinct but for
+    a shared prefix.
 
     ``contiguous``: one run of slots per request. ``interleaved``: the contexts alternate token by
     token across the batch's requests (token t of every request holding more than t, then token
@@ -126,17 +140,23 @@ def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
     decoded together sits interleaved. Reading it gathers rows a batch apart: on the 2-core
     development CPU, SmolLM2-135M's decode steps of 4, 8 and 16 requests at 512 tokens each took
     1%, 7% and 9% longer interleaved than contiguous (side by side, medians of 12), so a grid of
-    contiguous batches fits served steps short.
+    contiguous batches fits served steps short. A decode step with ``reread`` tokens (the grid's
+    shared batches, `grid`) has every request begin with the same ``reread / (batch − 1)`` slots,
+    one run, as one prefill wrote them; the layout applies to the rest.
     """
-    lengths = [new + context for new, context in zip(step.new, step.context)]
+    shared = step.reread // (step.batch - 1) if step.reread else 0
+    prefix = list(range(1, shared + 1))
+    contexts = np.asarray(step.context) - shared
     if layout == "contiguous":
-        ends = np.cumsum(lengths)
-        return [np.arange(end - n + 1, end + 1, dtype=np.int32) for n, end in zip(lengths, ends)]
-    contexts = np.asarray(step.context)
+        lengths = contexts + np.asarray(step.new)
+        ends = shared + np.cumsum(lengths)
+        return [np.asarray(prefix + list(range(end - n + 1, end + 1)), dtype=np.int32)
+                for n, end in zip(lengths, ends)]
     # the (token, request) pairs of every context, ordered by token then request
     token, request = np.nonzero(np.arange(contexts.max(initial=0))[:, None] < contexts[None, :])
-    slots = [list(1 + np.flatnonzero(request == i)) for i in range(len(lengths))]
-    start = 1 + len(token)
+    slots = [prefix + list(1 + shared + np.flatnonzero(request == i))
+             for i in range(len(contexts))]
+    start = 1 + shared + len(token)
     for i, new in enumerate(step.new):
         slots[i] += range(start, start + new)
         start += new
@@ -258,7 +278,8 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
     result = {"meta": meta | {"date": dt.date.today().isoformat()}, "coefficients": coeffs,
               "mape": errors, "samples": [
                   {"kind": s.kind, "new": list(s.new), "context": list(s.context),
-                   "measured_s": t, "predicted_s": fitted.step_time(s)} for s, t in samples]}
+                   "reread": s.reread, "measured_s": t, "predicted_s": fitted.step_time(s)}
+                  for s, t in samples]}
     (run_dir / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(samples, fitted, run_dir / "calibration.png",
          f"Fitted step time: {meta['model']} on {meta['device']}\n"

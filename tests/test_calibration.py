@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from testbed.assembly import assemble, compose_config
 from testbed.calibrate import (calibrate, decode_batch_knots, floor_check, grid, grid_slots, slot_layout, slot_order,
@@ -128,7 +129,7 @@ def test_a_fitted_file_keeps_its_batch_table_and_rejects_bad_entries(tmp_path):
     coeffs = {"decode": row | {"e": 1e-6, "n1": 0.05, "n4": 0.08}, "prefill": row | {"a": 0.01}}
     save_fitted(tmp_path / "c.yaml", coeffs, {"model": "tiny", "device": "cpu"})
     loaded = load_fitted(tmp_path / "c.yaml", floor)
-    assert loaded.coeffs == coeffs
+    assert loaded.coeffs == {kind: row | {"h": row["e"]} for kind, row in coeffs.items()}
     assert loaded.predict(StepShape.decode((10, 10))) == pytest.approx(
         0.05 + (0.08 - 0.05) / 3 + 2e-5)
     bad = tmp_path / "bad.yaml"
@@ -186,6 +187,90 @@ def test_synthetic_batches_take_the_layout_they_are_given():
     assert [e.kv_slots().tolist() for e in batch.entries] == [[1, 3, 5], [2, 4, 6]]
 
 
+def test_a_shared_decode_batch_begins_every_request_with_the_same_prefix_slots():
+    step = StepShape.decode((5, 5, 5), reread=2 * 3)  # a prefix of 3 shared by 3 requests
+    assert [s.tolist() for s in slot_order(step, "interleaved")] == \
+        [[1, 2, 3, 4, 7, 10], [1, 2, 3, 5, 8, 11], [1, 2, 3, 6, 9, 12]]
+    assert [s.tolist() for s in slot_order(step, "contiguous")] == \
+        [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9], [1, 2, 3, 10, 11, 12]]
+
+
+def test_the_shared_grid_shares_all_but_the_least_context_in_each_batch_of_two_or_more():
+    cfg = {"prefill_batch": [1], "prefill_new": [16], "prefill_context": [0],
+           "decode_batch": [1, 3], "decode_context": [10, 50]}
+    assert [(s.context, s.reread) for s in grid(cfg | {"decode_shared": True})
+            if s.reread] == [((50, 50, 50), 2 * 40)]
+    assert not any(s.reread for s in grid(cfg))  # off unless asked
+    with pytest.raises(BadInput, match="decode_shared must be true or false"):
+        grid(cfg | {"decode_shared": "yes"})
+
+
+def test_the_fit_prices_re_read_kv_apart_when_the_grid_measured_it():
+    # re-read KV at 1e-6 s a token, first reads at 4e-6: a CPU's caches hold the shared prefix
+    def true_time(step: StepShape) -> float:
+        if not step.is_decode:
+            return 1e-3 + 1e-5 * step.num_new
+        return 0.05 + 4e-6 * (step.num_context - step.reread) + 1e-6 * step.reread
+
+    # ragged batches tell e from the padded term f, shared ones h from both
+    cfg = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
+           "decode_batch": [1, 4, 8], "decode_context": [16, 256, 1024], "decode_ragged": True}
+    shared = grid(cfg | {"decode_shared": True})
+    coeffs = fit_coefficients([(s, true_time(s)) for s in shared],
+                              decode_batch_knots=decode_batch_knots(cfg, shared))
+    assert coeffs["decode"]["e"] == pytest.approx(4e-6, rel=1e-6)
+    assert coeffs["decode"]["h"] == pytest.approx(1e-6, rel=1e-6)
+    assert coeffs["decode"]["f"] == pytest.approx(0.0, abs=1e-12)
+    assert coeffs["prefill"]["h"] == coeffs["prefill"]["e"]  # none measured: a first read's
+    unshared = fit_coefficients([(s, true_time(s)) for s in grid(cfg)])
+    assert unshared["decode"]["h"] == unshared["decode"]["e"]
+    floor = RooflineCostModel(assemble(config()).model_shape,
+                              HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
+    assert FittedCostModel(coeffs, floor).prices_rereads
+    assert not FittedCostModel(unshared, floor).prices_rereads
+
+
+def test_a_fitted_file_without_h_prices_re_reads_as_first_reads_to_the_bit(tmp_path):
+    floor = RooflineCostModel(assemble(config()).model_shape, assemble(config()).hardware)
+    row = {"a": 0.01, "b": 0.0, "c": 1e-9, "d": 1e-3, "e": 3e-6}  # a file from before f, g, h
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"coeffs": {"decode": row, "prefill": row}}))
+    old = load_fitted(path, floor)
+    assert old.coeffs["decode"]["h"] == 3e-6 and not old.prices_rereads
+    step = StepShape.decode((300, 300, 40))
+    assert old.predict(StepShape.decode((300, 300, 40), reread=200)) == old.predict(step) == \
+        0.01 + 1e-9 * step.attended_pairs + 3e-3 + 3e-6 * 640
+
+
+def test_the_simulator_prices_a_decode_steps_re_read_prefix_at_h(tmp_path):
+    """few-shot's questions decode together under their shared examples: with h = 0 each decode
+    step is shorter by e x the KV its requests read again, which the step records say exactly."""
+    def run_with(h: float | None):
+        row = {"a": 0.01, "b": 1e-5, "c": 0.0, "d": 1e-3, "e": 2e-5, "f": 0.0, "g": 0.0}
+        decode = row | ({} if h is None else {"h": h})
+        path = tmp_path / f"h{h}.yaml"
+        path.write_text(yaml.safe_dump({"coeffs": {"decode": decode, "prefill": row}}))
+        cfg = config("config", "workload=few_shot", "workload.num_tasks=1",
+                     "workload.questions_per_task=4", "workload.vocab_size=256",
+                     "workload.example_len=20", "workload.question_len=9",
+                     "workload.output_len=6", "cost_model=fitted", f"cost_model.path={path}")
+        run = assemble(cfg)
+        requests = run.requests()
+        _, result = serve(requests, run.build_cache(300, requests), {"name": "lpm"},
+                          SimExecutor(run.build_cost_model()), record_steps=True)
+        return result, [r.prompt for r in requests]
+
+    (plain, _), (cheap, prompts) = run_with(None), run_with(0.0)
+    shared = min(len(p) for p in prompts)
+    while any((p[:shared] != prompts[0][:shared]).any() for p in prompts):
+        shared -= 1
+    assert [(s.ids, s.reread) for s in plain.steps] == [(s.ids, s.reread) for s in cheap.steps]
+    full = [s for s in cheap.steps if s.kind == "decode" and len(s.ids) == 4]
+    assert full and all(s.reread == 3 * shared for s in full)
+    for a, b in zip(plain.steps, cheap.steps):
+        assert a.duration_s - b.duration_s == pytest.approx(2e-5 * a.reread, abs=1e-12)
+
+
 def test_slot_layout_defaults_to_interleaved_and_names_the_choices_on_a_bad_value():
     assert slot_layout({}) == "interleaved"
     assert slot_layout({"slot_layout": "contiguous"}) == "contiguous"
@@ -234,10 +319,13 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
     floor = RooflineCostModel(run.model_shape, run.hardware)
     fitted = load_fitted(tmp_path / "cost_model.yaml", floor_model=floor)
     for sample in result["samples"]:
-        step = StepShape(tuple(sample["new"]), tuple(sample["context"]))
+        step = StepShape(tuple(sample["new"]), tuple(sample["context"]),
+                         reread=sample["reread"])
         assert fitted.step_time(step) >= floor.floor(step)
     saved = json.loads((tmp_path / "calibration.json").read_text())
-    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 12
+    # 8 prefills, 4 decodes, 1 shared decode (4 requests sharing 56 of their 64 tokens)
+    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 13
+    assert [x["reread"] for x in saved["samples"]].count(3 * 56) == 1
     assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

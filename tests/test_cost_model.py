@@ -367,8 +367,10 @@ def test_fitted_form_and_all_zero():
 
 def test_fitted_yaml_round_trip(tmp_path):
     path = tmp_path / "fit.yaml"
-    coeffs = {"decode": {"a": 4e-3, "b": 1e-6, "c": 2e-11, "d": 3e-6, "e": 1e-9, "f": 5e-10, "g": 2e-3},
-              "prefill": {"a": 6e-3, "b": 1.5e-5, "c": 4e-10, "d": 0.0, "e": 2e-8, "f": 0.0, "g": 0.0}}
+    coeffs = {"decode": {"a": 4e-3, "b": 1e-6, "c": 2e-11, "d": 3e-6, "e": 1e-9, "f": 5e-10, "g": 2e-3,
+                         "h": 2e-10},
+              "prefill": {"a": 6e-3, "b": 1.5e-5, "c": 4e-10, "d": 0.0, "e": 2e-8, "f": 0.0, "g": 0.0,
+                          "h": 2e-8}}
     save_fitted(path, coeffs, {"model": "llama3_8b", "device": "NVIDIA H100 80GB HBM3"})
     doc = yaml.safe_load(path.read_text())
     assert doc["meta"]["model"] == "llama3_8b" and len(doc["meta"]["date"]) == 10
@@ -426,7 +428,7 @@ def test_a_fitted_file_without_f_reads_as_f_zero(tmp_path):
     (lambda c: c["prefill"].update(c=-1e-9), "coeffs.prefill.c must be >= 0"),
     (lambda c: c.pop("decode"), "missing coeffs.decode"),
     (lambda c: c["decode"].pop("e"), "missing coeffs.decode.e"),
-    (lambda c: c["decode"].update(h=1.0), "unknown coeffs.decode keys"),
+    (lambda c: c["decode"].update(z=1.0), "unknown coeffs.decode keys"),
 ])
 def test_bad_fitted_file(tmp_path, edit, message):
     coeffs = zero_coeffs()
@@ -527,3 +529,15 @@ def test_roofline_against_vidur_a100():
     assert 0.94 < loaded_decode.min() and loaded_decode.max() < 1.07
     assert 0.99 < np.median(loaded_decode) < 1.03 and 0.99 < np.median(loaded_prefill) < 1.03
     assert 0.81 < loaded_prefill.min() and loaded_prefill.max() < 1.07
+
+
+def test_a_steps_reread_is_decode_kv_it_reads_at_most_and_never_moves_the_roofline():
+    assert StepShape.decode((30, 30), reread=30).reread == 30
+    for bad in ({"new": (4, 1), "context": (30, 30), "reread": 5},  # a prefill
+                {"new": (1, 1), "context": (30, 30), "reread": 61},  # more than it reads
+                {"new": (1, 1), "context": (30, 30), "reread": -1}):
+        with pytest.raises(ValueError, match="reread must be 0, or in a decode step"):
+            StepShape(**bad)
+    r = roofline()
+    assert r.step_time(StepShape.decode((300, 300), reread=300)) == \
+        r.step_time(StepShape.decode((300, 300)))

@@ -87,8 +87,10 @@ REAL = {
     },
     "offline": ["workload=few_shot_text", "workload.num_tasks=2", "workload.questions_per_task=4"],
     "grid": ["calibrate.prefill_batch=[1,4,16]", "calibrate.prefill_new=[16,64,256]",
-             "calibrate.prefill_context=[0,384,1024]", "calibrate.decode_batch=[1,2,3,4,8,16]",
-             "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true"],
+             "calibrate.prefill_context=[0,384,1024]",
+             f"calibrate.decode_batch=[{','.join(map(str, range(1, 17)))}]",
+             "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true",
+             "calibrate.decode_shared=true"],
     "rounds": 4,
     "warm_workloads": False,  # steps of 0.1-10 s: the warm-up grid pass is enough (a served
     #                           warm-up round would cost as much as a round)
@@ -133,7 +135,7 @@ def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[fl
     """The simulator (with ``fitted``) against the engine's runs of one workload."""
     _, sim = workload.serve(SimExecutor(fitted))
     median = {m: float(np.median([s[m] for _, s in engine_runs])) for m in METRICS}
-    steps_run = [(StepShape(s.new, s.context), s.duration_s)
+    steps_run = [(shape(s), s.duration_s)
                  for result, _ in engine_runs for s in result.steps]
     by_kind = {kind: error(sum(fitted.step_time(s) for s, _ in steps_run if s.kind == kind),
                            sum(t for s, t in steps_run if s.kind == kind))
@@ -152,12 +154,17 @@ def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[fl
                               for m in METRICS}}
 
 
+def shape(record) -> StepShape:
+    """A recorded engine step as the fitted model prices it (re-read KV included)."""
+    return StepShape(record.new, record.context, reread=record.reread)
+
+
 def write_steps(engine_runs: list, fitted, path: Path) -> None:
     """Every engine step of every round, measured and predicted, as CSV."""
     pd.DataFrame([{"round": i, "kind": s.kind, "batch": len(s.new), "new": sum(s.new),
                    "context": sum(s.context), "max_kv": max(np.add(s.new, s.context)),
                    "measured_s": s.duration_s,
-                   "predicted_s": fitted.step_time(StepShape(s.new, s.context))}
+                   "reread": s.reread, "predicted_s": fitted.step_time(shape(s))}
                   for i, (result, _) in enumerate(engine_runs) for s in result.steps]
                  ).to_csv(path, index=False)
 
@@ -243,7 +250,8 @@ def main() -> None:
 
     report = {"fitted": str(args.fitted), "rounds": args.rounds, "clock": args.clock,
               "held_back": {},
-              "grid": [{"new": list(s.new), "context": list(s.context), "times_s": list(t)}
+              "grid": [{"new": list(s.new), "context": list(s.context), "reread": s.reread,
+                        "times_s": list(t)}
                        for s, t in zip(steps, zip(*grid_times))] if grid_times else []}
     print(f"\n{'workload':<17}{'steps':>6}{'step MAPE':>10}{'makespan':>10}{'paired':>9}"
           f"{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'e2e p50':>9}")

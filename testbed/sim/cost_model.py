@@ -114,10 +114,11 @@ DEFAULT_MBU = 0.58
 ALLREDUCE_LATENCY_S = 5e-5
 
 KINDS = ("decode", "prefill")
-COEFFS = ("a", "b", "c", "d", "e", "f", "g")
-#: coefficients a file may leave out, and the value they then take: ``f`` and ``g`` came later,
-#: and a file written before them was fitted without them (the same predictions, to the bit)
-OPTIONAL_COEFFS = {"f": 0.0, "g": 0.0}
+COEFFS = ("a", "b", "c", "d", "e", "f", "g", "h")
+#: coefficients a file may leave out, and the value they then take: ``f``, ``g`` and ``h`` came
+#: later, and a file written before them was fitted without them (the same predictions, to the
+#: bit; ``h``, a re-read token's cost, is then a first read's, ``e``)
+OPTIONAL_COEFFS = {"f": 0.0, "g": 0.0, "h": "e"}
 #: ``n<K>``: the cost of a batch of K decoding requests, a table in place of ``a + d·batch +
 #: g·few_row_passes`` (which a fit with the table holds at 0, with ``b`` and ``c``, which a decode's
 #: batch and contexts already say: `testbed.sim.fit.TABLED`): a CPU BLAS changes its code path
@@ -265,7 +266,7 @@ class RooflineCostModel:
 
 class FittedCostModel:
     """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext + f·batch·max(context)
-    + g·few_row_passes`` seconds, with one coefficient set per kind (``decode`` when every request
+    + g·few_row_passes + (h − e)·reread`` seconds, with one coefficient set per kind (``decode`` when every request
     computes one token, else ``prefill``), never below ``floor_model.floor(step)``. ``Σcontext``
     is the KV the step reads, ``kv_read_context``: with cascade decoding a shared prefix counts
     once per group (the ``c`` term, the attended pairs, is the same math either way).
@@ -273,13 +274,18 @@ class FittedCostModel:
     batch's longest reads (the engine's ``torch`` attention), 0 in a prefill. ``few_row_passes``
     (`StepShape.few_row_passes`) is ``batch − 1`` for 2 or 3 requests, else 0: the extra weight
     passes of a CPU BLAS below 4 rows. ``n<K>`` coefficients, where present, price a batch of K
-    requests (`batch_weights` between them). The KV moves of reuse beyond exact prefixes are not in the
-    fit: the floor model's `RooflineCostModel.move_time` is added."""
+    requests (`batch_weights` between them). ``h`` prices the cached tokens a decode step reads
+    again (`StepShape.reread`: a prefix another request of the batch read, without cascade)
+    instead of ``e``; absent, it is ``e``. The KV moves of reuse beyond exact prefixes are not in
+    the fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
                  floor_model: RooflineCostModel) -> None:
         self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
         self.tables = {kind: batch_table(row) for kind, row in self.coeffs.items()}
+        #: whether re-read KV (`StepShape.reread`) costs other than a first read: the simulator
+        #: then finds the step's shared prefixes for it (`testbed.sim.executor.SimExecutor`)
+        self.prices_rereads = any(row["h"] != row["e"] for row in self.coeffs.values())
         self.floor_model = floor_model
 
     def predict(self, step: StepShape) -> float:
@@ -290,7 +296,8 @@ class FittedCostModel:
             if knots else 0.0
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
                 + k["d"] * step.batch + k["e"] * step.kv_read_context
-                + k["f"] * step.padded_decode_area + k["g"] * step.few_row_passes + table)
+                + k["f"] * step.padded_decode_area + k["g"] * step.few_row_passes + table
+                + (k["h"] - k["e"]) * step.reread)  # a re-read token at h, not e
 
     def step_time(self, step: StepShape) -> float:
         return max(self.predict(step) + self.floor_model.move_time(step),
@@ -312,7 +319,9 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
               "#     + f*batch*max(context) (decode only: the KV padded to the longest)\n"
               "#     + g*(batch - 1 if batch is 2 or 3, else 0) (a CPU BLAS's per-row passes)\n"
               "#     + nK for a batch of K requests, where fitted (linear between the K measured,\n"
-              "#       nK*batch/K beyond the largest), where\n"
+              "#       nK*batch/K beyond the largest)\n"
+              "#     + (h - e)*reread (KV read again after another request read it; h = e if absent),\n"
+              "# where\n"
               "# attended pairs = sum new*(context + (new+1)/2)\n")
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
@@ -352,7 +361,8 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
         for c in COEFFS:
             if c not in row and c not in OPTIONAL_COEFFS:
                 raise error(f"{where}: missing coeffs.{kind}.{c}")
-            value = row.get(c, OPTIONAL_COEFFS.get(c))
+            default = OPTIONAL_COEFFS.get(c)
+            value = row.get(c, row.get(default) if isinstance(default, str) else default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value):
                 raise error(f"{where}: coeffs.{kind}.{c} must be a number, got {value!r}")

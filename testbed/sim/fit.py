@@ -16,6 +16,9 @@ batches are.
 ``few_row_passes`` (`StepShape.few_row_passes`: ``batch − 1`` for a batch of 2 or 3, else 0) is
 a CPU BLAS reading the weights once per row below 4 rows; only a grid with batches of 2 or 3
 gives ``g`` a value (else it is 0).
+``h`` prices the KV a decode step reads again (`StepShape.reread`), ``e`` the rest; only a grid
+with decode batches sharing a prefix (``calibrate.decode_shared``) gives ``h`` a value of its own
+(else it is ``e``: a re-read costs a first read).
 With ``decode_batch_knots`` (the decode batch sizes a grid measured), a decode step's per-step,
 per-request and per-row costs (``a``, ``b``, ``c``, ``d``, ``g``; see `TABLED`) give way to one
 cost per measured batch size,
@@ -42,8 +45,9 @@ TABLED = ("a", "b", "c", "d", "g")
 def features(step: StepShape, knots: Sequence[int] = ()) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``, then each knot's weight
     (`batch_weights`) where ``knots`` are given."""
-    terms = [1.0, step.num_new, step.attended_pairs, step.batch, step.kv_read_context,
-             step.padded_decode_area, step.few_row_passes]
+    terms = [1.0, step.num_new, step.attended_pairs, step.batch,
+             step.kv_read_context - step.reread, step.padded_decode_area, step.few_row_passes,
+             step.reread]
     return np.array(terms + (batch_weights(knots, step.batch) if knots else []))
 
 
@@ -100,6 +104,8 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool 
         weights = 1.0 / np.maximum(y, 1e-9) if relative else np.ones_like(y)
         solution = nnls((x / scale) * weights[:, None], y * weights) / scale
         coeffs[kind] = {name: float(v) for name, v in zip(names, solution)}
+        if not x[:, COEFFS.index("h")].any():  # no re-read measured: priced as a first read
+            coeffs[kind]["h"] = coeffs[kind]["e"]
     return coeffs
 
 

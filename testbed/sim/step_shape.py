@@ -30,6 +30,11 @@ class StepShape:
     A member then reads its own suffix, ``context + 1 - P`` tokens, and the step reads
     ``kv_read_context = Σcontext − Σ(members − 1)·P`` cached tokens instead of ``Σcontext``.
 
+    ``reread`` (decode steps without cascade): of those, the cached tokens a request reads after
+    another request of the batch read the same KV (a prefix they share: ``Σ(members − 1)·P`` over
+    the groups cascade would form). Every request still reads them, from a CPU's caches then,
+    which the fitted model may price apart (`testbed.sim.cost_model.FittedCostModel`'s ``h``).
+
     >>> s = StepShape(new=(1, 1, 512), context=(100, 200, 0))
     >>> s.batch, s.num_new, s.num_context, s.is_decode
     (3, 514, 300, False)
@@ -43,6 +48,7 @@ class StepShape:
     shared: tuple[tuple[int, tuple[int, ...]], ...] = ()
     rotated: int = 0  # tokens of reused spans: donor KV copied in, keys re-rotated
     copied: int = 0  # tokens of chunk stores: KV copied (and de-rotated) out
+    reread: int = 0  # decode without cascade: cached tokens read again after another request
 
     def __post_init__(self) -> None:
         if min(self.rotated, self.copied) < 0:
@@ -60,6 +66,10 @@ class StepShape:
         object.__setattr__(self, "new", new)
         object.__setattr__(self, "context", context)
         object.__setattr__(self, "shared", self._check_shared(self.shared, new, context))
+        if self.reread and (max(new) != 1 or not 0 < self.reread <= self.kv_read_context):
+            raise ValueError(f"StepShape: reread must be 0, or in a decode step between 1 and "
+                             f"the {self.kv_read_context} cached tokens it reads, got "
+                             f"{self.reread}")
 
     @staticmethod
     def _check_shared(shared, new: tuple[int, ...], context: tuple[int, ...]
@@ -83,9 +93,11 @@ class StepShape:
 
     @classmethod
     def decode(cls, contexts: tuple[int, ...] | list[int],
-               shared: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> StepShape:
+               shared: tuple[tuple[int, tuple[int, ...]], ...] = (), reread: int = 0
+               ) -> StepShape:
         """A decode step: one new token per request."""
-        return cls(new=(1,) * len(contexts), context=tuple(contexts), shared=shared)
+        return cls(new=(1,) * len(contexts), context=tuple(contexts), shared=shared,
+                   reread=reread)
 
     @property
     def batch(self) -> int:
