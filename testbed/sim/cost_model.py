@@ -374,7 +374,7 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
         if extra:
             raise error(f"{where}: unknown coeffs.{kind} keys {sorted(map(str, extra))} "
                         f"(allowed: {', '.join(COEFFS)}, and n<K> for a batch of K requests)")
-        for key in sorted(set(row) - set(COEFFS)):
+        for key in sorted(set(row) - set(COEFFS), key=lambda k: int(k[1:])):  # n1, n2, .., n16
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value < 0:
