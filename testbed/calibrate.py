@@ -6,8 +6,8 @@ prefills (new tokens × cached context × batch size) and decodes (batch size ×
 batch's longest KV from one that reads each request's own) — in
 ``calibrate.repeats`` passes over the grid, each shape once per pass in a shuffled order (the
 median counts), fits the ``fitted`` cost model per step kind
-(non-negative least squares on relative error; decode steps priced per measured batch size
-unless ``calibrate.decode_batch_table=false``; predictions are floored at the roofline of the
+(non-negative least squares on relative error; each measured row count, a decode's batch size
+or a prefill's new tokens, priced on its own unless ``calibrate.row_table=false``; predictions are floored at the roofline of the
 configured ``hardware``), and writes into the run directory:
 
 - ``cost_model.yaml``: the coefficients with the date, model and device (use it with
@@ -108,12 +108,13 @@ def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
             for batch in batches if batch >= 2 for context in contexts if context > least]
 
 
-def decode_batch_knots(cfg: Any, steps: Sequence[StepShape]) -> list[int]:
-    """``calibrate.decode_batch_table`` (default true): the decode batch sizes of ``steps``, each
-    of which the fit then prices on its own (``n<K>``, `testbed.sim.fit`); else none."""
-    on = group_values.check_setting("calibrate.decode_batch_table", bool,
-                                     cfg.get("decode_batch_table", True))
-    return sorted({s.batch for s in steps if s.kind == "decode"}) if on else []
+def row_knots(cfg: Any, steps: Sequence[StepShape]) -> dict[str, list[int]]:
+    """``calibrate.row_table`` (default true): per step kind, the row counts (``Σnew``: a decode's
+    batch size, a prefill's new tokens) of ``steps``, each of which the fit then prices on its
+    own (``n<K>``, `testbed.sim.fit`); else none."""
+    on = group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
+    return {kind: sorted({s.num_new for s in steps if s.kind == kind})
+            for kind in ("decode", "prefill")} if on else {}
 
 
 #: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
@@ -262,13 +263,13 @@ def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel
 
 def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
                   floor: RooflineCostModel, run_dir: Path, relative: bool = True,
-                  exclude: Sequence[str] = (), decode_batch_knots: Sequence[int] = ()
+                  exclude: Sequence[str] = (), row_knots: dict[str, list[int]] | None = None
                   ) -> dict[str, Any]:
     """Fit the `fitted` cost model to ``samples`` (least squares on relative error, else on
     absolute) and write ``cost_model.yaml``, ``calibration.json`` and ``calibration.png`` into
-    ``run_dir``; returns the report. ``decode_batch_knots``: see `testbed.sim.fit`."""
+    ``run_dir``; returns the report. ``row_knots``: see `testbed.sim.fit`."""
     coeffs = fit_coefficients(samples, relative=relative, exclude=exclude,
-                              decode_batch_knots=decode_batch_knots)
+                              row_knots=row_knots)
     fitted = FittedCostModel(coeffs, floor_model=floor)
     meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor)}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -341,12 +342,12 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     steps = grid(c)
     repeats = group_values.integer(c, "repeats", "calibrate", minimum=1)
     layout = slot_layout(c)
-    knots = decode_batch_knots(c, steps)
+    knots = row_knots(c, steps)
     executor = run.build_executor(grid_slots(steps))
     samples = measure(executor, steps, repeats, model.vocab_size, run.seed,
                       run.get("progress", False), layout)
     return fit_and_write(samples, {**engine_meta(executor, model, hw), "slot_layout": layout},
-                         RooflineCostModel(model, hw), run_dir, decode_batch_knots=knots)
+                         RooflineCostModel(model, hw), run_dir, row_knots=knots)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")

@@ -12,12 +12,12 @@ import torch
 import yaml
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import (calibrate, decode_batch_knots, floor_check, grid, grid_slots, slot_layout, slot_order,
-                               synthetic_batch, timed_pass)
+from testbed.calibrate import (calibrate, floor_check, grid, grid_slots, row_knots,
+                               slot_layout, slot_order, synthetic_batch, timed_pass)
 from testbed.errors import BadInput
 from testbed.engine import make_engine_executor
-from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape, batch_weights,
-                                   load_fitted, save_fitted)
+from testbed.sim.cost_model import (FittedCostModel, RooflineCostModel, StepShape, load_fitted,
+                                   row_weights, save_fitted)
 from testbed.sim.specs import HardwareSpec
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, nnls
@@ -81,18 +81,18 @@ def test_fit_tells_a_padded_decode_from_an_unpadded_one_on_ragged_batches():
     assert coeffs["prefill"]["f"] == 0.0
 
 
-def test_batch_weights_read_between_the_measured_sizes_and_per_request_beyond_them():
+def test_row_weights_read_between_the_measured_row_counts_and_per_row_beyond_them():
     knots = [2, 4, 8]
-    assert batch_weights(knots, 1) == [1.0, 0.0, 0.0]  # below the least: its cost
-    assert batch_weights(knots, 2) == [1.0, 0.0, 0.0]
-    assert batch_weights(knots, 3) == [0.5, 0.5, 0.0]
-    assert batch_weights(knots, 7) == [0.0, 0.25, 0.75]
-    assert batch_weights(knots, 8) == [0.0, 0.0, 1.0]
-    assert batch_weights(knots, 12) == [0.0, 0.0, 1.5]  # the largest's cost per request
-    assert batch_weights([4], 2) == [1.0] and batch_weights([4], 6) == [1.5]
+    assert row_weights(knots, 1) == [1.0, 0.0, 0.0]  # below the least: its cost
+    assert row_weights(knots, 2) == [1.0, 0.0, 0.0]
+    assert row_weights(knots, 3) == [0.5, 0.5, 0.0]
+    assert row_weights(knots, 7) == [0.0, 0.25, 0.75]
+    assert row_weights(knots, 8) == [0.0, 0.0, 1.0]
+    assert row_weights(knots, 12) == [0.0, 0.0, 1.5]  # the largest's cost per row
+    assert row_weights([4], 2) == [1.0] and row_weights([4], 6) == [1.5]
 
 
-def test_a_decode_batch_table_fits_a_cost_that_jumps_with_the_rows_exactly():
+def test_a_row_table_fits_a_decode_cost_that_jumps_with_the_batch_exactly():
     # a BLAS that switches code path at 4 rows: 50, 53, 57 ms for 1-3 requests, then 87, 117 and
     # 129 ms; no a + d·batch + g·few_row_passes follows it, the table does, to the measured sizes
     jump = {1: 0.050, 2: 0.053, 3: 0.057, 4: 0.087, 8: 0.117, 16: 0.129}
@@ -104,23 +104,48 @@ def test_a_decode_batch_table_fits_a_cost_that_jumps_with_the_rows_exactly():
     cfg = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
            "decode_batch": list(jump), "decode_context": [16, 256, 1024]}
     samples = [(s, true_time(s)) for s in grid(cfg)]
-    coeffs = fit_coefficients(samples, decode_batch_knots=decode_batch_knots(cfg, grid(cfg)))
+    coeffs = fit_coefficients(samples, row_knots=row_knots(cfg, grid(cfg)))
     assert {k: round(v, 9) for k, v in coeffs["decode"].items() if k.startswith("n")} == {
         f"n{k}": v for k, v in jump.items()}
     assert [coeffs["decode"][k] for k in "abcdg"] == [0.0] * 5
     assert coeffs["decode"]["e"] + coeffs["decode"]["f"] == pytest.approx(2e-6)
-    assert not any(k.startswith("n") for k in coeffs["prefill"])
+    # the prefills (1 or 2 requests of 16 or 64 tokens: 16, 32, 64 and 128 rows) get a table of
+    # their own, a and b held at 0, which prices each of them as measured
+    assert sorted(k for k in coeffs["prefill"] if k.startswith("n")) == ["n128", "n16", "n32",
+                                                                          "n64"]
+    assert (coeffs["prefill"]["a"], coeffs["prefill"]["b"]) == (0.0, 0.0)
     floor = RooflineCostModel(assemble(config()).model_shape,
                               HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
     fitted = FittedCostModel(coeffs, floor)
     six = StepShape.decode((100,) * 6)  # halfway between 4 and 8
     assert fitted.step_time(six) == pytest.approx(0.102 + 2e-6 * 600, rel=1e-6)
+    assert all(fitted.step_time(s) == pytest.approx(t, rel=1e-6) for s, t in samples)
     linear = FittedCostModel(fit_coefficients(samples), floor)
     errors = [abs(linear.step_time(s) / t - 1) for s, t in samples if s.is_decode]
     assert max(errors) > 0.1  # the line misses the jump by over 10% somewhere
-    assert decode_batch_knots(cfg | {"decode_batch_table": False}, grid(cfg)) == []
-    with pytest.raises(BadInput, match="decode_batch_table must be true or false"):
-        decode_batch_knots(cfg | {"decode_batch_table": "yes"}, grid(cfg))
+    assert row_knots(cfg | {"row_table": False}, grid(cfg)) == {}
+    with pytest.raises(BadInput, match="row_table must be true or false"):
+        row_knots(cfg | {"row_table": "yes"}, grid(cfg))
+
+
+def test_a_row_table_follows_a_prefill_that_costs_more_a_token_as_its_rows_grow():
+    # 1.3 ms a token up to 1,024 rows, then 5.5 s at 4,096 (the development machine's 16 x 256):
+    # the table reads 2,682 rows (few-shot's 16 prompts) between the two, which a + b·rows cannot
+    per_rows = {16: 0.0208, 64: 0.0832, 256: 0.3328, 1024: 1.3312, 4096: 5.5}
+
+    def true_time(step: StepShape) -> float:
+        return per_rows[step.num_new] if not step.is_decode else 0.05 + 2e-6 * step.num_context
+
+    cfg = {"prefill_batch": [1, 4, 16], "prefill_new": [16, 64, 256], "prefill_context": [0],
+           "decode_batch": [1, 4], "decode_context": [16, 256]}
+    steps = grid(cfg)  # prefills of 16, 64, 256, 1,024 and 4,096 rows
+    coeffs = fit_coefficients([(s, true_time(s)) for s in steps], row_knots=row_knots(cfg, steps))
+    floor = RooflineCostModel(assemble(config()).model_shape,
+                              HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
+    few_shot = StepShape((168,) * 15 + (162,), (0,) * 16)  # 2,682 rows
+    t = (2682 - 1024) / (4096 - 1024)
+    assert FittedCostModel(coeffs, floor).step_time(few_shot) == pytest.approx(
+        (1 - t) * 1.3312 + t * 5.5, rel=1e-6)
 
 
 def test_a_fitted_file_keeps_its_batch_table_and_rejects_bad_entries(tmp_path):
@@ -217,7 +242,7 @@ def test_the_fit_prices_re_read_kv_apart_when_the_grid_measured_it():
            "decode_batch": [1, 4, 8], "decode_context": [16, 256, 1024], "decode_ragged": True}
     shared = grid(cfg | {"decode_shared": True})
     coeffs = fit_coefficients([(s, true_time(s)) for s in shared],
-                              decode_batch_knots=decode_batch_knots(cfg, shared))
+                              row_knots=row_knots(cfg, shared))
     assert coeffs["decode"]["e"] == pytest.approx(4e-6, rel=1e-6)
     assert coeffs["decode"]["h"] == pytest.approx(1e-6, rel=1e-6)
     assert coeffs["decode"]["f"] == pytest.approx(0.0, abs=1e-12)

@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from testbed.assembly import assemble, compose_config
-from testbed.calibrate import (decode_batch_knots, engine_meta, fit_and_write, grid,
+from testbed.calibrate import (engine_meta, fit_and_write, grid, row_knots,
                                grid_slots, median_times, slot_layout, synthetic_batch, timed_pass)
 from testbed.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
@@ -72,7 +72,7 @@ CAPACITY = 6000  # tokens: small enough that eviction happens
 #: the shapes they make (prefills of up to ~1k tokens over up to ~1k cached, batches of up to 16
 #: fresh prompts: few-shot's first step; decode batches of 1-16 at up to ~1.5k tokens, mixed
 #: lengths included, each size measured, since this CPU's BLAS costs move in steps with the rows
-#: and the fit prices each size on its own: `calibrate.decode_batch_table`)
+#: and the fit prices each row count on its own: `calibrate.row_table`)
 REAL = {
     "base": ["model=smollm2_135m", "hardware=cpu", "progress=false", "attention=torch"],
     "held_back": {
@@ -213,7 +213,7 @@ def main() -> None:
     wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
     layout = slot_layout(cal.calibrate)
-    knots = decode_batch_knots(cal.calibrate, steps)
+    knots = row_knots(cal.calibrate, steps)
     batches = [synthetic_batch(step, model.vocab_size, rng, layout) for step in steps]
 
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
@@ -230,7 +230,7 @@ def main() -> None:
     if steps:
         meta = {**engine_meta(engine, model, hw), "slot_layout": layout}
         cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration",
-                            decode_batch_knots=knots)
+                            row_knots=knots)
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
@@ -243,7 +243,7 @@ def main() -> None:
     paired = {name: [] for name in workloads}
     for r, times in enumerate(grid_times):
         fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times)),
-                                                    decode_batch_knots=knots), floor_model=floor)
+                                                    row_knots=knots), floor_model=floor)
         for name, w in workloads.items():
             paired[name].append(error(w.serve(SimExecutor(fitted_r))[1]["makespan_s"],
                                       runs[name][r][1]["makespan_s"]))

@@ -15,8 +15,8 @@ group's other keys):
   + f·batch·max(context) + g·few_row_passes`` per kind of step (decode / prefill; the ``f`` term,
   a decode kernel padded to the batch's longest KV, is 0 in a prefill; ``g``'s, a CPU BLAS that
   reads the weights once per row for 2-3 rows, is ``batch − 1`` then, else 0), plus, where a fit
-  measured them, ``n<K>``: a batch of K requests' own cost, read between the measured batch sizes
-  (`batch_weights`), with coefficients fitted to measured step times (YAML files written by
+  measured them, ``n<K>``: the own cost of a step of K rows (``Σnew``: a decode batch of K, a
+  prefill of K new tokens), read between the measured row counts (`row_weights`), with coefficients fitted to measured step times (YAML files written by
   `save_fitted`), clamped from below by the roofline floor.
 - `testbed.sim.vidur_cost.VidurCostModel` — measured operator times (a Vidur profile),
   operator by operator.
@@ -119,35 +119,35 @@ COEFFS = ("a", "b", "c", "d", "e", "f", "g", "h")
 #: later, and a file written before them was fitted without them (the same predictions, to the
 #: bit; ``h``, a re-read token's cost, is then a first read's, ``e``)
 OPTIONAL_COEFFS = {"f": 0.0, "g": 0.0, "h": "e"}
-#: ``n<K>``: the cost of a batch of K decoding requests, a table in place of ``a + d·batch +
-#: g·few_row_passes`` (which a fit with the table holds at 0, with ``b`` and ``c``, which a decode's
-#: batch and contexts already say: `testbed.sim.fit.TABLED`): a CPU BLAS changes its code path
-#: with the number of rows (on the AVX-512 development machine SmolLM2's decode took 50, 53, 57,
-#: 87, 117 and 129 ms at 1, 2, 3, 4, 8 and 16 requests of 64 tokens), which no line in ``batch``
-#: follows
-BATCH_KEY = re.compile(r"n([1-9][0-9]*)")
+#: ``n<K>``: the cost of a step whose matmuls multiply K rows (``Σnew``: a decode batch of K
+#: requests, a prefill of K new tokens), a table in place of the terms a fit with it holds at 0
+#: (`testbed.sim.fit.TABLED`): a CPU BLAS changes its code path with the number of rows (on the
+#: AVX-512 development machine SmolLM2's decode took 50, 53, 57, 87, 117 and 129 ms at 1, 2, 3,
+#: 4, 8 and 16 requests of 64 tokens; its prefills of 4,096 tokens took 5-7.5% longer a token
+#: than those of 1,024), which no line in the rows follows
+ROW_KEY = re.compile(r"n([1-9][0-9]*)")
 
 
-def batch_weights(knots: Sequence[int], batch: int) -> list[float]:
-    """Each ``n<K>``'s weight in a batch of ``batch`` requests, for the measured sizes ``knots``
+def row_weights(knots: Sequence[int], rows: int) -> list[float]:
+    """Each ``n<K>``'s weight in a step of ``rows`` rows, for the measured row counts ``knots``
     (ascending): linear between the two around it; the least one's cost below it; beyond the
-    largest, that one's cost per request (``batch / K``)."""
+    largest, that one's cost per row (``rows / K``)."""
     weights = [0.0] * len(knots)
-    if batch <= knots[0]:
+    if rows <= knots[0]:
         weights[0] = 1.0
-    elif batch >= knots[-1]:
-        weights[-1] = batch / knots[-1]
+    elif rows >= knots[-1]:
+        weights[-1] = rows / knots[-1]
     else:
-        i = bisect.bisect_right(knots, batch) - 1  # knots[i] <= batch < knots[i + 1]
-        t = (batch - knots[i]) / (knots[i + 1] - knots[i])
+        i = bisect.bisect_right(knots, rows) - 1  # knots[i] <= rows < knots[i + 1]
+        t = (rows - knots[i]) / (knots[i + 1] - knots[i])
         weights[i], weights[i + 1] = 1.0 - t, t
     return weights
 
 
-def batch_table(row: Mapping[str, float]) -> tuple[list[int], list[float]]:
-    """A coefficient row's ``n<K>`` entries: the batch sizes, ascending, and their costs."""
+def row_table(row: Mapping[str, float]) -> tuple[list[int], list[float]]:
+    """A coefficient row's ``n<K>`` entries: the row counts, ascending, and their costs."""
     table = sorted((int(m.group(1)), v) for key, v in row.items()
-                   if (m := BATCH_KEY.fullmatch(key)))
+                   if (m := ROW_KEY.fullmatch(key)))
     return [k for k, _ in table], [v for _, v in table]
 
 
@@ -266,15 +266,15 @@ class RooflineCostModel:
 
 class FittedCostModel:
     """``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext + f·batch·max(context)
-    + g·few_row_passes + (h − e)·reread`` seconds, with one coefficient set per kind (``decode`` when every request
-    computes one token, else ``prefill``), never below ``floor_model.floor(step)``. ``Σcontext``
+    + g·few_row_passes + (h − e)·reread (+ n<K> by rows)`` seconds, with one coefficient set per
+    kind (``decode`` when every request computes one token, else ``prefill``), never below ``floor_model.floor(step)``. ``Σcontext``
     is the KV the step reads, ``kv_read_context``: with cascade decoding a shared prefix counts
     once per group (the ``c`` term, the attended pairs, is the same math either way).
     ``batch·max(context)`` is `StepShape.padded_decode_area`: the KV a decode kernel padded to the
     batch's longest reads (the engine's ``torch`` attention), 0 in a prefill. ``few_row_passes``
     (`StepShape.few_row_passes`) is ``batch − 1`` for 2 or 3 requests, else 0: the extra weight
-    passes of a CPU BLAS below 4 rows. ``n<K>`` coefficients, where present, price a batch of K
-    requests (`batch_weights` between them). ``h`` prices the cached tokens a decode step reads
+    passes of a CPU BLAS below 4 rows. ``n<K>`` coefficients, where present, price a step of K
+    rows, ``Σnew`` (`row_weights` between them). ``h`` prices the cached tokens a decode step reads
     again (`StepShape.reread`: a prefix another request of the batch read, without cascade)
     instead of ``e``; absent, it is ``e``. The KV moves of reuse beyond exact prefixes are not in
     the fit: the floor model's `RooflineCostModel.move_time` is added."""
@@ -282,7 +282,7 @@ class FittedCostModel:
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
                  floor_model: RooflineCostModel) -> None:
         self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
-        self.tables = {kind: batch_table(row) for kind, row in self.coeffs.items()}
+        self.tables = {kind: row_table(row) for kind, row in self.coeffs.items()}
         #: whether re-read KV (`StepShape.reread`) costs other than a first read: the simulator
         #: then finds the step's shared prefixes for it (`testbed.sim.executor.SimExecutor`)
         self.prices_rereads = any(row["h"] != row["e"] for row in self.coeffs.values())
@@ -292,7 +292,7 @@ class FittedCostModel:
         """The fitted form alone, without the floor."""
         k = self.coeffs[step.kind]
         knots, costs = self.tables[step.kind]
-        table = sum(c * w for c, w in zip(costs, batch_weights(knots, step.batch))) \
+        table = sum(c * w for c, w in zip(costs, row_weights(knots, step.num_new))) \
             if knots else 0.0
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
                 + k["d"] * step.batch + k["e"] * step.kv_read_context
@@ -318,8 +318,8 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
               "# t = a + b*sum(new) + c*sum(attended pairs) + d*batch + e*sum(context)\n"
               "#     + f*batch*max(context) (decode only: the KV padded to the longest)\n"
               "#     + g*(batch - 1 if batch is 2 or 3, else 0) (a CPU BLAS's per-row passes)\n"
-              "#     + nK for a batch of K requests, where fitted (linear between the K measured,\n"
-              "#       nK*batch/K beyond the largest)\n"
+              "#     + nK for a step of K rows, sum(new), where fitted (linear between the K\n"
+              "#       measured, nK*rows/K beyond the largest; the terms it stands for are 0)\n"
               "#     + (h - e)*reread (KV read again after another request read it; h = e if absent),\n"
               "# where\n"
               "# attended pairs = sum new*(context + (new+1)/2)\n")
@@ -370,10 +370,10 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
                 raise error(f"{where}: coeffs.{kind}.{c} must be >= 0, got {value}")
             out[kind][c] = float(value)
         extra = {key for key in set(row) - set(COEFFS)
-                 if not (isinstance(key, str) and BATCH_KEY.fullmatch(key))}
+                 if not (isinstance(key, str) and ROW_KEY.fullmatch(key))}
         if extra:
             raise error(f"{where}: unknown coeffs.{kind} keys {sorted(map(str, extra))} "
-                        f"(allowed: {', '.join(COEFFS)}, and n<K> for a batch of K requests)")
+                        f"(allowed: {', '.join(COEFFS)}, and n<K> for a step of K rows)")
         for key in sorted(set(row) - set(COEFFS), key=lambda k: int(k[1:])):  # n1, n2, .., n16
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) \

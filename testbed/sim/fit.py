@@ -19,36 +19,36 @@ gives ``g`` a value (else it is 0).
 ``h`` prices the KV a decode step reads again (`StepShape.reread`), ``e`` the rest; only a grid
 with decode batches sharing a prefix (``calibrate.decode_shared``) gives ``h`` a value of its own
 (else it is ``e``: a re-read costs a first read).
-With ``decode_batch_knots`` (the decode batch sizes a grid measured), a decode step's per-step,
-per-request and per-row costs (``a``, ``b``, ``c``, ``d``, ``g``; see `TABLED`) give way to one
-cost per measured batch size,
-``n<K>``, read between them by `batch_weights`: a CPU BLAS's cost moves in steps with the number
-of rows (docs/design.md §3), and the grid's sizes are where it was seen.
+With ``row_knots`` (per kind, the row counts ``Σnew`` a grid measured: a decode's batch sizes, a
+prefill's new tokens), the terms a table stands for (`TABLED`) give way to one cost per measured
+row count, ``n<K>``, read between them by `row_weights`: a CPU BLAS's cost moves in steps with
+the number of rows (docs/design.md §3), and the grid's counts are where it was seen.
 `nnls` is the Lawson–Hanson active-set method, small enough to keep here (a dozen unknowns).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from testbed.sim.cost_model import COEFFS, KINDS, batch_weights
+from testbed.sim.cost_model import COEFFS, KINDS, row_weights
 from testbed.sim.step_shape import StepShape
 
 
-#: the terms a decode's batch-size table stands in for: with one new token a request, Σnew is the
-#: batch and the attended pairs are Σcontext plus the batch, which ``e`` and the table then hold
-TABLED = ("a", "b", "c", "d", "g")
+#: the terms a row table stands in for, per kind: a step's fixed and per-row costs; in a decode
+#: (one new token a request) the batch is the rows and the attended pairs are Σcontext plus the
+#: batch, which ``e`` and the table then hold, and the per-row passes are the table's to price
+TABLED = {"decode": ("a", "b", "c", "d", "g"), "prefill": ("a", "b")}
 
 
 def features(step: StepShape, knots: Sequence[int] = ()) -> np.ndarray:
     """The fitted form's terms for one step, in the order of ``COEFFS``, then each knot's weight
-    (`batch_weights`) where ``knots`` are given."""
+    (`row_weights`) where ``knots`` are given."""
     terms = [1.0, step.num_new, step.attended_pairs, step.batch,
              step.kv_read_context - step.reread, step.padded_decode_area, step.few_row_passes,
              step.reread]
-    return np.array(terms + (batch_weights(knots, step.batch) if knots else []))
+    return np.array(terms + (row_weights(knots, step.num_new) if knots else []))
 
 
 def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
@@ -76,18 +76,19 @@ def nnls(a: np.ndarray, y: np.ndarray, iterations: int = 200) -> np.ndarray:
 
 
 def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool = True,
-                     exclude: Iterable[str] = (), decode_batch_knots: Sequence[int] = ()
+                     exclude: Iterable[str] = (),
+                     row_knots: Mapping[str, Sequence[int]] | None = None
                      ) -> dict[str, dict[str, float]]:
     """Coefficients per step kind from (step, measured seconds) pairs: least squares on relative
     error by default (each row weighted by 1/measured, so short decode steps count as much as long
     prefills), or on absolute time (``relative=False``: a makespan is a sum of step times).
     Coefficients named in ``exclude`` are held at 0 (a term the measured system is known not to
-    have, which the data alone would confound with another). ``decode_batch_knots``: fit decode
-    steps with a cost per batch size (``n<K>``) in place of the `TABLED` terms."""
+    have, which the data alone would confound with another). ``row_knots``: per kind, the row
+    counts to fit a cost of their own (``n<K>``) in place of the `TABLED` terms."""
     excluded = set(exclude)
-    knots = {"decode": sorted(set(decode_batch_knots)), "prefill": []}
-    if any(k < 1 for k in knots["decode"]):
-        raise ValueError(f"decode_batch_knots must be batch sizes >= 1, got {decode_batch_knots}")
+    knots = {kind: sorted(set((row_knots or {}).get(kind, ()))) for kind in KINDS}
+    if any(k < 1 for ks in knots.values() for k in ks):
+        raise ValueError(f"row_knots must be row counts >= 1, got {row_knots}")
     by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
     for step, seconds in samples:
         by_kind[step.kind].append((features(step, knots[step.kind]), seconds))
@@ -96,7 +97,7 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool 
         if not rows:
             raise ValueError(f"no {kind} steps to fit")
         names = list(COEFFS) + [f"n{k}" for k in knots[kind]]
-        held = excluded | (set(TABLED) if knots[kind] else set())
+        held = excluded | (set(TABLED[kind]) if knots[kind] else set())
         x = np.array([r[0] for r in rows])
         x[:, np.array([name in held for name in names], dtype=bool)] = 0.0
         y = np.array([r[1] for r in rows])
