@@ -41,6 +41,7 @@ import torch
 from experiments import MOONCAKE_TRACE
 from experiments.validation import sglang_replay
 from experiments.validation.sglang_replay import PagedSlots, sglang_runs
+from experiments.validation.sglang_req523 import KvRecord
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads.request import Request
@@ -99,30 +100,6 @@ class OneRow523:
         """The request is done; the row is overwritten by the next one."""
 
 
-class Kv523:
-    """``ReqKvInfo``: the request's row and how much of it the tree owns (no sliding window)."""
-
-    def __init__(self) -> None:
-        self.req_pool_idx: int | None = 0
-        self.is_kv_released = False
-        self.cache_protected_len = self.cache_inserted_len = 0
-        self.kv_committed_len = self.kv_allocated_len = 0
-        self.swa_evict_floor = 0
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.req_pool_idx is not None
-
-    def mark_kv_released(self) -> None:
-        self.req_pool_idx, self.is_kv_released = None, True
-
-    def get_evicted_seqlen(self, component) -> int:
-        return 0
-
-    def swa_dead_lo(self, page_size: int) -> int:
-        return 0
-
-
 class Req523(SimpleNamespace):
     """``schedule_batch.Req`` as ``match_kv_cache``, ``release_kv_cache`` and
     ``RadixCache.checkpoint`` read it, for a generated request that has produced all its
@@ -135,7 +112,8 @@ class Req523(SimpleNamespace):
             rid=request.id, origin_input_ids=prompt, output_ids=array("q", request.output.tolist()),
             full_untruncated_fill_ids=prompt, extra_key=None, cache_salt=None,
             priority=-request.priority or None, lock=None, last_node=None, prefix_len=0,
-            finished_len=None, skip_radix_cache_insert=False, kv=Kv523())
+            finished_len=None, skip_radix_cache_insert=False,
+            kv=KvRecord(req_pool_idx=0, is_kv_released=False))
 
     def _compute_max_prefix_len(self, input_len: int) -> int:
         return max(input_len - 1, 0)  # no logprobs, no dLLM
