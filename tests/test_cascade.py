@@ -120,3 +120,40 @@ def test_cascade_min_saved_reaches_the_groups_of_either_backend(backend, compose
     with pytest.raises(ValueError, match=r"^cascade_min_saved must be an integer >= 0 \(KV "
                                          r"tokens\), got -1$"):
         assemble(compose(f"backend={backend}", "cascade_min_saved=-1"))
+
+
+def test_shared_reads_count_every_repeated_cached_slot_where_cascade_groups_save_one_level():
+    """q+a+x, q+a+y, q+b+z, r+w decoding together: q (40 tokens) is read by three requests and
+    a (10) by two, so 2 x 40 + 1 x 10 cached tokens are read again; the best disjoint cascade
+    grouping saves only the 2 x 40 of q. A block-hash lease's shared blocks count the same way:
+    the count reads slots, not a tree."""
+    from testbed.cache import BlockHashCache
+    from testbed.scheduler.batch import BatchEntry
+    from testbed.scheduler.decode_groups import SharedReads, saved_reads
+    from testbed.scheduler.request_state import Req
+    from testbed.workloads.request import Request
+
+    def entries(leases):
+        out = []
+        for i, lease in enumerate(leases):
+            req = Req(request=Request(f"r{i}", np.zeros(1, np.int32), np.zeros(1, np.int32)),
+                      prompt=np.zeros(1, np.int32), submitted_s=0.0, seq=i)
+            req.lease = lease
+            out.append(BatchEntry(req, lease.cached - 1, 1, produces_token=True))
+        return out
+
+    _, leases = leases_on_a_tree(a_len=10)
+    reads = SharedReads()
+    assert reads(entries(leases)) == 2 * 40 + 10
+    assert saved_reads(shared_prefix_groups(leases)) == 2 * 40
+    assert reads(entries(leases[2:])) == 0  # q+b+z and r+w share nothing
+    assert reads(entries(leases[:1])) == 0  # one request reads nothing again
+
+    cache = BlockHashCache(2000, block_size=8)
+    prompt = toks(1000, 40)  # five full blocks, cached by the first request, hit by the others
+    first = cache.acquire(prompt)
+    cache.extend(first, 40)
+    cache.release(first, prompt)
+    hits = [cache.acquire(np.concatenate([prompt, toks(2000 + 100 * i, 8)])) for i in range(3)]
+    assert [lease.hit for lease in hits] == [40, 40, 40]
+    assert SharedReads()(entries(hits)) == 2 * 40

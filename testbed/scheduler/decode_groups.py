@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from testbed.cache.shared_prefix import shared_prefix_groups
 from testbed.errors import BadInput
 from testbed.scheduler.batch import BatchEntry
@@ -38,6 +40,18 @@ def cascades(attention: Any, key: str = "attention") -> bool:
         raise BadInput(f"{key} must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
                        f"got {attention!r}")
     return attention is not None and attention.startswith("cascade")
+
+
+def current_leases(entries: list[BatchEntry]) -> list[Any]:
+    """Each entry's lease, or None where its slots were bound before the lease changed (the cache
+    took over its prompt's slots since: its KV may sit in other slots than the lease's)."""
+    leases = []
+    for e in entries:
+        lease = e.req.lease
+        current = (lease is not None and e.gen == e.req.preemptions
+                   and e.kv_slots().base is lease.slots.base)
+        leases.append(lease if current else None)
+    return leases
 
 
 class DecodeGroups:
@@ -67,12 +81,7 @@ class DecodeGroups:
     def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
         if any(e.new != 1 for e in entries):
             return []
-        leases = []
-        for e in entries:
-            lease = e.req.lease
-            current = (lease is not None and e.gen == e.req.preemptions
-                       and e.kv_slots().base is lease.slots.base)
-            leases.append(lease if current else None)
+        leases = current_leases(entries)
         key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
         if self._last is None or self._last[0] != key:
             held = [lease.handle for lease in leases if lease]
@@ -86,3 +95,32 @@ class DecodeGroups:
 def saved_reads(groups: list[tuple[int, list[int]]]) -> int:
     """KV tokens a cascade step does not read: ``(n - 1) · P`` per group."""
     return sum((len(members) - 1) * shared for shared, members in groups)
+
+
+class SharedReads:
+    """The KV a decode step reads again (`testbed.sim.step_shape.StepShape.reread`): of its
+    requests' cached slots, every slot once per request that reads it after the first,
+    ``Σ cached − |∪ cached slots|``.
+
+    A CPU finds such KV in its caches (docs/design.md §3). It counts every repeated read: a tree
+    whose leaves share the root's prompt and, in pairs, a thought below it counts both, where the
+    cascade groups (`DecodeGroups`, disjoint) save only one of them. It reads slots, not a tree,
+    so any cache's leases count (a radix node's or vLLM-style blocks a hit shares). Only cached
+    slots can be shared; the requests' own tokens are theirs. The count is reused while the
+    step's leases and their cached lengths stay the same.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[tuple, int, list[Any]] | None = None  # the leases held: ids stay theirs
+
+    def __call__(self, entries: list[BatchEntry]) -> int:
+        if len(entries) < 2 or any(e.new != 1 for e in entries):
+            return 0
+        leases = [lease for lease in current_leases(entries) if lease is not None]
+        key = tuple((id(lease), lease.cached) for lease in leases)
+        if self._last is None or self._last[0] != key:
+            cached = [lease.slots[:lease.cached] for lease in leases if lease.cached]
+            total = sum(len(c) for c in cached)
+            repeated = total - len(np.unique(np.concatenate(cached))) if cached else 0
+            self._last = key, repeated, leases
+        return self._last[1]

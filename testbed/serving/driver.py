@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.beam import BeamCalls
-from testbed.scheduler.decode_groups import DecodeGroups, saved_reads
+from testbed.scheduler.decode_groups import SharedReads
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.executor import Executor
@@ -126,7 +126,7 @@ class Driver:
         self.max_in_flight = max_in_flight
         self.generate = generate  # rebuild prompts from actual outputs (the engine generating)
         self.record_steps = record_steps
-        self._shared = DecodeGroups() if record_steps else None  # a record's reread
+        self._shared = SharedReads() if record_steps else None  # a record's reread
         self.observer = observer  # watches steps and request phases; decides nothing
         self.check_prompt = check_prompt
         self.reqs: list[Req] = []
@@ -241,7 +241,7 @@ class Driver:
                 new, context = batch.shape()
                 self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
                                              new, context, outcome.duration_s,
-                                             saved_reads(self._shared(batch.entries))))
+                                             self._shared(batch.entries)))
             yield self.env.timeout(outcome.duration_s)
             rep.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
             finished = scheduler.complete(batch, outcome.tokens, self.env.now)

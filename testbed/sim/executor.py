@@ -7,7 +7,7 @@ emits the workload's predetermined output tokens. The seam it implements, and th
 from __future__ import annotations
 
 from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
-from testbed.scheduler.decode_groups import DecodeGroups, cascades, saved_reads
+from testbed.scheduler.decode_groups import DecodeGroups, SharedReads, cascades
 from testbed.sim.cost_model import CostModel
 from testbed.sim.step_shape import StepShape
 
@@ -31,14 +31,14 @@ class SimExecutor:
     step whose groups save fewer KV reads is priced plain (`DecodeGroups`). Without cascade, a
     cost model that prices re-read KV apart (``prices_rereads``: a fitted CPU model whose ``h``
     is not its ``e``) is told how much of a decode step's KV other requests of the batch read
-    first (`StepShape.reread`, the same groups' saving).
+    first (`StepShape.reread`, counted from the slots by `SharedReads`, whatever the cache).
     """
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
                  cascade_min_saved: int = 0) -> None:
         self.cost_model = cost_model
         self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
-        self.reread_groups = DecodeGroups() if self.groups is None and getattr(
+        self.shared_reads = SharedReads() if self.groups is None and getattr(
             cost_model, "prices_rereads", False) else None
         self.decode_context = 0  # Σcontext of the decode steps priced so far
         self.decode_saved = 0  # of which cascade left unread (StepShape.shared_saving)
@@ -49,8 +49,7 @@ class SimExecutor:
         if batch.kv_copies or any(e.reuse for e in batch.entries):
             step = reuse_shape(batch)
         else:
-            reread = saved_reads(self.reread_groups(batch.entries)) \
-                if self.reread_groups is not None else 0
+            reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
             step = StepShape(new=new, context=context, shared=shared, reread=reread)
         if step.is_decode:
             self.decode_context += step.num_context

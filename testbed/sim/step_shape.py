@@ -31,9 +31,11 @@ class StepShape:
     ``kv_read_context = Σcontext − Σ(members − 1)·P`` cached tokens instead of ``Σcontext``.
 
     ``reread`` (decode steps without cascade): of those, the cached tokens a request reads after
-    another request of the batch read the same KV (a prefix they share: ``Σ(members − 1)·P`` over
-    the groups cascade would form). Every request still reads them, from a CPU's caches then,
-    which the fitted model may price apart (`testbed.sim.cost_model.FittedCostModel`'s ``h``).
+    another request of the batch read the same KV: every cached slot once per request that reads
+    it after the first (`testbed.scheduler.decode_groups.SharedReads`; for one prefix of ``P``
+    tokens that ``n`` requests share, ``(n − 1)·P``). Every request still reads them, from a CPU's
+    caches then, which the fitted model may price apart
+    (`testbed.sim.cost_model.FittedCostModel`'s ``h``).
 
     >>> s = StepShape(new=(1, 1, 512), context=(100, 200, 0))
     >>> s.batch, s.num_new, s.num_context, s.is_decode
