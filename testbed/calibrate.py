@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
-from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
+from testbed.server_steps import add_rereads, read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
 from testbed.sim.step_shape import StepShape  # noqa: E402
@@ -115,6 +115,23 @@ def row_knots(cfg: Any, steps: Sequence[StepShape]) -> dict[str, list[int]]:
     on = group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
     return {kind: sorted({s.num_new for s in steps if s.kind == kind})
             for kind in ("decode", "prefill")} if on else {}
+
+
+#: a decode batch size a server fit prices on its own (`server_row_knots`) once this many of its
+#: recovered steps are there to fit it
+SERVER_KNOT_STEPS = 20
+
+
+def server_row_knots(cfg: Any, samples: Sequence[tuple[StepShape, float]]
+                     ) -> dict[str, list[int]]:
+    """``calibrate.row_table`` on a server's recovered steps: the decode batch sizes with at least
+    `SERVER_KNOT_STEPS` steps each (a server's rows are what its workload ran, not a grid: a size
+    seen a few times would be priced by its noise); prefills keep the linear form (their new
+    tokens take hundreds of values)."""
+    on = group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
+    sizes = [s.batch for s, _ in samples if s.kind == "decode"]
+    knots = sorted(k for k in set(sizes) if sizes.count(k) >= SERVER_KNOT_STEPS)
+    return {"decode": knots, "prefill": []} if on and knots else {}
 
 
 #: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
@@ -312,15 +329,19 @@ def server_samples(cfg: DictConfig, run: Any) -> tuple[list[tuple[StepShape, flo
             or any(t not in COEFFS for t in exclude):
         raise BadInput(f"calibrate.exclude_terms must be a list of the fitted form's terms "
                        f"({', '.join(COEFFS)}), got {exclude!r}")
+    # the cache's unit of sharing: a prompt's KV is shared in whole blocks (pages)
+    unit = cfg.cache.get("block_size") or cfg.cache.get("page_size") or 1
     samples, recovered, merged = [], 0, 0
     for d in dirs:
-        steps = recover_steps(read_run(d), budget, gap_s)
+        rows = read_run(d)
+        steps = recover_steps(rows, budget, gap_s)
+        add_rereads(steps, rows, unit)
         recovered, merged = recovered + len(steps), merged + sum(s.merged for s in steps)
         samples += [(s.shape, s.duration_s) for s in usable(steps)]
     if not samples:
         raise BadInput(f"calibrate.server_runs: no steps recovered from {list(dirs)}")
     return samples, {"server_runs": [str(d) for d in dirs], "exclude_terms": list(exclude),
-                     "token_budget": budget,
+                     "token_budget": budget, "share_unit": unit,
                      "gap_s": gap_s, "steps_recovered": recovered, "steps_merged": merged}
 
 
@@ -334,7 +355,8 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         # absolute error: a recovered step's time is noisier than a timed one (a burst's steps
         # share theirs), and what a served run adds up is the steps' total
         return fit_and_write(samples, meta, RooflineCostModel(model, hw), run_dir,
-                             relative=False, exclude=meta["exclude_terms"])
+                             relative=False, exclude=meta["exclude_terms"],
+                             row_knots=server_row_knots(cfg.calibrate, samples))
     if run.backend != "engine":
         raise BadInput(f"testbed.calibrate measures the engine: backend must be engine, got "
                        f"{run.backend}")

@@ -59,6 +59,7 @@ class ServerStep:
     busy_before: bool = False  # a request in it was running before it began
     start_s: float = 0.0
     merged: bool = False
+    reread: int = 0  # decode steps: prompt KV its requests read again (`add_rereads`)
 
     @property
     def duration_s(self) -> float:
@@ -66,7 +67,7 @@ class ServerStep:
 
     @property
     def shape(self) -> StepShape:
-        return StepShape(new=tuple(self.new), context=tuple(self.context))
+        return StepShape(new=tuple(self.new), context=tuple(self.context), reread=self.reread)
 
 
 def read_run(run_dir: str | Path) -> pd.DataFrame:
@@ -207,6 +208,36 @@ def _place_prefill(steps: list[ServerStep], left: list[float], begins: np.ndarra
         if i != k:
             for later in range(i + 1, k + 1):
                 steps[later].busy_before = True
+
+
+def prompt_blocks(prompt: np.ndarray, block_size: int) -> list[int]:
+    """One key per full block of ``prompt``, equal for two prompts exactly where their tokens up
+    to that block's end are (a chain, as a block-hash cache keys its blocks)."""
+    keys, key = [], 0
+    for end in range(block_size, len(prompt) + 1, block_size):
+        key = hash((key, prompt[end - block_size:end].tobytes()))
+        keys.append(key)
+    return keys
+
+
+def add_rereads(steps: list[ServerStep], rows: pd.DataFrame, block_size: int) -> None:
+    """Each decode step's `ServerStep.reread`: of its requests' full prompt blocks, every block
+    once per request after the first whose prompt holds the same tokens up to it, times
+    ``block_size`` (`testbed.scheduler.decode_groups.SharedReads`, which counts shared slots,
+    read off the tokens: a server says nothing of its slots). A prompt block the server cached
+    is one block whoever hits it; two requests that computed the same block in one step hold
+    two, which this counts as one (rare: a prefix the second request did not find cached).
+    Needs the records' ``prompt_ids`` (``save_token_ids=true``); without them every step keeps
+    0."""
+    if "prompt_ids" not in rows:
+        return
+    keys = {str(rid): prompt_blocks(np.asarray(ids, dtype=np.int64), block_size)
+            for rid, ids in zip(rows["id"], rows["prompt_ids"]) if isinstance(ids, list)}
+    for step in steps:
+        if len(step.ids) < 2 or any(n != 1 for n in step.new):
+            continue
+        held = [k for rid in step.ids for k in keys.get(rid, ())]
+        step.reread = block_size * (len(held) - len(set(held)))
 
 
 def usable(steps: list[ServerStep]) -> list[ServerStep]:

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from testbed.errors import BadInput
-from testbed.server_steps import read_run, recover_steps, usable
+from testbed.server_steps import ServerStep, add_rereads, read_run, recover_steps, usable
 from testbed.sim.fit import fit_coefficients
 
 
@@ -197,3 +197,38 @@ def test_an_excluded_term_is_held_at_zero_and_a_bad_one_is_refused(tmp_path):
     with pytest.raises(BadInput, match="calibrate.exclude_terms must be a list"):
         calibrate(compose_config([*base, "calibrate.exclude_terms=[z]"], name="calibrate"),
                   tmp_path / "bad")
+
+
+def test_a_decode_steps_reread_counts_the_full_prompt_blocks_its_requests_hold_in_common():
+    """Three requests decoding together: a and b share their first two 4-token blocks (b's
+    third differs, and a's last 2 tokens fill no block), c shares only the first. Read again:
+    block 0 by b and c, block 1 by b: 3 blocks of 4. A prefill step and a step of one request
+    read nothing again; without prompt ids nothing is counted."""
+    prompts = {"a": list(range(10)), "b": list(range(8)) + [50, 51, 52, 53, 54],
+               "c": [0, 1, 2, 3, 9, 9, 9, 9, 9]}
+    rows = pd.DataFrame([{"id": k, "prompt_ids": v} for k, v in prompts.items()])
+
+    def step(ids, new=1):
+        return ServerStep(end_s=1.0, ids=list(ids), new=[new] * len(ids),
+                          context=[len(prompts[i]) for i in ids])
+
+    steps = [step("abc"), step("ab", new=3), step("a"), step("ac")]
+    add_rereads(steps, rows, block_size=4)
+    assert [s.reread for s in steps] == [3 * 4, 0, 0, 4]
+    assert steps[0].shape.reread == 12
+    plain = [step("abc")]
+    add_rereads(plain, rows.drop(columns="prompt_ids"), block_size=4)
+    assert plain[0].reread == 0
+
+
+def test_a_server_fit_prices_each_decode_batch_size_with_enough_steps_on_its_own():
+    from testbed.calibrate import SERVER_KNOT_STEPS, server_row_knots
+    from testbed.sim.step_shape import StepShape
+
+    samples = ([(StepShape.decode((100,) * 2), 0.05)] * SERVER_KNOT_STEPS
+               + [(StepShape.decode((100,) * 3), 0.06)] * (SERVER_KNOT_STEPS - 1)
+               + [(StepShape.decode((100,) * 8), 0.09)] * (SERVER_KNOT_STEPS + 5)
+               + [(StepShape(new=(64,), context=(0,)), 0.2)] * 50)
+    assert server_row_knots({}, samples) == {"decode": [2, 8], "prefill": []}
+    assert server_row_knots({"row_table": False}, samples) == {}
+    assert server_row_knots({}, samples[SERVER_KNOT_STEPS:2 * SERVER_KNOT_STEPS - 1]) == {}
