@@ -43,9 +43,10 @@ def test_the_server_is_told_the_block_size_and_blocks():
 
 
 def rows(*calls):
-    return pd.DataFrame([{"id": i, "arrival_s": t, "prompt_ids": p, "output_ids": o,
-                          "failed": False, "error": None, "prompt_tokens": len(p),
-                          "cached_tokens": c} for i, t, p, o, c in calls])
+    return pd.DataFrame([{"id": i, "arrival_s": t, "finish_s": t + 0.3, "prompt_ids": p,
+                          "output_ids": o, "failed": False, "error": None,
+                          "prompt_tokens": len(p), "cached_tokens": c}
+                         for i, t, p, o, c in calls])
 
 
 def test_the_trace_is_what_ran_in_order_sent_less_each_last_output_token():
@@ -111,6 +112,20 @@ def test_the_as_ran_trace_keeps_the_programs_and_takes_what_ran():
          "program": "p"},
         {"id": "b", "prompt": [1, 2, 9, 3], "output": [7, 7], "arrival_s": 0.0,
          "think_time_s": 0.5, "program": "p", "after": ["a"]}]
+
+
+def test_the_as_ran_trace_sends_the_first_wave_when_the_client_sent_it():
+    """Four programs at t = 0 in a closed loop of 3: the three the client sent one by one before
+    any call finished arrive at their send times (relative to the first); the fourth, which
+    the loop held until a call finished, arrives with the last of them (the simulator's loop
+    holds it from there, in the order sent)."""
+    from testbed.workloads.request import Request
+    requests = [Request(f"q{i}", np.array([1, i]), np.array([5]), program=f"p{i}")
+                for i in range(4)]
+    ran = rows(("q0", 10.0, [1, 0], [5], 0), ("q1", 10.001, [1, 1], [5], 0),
+               ("q2", 10.003, [1, 2], [5], 0), ("q3", 10.4, [1, 3], [5], 0))
+    assert [x["arrival_s"] for x in vs_vllm.as_ran_trace(requests, ran)] == \
+        pytest.approx([0.0, 0.001, 0.003, 0.003])
 
 
 def test_latency_rounds_are_summarized_as_medians_with_vllms_spread():

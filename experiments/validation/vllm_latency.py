@@ -1,23 +1,28 @@
-"""Does the simulator predict a live vLLM's latencies? Fit on one workload, predict others.
+"""Does the simulator predict a live vLLM's latencies? Fit on some workloads, predict others.
 
-vLLM 0.32 on this CPU (`experiments.validation.vs_vllm` sets up its venv and serves it) runs a
-training workload (ShareGPT chat) and held-out ones (single-turn ShareGPT, tree-of-thought,
-few-shot in text) through ``backend=server``, each in closed loops (``arrival.max_in_flight`` N)
-from an empty cache, ``--rounds`` times interleaved (round after round of every workload and
-loop: the machine's speed drifts, and training and held-out runs then see the same drift). Then:
+vLLM 0.32 on this CPU (`experiments.validation.vs_vllm` sets up its venv and serves it) runs
+training workloads (ShareGPT chat in loops of 4 and 16, and of 32 with 32 conversations;
+self-consistency, whose samples decode under a shared prefix) and held-out ones (single-turn
+ShareGPT, tree-of-thought, few-shot in text) through ``backend=server``, each in closed loops
+(``arrival.max_in_flight`` N) from an empty cache, ``--rounds`` times interleaved (round after
+round of every workload and loop: the machine's speed drifts, and training and held-out runs
+then see the same drift). Then:
 
 1. ``python -m testbed.calibrate calibrate.server_runs=[...] scheduler=vllm``: the steps vLLM ran
    in every training run are recovered from the token times the client saw
-   (`testbed.server_steps`), and the ``fitted`` cost model is fitted to them.
+   (`testbed.server_steps`, with the prompt blocks each decode step's requests share), and the
+   ``fitted`` cost model is fitted to them.
 2. The simulator (``scheduler=vllm cache=block_hash``, that cost model, vLLM's block size and
    pool) runs each run's calls as they ran on vLLM (`vs_vllm.as_ran_trace`: the prompts sent, the
-   outputs received, the workload's programs and dependencies) with the same arrival settings.
+   outputs received, the workload's programs and dependencies, the first wave of calls when the
+   client sent it) with the same arrival settings, each request reading its own KV as vLLM's CPU
+   attention does (``attention=torch``: plain decode, its re-read KV priced at ``h``).
 3. Its makespan, TTFT p50 and p99 and TPOT p50 (medians over rounds) are compared with vLLM's
    (medians over rounds; vLLM's own spread over rounds, (max − min) / median, is the noise
    floor), with the median over requests of each request's TTFT error, and each recovered step of
    every run is predicted by the fitted model (step MAPE).
 
-    python -m experiments.validation.vllm_latency [--url URL] [--loops 4 16] [--rounds 2]
+    python -m experiments.validation.vllm_latency [--url URL] [--loops 4 16] [--rounds 3]
         [--out DIR]
 
 Writes ``latency.csv`` (one row per workload and loop), ``runs.csv`` (one per run), ``steps.csv``
@@ -36,19 +41,32 @@ import tempfile
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
 from experiments import REPO
 from experiments.validation import vs_vllm
-from testbed.server_steps import read_run, recover_steps
+from testbed.server_steps import add_rereads, read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 TRAIN = {"sharegpt_chat": ["workload=sharegpt_chat", "workload.num_conversations=16",
-                           "workload.max_turns=3", "workload.max_total_len=1024"]}
+                           "workload.max_turns=3", "workload.max_total_len=1024"],
+         # the same chat, twice as many conversations, all in flight (`TRAIN_LOOPS`): decode
+         # batches up to 32, the sizes tree-of-thought reaches (4 problems x 8 leaves), which
+         # the loops of 4 and 16 never train
+         "sharegpt_chat_32": ["workload=sharegpt_chat", "workload.num_conversations=32",
+                              "workload.max_turns=3", "workload.max_total_len=1024"],
+         # samples decoding together under a shared few-shot prefix and question: what a decode
+         # step pays for KV its requests read again (the fit's h), which chat never shows
+         "self_consistency": ["workload=self_consistency", "workload.num_questions=8",
+                              "workload.num_samples=4", "workload.output_len=64",
+                              "workload.vocab_size=49152"]}
+#: a workload's closed loops where not ``--loops``
+TRAIN_LOOPS = {"sharegpt_chat_32": [32]}
 HELD_OUT = {"sharegpt": ["workload=sharegpt", "workload.num_prompts=24",
                          "workload.max_total_len=768"],
             "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=4",
@@ -57,28 +75,36 @@ HELD_OUT = {"sharegpt": ["workload=sharegpt", "workload.num_prompts=24",
                               "workload.questions_per_task=8"]}
 METRICS = ["makespan_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"]
 TARGET = {"ttft_p50_s": 0.15, "tpot_p50_s": 0.15}  # the issue's held-out bound
+# attention=torch: plain decode, each request reading its own KV, as vLLM's CPU attention does
+# (not cascade); the fitted h then prices the KV a step's requests read again (SharedReads)
 SIM = ["backend=sim", "scheduler=vllm", "cache=block_hash", "model=smollm2_135m", "hardware=cpu",
-       "forced=true", "progress=false"]
+       "attention=torch", "forced=true", "progress=false"]
+
+
+def cases(workloads: dict, loops: list[int]) -> list[tuple[str, int]]:
+    """Every (workload, closed loop) to run: each workload in each of ``loops``, unless
+    `TRAIN_LOOPS` names its own."""
+    return [(name, n) for name in workloads for n in TRAIN_LOOPS.get(name, loops)]
 
 
 def served_runs(served: vs_vllm.Served, workloads: dict, loops: list[int], rounds: int,
                 out: Path) -> None:
     """Every workload in every loop, round after round (runs already in ``out`` are kept)."""
     for r in range(rounds):
-        for n in loops:
-            for name, words in workloads.items():
-                d = out / name / f"loop{n}" / f"r{r}" / "server"
-                if not (d / "summary.json").exists():
-                    print(f"vLLM: {name}, closed loop of {n}, round {r + 1}", file=sys.stderr,
-                          flush=True)
-                    vs_vllm.run_server(words, served, [f"arrival.max_in_flight={n}"], d)
+        for name, n in cases(workloads, loops):
+            d = out / name / f"loop{n}" / f"r{r}" / "server"
+            if not (d / "summary.json").exists():
+                print(f"vLLM: {name}, closed loop of {n}, round {r + 1}", file=sys.stderr,
+                      flush=True)
+                vs_vllm.run_server(workloads[name], served, [f"arrival.max_in_flight={n}"], d)
 
 
-def fit(train_dirs: list[Path], out: Path) -> Path:
+def fit(train_dirs: list[Path], out: Path, block_size: int) -> Path:
     """``testbed.calibrate`` on the training runs; returns the cost model's path."""
     dirs = ",".join(str(d) for d in train_dirs)
     subprocess.run([sys.executable, "-m", "testbed.calibrate", "model=smollm2_135m",
                     "hardware=cpu", "scheduler=vllm", "cache=block_hash",
+                    f"cache.block_size={block_size}",
                     f"calibrate.server_runs=[{dirs}]", f"hydra.run.dir={out}",
                     # vLLM's paged attention reads each request's own KV: no padded term
                     "calibrate.exclude_terms=[f]"],
@@ -131,16 +157,20 @@ def summarize_rounds(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def step_table(run: Path, budget: int, cost_model: Path) -> pd.DataFrame:
+def step_table(run: Path, budget: int, cost_model: Path, block_size: int) -> pd.DataFrame:
     """Every recovered step of ``run``/server, measured and predicted."""
     from testbed.assembly import assemble, compose_config
     a = assemble(compose_config(SIM))
     model = load_fitted(cost_model, RooflineCostModel(a.model_shape, a.hardware))
     rows = []
-    for s in recover_steps(read_run(run / "server"), budget):
+    records = read_run(run / "server")
+    steps = recover_steps(records, budget)
+    add_rereads(steps, records, block_size)
+    for s in steps:
         if s.new:
             rows.append({"end_s": s.end_s, "kind": s.shape.kind, "batch": len(s.new),
-                         "new": sum(s.new), "context": sum(s.context), "merged": s.merged,
+                         "new": sum(s.new), "context": sum(s.context), "reread": s.reread,
+                         "merged": s.merged,
                          "measured_s": s.duration_s, "predicted_s": model.step_time(s.shape)})
     return pd.DataFrame(rows)
 
@@ -157,11 +187,14 @@ def plot(table: pd.DataFrame, path: Path) -> None:
         ax.plot([lo, hi], [lo, hi], "--", color="grey")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # labelled decades only: minor labels overlap
+            axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(m.removesuffix("_s").replace("_", " "))
         ax.set_xlabel("vLLM, measured (s)")
         ax.set_ylabel("simulator (s)")
     axes[0].legend()
-    fig.suptitle("vLLM 0.32 on CPU (SmolLM2-135M): simulator with a cost model fitted to chat runs")
+    fig.suptitle("vLLM 0.32 on CPU (SmolLM2-135M): simulator with a cost model fitted to "
+                 "chat and self-consistency runs")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -171,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.validation.vllm_latency",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--loops", nargs="+", type=int, default=[4, 16])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--blocks", type=int, default=1100,
+                    help="KV blocks: the default holds 32 conversations of 1,024 tokens")
     ap.add_argument("--url", default=None, help="a vLLM already served (`vs_vllm serve`) with "
                     "these --block-size and --blocks")
     ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
@@ -190,18 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost_model = fit([out / w / f"loop{n}" / f"r{r}" / "server"
-                      for w in TRAIN for n in args.loops for r in rounds], out / "fit")
+                      for w, n in cases(TRAIN, args.loops) for r in rounds], out / "fit",
+                     args.block_size)
     rows, steps = [], []
-    for name, words in workloads.items():
-        for n in args.loops:
-            for r in rounds:
-                run = out / name / f"loop{n}" / f"r{r}"
-                t = step_table(run, 2048, cost_model)
-                steps.append(t.assign(workload=name, loop=n, round=r))
-                rows.append({"workload": name, "loop": n, "round": r,
-                             "held_out": name in HELD_OUT,
-                             **predict(words, served, n, cost_model, run),
-                             "step_mape": float(np.mean(abs(t.predicted_s / t.measured_s - 1)))})
+    for name, n in cases(workloads, args.loops):
+        words = workloads[name]
+        for r in rounds:
+            run = out / name / f"loop{n}" / f"r{r}"
+            t = step_table(run, 2048, cost_model, args.block_size)
+            steps.append(t.assign(workload=name, loop=n, round=r))
+            rows.append({"workload": name, "loop": n, "round": r,
+                         "held_out": name in HELD_OUT,
+                         **predict(words, served, n, cost_model, run),
+                         "step_mape": float(np.mean(abs(t.predicted_s / t.measured_s - 1)))})
     runs = pd.DataFrame(rows)
     runs.to_csv(out / "runs.csv", index=False)
     table = summarize_rounds(runs)

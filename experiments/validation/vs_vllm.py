@@ -273,15 +273,27 @@ def mooncake_trace(path: Path, requests: int = MOONCAKE_REQUESTS, prompt: int = 
 def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
     """The workload's calls (their ids, programs, dependencies, think and arrival times) with the
     prompts a server run sent and the outputs it received, whole: the simulator computes the
-    last output token's KV no more than vLLM does (docs/design.md §4, *Results*)."""
+    last output token's KV no more than vLLM does (docs/design.md §4, *Results*).
+
+    The calls sent before any call finished (the first wave: no dependency or closed loop held
+    them) arrive when they were sent, not all at their workload time, and the calls after them
+    no earlier than the last of them (the loop holds them longer, in the order sent): the client
+    sends the first wave one call after another, about a millisecond apart, and an idle vLLM
+    starts a step with the first alone (few-shot's first question then answers in 0.25 s while the other 15 wait 1.4 s;
+    tree-of-thought's first problem runs a step ahead of the others to the end)."""
     ran = rows.set_index("id")
+    start = rows["arrival_s"].min()
+    first = rows["arrival_s"] < rows["finish_s"].min()
+    last_first = rows.loc[first, "arrival_s"].max() - start  # the loop held the others past it
     lines = []
     for r in requests:
         row = ran.loc[r.id]
         if row.failed:
             raise Fail(f"request {r.id} failed ({row.error}): the trace would not be what ran")
+        arrival = max(r.arrival_s, row.arrival_s - start if row.arrival_s - start <= last_first
+                      else last_first)
         line = {"id": r.id, "prompt": list(row.prompt_ids), "output": list(row.output_ids),
-                "arrival_s": r.arrival_s, "think_time_s": r.think_time_s}
+                "arrival_s": arrival, "think_time_s": r.think_time_s}
         if r.program is not None:
             line["program"] = r.program
         if r.after:
