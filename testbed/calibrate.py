@@ -84,18 +84,35 @@ def grid(cfg: Any) -> list[StepShape]:
         steps += ragged_decodes(grid_values(cfg, "decode_batch"), contexts)
     if group_values.check_setting("calibrate.decode_shared", bool,
                                   cfg.get("decode_shared", False)):
-        steps += shared_decodes(grid_values(cfg, "decode_batch"), contexts)
+        steps += shared_decodes(grid_values(cfg, "decode_batch"), contexts,
+                                shared_contexts(cfg, contexts))
     return steps
 
 
-def shared_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
+def shared_contexts(cfg: Any, contexts: list[int]) -> list[int]:
+    """``calibrate.decode_shared_context`` (null: the ``decode_context`` values): the contexts of
+    the shared decode batches, each above the least ``decode_context``."""
+    values = cfg.get("decode_shared_context")
+    if values is None:
+        return contexts
+    least = min(contexts)
+    if not isinstance(values, Sequence) or isinstance(values, str) or not values \
+            or any(isinstance(v, bool) or not isinstance(v, int) or v <= least for v in values):
+        raise BadInput(f"calibrate.decode_shared_context must be null or a non-empty list of "
+                       f"integers > the least decode_context ({least}), got {values!r}")
+    return list(values)
+
+
+def shared_decodes(batches: list[int], contexts: list[int],
+                   shared: Sequence[int] | None = None) -> list[StepShape]:
     """Decode batches whose requests share a prefix: for each batch size of two or more and each
-    context above the least, every request at that context, all but the least's tokens shared
-    (tree-of-thought's siblings, few-shot's questions): what the others read again
-    (`StepShape.reread`), from a CPU's caches."""
+    context of ``shared`` (default ``contexts``) above the least of ``contexts``, every request at
+    that context, all but the least's tokens shared (tree-of-thought's siblings, few-shot's
+    questions): what the others read again (`StepShape.reread`), from a CPU's caches."""
     least = min(contexts)
     return [StepShape.decode((context,) * batch, reread=(batch - 1) * (context - least))
-            for batch in batches if batch >= 2 for context in contexts if context > least]
+            for batch in batches if batch >= 2 for context in (shared or contexts)
+            if context > least]
 
 
 def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:

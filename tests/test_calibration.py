@@ -230,6 +230,18 @@ def test_the_shared_grid_shares_all_but_the_least_context_in_each_batch_of_two_o
         grid(cfg | {"decode_shared": "yes"})
 
 
+def test_the_shared_grid_takes_its_own_contexts_when_given_and_refuses_one_at_the_least():
+    cfg = {"prefill_batch": [1], "prefill_new": [16], "prefill_context": [0],
+           "decode_batch": [1, 3], "decode_context": [10, 50, 90], "decode_shared": True}
+    assert [(s.context, s.reread) for s in grid(cfg) if s.reread] == \
+        [((50, 50, 50), 2 * 40), ((90, 90, 90), 2 * 80)]
+    assert [(s.context, s.reread) for s in grid(cfg | {"decode_shared_context": [30]})
+            if s.reread] == [((30, 30, 30), 2 * 20)]
+    with pytest.raises(BadInput, match=r"decode_shared_context must be null or a non-empty list "
+                                       r"of integers > the least decode_context \(10\)"):
+        grid(cfg | {"decode_shared_context": [10]})
+
+
 def test_the_fit_prices_re_read_kv_apart_when_the_grid_measured_it():
     # re-read KV at 1e-6 s a token, first reads at 4e-6: a CPU's caches hold the shared prefix
     def true_time(step: StepShape) -> float:
