@@ -90,7 +90,11 @@ REAL = {
              "calibrate.prefill_context=[0,384,1024]",
              f"calibrate.decode_batch=[{','.join(map(str, range(1, 17)))}]",
              "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true",
-             "calibrate.decode_shared=true"],
+             # shared batches shaped as the workloads' (tree-of-thought's batches of 16 at ~400
+             # tokens, 80% shared): re-read KV costs what the cache it sits in costs, and a
+             # batch whose KV outgrows the CPU's L2 (16 x 512 with 448 shared: 2.3 MB a layer)
+             # re-reads from a slower one, which one h cannot price beside these
+             "calibrate.decode_shared=true", "calibrate.decode_shared_context=[256,384]"],
     "rounds": 4,
     "warm_workloads": False,  # steps of 0.1-10 s: the warm-up grid pass is enough (a served
     #                           warm-up round would cost as much as a round)
