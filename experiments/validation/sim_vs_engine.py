@@ -86,7 +86,10 @@ REAL = {
                           "workload.max_total_len=256", "arrival.max_in_flight=8"],
     },
     "offline": ["workload=few_shot_text", "workload.num_tasks=2", "workload.questions_per_task=4"],
-    "grid": ["calibrate.prefill_batch=[1,4,16]", "calibrate.prefill_new=[16,64,256]",
+    # prefills of 128 new tokens too: this CPU's cost per row is not linear between 256 and 1,024
+    # rows (prefill_rows: a 477-token prefill ran at 1.50 ms a token, 256 at 1.45 and 4 x 256 at
+    # 1.32), and chat's first step (4 prompts, 891 tokens) sits there
+    "grid": ["calibrate.prefill_batch=[1,4,16]", "calibrate.prefill_new=[16,64,128,256]",
              "calibrate.prefill_context=[0,384,1024]",
              f"calibrate.decode_batch=[{','.join(map(str, range(1, 17)))}]",
              "calibrate.decode_context=[64,512,1536]", "calibrate.decode_ragged=true",
