@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from testbed.cache.base import Lease  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
-from testbed.server_steps import add_rereads, read_run, recover_steps, usable  # noqa: E402
+from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
 from testbed.sim.step_shape import StepShape  # noqa: E402
@@ -103,16 +103,15 @@ def shared_contexts(cfg: Any, contexts: list[int]) -> list[int]:
     return list(values)
 
 
-def shared_decodes(batches: list[int], contexts: list[int],
-                   shared: Sequence[int] | None = None) -> list[StepShape]:
+def shared_decodes(batches: list[int], contexts: list[int], shared: Sequence[int]
+                   ) -> list[StepShape]:
     """Decode batches whose requests share a prefix: for each batch size of two or more and each
-    context of ``shared`` (default ``contexts``) above the least of ``contexts``, every request at
-    that context, all but the least's tokens shared (tree-of-thought's siblings, few-shot's
-    questions): what the others read again (`StepShape.reread`), from a CPU's caches."""
+    context of ``shared`` above the least of ``contexts``, every request at that context, all but
+    the least's tokens shared (tree-of-thought's siblings, few-shot's questions): what the others
+    read again (`StepShape.reread`), from a CPU's caches."""
     least = min(contexts)
     return [StepShape.decode((context,) * batch, reread=(batch - 1) * (context - least))
-            for batch in batches if batch >= 2 for context in (shared or contexts)
-            if context > least]
+            for batch in batches if batch >= 2 for context in shared if context > least]
 
 
 def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
@@ -129,9 +128,13 @@ def row_knots(cfg: Any, steps: Sequence[StepShape]) -> dict[str, list[int]]:
     """``calibrate.row_table`` (default true): per step kind, the row counts (``Σnew``: a decode's
     batch size, a prefill's new tokens) of ``steps``, each of which the fit then prices on its
     own (``n<K>``, `testbed.sim.fit`); else none."""
-    on = group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
     return {kind: sorted({s.num_new for s in steps if s.kind == kind})
-            for kind in ("decode", "prefill")} if on else {}
+            for kind in ("decode", "prefill")} if row_table_on(cfg) else {}
+
+
+def row_table_on(cfg: Any) -> bool:
+    """``calibrate.row_table``, checked (default true)."""
+    return group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
 
 
 #: a decode batch size a server fit prices on its own (`server_row_knots`) once this many of its
@@ -145,10 +148,9 @@ def server_row_knots(cfg: Any, samples: Sequence[tuple[StepShape, float]]
     `SERVER_KNOT_STEPS` steps each (a server's rows are what its workload ran, not a grid: a size
     seen a few times would be priced by its noise); prefills keep the linear form (their new
     tokens take hundreds of values)."""
-    on = group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
     sizes = [s.batch for s, _ in samples if s.kind == "decode"]
     knots = sorted(k for k in set(sizes) if sizes.count(k) >= SERVER_KNOT_STEPS)
-    return {"decode": knots, "prefill": []} if on and knots else {}
+    return {"decode": knots, "prefill": []} if row_table_on(cfg) and knots else {}
 
 
 #: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
@@ -202,16 +204,22 @@ def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator,
                     layout: str = "interleaved") -> Batch:
     """A batch of the given shape over fresh requests holding distinct KV slots, laid out as
     ``layout`` says (`slot_order`)."""
+    return batch_on_slots(step, slot_order(step, layout), vocab, rng)
+
+
+def batch_on_slots(step: StepShape, slots: Sequence[np.ndarray], vocab: int,
+                   rng: np.random.Generator, cached: bool = False) -> Batch:
+    """A batch of the given shape over fresh requests (random tokens) reading and writing the
+    given KV slots, each request's context first, then its new tokens; ``cached``: each
+    request's context counts as its cached prefix (its lease's hit), else nothing does."""
     entries = []
-    for i, (new, context, slots) in enumerate(zip(step.new, step.context,
-                                                  slot_order(step, layout))):
+    for i, (new, context, own) in enumerate(zip(step.new, step.context, slots)):
         request = Request(f"cal{i}", rng.integers(0, vocab, new + context, dtype=np.int32),
                           np.zeros(1, dtype=np.int32))
         req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=i)
-        req.lease = Lease(hit=0, slots=slots)
+        req.lease = Lease(hit=context if cached else 0, slots=np.asarray(own, dtype=np.int32))
         entries.append(BatchEntry(req, context, new, produces_token=True))
-    kind = "decode" if step.is_decode else "prefill"
-    return Batch(kind, entries)
+    return Batch("decode" if step.is_decode else "prefill", entries)
 
 
 def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) -> list[float]:
@@ -350,9 +358,7 @@ def server_samples(cfg: DictConfig, run: Any) -> tuple[list[tuple[StepShape, flo
     unit = cfg.cache.get("block_size") or cfg.cache.get("page_size") or 1
     samples, recovered, merged = [], 0, 0
     for d in dirs:
-        rows = read_run(d)
-        steps = recover_steps(rows, budget, gap_s)
-        add_rereads(steps, rows, unit)
+        steps = recover_steps(read_run(d), budget, gap_s, unit)
         recovered, merged = recovered + len(steps), merged + sum(s.merged for s in steps)
         samples += [(s.shape, s.duration_s) for s in usable(steps)]
     if not samples:

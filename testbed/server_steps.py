@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from testbed.cache.block_keys import block_forms, token_block_keys
 from testbed.errors import BadInput
 from testbed.sim.step_shape import StepShape
 
@@ -141,9 +142,11 @@ def default_gap_s(rows: pd.DataFrame) -> float:
 
 
 def recover_steps(rows: pd.DataFrame, token_budget: int | None,
-                  gap_s: float | None = None) -> list[ServerStep]:
+                  gap_s: float | None = None, share_unit: int | None = None
+                  ) -> list[ServerStep]:
     """The steps of one run (see the module docstring); ``token_budget`` None: unchunked;
-    ``gap_s`` None: `default_gap_s`."""
+    ``gap_s`` None: `default_gap_s`; ``share_unit``: the cache's block (page) size, to count
+    each decode step's re-read KV in (`add_rereads`; None: not counted)."""
     if gap_s is None:
         gap_s = default_gap_s(rows)
     by_id = rows.assign(id=rows["id"].astype(str)).set_index("id")
@@ -179,6 +182,8 @@ def recover_steps(rows: pd.DataFrame, token_budget: int | None,
             step.start_s = max(previous, sent)
         if not np.isfinite(step.start_s):
             step.start_s = min(float(by_id.loc[rid].arrival_s) for rid in step.ids)
+    if share_unit is not None:
+        add_rereads(steps, rows, share_unit)
     return steps
 
 
@@ -210,16 +215,6 @@ def _place_prefill(steps: list[ServerStep], left: list[float], begins: np.ndarra
                 steps[later].busy_before = True
 
 
-def prompt_blocks(prompt: np.ndarray, block_size: int) -> list[int]:
-    """One key per full block of ``prompt``, equal for two prompts exactly where their tokens up
-    to that block's end are (a chain, as a block-hash cache keys its blocks)."""
-    keys, key = [], 0
-    for end in range(block_size, len(prompt) + 1, block_size):
-        key = hash((key, prompt[end - block_size:end].tobytes()))
-        keys.append(key)
-    return keys
-
-
 def add_rereads(steps: list[ServerStep], rows: pd.DataFrame, block_size: int) -> None:
     """Each decode step's `ServerStep.reread`: of its requests' full prompt blocks, every block
     once per request after the first whose prompt holds the same tokens up to it, times
@@ -231,7 +226,8 @@ def add_rereads(steps: list[ServerStep], rows: pd.DataFrame, block_size: int) ->
     0."""
     if "prompt_ids" not in rows:
         return
-    keys = {str(rid): prompt_blocks(np.asarray(ids, dtype=np.int64), block_size)
+    forms = block_forms(block_size)
+    keys = {str(rid): token_block_keys(np.asarray(ids), block_size, forms).tolist()
             for rid, ids in zip(rows["id"], rows["prompt_ids"]) if isinstance(ids, list)}
     for step in steps:
         if len(step.ids) < 2 or any(n != 1 for n in step.new):

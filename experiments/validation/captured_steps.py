@@ -33,19 +33,12 @@ import time
 import numpy as np
 import torch
 
-from experiments import REPO
 from experiments.validation import sim_vs_engine as sve
 from testbed.assembly import assemble
-from testbed.cache.base import Lease
-from testbed.calibrate import synthetic_batch, timed_pass
-from testbed.scheduler.batch import Batch, BatchEntry
+from testbed.calibrate import batch_on_slots, synthetic_batch, timed_pass
+from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import SharedReads
-from testbed.scheduler.request_state import Req
-from testbed.sim.cost_model import RooflineCostModel, load_fitted
 from testbed.sim.step_shape import StepShape
-from testbed.workloads.request import Request
-
-SHIPPED = REPO / "conf" / "calibration" / "smollm2_135m_cpu.yaml"
 
 
 def captured_decodes(workload: str, batch: int) -> tuple[object, list[list[tuple[int, np.ndarray]]]]:
@@ -73,14 +66,9 @@ def replayed(requests: list[tuple[int, np.ndarray]], rng: np.random.Generator, v
              free: int) -> Batch:
     """A decode batch reading exactly those slots (all cached: a tree-of-thought leaf's context
     is its prompt), each request's new token in a free slot."""
-    entries = []
-    for i, (context, slots) in enumerate(requests):
-        request = Request(f"cap{i}", rng.integers(0, vocab, context + 1, dtype=np.int32),
-                          np.zeros(1, dtype=np.int32))
-        req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=i)
-        req.lease = Lease(hit=context, slots=np.append(slots, free + i).astype(np.int32))
-        entries.append(BatchEntry(req, context, 1, produces_token=True))
-    return Batch("decode", entries)
+    step = StepShape.decode(tuple(c for c, _ in requests))
+    slots = [np.append(own, free + i) for i, (_, own) in enumerate(requests)]
+    return batch_on_slots(step, slots, vocab, rng, cached=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--pick", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--fitted", default=str(SHIPPED))
+    ap.add_argument("--fitted", default=None, help="a fitted cost model's file (default: the "
+                    "shipped cost_model=fitted_smollm2_cpu)")
     ap.add_argument("--grid-context", type=int, nargs="*", default=[256, 384, 512],
                     help="also the grid's shared batches at these contexts (all but 64 shared)")
     args = ap.parse_args(argv)
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     if not kept:
         raise SystemExit(f"{args.workload} ran no decode batch of {args.batch} requests")
     run = assemble(sve.config([]))
-    fitted = load_fitted(args.fitted, RooflineCostModel(run.model_shape, run.hardware))
+    fitted = sve.fitted_model(args.fitted)
     rng = np.random.default_rng(0)
     vocab, free = run.model_shape.vocab_size, 19_000
     rows = []
@@ -118,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     batches = [b for *_, b in rows]
     timed_pass(engine, batches, rng)  # warm-up
     times = np.median([timed_pass(engine, batches, rng) for _ in range(args.repeats)], axis=0)
-    print(f"{args.workload}: {len(kept)} decode batches of {args.batch}; fitted {args.fitted}")
+    print(f"{args.workload}: {len(kept)} decode batches of {args.batch}; fitted "
+          f"{args.fitted or 'cost_model=fitted_smollm2_cpu'}")
     print(f"{'batch':<12} {'Σcontext':>8} {'unique':>7} {'reread':>7} {'measured ms':>11} "
           f"{'predicted ms':>12} {'error':>7}")
     for (name, shape, _), t in zip(rows, times):

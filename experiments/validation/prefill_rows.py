@@ -23,10 +23,8 @@ import numpy as np
 import torch
 
 from experiments.validation import sim_vs_engine as sve
-from experiments.validation.captured_steps import SHIPPED
 from testbed.assembly import assemble
 from testbed.calibrate import synthetic_batch, timed_pass
-from testbed.sim.cost_model import RooflineCostModel, load_fitted
 from testbed.sim.step_shape import StepShape
 
 DEFAULT_STEPS = ["256", "477", "891", "1024", "222,222,222,222", "256,256,256,256",
@@ -39,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--step", nargs="+", default=DEFAULT_STEPS,
                     help="a prefill step: its requests' new tokens, comma-separated")
     ap.add_argument("--repeats", type=int, default=6)
-    ap.add_argument("--fitted", default=str(SHIPPED))
+    ap.add_argument("--fitted", default=None, help="a fitted cost model's file (default: the "
+                    "shipped cost_model=fitted_smollm2_cpu)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sve.BASE[:] = sve.REAL["base"]
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
               for step in args.step]
     engine = run.build_executor(max(s.num_new for s in shapes) + 16)
     engine.clock = time.process_time
-    fitted = load_fitted(args.fitted, RooflineCostModel(run.model_shape, run.hardware))
+    fitted = sve.fitted_model(args.fitted)
     rng = np.random.default_rng(0)
     batches = [synthetic_batch(s, run.model_shape.vocab_size, rng) for s in shapes]
     timed_pass(engine, batches, rng)  # warm-up

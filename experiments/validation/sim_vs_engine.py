@@ -111,6 +111,14 @@ def config(overrides: list[str], name: str = "config"):
     return compose_config(BASE + overrides + EXTRA, name)
 
 
+def fitted_model(path: Path | str | None = None):
+    """The fitted cost model in ``path``, or the shipped one (``cost_model=fitted_smollm2_cpu``,
+    with ``--real``'s base), over the run's roofline floor."""
+    group = ["cost_model=fitted", f"cost_model.path={path}"] if path else \
+        ["cost_model=fitted_smollm2_cpu"]
+    return assemble(config(group)).build_cost_model()
+
+
 class Workload:
     """One held-back workload: its config and requests, served on any executor."""
 
@@ -241,8 +249,7 @@ def main() -> None:
         print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
-    fitted = assemble(config(["cost_model=fitted", f"cost_model.path={args.fitted.resolve()}"])
-                      ).build_cost_model()
+    fitted = fitted_model(args.fitted.resolve())
 
     # Paired rounds: each round's grid pass fitted on its own and judged against that round's
     # engine runs, seconds apart, so the machine's slower drift cancels out of the comparison

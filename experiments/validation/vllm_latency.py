@@ -47,7 +47,7 @@ import pandas as pd
 
 from experiments import REPO
 from experiments.validation import vs_vllm
-from testbed.server_steps import add_rereads, read_run, recover_steps
+from testbed.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
 matplotlib.use("Agg")
@@ -163,10 +163,7 @@ def step_table(run: Path, budget: int, cost_model: Path, block_size: int) -> pd.
     a = assemble(compose_config(SIM))
     model = load_fitted(cost_model, RooflineCostModel(a.model_shape, a.hardware))
     rows = []
-    records = read_run(run / "server")
-    steps = recover_steps(records, budget)
-    add_rereads(steps, records, block_size)
-    for s in steps:
+    for s in recover_steps(read_run(run / "server"), budget, share_unit=block_size):
         if s.new:
             rows.append({"end_s": s.end_s, "kind": s.shape.kind, "batch": len(s.new),
                          "new": sum(s.new), "context": sum(s.context), "reread": s.reread,

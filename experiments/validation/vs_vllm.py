@@ -279,8 +279,9 @@ def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
     them) arrive when they were sent, not all at their workload time, and the calls after them
     no earlier than the last of them (the loop holds them longer, in the order sent): the client
     sends the first wave one call after another, about a millisecond apart, and an idle vLLM
-    starts a step with the first alone (few-shot's first question then answers in 0.25 s while the other 15 wait 1.4 s;
-    tree-of-thought's first problem runs a step ahead of the others to the end)."""
+    starts a step with the first alone (few-shot's first question then answers in 0.25 s while
+    the other 15 wait 1.4 s; tree-of-thought's first problem runs a step ahead of the others to
+    the end)."""
     ran = rows.set_index("id")
     start = rows["arrival_s"].min()
     first = rows["arrival_s"] < rows["finish_s"].min()
@@ -290,8 +291,7 @@ def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
         row = ran.loc[r.id]
         if row.failed:
             raise Fail(f"request {r.id} failed ({row.error}): the trace would not be what ran")
-        arrival = max(r.arrival_s, row.arrival_s - start if row.arrival_s - start <= last_first
-                      else last_first)
+        arrival = max(r.arrival_s, min(row.arrival_s - start, last_first))
         line = {"id": r.id, "prompt": list(row.prompt_ids), "output": list(row.output_ids),
                 "arrival_s": arrival, "think_time_s": r.think_time_s}
         if r.program is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.cache.token_runs import TOKEN_BYTES
+from testbed.cache.token_runs import TOKEN_BYTES, as_bytes
 
 # key_i = CHAIN * key_{i-1} + digest(block i)  (mod 2^64; key_{-1} = 0). Any odd multiplier is
 # invertible mod 2^64, which lets the recurrence run as one cumulative sum (`_chain`). A block's
@@ -47,6 +47,14 @@ def block_digests(kb: bytes, block_size: int, forms: np.ndarray) -> np.ndarray:
     z *= _MIX[1]
     z ^= z >> _SHIFTS[2]
     return z
+
+
+def token_block_keys(tokens: np.ndarray, block_size: int,
+                     forms: np.ndarray | None = None) -> np.ndarray:
+    """The chained keys of every full block of a token run, from its start (the block-hash
+    cache's keys: equal for two runs exactly where their tokens up to that block's end are)."""
+    forms = block_forms(block_size) if forms is None else forms
+    return chain_keys(block_digests(as_bytes(tokens), block_size, forms), 0)
 
 
 def chain_keys(digests: np.ndarray, prev: int) -> np.ndarray:
