@@ -1,4 +1,5 @@
-"""Triton kernels for the engine (extend/prefill and decode attention over paged KV, KV store).
+"""Triton kernels for the engine (extend/prefill and decode attention over paged KV, KV store,
+and the decoder layer's fused norm, activation and RoPE).
 
 Named ``radix_kernels``: the bare name ``kernels`` is a different PyPI package that transformers
 requires and imports, which a folder of that name at the repository root would shadow.
@@ -12,12 +13,17 @@ Triton):
 - ``merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse)``
 - ``copy_kv_rotated(k_buf, v_buf, src, dst, shift, inv_freq)`` (KV moved to other positions,
   keys re-rotated: RoPE)
+- ``fused_add_rmsnorm(x, residual, weight, eps) -> (out, residual_out)`` (residual add and
+  RMSNorm; ``residual=None`` in the first layer)
+- ``silu_and_mul(gate_up) -> out`` (SwiGLU's ``silu(gate) * up``)
+- ``rope_store_kv(qkv, cos, sin, out_slots, k_buf, v_buf, num_heads, num_kv_heads) -> q`` (RoPE
+  on the fused projection's q and k, k and v stored)
 
 ``radix_kernels.reference`` holds the torch references with the same signatures (torch only);
 ``triton_available()`` says whether the Triton versions can be imported here. Kernel modules:
-``store``, ``extend``, ``decode``, ``merge``, ``rope_copy`` (named apart from the functions so
-that importing a module never shadows the function of the same name on the package). On a GPU
-machine, ``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times
+``store``, ``extend``, ``decode``, ``merge``, ``rope_copy``, ``norm``, ``activation``,
+``rope_store`` (named apart from the functions so that importing a module never shadows the
+function of the same name on the package). On a GPU machine, ``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times
 them.
 """
 
@@ -28,7 +34,7 @@ import importlib
 from . import reference
 
 __all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated",
-           "reference", "triton_available"]
+           "fused_add_rmsnorm", "silu_and_mul", "rope_store_kv", "reference", "triton_available"]
 
 _LAZY = {
     "store_kv": "store",
@@ -36,6 +42,9 @@ _LAZY = {
     "decode_attention": "decode",
     "merge_states": "merge",
     "copy_kv_rotated": "rope_copy",
+    "fused_add_rmsnorm": "norm",
+    "silu_and_mul": "activation",
+    "rope_store_kv": "rope_store",
 }
 
 

@@ -53,3 +53,19 @@ def default_block(dtype: torch.dtype, head_dim: int) -> int:
     """Default KV/query tile: 64, or 32 when a row is over 256 bytes (fp32 at head_dim 128, any
     dtype at 256), so double-buffered K and V tiles fit in ~100 KB of shared memory (A10G)."""
     return 64 if torch.finfo(dtype).bits // 8 * head_dim <= 256 else 32
+
+
+def check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _SUPPORTED:
+        raise ValueError(f"{name} must be one of {_SUPPORTED}, got {t.dtype}")
+
+
+def check_out(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A caller's preallocated output, checked; a fresh contiguous one when None."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"{name} must be {tuple(shape)} {dtype} with unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    return out

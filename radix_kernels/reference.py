@@ -1,8 +1,10 @@
-"""Torch references for the attention kernels: readable, slow, trusted.
+"""Torch references for the kernels: readable, slow, trusted.
 
 These are the definitions the Triton kernels are tested against, and the engine's ``torch``
-attention backend calls them directly. Everything is computed in fp32 and returned in the query's
-dtype.
+attention backend calls them directly. Attention is computed in fp32 and returned in the query's
+dtype. The decoder-layer kernels (`fused_add_rmsnorm`, `silu_and_mul`, `rope_store_kv`) compute
+as HF Llama does in the activations' dtype: each elementwise op rounded to that dtype, as torch
+rounds it.
 
 Layout (FlashInfer style, built once per step on the CPU and shared by every layer):
 
@@ -25,7 +27,8 @@ import math
 
 import torch
 
-__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated"]
+__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated",
+           "fused_add_rmsnorm", "silu_and_mul", "rope_store_kv"]
 
 
 def store_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
@@ -135,3 +138,45 @@ def copy_kv_rotated(k_buf: torch.Tensor, v_buf: torch.Tensor, src: torch.Tensor,
     v = v_buf[src]
     k_buf[dst] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(k_buf.dtype)
     v_buf[dst] = v
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and HF Llama's RMSNorm: ``(out, residual_out)`` of ``x [T, hidden]``.
+
+    ``residual_out = x + residual`` in x's dtype (``x`` itself when ``residual`` is None: the
+    first layer); ``out = weight * (r * rsqrt(mean(r**2) + eps))``, normalised in fp32, cast to
+    x's dtype, then multiplied by ``weight [hidden]`` in that dtype.
+    """
+    r = x if residual is None else x + residual
+    rf = r.float()
+    normed = (rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, r
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` of ``gate_up [T, 2 * I]`` (gate, then up, along the last
+    dim): ``[T, I]`` in gate_up's dtype, silu rounded to it before the product (torch's
+    ``F.silu(gate) * up``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  out_slots: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """RoPE on the fused projection's q and k, and k, v stored: returns q ``[T, H, D]``.
+
+    ``qkv``: ``[T, (H + 2 * KH) * D]`` (q heads, k heads, v heads); ``cos``, ``sin``:
+    ``[T, 1, D]`` in qkv's dtype, ``cos`` twice and ``sin`` sign-folded ``[-sin, sin]``
+    (`testbed.engine.model.rope_tables`). Rotation is ``x * cos + roll(x, D / 2) * sin`` in qkv's
+    dtype (`testbed.engine.model.apply_rope`); rotated k and plain v go to rows ``out_slots`` of
+    ``k_buf, v_buf`` (`store_kv`).
+    """
+    t, head_dim = qkv.shape[0], k_buf.shape[-1]
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
+    qk = qk.reshape(t, num_heads + num_kv_heads, head_dim)
+    qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+    q, k = qk.split([num_heads, num_kv_heads], dim=1)
+    store_kv(k_buf, v_buf, out_slots, k, v.reshape(t, num_kv_heads, head_dim))
+    return q.contiguous()

@@ -23,7 +23,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit kernel is defined
 
-import importlib  # noqa: E402
 import math  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -33,45 +32,13 @@ import torch  # noqa: E402
 
 import radix_kernels  # noqa: E402
 from radix_kernels import reference as ref  # noqa: E402
+from tests.kernel_modules import load_kernel_modules, run_in_fresh_process  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-# --------------------------------------------------------------------------- kernel loading
-
-
-def _load_kernel_modules():
-    """(modules by name, device, skip reason or None, whether a fresh process must run them)."""
-    if not radix_kernels.triton_available():
-        return None, None, "triton is not installed", False
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import KernelInterface
-
-    interpret = bool(triton.knobs.runtime.interpret)
-    if isinstance(tl.cdiv, InterpretedFunction) != interpret:
-        # triton.language's own @jit helpers (tl.max, tl.zeros, ...) were defined when an
-        # earlier test module imported triton without TRITON_INTERPRET=1; interpreted kernels
-        # cannot call them. Only a fresh process can fix that.
-        return None, None, ("triton was imported before TRITON_INTERPRET=1 was set (by an earlier "
-                            "test module); test_kernel_grid_in_fresh_process runs this grid in a "
-                            "subprocess instead"), True
-    mods = {}
-    for name in ("store", "extend", "decode", "merge"):
-        mod = importlib.import_module(f"radix_kernels.{name}")
-        kernels = [v for v in vars(mod).values() if isinstance(v, KernelInterface)]
-        if any(isinstance(k, InterpretedFunction) != interpret for k in kernels):
-            mod = importlib.reload(mod)  # imported earlier in this session in the other mode
-        mods[name] = mod
-    if interpret:
-        return mods, "cpu", None, False
-    if not torch.cuda.is_available():
-        return None, None, "TRITON_INTERPRET is off and there is no CUDA device", False
-    return mods, "cuda", None, False
-
-
-KERNELS, DEVICE, SKIP_REASON, FRESH_PROCESS = _load_kernel_modules()
+KERNELS, DEVICE, SKIP_REASON, FRESH_PROCESS = load_kernel_modules(
+    ("store", "extend", "decode", "merge"))
 needs_triton = pytest.mark.skipif(SKIP_REASON is not None, reason=str(SKIP_REASON))
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
@@ -80,10 +47,7 @@ DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 @pytest.mark.skipif(not FRESH_PROCESS, reason="the kernel grid runs in this process")
 def test_kernel_grid_in_fresh_process():
     """When triton was imported before TRITON_INTERPRET=1, run this file where it is set first."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    run_in_fresh_process(__file__)
 
 
 # --------------------------------------------------------------------------- batch building
