@@ -23,8 +23,8 @@ Triton):
 ``triton_available()`` says whether the Triton versions can be imported here. Kernel modules:
 ``store``, ``extend``, ``decode``, ``merge``, ``rope_copy``, ``norm``, ``activation``,
 ``rope_store`` (named apart from the functions so that importing a module never shadows the
-function of the same name on the package). On a GPU machine, ``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times
-them.
+function of the same name on the package). On a GPU machine,
+``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times them.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 The pytest grid (``tests/test_kernels.py``) covers tiny shapes in the interpreter; this covers
 what only a GPU shows: compilation of every config, model-sized shapes (head_dim 64/128, GQA 4,
-long prefixes), bf16, and speed against SDPA. Run on a CUDA machine (a few minutes)::
+long prefixes), bf16, and speed against SDPA; the decoder layer's kernels (norm, SiLU, RoPE and
+store: `gpu_check_layer`) against their torch references, timed beside them; and a sweep of the
+prefill kernel's launch settings beside SDPA, whose best config the JSON reports
+(``extend_sweep``). Run on a CUDA machine (about a minute; ``--max-s`` bounds the sweep so the
+whole run ends by then)::
 
     python -m radix_kernels.gpu_check --out gpu_kernels.json
 
@@ -13,6 +17,7 @@ long prefixes), bf16, and speed against SDPA. Run on a CUDA machine (a few minut
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -20,6 +25,7 @@ import time
 
 import torch
 
+from . import gpu_check_layer as layer
 from . import reference as ref
 from .decode import decode_attention
 from .extend import extend_attention
@@ -87,10 +93,11 @@ def check_case(name, prefix, new, model, dtype, device):
     return out
 
 
-def bench(fn, device):
+def bench(fn, device, warmup=10, rep=50):
+    """Seconds a call of ``fn`` takes (median of CUDA-event timings; on a CPU one call)."""
     if device == "cuda":
         import triton.testing
-        return triton.testing.do_bench(fn, warmup=10, rep=50) / 1e3
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep) / 1e3
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -125,11 +132,72 @@ def timings(device, dtype, small):
     return rows
 
 
+def sweep_configs(small):
+    """extend_attention's launch settings to try: the default first, then larger tiles first."""
+    if small:
+        return [(32, 32, 4, 2), (16, 16, 4, 2)]                # only to run the code
+    grid = itertools.product((128, 64), (64, 128, 32), (8, 4), (3, 2))
+    return [(64, 64, 4, 2)] + [c for c in grid if c != (64, 64, 4, 2)]
+
+
+def extend_sweep(device, small, budget_s):
+    """Prefill 4 x 2,048 at Llama-2-7B's heads in bf16 (``small``: 4 x 32, GQA d64, fp16 in the
+    interpreter), beside SDPA: each launch setting that compiles, checked against the first's
+    output (the default's) and timed; after the first, none is tried once ``budget_s`` seconds
+    have passed (``skipped`` counts them)."""
+    t0 = time.time()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    n = 2048 // (64 if small else 1)
+    model = MODELS[2] if small else MODELS[1]
+    q, kb, vb, qo, kv, idx = make_batch([0] * 4, [n] * 4, *model[1:], dtype, device)
+    out = {"case": f"prefill_4x{n}", "model": model[0], "dtype": str(dtype).removeprefix("torch."),
+           "budget_s": None if math.isinf(budget_s) else budget_s, "configs": [], "skipped": 0}
+    if device == "cuda":
+        b, heads, kv_heads, dim = 4, *model[1:]
+        qd = q.view(b, n, heads, dim).transpose(1, 2)
+        kd = kb[idx.long()].view(b, n, kv_heads, dim).transpose(1, 2)
+        vd = vb[idx.long()].view(b, n, kv_heads, dim).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out["sdpa_ms"] = 1e3 * bench(lambda: sdpa(qd, kd, vd, is_causal=True), device)
+    base = None
+    for i, (bm, bn, warps, stages) in enumerate(sweep_configs(small)):
+        if i > 0 and time.time() - t0 > budget_s:  # the default always runs
+            out["skipped"] = len(sweep_configs(small)) - i
+            break
+        cfg = {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
+
+        def run():
+            return extend_attention(q, kb, vb, qo, kv, idx, max_new=n, block_m=bm, block_n=bn,
+                                    num_warps=warps, num_stages=stages)
+        try:
+            o = run()
+        except Exception as e:  # out of shared memory or registers: this config does not compile
+            out["configs"].append({**cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            continue
+        base = o if base is None else base
+        cfg["ok"] = within(o, base, TOL[dtype])
+        cfg["ms"] = 1e3 * bench(run, device, warmup=5, rep=25)
+        out["configs"].append(cfg)
+    timed = [c for c in out["configs"] if c.get("ok")]
+    if timed:
+        best = min(timed, key=lambda c: c["ms"])
+        out["default_ms"] = out["configs"][0].get("ms")
+        out["best"] = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "ms")}
+        if "sdpa_ms" in out:
+            out["best"]["vs_sdpa"] = best["ms"] / out["sdpa_ms"]
+    out["wall_s"] = time.time() - t0
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_kernels.json")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter check)")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false",
+                   help="skip the sweep of extend_attention's launch settings")
+    p.add_argument("--max-s", type=float, default=80.0,
+                   help="the sweep stops by this many seconds into the run (default 80)")
     args = p.parse_args(argv)
     dev, small = args.device, args.small
     if dev.startswith("cuda") and not torch.cuda.is_available():
@@ -144,7 +212,8 @@ def main(argv=None):
     models = MODELS[:1] if small else MODELS
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name() if dev == "cuda" else dev,
-              "torch": torch.__version__, "checks": [], "timings": []}
+              "torch": torch.__version__, "checks": [], "timings": [], "layer_checks": [],
+              "layer_timings": []}
     import triton
     result["triton"] = triton.__version__
     for dt in dtypes:
@@ -152,10 +221,21 @@ def main(argv=None):
             for name, prefix, new in cases:
                 result["checks"].append(check_case(name, prefix, new, model, DTYPES[dt], dev))
                 print(json.dumps(result["checks"][-1]), flush=True)
+        for model in layer.MODELS:
+            for tokens in (1, 5) if small else layer.TOKENS:
+                result["layer_checks"].append(layer.check_layer_case(
+                    layer.shrink(model, small), tokens, DTYPES[dt], dev))
+                print(json.dumps(result["layer_checks"][-1]), flush=True)
     for dt in dtypes[1:]:
         result["timings"] += timings(dev, DTYPES[dt], small)
         print(json.dumps(result["timings"][-3:]), flush=True)
-    result["all_ok"] = all(c["ok"] for c in result["checks"])
+    result["layer_timings"] = layer.layer_timings(dev, DTYPES[dtypes[-1]], small, bench)
+    print(json.dumps(result["layer_timings"]), flush=True)
+    if args.sweep:  # what is left of --max-s; the CPU check (--small) tries both its configs
+        budget = math.inf if small else args.max_s - (time.time() - t0)
+        result["extend_sweep"] = extend_sweep(dev, small, budget)
+        print(json.dumps(result["extend_sweep"]), flush=True)
+    result["all_ok"] = all(c["ok"] for c in result["checks"] + result["layer_checks"])
     result["wall_s"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
