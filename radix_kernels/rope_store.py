@@ -38,9 +38,8 @@ def _rope_store_kv_kernel(
     stride_xt, stride_xc, stride_ct, stride_cd, stride_st, stride_sd,
     stride_qt, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
-    HALF: tl.constexpr = HEAD_DIM // 2
     tok = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     d_mask = d < HALF
@@ -139,7 +138,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
         q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
         v_buf.stride(1),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         enable_fp_fusion=False,
