@@ -27,6 +27,7 @@ from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
+from testbed.engine_config import EngineConfig
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
@@ -34,7 +35,7 @@ from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
-from testbed.scheduler.decode_groups import cascades, default_attention
+from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
 from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
@@ -77,6 +78,7 @@ class Assembly:
     max_concurrency: int | None = None  # calls outstanding at once: arrival.max_concurrency
     notes: list[str] = field(default_factory=list)  # printed before the run
     server: Any = None  # backend=server: the server block, checked (`ServerSettings`)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the engine block, checked
 
     # ------------------------------------------------------------------ run settings
     def get(self, key: str, default: Any = None) -> Any:
@@ -89,25 +91,32 @@ class Assembly:
 
     @property
     def cascade_min_saved(self) -> int:
-        return self.get("cascade_min_saved", 0)
+        return self.engine.cascade_min_saved
 
     @property
     def engine_device(self) -> str:
-        """``device``, or where null the engine's default (CUDA when present, else the CPU)."""
+        """``engine.device``, or where null the engine's default (CUDA when present, else the
+        CPU)."""
         from testbed.engine import default_device
-        return self.config.get("device") or default_device()
+        return self.engine.device or default_device()
 
     @property
     def attention(self) -> str | None:
-        """The ``attention`` key; where null, the kernels the run's device runs by default: the
+        """``engine.attention``; where null, the kernels the run's device runs by default: the
         engine's `default_attention` of its device, the simulator's the hardware preset's
         ``attention`` (absent: plain decode, as the engine's Triton kernels on a GPU)."""
-        chosen = self.config.get("attention")
+        chosen = self.engine.attention
         if chosen is not None:
             return chosen
         if self.backend == "engine":
             return default_attention(self.engine_device)
         return self.config["hardware"].get("attention")
+
+    def decode_groups(self) -> DecodeGroups | None:
+        """A fresh `DecodeGroups` for a scheduler when the run decodes in cascade (the engine
+        plans, the simulator prices, the groups it puts on each batch); else None."""
+        return DecodeGroups(min_saved=self.cascade_min_saved) if cascades(self.attention) \
+            else None
 
     @property
     def check_invariants(self) -> bool:
@@ -210,7 +219,7 @@ class Assembly:
             self.cache.build(capacity_tokens=None, policy=policy, sglang=self.sglang)
         if self.backend not in (REPLAY, SERVER):
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
-            if self.config.get("attention") is None and self.backend != "engine":
+            if self.engine.attention is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
             if self.backend != "engine":
                 self.build_cost_model()
@@ -227,18 +236,18 @@ class Assembly:
             raise ValueError(f"backend={self.backend} has no executor")
         most = None if requests is None else \
             sum(r.most_kv_tokens for r in requests) + 1
-        device = c.get("device")
+        e = self.engine
+        device = e.device
         if self.backend == "engine":
             device = self.engine_device
             if capacity is None and not device.startswith("cuda"):
                 capacity = self.kv_capacity() if most is None else min(self.kv_capacity(), most)
         return self.executor.build(
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
-            max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
-            attention=self.attention, cascade_min_saved=self.cascade_min_saved,
-            seed=self.seed, forced=bool(c.get("forced", True)),
-            temperature=group_values.number(c, "temperature", "", 0.0),
-            top_p=group_values.number(c, "top_p", "", 1.0))
+            max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=e.dtype,
+            attention=self.attention, cascade_min_saved=e.cascade_min_saved,
+            cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
+            seed=self.seed, forced=e.forced, temperature=e.temperature, top_p=e.top_p)
 
     def build_router(self, kv_capacity: int | None):
         """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""
@@ -323,8 +332,6 @@ def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timel
     if timeline:
         raise BadInput("timeline=true needs backend=sim or backend=engine (backend=server sees "
                        "no steps)")
-    for key, default in (("temperature", 0.0), ("top_p", 1.0)):  # sent with every call
-        group_values.number(config, key, "", default)
     return ServerSettings.from_mapping(config.get("server"))
 
 
@@ -354,9 +361,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise BadInput(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
-    saved = config.get("cascade_min_saved")
-    if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int) or saved < 0):
-        raise BadInput(f"cascade_min_saved must be an integer >= 0 (KV tokens), got {saved!r}")
+    engine = EngineConfig.from_config(config)
     debug = config.get("debug") or {}
     if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
         raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")
@@ -388,7 +393,7 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
         max_in_flight=programs_in_flight(config, arrival),
-        max_concurrency=arrival.max_concurrency, server=server)
+        max_concurrency=arrival.max_concurrency, server=server, engine=engine)
     run.check_builds()
     return run
 

@@ -117,42 +117,37 @@ def tier_extra(cache: PrefixCache) -> dict[str, Any]:
 def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResult:
     from testbed.serving.serve import rebuilds_prompts, records_of, serve
 
-    capacity = run.capacity_tokens
-    if engine:
-        executor = run.build_executor(capacity, requests)
-        capacity = executor.runner.num_slots
-    else:
-        if capacity is None:
-            capacity = run.kv_capacity()
-        executor = run.build_executor(capacity, requests)
     if run.replicas != 1:  # data-parallel replicas behind a router (testbed/serving/cluster.py)
         # (assemble refused replicas with replay, the engine, lower tiers or reuse)
-        return _serve_cluster(run, requests, executor, capacity)
-    planner = None
-    if run.has_lower_tiers:
-        from testbed.sim.transfer import make_planner
-        planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
-    cache = run.build_cache(capacity, requests, planner=planner, record_transfers=engine)
-    quality = executor.quality if engine else None  # before a tier wrapper hides it
+        capacity = run.capacity_tokens or run.kv_capacity()
+        return _serve_cluster(run, requests, run.build_executor(capacity, requests), capacity)
+    generate = engine and not run.engine.forced
+    check_prompt, quality, eos = None, None, ()
+    if engine:
+        from testbed.engine_assembly import build_engine_parts
+        parts = build_engine_parts(run, run.capacity_tokens, requests)
+        executor, cache, capacity = parts.executor, parts.cache, parts.capacity
+        quality, eos = parts.quality, parts.eos_token_ids
+        # what its model can take: refused before the first step (BadInput)
+        parts.limits.check_workload(requests, rebuilt=rebuilds_prompts(requests, generate),
+                                    forced=not generate)
+        check_prompt = parts.limits.check_submitted
+    else:
+        capacity = run.capacity_tokens if run.capacity_tokens is not None else run.kv_capacity()
+        executor = run.build_executor(capacity, requests)
+        planner = None
+        if run.has_lower_tiers:
+            from testbed.sim.transfer import make_planner
+            planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
+        cache = run.build_cache(capacity, requests, planner=planner)
     pool_tokens = cache.available_size  # capacity in whole pages, before anything is cached
-    if engine and cache.lower_tiers:
-        from testbed.engine.host_kv import TieredEngineExecutor
-        executor = TieredEngineExecutor(executor, cache)
-    generate = engine and not run.get("forced", True)
-    check_prompt = None
-    if engine:  # what its model can take: refused before the first step (BadInput)
-        from testbed.engine.limits import ModelLimits
-        limits = ModelLimits.for_group(run.config["model"], executor.runner.model.config.vocab_size)
-        limits.check_workload(requests, rebuilt=rebuilds_prompts(requests, generate),
-                              forced=not generate)
-        check_prompt = limits.check_submitted
     scheduler, result = serve(requests, cache, run.scheduler, executor, seed=run.seed,
                               max_in_flight=run.max_in_flight, generate=generate,
                               max_concurrency=run.max_concurrency,
                               progress=run.get("progress", False), observe=True,
-                              eos_token_ids=executor.runner.model.config.eos_token_ids
-                              if engine else (), reuse=run.reuse, check_prompt=check_prompt,
-                              check_invariants=run.check_invariants)
+                              eos_token_ids=eos, reuse=run.reuse, check_prompt=check_prompt,
+                              check_invariants=run.check_invariants,
+                              decode_groups=run.decode_groups())
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,
              "decode_steps": s.decode_steps, "busy_s": s.busy_s,
@@ -160,8 +155,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     if not engine:
         extra |= _sim_attention(run, executor)
     if engine:
-        extra |= {"device": str(executor.runner.device), "attention": run.attention,
-                  "forced": bool(run.get("forced", True))}
+        extra |= {"device": str(executor.device), "attention": run.attention,
+                  "forced": run.engine.forced, **executor.graph_summary()}
         if executor.forced_tokens:
             extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
     records = records_of(result.reqs, run.get("save_token_ids", False))
@@ -219,7 +214,7 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         max_in_flight=run.max_in_flight, max_concurrency=run.max_concurrency,
         network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
-        observe=True, check_invariants=run.check_invariants)
+        observe=True, check_invariants=run.check_invariants, decode_groups=run.decode_groups)
     extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,
              **_sim_attention(run, executor)}
     records = cluster_records(result, run.get("save_token_ids", False))

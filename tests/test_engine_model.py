@@ -450,15 +450,15 @@ def test_torch_attention_equals_the_kernels_torch_reference(fused, monkeypatch):
         meta, q, k, v, (kb, vb) = random_step(seed, qo, prefix, slots=2000)
         backend = TorchAttention(num_kv_heads=2)
         meta.plan = backend.plan(meta)
-        kb2, vb2 = kb.clone(), vb.clone()
-        got = backend.forward(q, k, v, kb, vb, meta, 0.25)
-        ref.store_kv(kb2, vb2, meta.out_slots, k, v)
-        want = ref.extend_attention(q, kb2, vb2, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, 0.25)
+        ref.store_kv(kb, vb, meta.out_slots, k, v)  # the layer's RoPE-and-store step's part
+        got = backend.forward(q, kb, vb, meta, 0.25)
+        want = ref.extend_attention(q, kb, vb, meta.qo_indptr, meta.kv_indptr,
+                                    meta.kv.indices(meta.table), 0.25)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        assert torch.equal(kb, kb2) and torch.equal(vb, vb2)
 
 
-def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_ours):
+def test_the_triton_backend_routes_to_its_layer_kernels_extend_and_decode(monkeypatch,
+                                                                          tiny_ours):
     """With the kernels' torch references standing in for radix_kernels, the triton backend gives
     the torch backend's logits for prefill (extend) and decode steps."""
     ref = reference_kernels()
@@ -470,7 +470,9 @@ def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_
             return getattr(ref, name)(*args, **kwargs)
         return f
 
-    fake = SimpleNamespace(**{n: spy(n) for n in ("store_kv", "extend_attention", "decode_attention")})
+    fake = SimpleNamespace(**{n: spy(n) for n in ("extend_attention", "decode_attention",
+                                                   "merge_states", "fused_add_rmsnorm",
+                                                   "silu_and_mul", "rope_store_kv")})
     monkeypatch.setitem(sys.modules, "radix_kernels", fake)
     prompts = prompts_sharing_prefixes()[:2]
     outs = {}
@@ -483,7 +485,8 @@ def test_the_triton_backend_routes_to_store_extend_and_decode(monkeypatch, tiny_
         outs[backend] = (pre, dec)
     for a, b in zip(outs["torch"], outs["triton"]):
         torch.testing.assert_close(a, b, atol=TOL, rtol=0)
-    assert set(calls) == {"store_kv", "extend_attention", "decode_attention"}
+    assert set(calls) == {"extend_attention", "decode_attention", "fused_add_rmsnorm",
+                          "silu_and_mul", "rope_store_kv"}
 
 
 def test_the_real_triton_kernels_match_the_torch_backend(tiny_ours):
@@ -491,8 +494,8 @@ def test_the_real_triton_kernels_match_the_torch_backend(tiny_ours):
         import radix_kernels
     except ImportError:
         pytest.skip("radix_kernels is not importable")
-    missing = [f for f in ("store_kv", "extend_attention", "decode_attention")
-               if not hasattr(radix_kernels, f)]
+    missing = [f for f in ("extend_attention", "decode_attention", "fused_add_rmsnorm",
+                           "silu_and_mul", "rope_store_kv") if not hasattr(radix_kernels, f)]
     if missing:
         pytest.skip(f"radix_kernels does not provide {', '.join(missing)} yet")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

@@ -36,37 +36,29 @@ REPO = Path(__file__).resolve().parents[2]
 def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, ServerFacts]:
     """The model, its KV pool, the cache and the scheduler of ``run``, behind an engine (not
     started) and the facts requests are checked against."""
-    from testbed.engine.limits import ModelLimits
+    from testbed.engine_assembly import build_engine_parts
     from testbed.scheduler.build import build_scheduler
 
     capacity = run.capacity_tokens
     if capacity is None and not run.engine_device.startswith("cuda"):
         capacity = max(1, CPU_KV_BYTES // run.model_shape.kv_bytes_per_token)
-    executor = run.build_executor(capacity)
-    capacity = executor.runner.num_slots
-    planner = None
-    if run.has_lower_tiers:
-        from testbed.sim.transfer import make_planner
-        planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
-    cache = run.build_cache(capacity, [], planner=planner, record_transfers=True)
-    model = executor.runner.model
-    if cache.lower_tiers:
-        from testbed.engine.host_kv import TieredEngineExecutor
-        executor = TieredEngineExecutor(executor, cache)
+    parts = build_engine_parts(run, capacity, [])
+    cache = parts.cache
     scheduler = build_scheduler(cache, run.scheduler, seed=run.seed,
-                                eos_token_ids=model.config.eos_token_ids, eos_for_all=True,
-                                reuse=run.reuse, check_invariants=run.check_invariants)
+                                eos_token_ids=parts.eos_token_ids, eos_for_all=True,
+                                reuse=run.reuse, check_invariants=run.check_invariants,
+                                decode_groups=run.decode_groups())
     group = run.config["model"]
     path = group.get("path")
     name = settings.model_name or group.get("name") or Path(path).name
     extra = 1 if run.scheduler.overlap else 0  # under overlap the last token takes a slot too
     facts = ServerFacts(
-        model_name=name, temperature=float(run.get("temperature", 0.0)),
-        top_p=float(run.get("top_p", 1.0)), default_max_tokens=settings.default_max_tokens,
-        limits=ModelLimits.for_group(group, model.config.vocab_size),
+        model_name=name, temperature=float(run.engine.temperature),
+        top_p=float(run.engine.top_p), default_max_tokens=settings.default_max_tokens,
+        limits=parts.limits,
         fits=lambda n: cache.fits(n - 1 + extra), kv_tokens=int(cache.available_size),
         tokenizer=load_tokenizer(path))
-    return OnlineEngine(scheduler, executor, settings.max_queue), facts
+    return OnlineEngine(scheduler, parts.executor, settings.max_queue), facts
 
 
 def load_tokenizer(path: str | None) -> Any:

@@ -49,7 +49,8 @@ def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, Serve
                        f"backend={(config.get('backend') or {}).get('name')}")
     if (config.get("replicas") or 1) != 1:
         raise BadInput("python -m testbed.serve serves one replica: replicas must be 1")
-    config["forced"] = False
+    config["engine"] = {**(config.get("engine") or {}), "forced": False}
+    config["forced"] = None  # the old name of engine.forced: the model generates, whatever it says
     run = assemble(config)
     host = block.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:

@@ -13,8 +13,11 @@ Backends (``attention=``):
   the longest KV (on the CPU one fused flash-attention call that also returns the LSE; elsewhere
   two batched matmuls), prefill steps per request with fused SDPA under the lower-right mask; the
   reference and the CPU's kernels (the CPU default, ``cascade``, runs them in cascade).
-- ``triton``: `radix_kernels.store_kv`, ``extend_attention`` and, when every request has one new
-  token, ``decode_attention``. Imported only when chosen.
+- ``triton``: `radix_kernels.extend_attention` and, when every request has one new token,
+  ``decode_attention``. Imported only when chosen.
+
+A layer's new K/V are in the buffers before its attention runs (the layer's fused RoPE-and-store
+step, `testbed.engine.layer_kernels`).
 
 Both run a decode step as `decode_part` calls — one query group per KV head and sequence over a
 `KVRanges` of KV — so cascade decoding (`testbed.engine.cascade`) composes the same two
@@ -48,13 +51,15 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttentionMetadata) -> Any:
         """Once per step: whatever the backend wants precomputed (stored as ``meta.plan``)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-        """Write ``k, v`` (``[T, kv_heads, dim]``) at ``meta.out_slots``, then return the attention
-        output ``[T, heads, dim]`` of ``q`` over each request's slots."""
+    def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+        """The attention output ``[T, heads, dim]`` of ``q`` over each request's slots (the
+        step's new K/V are in the buffers already: the layer's RoPE-and-store step)."""
 
-    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> Any:
-        """Once per step: a `decode_part`'s view of ``kv``."""
+    def plan_part(self, kv: KVRanges, table: torch.Tensor, num_kv_splits: int | None = None
+                  ) -> Any:
+        """Once per step: a `decode_part`'s view of ``kv`` (``num_kv_splits``: the split-KV
+        chunks a kernel that splits must use, fixed for a CUDA graph; None: its choice)."""
 
     def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, part: Any,
                     sm_scale: float, want_lse: bool = True
@@ -111,8 +116,8 @@ def head_major_rows(slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 def plan_decode(backend: AttentionBackend, meta: AttentionMetadata) -> Any:
     """A decode step's plan: the cascade's parts when it has one, else the requests' KV."""
     if meta.cascade is not None:
-        return meta.cascade.planned(backend, meta.table)
-    return backend.plan_part(meta.kv, meta.table)
+        return meta.cascade.planned(backend, meta.table, meta.num_kv_splits)
+    return backend.plan_part(meta.kv, meta.table, meta.num_kv_splits)
 
 
 def forward_decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
@@ -138,6 +143,7 @@ class TorchAttention:
     """
 
     name = "torch"
+    graphable = False  # a decode plan's shape follows the longest KV: no CUDA graph
 
     def __init__(self, num_kv_heads: int, cascade: bool = False) -> None:
         self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
@@ -153,7 +159,8 @@ class TorchAttention:
                 for row, kv_len in zip(meta.rows.tolist(), meta.kv_lens.tolist())]
         return ExtendLayout(kv_rows=rows, q_splits=meta.qo_lens.tolist(), blocks=blocks)
 
-    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> PaddedKV:
+    def plan_part(self, kv: KVRanges, table: torch.Tensor, num_kv_splits: int | None = None
+                  ) -> PaddedKV:
         slots, mask = kv.padded(table)
         mask = mask[:, None, None, :]
         bias = None
@@ -212,11 +219,8 @@ class TorchAttention:
         weight = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
         return torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-        slots = meta.out_slots.long()
-        k_buf[slots] = k.to(k_buf.dtype)
-        v_buf[slots] = v.to(v_buf.dtype)
+    def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
         if not isinstance(meta.plan, ExtendLayout):
             return forward_decode(self, q, k_buf, v_buf, meta, sm_scale)
         head_dim = q.shape[2]
@@ -236,8 +240,9 @@ class TorchAttention:
         return torch.cat(outs).to(q.dtype)
 
 
-KERNEL_FUNCTIONS = ("store_kv", "extend_attention", "decode_attention")
+KERNEL_FUNCTIONS = ("extend_attention", "decode_attention", "merge_states")
 DECODE_KEYS_PER_SPLIT = 256  # triton decode: KV positions per split-KV chunk, at most 8 chunks
+MAX_KV_SPLITS = 8  # ... and a CUDA graph's decode uses all 8 (its KV lengths vary per replay)
 
 
 @dataclass
@@ -253,6 +258,7 @@ class TritonAttention:
     """The Triton kernels of `radix_kernels` (``radix_kernels/``): store, then extend or decode."""
 
     name = "triton"
+    graphable = True  # a decode plan's tensors have shapes fixed by the batch (and groups)
 
     def __init__(self, cascade: bool = False) -> None:
         self.cascade = cascade
@@ -270,10 +276,13 @@ class TritonAttention:
     def plan(self, meta: AttentionMetadata) -> Any:
         if meta.is_decode:
             return plan_decode(self, meta)
+        meta.kv_indices = meta.kv.indices(meta.table)
         return meta.max_qo  # the extend kernel's grid, known here: no device query per layer
 
-    def plan_part(self, kv: KVRanges, table: torch.Tensor) -> FlatKV:
-        splits = min(8, max(1, math.ceil(kv.longest / DECODE_KEYS_PER_SPLIT)))
+    def plan_part(self, kv: KVRanges, table: torch.Tensor, num_kv_splits: int | None = None
+                  ) -> FlatKV:
+        splits = num_kv_splits or min(MAX_KV_SPLITS,
+                                      max(1, math.ceil(kv.longest / DECODE_KEYS_PER_SPLIT)))
         return FlatKV(kv.indptr, kv.indices(table), splits)
 
     def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -291,14 +300,12 @@ class TritonAttention:
               lse_b: torch.Tensor) -> torch.Tensor:
         return self.kernels.merge_states(o_a, lse_a, o_b, lse_b)[0]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
-        kn = self.kernels
-        kn.store_kv(k_buf, v_buf, meta.out_slots, k, v)
+    def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
         if not isinstance(meta.plan, int):
             return forward_decode(self, q, k_buf, v_buf, meta, sm_scale)
-        return kn.extend_attention(q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr,
-                                   meta.kv_indices, sm_scale, max_new=meta.plan)
+        return self.kernels.extend_attention(q, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr,
+                                             meta.kv_indices, sm_scale, max_new=meta.plan)
 
 
 def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "cpu"

@@ -9,6 +9,14 @@ group, which is plain decode), and the two partial results merge exactly by thei
 (`radix_kernels.merge_states`). Both parts are the backend's ordinary `decode_part`, so the torch
 and the Triton backends cascade the same way.
 
+Every tensor of a plan has a shape fixed by three numbers, the step's requests ``B``, its groups
+``G`` and their widest ``W``, never by which request is where: the prefix pass runs ``G x W``
+member places (a narrower group repeats its first member, whose result no one reads), and the
+merge runs over all ``B`` requests, a request in no group keeping its own result (a select, not
+a scatter). So a CUDA graph captured for ``(B, G, W)`` replays any step of that shape with its
+plan copied in (`testbed.engine.cuda_graph`), and ``G``, ``W`` may be padded up to a bucket:
+a padded group reads one key (the padding slot) and no request reads its result.
+
 The plan is built with the step's other metadata on the host and travels in its one transfer.
 """
 
@@ -21,49 +29,65 @@ import numpy as np
 import torch
 
 from testbed.engine.metadata import KVRanges, indptr
+from testbed.engine.slot_table import PAD_ROW
 
 
 @dataclass
 class CascadePlan:
-    """Device tensors of a grouped decode step (``G`` groups, ``W`` members at most)."""
+    """Device tensors of a grouped decode step (``G`` groups of ``W`` member places)."""
 
     suffix: KVRanges  # per request: its row from its group's prefix length (0 alone) to its end
     prefix: KVRanges  # per group: its first member's row, columns 0 .. P - 1
     gather: torch.Tensor  # [G * W] request of each member place (padding: the group's first)
-    members: torch.Tensor  # [M] the grouped requests, group by group
-    places: torch.Tensor  # [M] their places in [G * W]
+    places: torch.Tensor  # [B] each request's member place (0 for a request in no group)
+    grouped: torch.Tensor  # [B] bool: the request is in a group
+    num_groups: int
     width: int
 
     @staticmethod
-    def host_arrays(groups: list[tuple[int, list[int]]], kv_lens: np.ndarray,
-                    rows: np.ndarray) -> tuple[list[np.ndarray], tuple]:
-        """What `from_device` needs: arrays for the step's one transfer, and host sizes."""
-        width = max(len(m) for _, m in groups)
-        starts = np.zeros(len(kv_lens), dtype=np.int64)
-        gather, members, places = [], [], []
+    def host_arrays(groups: list[tuple[int, list[int]]], kv_lens: np.ndarray, rows: np.ndarray,
+                    num_groups: int | None = None, width: int | None = None
+                    ) -> tuple[list[np.ndarray], tuple]:
+        """What `from_device` needs: arrays for the step's one transfer, and host sizes.
+        ``num_groups``, ``width``: pad the plan to at least these (a CUDA graph's bucket)."""
+        widest = max(len(m) for _, m in groups)
+        width = max(width or 0, widest)
+        num_groups = max(num_groups or 0, len(groups))
+        n = len(kv_lens)
+        starts = np.zeros(n, dtype=np.int64)
+        places = np.zeros(n, dtype=np.int64)
+        grouped = np.zeros(n, dtype=np.int64)
+        gather = np.zeros(num_groups * width, dtype=np.int64)
+        first_rows = np.full(num_groups, PAD_ROW, dtype=np.int64)
+        prefix_lens = np.ones(num_groups, dtype=np.int64)  # a padded group: the padding slot
         for g, (shared, group) in enumerate(groups):
             starts[group] = shared
-            gather += group + [group[0]] * (width - len(group))
-            members += group
-            places += range(g * width, g * width + len(group))
-        prefix_lens = np.array([shared for shared, _ in groups], dtype=np.int64)
+            at = g * width + np.arange(len(group))
+            places[group] = at
+            grouped[group] = 1
+            gather[g * width:(g + 1) * width] = group[0]
+            gather[at] = group
+            first_rows[g] = rows[group[0]]
+            prefix_lens[g] = shared
         suffix_lens = np.asarray(kv_lens, dtype=np.int64) - starts
-        first_rows = np.asarray(rows)[[group[0] for _, group in groups]]
         arrays = [rows, starts, suffix_lens, indptr(suffix_lens), first_rows,
-                  np.zeros(len(groups), dtype=np.int64), prefix_lens, indptr(prefix_lens),
-                  gather, members, places]
-        return arrays, (suffix_lens, prefix_lens, width)
+                  np.zeros(num_groups, dtype=np.int64), prefix_lens, indptr(prefix_lens),
+                  gather, places, grouped]
+        return arrays, (suffix_lens, prefix_lens, num_groups, width)
 
     @classmethod
     def from_device(cls, arrays: list[torch.Tensor], sizes: tuple) -> CascadePlan:
         """``arrays``: `host_arrays`' arrays moved to the device; ``sizes``: its host sizes."""
-        suffix_lens, prefix_lens, width = sizes
+        suffix_lens, prefix_lens, num_groups, width = sizes
         return cls(suffix=KVRanges(*arrays[0:4], lens_host=suffix_lens),
                    prefix=KVRanges(*arrays[4:8], lens_host=prefix_lens),
-                   gather=arrays[8], members=arrays[9], places=arrays[10], width=width)
+                   gather=arrays[8], places=arrays[9], grouped=arrays[10].bool(),
+                   num_groups=num_groups, width=width)
 
-    def planned(self, backend: Any, table: torch.Tensor) -> tuple[CascadePlan, Any, Any]:
-        return self, backend.plan_part(self.suffix, table), backend.plan_part(self.prefix, table)
+    def planned(self, backend: Any, table: torch.Tensor, num_kv_splits: int | None = None
+                ) -> tuple[CascadePlan, Any, Any]:
+        return (self, backend.plan_part(self.suffix, table, num_kv_splits),
+                backend.plan_part(self.prefix, table, num_kv_splits))
 
 
 def cascade_decode(backend: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
@@ -76,12 +100,12 @@ def cascade_decode(backend: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     o, lse = backend.decode_part(q.reshape(n, kv_heads, group, dim), k_buf, v_buf, suffix,
                                  sm_scale)
     o, lse = o.reshape(n, heads, dim), lse.reshape(n, heads)
-    g, w = len(plan.prefix.lens_host), plan.width
+    g, w = plan.num_groups, plan.width
     shared = q.index_select(0, plan.gather).view(g, w, kv_heads, group, dim)
     shared = shared.transpose(1, 2).reshape(g, kv_heads, w * group, dim)
     o_p, lse_p = backend.decode_part(shared, k_buf, v_buf, prefix, sm_scale)
     o_p = o_p.view(g, kv_heads, w, group, dim).transpose(1, 2).reshape(g * w, heads, dim)
     lse_p = lse_p.view(g, kv_heads, w, group).transpose(1, 2).reshape(g * w, heads)
     merged = backend.merge(o_p.index_select(0, plan.places), lse_p.index_select(0, plan.places),
-                           o.index_select(0, plan.members), lse.index_select(0, plan.members))
-    return o.index_copy(0, plan.members, merged)
+                           o, lse)
+    return torch.where(plan.grouped[:, None, None], merged, o)

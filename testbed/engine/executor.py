@@ -58,6 +58,8 @@ class EngineExecutor:
         if cuda:
             torch.cuda.synchronize(self.runner.device)
         clock = self.clock or time.perf_counter
+        graphs = self.runner.graphs
+        captured_before = graphs.capture_s if graphs is not None else 0.0
         start, wall = clock(), time.perf_counter()
         logits = self.runner.run(batch)
         sampled = self.sampler(logits).tolist()  # reading the tokens back syncs the device
@@ -65,6 +67,8 @@ class EngineExecutor:
         if cuda:
             torch.cuda.synchronize(self.runner.device)
         duration = clock() - start
+        if graphs is not None:  # a graph captured in this step: capture is not the step's work
+            duration = max(duration - (graphs.capture_s - captured_before), 0.0)
         self.steps += 1
         self.busy_s += duration
         self.wall_s += time.perf_counter() - wall
@@ -81,6 +85,27 @@ class EngineExecutor:
                 tokens.append(int(own))
         self.quality.observe(batch, logits, tokens)  # after the timed part: not in duration_s
         return StepOutcome(duration_s=duration, tokens=tokens, logprobs=logprobs)
+
+
+    # ------------------------------------------------------------------ facts for the run
+    @property
+    def num_slots(self) -> int:
+        return self.runner.num_slots
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def model(self):
+        """The `LlamaModel` (its config: vocabulary, EOS ids; its weights for quality checks)."""
+        return self.runner.model
+
+    def graph_summary(self) -> dict:
+        """The CUDA graphs' figures for the run's summary (capture time, memory, replays);
+        ``cuda_graph: false`` when decode ran eagerly."""
+        graphs = self.runner.graphs
+        return graphs.summary() if graphs is not None else {"cuda_graph": False}
 
 
 def top_logprobs(batch: Batch, logits: torch.Tensor) -> list | None:
@@ -103,7 +128,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          device: str | None = None, dtype: str | None = None,
                          attention: str | None = None, seed: int = 0, forced: bool = True,
                          temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
-                         max_slots: int | None = None, cascade_min_saved: int = 0
+                         max_slots: int | None = None, cascade_min_saved: int = 0,
+                         cuda_graph: bool = True, cuda_graph_max_batch: int = 256
                          ) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
     of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
@@ -112,7 +138,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
 
     Defaults: ``device`` CUDA when present, else CPU; ``dtype`` float32 on CPU, on CUDA bf16 when
     ``model.dtype_bytes`` is 2; ``attention`` `default_attention` (triton on CUDA, cascade decoding
-    on torch kernels elsewhere).
+    on torch kernels elsewhere). ``cuda_graph``: decode steps of up to ``cuda_graph_max_batch``
+    requests replay CUDA graphs captured here (CUDA with Triton attention; ignored elsewhere).
     """
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -126,6 +153,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
     runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
-                         max_slots=max_slots, cascade_min_saved=cascade_min_saved)
+                         max_slots=max_slots, cascade_min_saved=cascade_min_saved,
+                         cuda_graph=cuda_graph, cuda_graph_max_batch=cuda_graph_max_batch)
     return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                           forced=forced)

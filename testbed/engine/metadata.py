@@ -4,8 +4,9 @@
 KV is addressed through the engine's slot table (`testbed.engine.slot_table`): row ``r``, column
 ``j`` holds the KV slot of token ``j`` of the request given row ``r``. A `KVRanges` names, per
 sequence, a run of columns of one row; backends turn it into what their kernels read (flat
-``indptr``/``indices`` for Triton, a padded ``[n, longest]`` gather for torch) on the device, with
-the sizes they need (totals, longest run) known on the host, so no layer has to ask the device.
+``indptr``/``indices`` for Triton, a padded ``[n, longest]`` gather for torch) when they plan the
+step, with the sizes they need (totals, longest run) known on the host, so no layer has to ask
+the device and nothing is derived inside the forward.
 
 Request ``i`` of a step has ``qo_len_i`` new tokens (``q[qo_indptr[i]:qo_indptr[i+1]]``) and reads
 ``kv_len_i`` tokens of KV: its cached prefix first, then its new tokens, whose K/V each layer
@@ -16,15 +17,16 @@ a causal mask aligned to the lower right.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 
 def to_device(arrays: list[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
-    """Integer host arrays as int64 device tensors, in one transfer."""
-    sizes = [len(a) for a in arrays]
+    """Integer host arrays as int64 device tensors, in one transfer (no persistent buffers:
+    `testbed.engine.step_buffers.StepBuffers` is the engine's)."""
+    sizes = [int(np.size(a)) for a in arrays]
     packed = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])
     return list(torch.from_numpy(packed).to(device).split(sizes))
 
@@ -56,10 +58,10 @@ class KVRanges:
     def indices(self, table: torch.Tensor) -> torch.Tensor:
         """The slots of every sequence, concatenated (``[total]``, the table's dtype)."""
         total = self.total
-        rep_rows = torch.repeat_interleave(self.rows, self.lens, output_size=total)
-        shift = torch.repeat_interleave(self.indptr[:-1] - self.starts, self.lens,
-                                        output_size=total)
-        return table[rep_rows, torch.arange(total, device=table.device) - shift]
+        rep_rows = torch.repeat_interleave(self.rows * table.shape[1] - self.indptr[:-1]
+                                           + self.starts, self.lens, output_size=total)
+        cells = rep_rows + torch.arange(total, device=table.device)
+        return table.view(-1).index_select(0, cells)
 
     def padded(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots ``[n, longest]`` (past a sequence's end: some valid slot, masked) and the mask
@@ -75,20 +77,22 @@ class KVRanges:
 
 @dataclass
 class AttentionMetadata:
-    """One step's layout, shared by every layer."""
+    """One step's layout, shared by every layer. Every tensor is made before the forward runs
+    (in `from_table` and the backend's ``plan``): layers only read it."""
 
     qo_indptr: torch.Tensor  # [B + 1] int64
     kv: KVRanges  # each request's KV: row, from column 0, kv_len of them
     table: torch.Tensor  # the slot table (device, int32)
-    last_token_index: torch.Tensor  # [B] int64 row of each request's last new token in [T]
+    out_slots: torch.Tensor  # [T] where the new tokens' K/V are written
+    last_token_index: torch.Tensor | None  # [B] row of each request's last new token in [T];
+    #                                        None: every row is one (a decode step)
     qo_lens: np.ndarray  # host copies, for planning
     kv_lens: np.ndarray
     rows: np.ndarray  # each request's slot-table row (host)
-    new: KVRanges | None = None  # each request's new tokens (for out_slots)
     cascade: Any = None  # a `testbed.engine.cascade.CascadePlan` for a grouped decode step
     plan: Any = None  # what the backend's ``plan`` precomputed for this step
-    _kv_indices: torch.Tensor | None = None
-    _out_slots: torch.Tensor | None = None
+    kv_indices: torch.Tensor | None = None  # every request's slots concatenated, when planned
+    num_kv_splits: int | None = None  # decode split-KV chunks fixed by the caller (CUDA graphs)
 
     @property
     def batch_size(self) -> int:
@@ -115,26 +119,17 @@ class AttentionMetadata:
     def kv_indptr(self) -> torch.Tensor:
         return self.kv.indptr
 
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        """Every request's slots concatenated (gathered on the device once, when first asked)."""
-        if self._kv_indices is None:
-            self._kv_indices = self.kv.indices(self.table)
-        return self._kv_indices
-
-    @property
-    def out_slots(self) -> torch.Tensor:
-        """Where the new tokens' K/V are written, ``[T]``."""
-        if self._out_slots is None:
-            self._out_slots = self.new.indices(self.table)
-        return self._out_slots
-
     @classmethod
     def from_table(cls, qo_lens: np.ndarray, kv_lens: np.ndarray, rows: np.ndarray,
-                   table: torch.Tensor, extra: list[np.ndarray] = ()
+                   table: torch.Tensor, extra: list[np.ndarray] = (),
+                   transfer: Callable[[list[np.ndarray]], list[torch.Tensor]] | None = None,
+                   before_gather: Callable[[list[torch.Tensor]], None] | None = None
                    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
         """From per-request new-token counts, KV lengths (prefix + new) and slot-table rows;
-        ``extra`` host arrays ride along in the same transfer and come back on the device."""
+        ``extra`` host arrays ride along in the same transfer (``transfer``: a `StepBuffers`'s,
+        else a fresh one) and come back on the device. ``before_gather(extra)`` runs once they
+        are there and before ``out_slots`` is read off the table (the runner writes the step's
+        slot-table updates then)."""
         qo_lens = np.asarray(qo_lens, dtype=np.int64)
         kv_lens = np.asarray(kv_lens, dtype=np.int64)
         if len(qo_lens) == 0:
@@ -144,12 +139,18 @@ class AttentionMetadata:
                              f"qo_lens={qo_lens.tolist()} kv_lens={kv_lens.tolist()}")
         qo_ptr, kv_ptr = indptr(qo_lens), indptr(kv_lens)
         zeros = np.zeros(len(rows), dtype=np.int64)
-        dev = to_device([qo_ptr, kv_ptr, rows, zeros, kv_lens, qo_lens, kv_lens - qo_lens,
-                         qo_ptr[1:] - 1, *extra], table.device)
+        move = transfer or (lambda arrays: to_device(arrays, table.device))
+        dev = move([qo_ptr, kv_ptr, rows, zeros, kv_lens, qo_lens, kv_lens - qo_lens,
+                    qo_ptr[1:] - 1, *extra])
         qo_p, kv_p, rows_d, zeros_d, kv_d, qo_d, prefix_d, last = dev[:8]
+        if before_gather is not None:
+            before_gather(dev[8:])
+        new = KVRanges(rows_d, prefix_d, qo_d, qo_p, qo_lens)
+        decode = bool((qo_lens == 1).all())
         meta = cls(qo_indptr=qo_p, kv=KVRanges(rows_d, zeros_d, kv_d, kv_p, kv_lens),
-                   table=table, last_token_index=last, qo_lens=qo_lens, kv_lens=kv_lens,
-                   rows=np.asarray(rows), new=KVRanges(rows_d, prefix_d, qo_d, qo_p, qo_lens))
+                   table=table, out_slots=new.indices(table),
+                   last_token_index=None if decode else last, qo_lens=qo_lens,
+                   kv_lens=kv_lens, rows=np.asarray(rows))
         return meta, dev[8:]
 
     @classmethod

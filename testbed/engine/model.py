@@ -11,7 +11,9 @@ Numerics follow HF transformers' Llama: RMSNorm in fp32 then cast, RoPE in the `
 convention with cos/sin cast to the activations' dtype, GQA with query head ``h`` reading KV head
 ``h // (num_heads // num_kv_heads)``, SwiGLU MLP. Q/K/V and gate/up projections are fused
 (``qkv_proj``, ``gate_up_proj``, as in vLLM); `loader.weight_table` says which rows of them each
-HF tensor fills. Shapes and constants come from a `testbed.model_shape.ModelShape`
+HF tensor fills. Between the matmuls the layer runs fused steps
+(`testbed.engine.layer_kernels`: add + RMSNorm, RoPE + KV store, SiLU-and-mul), Triton kernels
+on a GPU and torch ops elsewhere, with the same roundings as HF's unfused ops. Shapes and constants come from a `testbed.model_shape.ModelShape`
 (`ModelShape.from_hf` reads a checkpoint's `transformers` config).
 """
 
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radix_kernels.reference import fused_add_rmsnorm
+from testbed.engine.layer_kernels import TORCH_KERNELS, LayerKernels, apply_rope
 from testbed.model_shape import ModelShape
 
 if TYPE_CHECKING:
@@ -62,13 +66,6 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dt
     return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` for ``x [T, heads, D]``, with ``sin`` given
-    sign-folded (`LlamaModel.rope`): ``rotate_half(x) * sin`` is ``roll(x, D/2) * [-sin, sin]``,
-    the same products (a sign flip is exact), in two ops instead of four."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, **factory: Any) -> None:
         super().__init__()
@@ -76,9 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_add_rmsnorm(x, None, self.weight, self.eps)[0]
 
 
 class Attention(nn.Module):
@@ -104,10 +99,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        o = attention.forward(q, k, v, k_buf, v_buf, meta, self.sm_scale)
+                v_buf: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,
+                kernels: LayerKernels) -> torch.Tensor:
+        """The projections, RoPE and the KV store (one fused step), attention, the output
+        projection."""
+        q = kernels.rope_store(self.qkv_proj(x), cos, sin, meta.out_slots, k_buf, v_buf,
+                               self.num_heads, self.num_kv_heads)
+        o = attention.forward(q, k_buf, v_buf, meta, self.sm_scale)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
 
@@ -119,9 +117,8 @@ class MLP(nn.Module):
                                       **factory)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = TORCH_KERNELS) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -132,11 +129,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.mlp = MLP(c, **factory)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
-                v_buf: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, meta, attention)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend, kernels: LayerKernels
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``h``: the previous layer's output, not yet added to the ``residual`` stream (None at
+        the first layer, whose input is the embedding): vLLM's layer shape, where each norm
+        adds what came before it. Returns this layer's MLP output and the stream."""
+        x, residual = kernels.add_rmsnorm(h, residual, self.input_layernorm.weight,
+                                          self.input_layernorm.eps)
+        h = self.self_attn(x, cos, sin, k_buf, v_buf, meta, attention, kernels)
+        x, residual = kernels.add_rmsnorm(h, residual, self.post_attention_layernorm.weight,
+                                          self.post_attention_layernorm.eps)
+        return self.mlp(x, kernels), residual
 
 
 class LlamaModel(nn.Module):
@@ -169,20 +174,30 @@ class LlamaModel(nn.Module):
         return rope_tables(positions, self.inv_freq, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, attention: AttentionBackend) -> torch.Tensor:
+                kv_cache: KVCache, attention: AttentionBackend,
+                kernels: LayerKernels = TORCH_KERNELS) -> torch.Tensor:
         """Logits ``[batch, vocab]`` of each request's last new token.
 
         ``input_ids``, ``positions``: ``[T]``, the step's new tokens of every request in batch
-        order; ``meta`` says which KV slots each request reads and where the new K/V go.
+        order; ``meta`` says which KV slots each request reads and where the new K/V go;
+        ``kernels``: the fused layer steps (`testbed.engine.layer_kernels`).
         """
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, h.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache.k[i], kv_cache.v[i], meta, attention)
-        return self.logits(h[meta.last_token_index])
+            h, residual = layer(h, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], meta,
+                                attention, kernels)
+        if meta.last_token_index is not None:  # a prefill: only each request's last token
+            h, residual = h[meta.last_token_index], residual[meta.last_token_index]
+        h, _ = kernels.add_rmsnorm(h, residual, self.norm.weight, self.norm.eps)
+        return self.lm_head_of(h)
+
+    def lm_head_of(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the LM head: logits ``[n, vocab]`` of hidden states ``[n, hidden]``
         (the model's last step, for callers that run the layers themselves: the blend prefill)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(h), weight)
+        return self.lm_head_of(self.norm(h))

@@ -5,7 +5,9 @@ only place a step's inputs are built: the new tokens of every entry concatenated
 (``entry.input_ids()``), their positions ``context .. context + new - 1``, the slot-table writes
 that bring each entry's row up to its KV slots (``entry.kv_slots()``: positions ``0 .. context +
 new - 1``, of which the last ``new`` are written in this step), and the `AttentionMetadata` —
-all in one host-to-device transfer; the index arrays the kernels read are gathered on the device.
+all in one host-to-device transfer into the runner's persistent `StepBuffers`; the index arrays
+the kernels read are gathered on the device before the forward runs. A decode step replays a
+CUDA graph when the runner has them (`testbed.engine.cuda_graph`), padded to its bucket.
 The slots come from the prefix cache; the runner only checks the new ones exist. Entries that
 reuse chunks' KV (``reuse``) run through `testbed.engine.blend` instead, and a batch's
 ``kv_copies`` after the forward (`run`).
@@ -22,14 +24,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from testbed.engine.attention import AttentionBackend, make_attention
+from testbed.engine.attention import MAX_KV_SPLITS, AttentionBackend, make_attention
 from testbed.engine.blend import blend_prefill
 from testbed.engine.cascade import CascadePlan
+from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
 from testbed.engine.kv_cache import KVCache
+from testbed.engine.layer_kernels import kernels_for
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
-from testbed.engine.slot_table import SlotTable
+from testbed.engine.slot_table import PAD_ROW, SlotTable
+from testbed.engine.step_buffers import StepBuffers
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
 
@@ -68,27 +73,50 @@ def kv_pool_slots(model: LlamaModel, mem_fraction: float, max_slots: int | None 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_slots: int | None,
                  attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
-                 max_slots: int | None = None, cascade_min_saved: int = 0) -> None:
+                 max_slots: int | None = None, cascade_min_saved: int = 0,
+                 cuda_graph: bool = False, cuda_graph_max_batch: int = 256,
+                 emulate_graphs: bool = False) -> None:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
-        at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`."""
+        at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`. ``cuda_graph``:
+        decode steps of up to ``cuda_graph_max_batch`` requests replay CUDA graphs
+        (`testbed.engine.cuda_graph`; on CUDA with a graphable attention backend, captured
+        here); ``emulate_graphs``: the graph path without graphs, on any device (tests)."""
         self.model = model
         self.device = model.device
         self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
                           if isinstance(attention, str) else attention)
+        self.kernels = kernels_for(getattr(self.attention, "name", "torch"))
         if num_slots is None:
             num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
         self.slots = SlotTable(self.device)
-        # cascade decoding: who shares a cached prefix
+        self.buffers = StepBuffers(self.device)
+        # cascade decoding: who shares a cached prefix (a batch formed without its groups)
         self.decode_groups = DecodeGroups(min_saved=cascade_min_saved)
         self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
+        self.graphs: DecodeGraphs | None = None
+        graphs = emulate_graphs or (cuda_graph and self.device.type == "cuda")
+        if graphs and getattr(self.attention, "graphable", False):
+            self.graphs = DecodeGraphs(self, cuda_graph_max_batch, emulate=emulate_graphs)
+            if not self.graphs.emulate:
+                self.graphs.capture_buckets()
 
     @property
     def num_slots(self) -> int:
         return self.kv_cache.num_slots
 
-    def prepare(self, batch: Batch) -> StepInputs:
-        """The step's flat inputs and attention metadata (built once, used by every layer)."""
+    def groups_of(self, batch: Batch) -> list[tuple[int, list[int]]]:
+        """The batch's cascade groups: the scheduler's when it formed them, else read here."""
+        if not getattr(self.attention, "cascade", False):
+            return []
+        if batch.decode_groups is not None:
+            return batch.decode_groups
+        return self.decode_groups(batch.entries)
+
+    def prepare(self, batch: Batch, graph: GraphKey | None = None,
+                groups: list[tuple[int, list[int]]] | None = None) -> StepInputs:
+        """The step's flat inputs and attention metadata (built once, used by every layer);
+        ``graph``: pad the decode step to the graph's shape (rows read the padding slot)."""
         entries = batch.entries
         if not entries:
             raise ValueError("cannot run an empty batch")
@@ -111,14 +139,26 @@ class ModelRunner:
         if window is not None and kv_lens.max() > window:
             raise NotImplementedError(f"a sequence of {kv_lens.max()} tokens exceeds the model's "
                                       f"sliding_window={window}, which the engine does not implement")
+        if graph is not None and graph.batch > len(entries):  # padding rows: one key, slot 0
+            pad = graph.batch - len(entries)
+            ids.append(np.zeros(pad, dtype=np.int64))
+            positions.append(np.zeros(pad, dtype=np.int64))
+            rows = np.concatenate([rows, np.full(pad, PAD_ROW)])
+            qo_lens = np.concatenate([qo_lens, np.ones(pad, dtype=np.int64)])
+            kv_lens = np.concatenate([kv_lens, np.ones(pad, dtype=np.int64)])
         tokens = np.concatenate(ids + positions)
-        groups = self.decode_groups(entries) if getattr(self.attention, "cascade", False) else []
-        cascade, sizes = CascadePlan.host_arrays(groups, kv_lens, rows) if groups else ([], None)
-        meta, extra = AttentionMetadata.from_table(qo_lens, kv_lens, rows, self.slots.table,
-                                                   [*writes, tokens, *cascade])
-        self.slots.apply(*extra[:3])
+        if groups is None:
+            groups = self.groups_of(batch)
+        cascade, sizes = CascadePlan.host_arrays(
+            groups, kv_lens, rows, graph and graph.groups, graph and graph.width) \
+            if groups else ([], None)
+        meta, extra = AttentionMetadata.from_table(
+            qo_lens, kv_lens, rows, self.slots.table, [*writes, tokens, *cascade],
+            transfer=self.buffers.transfer, before_gather=lambda dev: self.slots.apply(*dev[:3]))
         if groups:
             meta.cascade = CascadePlan.from_device(extra[4:], sizes)
+        if graph is not None:
+            meta.num_kv_splits = MAX_KV_SPLITS
         meta.plan = self.attention.plan(meta)
         input_ids, pos = extra[3].split([len(tokens) // 2, len(tokens) // 2])
         return StepInputs(input_ids=input_ids, positions=pos, meta=meta)
@@ -126,7 +166,23 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
-                          self.attention)
+                          self.attention, self.kernels)
+
+    @torch.inference_mode()
+    def _run_plain(self, batch: Batch) -> torch.Tensor:
+        """A batch without reused KV: a decode step through its CUDA graph when one takes it,
+        else eagerly."""
+        groups = self.groups_of(batch)
+        key = None
+        if self.graphs is not None and batch.kind == "decode" \
+                and all(e.new == 1 for e in batch.entries):
+            key = self.graphs.key(len(batch.entries), groups)
+        inputs = self.prepare(batch, key, groups)
+        if key is not None:
+            logits = self.graphs.run(key, inputs, len(batch.entries))
+            if logits is not None:
+                return logits
+        return self.forward(inputs)[:len(batch.entries)]
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits ``[len(batch.entries), vocab]`` of each entry's last new token; the entries'
@@ -140,7 +196,7 @@ class ModelRunner:
         if any(reuse):
             logits = self._run_blended(batch, reuse)
         else:
-            logits = self.forward(self.prepare(batch))
+            logits = self._run_plain(batch)
         for c in batch.kv_copies:
             copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
                     self.triton_copies)

@@ -11,6 +11,11 @@ comes in a new buffer (`testbed.cache.base.Lease.reset`). So a row whose request
 live in the buffer they were synced from needs only the new tail; one whose buffer changed is
 compared with the host's copy of the row (rare: once per insert or page-buffer growth). A row is
 given back when its request holds no lease (finished or retracted) and is not in the step.
+
+Row 0 (`PAD_ROW`) is never given to a request: it stays all zeros, the padding slot, so a step
+padded to a CUDA graph's batch size points its extra rows there (one key: the padding slot).
+The table grows (doubling) when a step needs more rows or columns; no captured graph reads it
+(a step's indices are gathered from it before the forward, `testbed.engine.cuda_graph`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from testbed.scheduler.batch import BatchEntry
 from testbed.scheduler.request_state import Req
 
+PAD_ROW = 0  # the row of padded entries: all zeros (the padding slot)
+
 
 class SlotTable:
     def __init__(self, device: torch.device | str, rows: int = 16, width: int = 256) -> None:
@@ -29,7 +36,7 @@ class SlotTable:
         self.host = np.zeros((rows, width), dtype=np.int32)  # what the device rows hold
         self.row_of: dict[Req, int] = {}
         self.synced: dict[int, tuple[np.ndarray, int]] = {}  # row -> (slot buffer, columns)
-        self.free = list(range(rows - 1, -1, -1))
+        self.free = list(range(rows - 1, PAD_ROW, -1))
 
     @property
     def rows(self) -> int:

@@ -24,7 +24,6 @@ import numpy as np
 
 from testbed.assembly import Assembly
 from testbed.errors import BadInput
-from testbed.group_values import number
 from testbed.metrics import RequestRecord, ideal_hit_rate
 from testbed.remote.driver import RemoteDriver, Sent
 from testbed.remote.openai_client import Completion, OpenAIClient, completion_body
@@ -54,9 +53,7 @@ def run_server(run: Assembly, requests: list[Request]) -> ServerRun:
 
 async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
     settings: ServerSettings = run.server
-    forced = bool(run.get("forced", True))
-    temperature = number(run.config, "temperature", "", 0.0)
-    top_p = number(run.config, "top_p", "", 1.0)
+    forced, temperature, top_p = run.engine.forced, run.engine.temperature, run.engine.top_p
     splices = [r.id for r in requests if any(isinstance(s, OutputRef) for s in r.segments or ())]
     async with OpenAIClient(settings) as client:
         model = settings.model or await client.first_model()

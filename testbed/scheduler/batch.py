@@ -61,6 +61,9 @@ class Batch:
     kind: str  # "prefill" or "decode"
     entries: list[BatchEntry]
     kv_copies: list[KVCopy] = field(default_factory=list)  # run after the forward, in order
+    # cascade decoding: ``(shared tokens, entry indices)`` of the requests that read a cached
+    # prefix once (`testbed.scheduler.decode_groups`); None where the scheduler formed none
+    decode_groups: list[tuple[int, list[int]]] | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -92,6 +92,14 @@ class DecodeGroups:
         return self._last[1]
 
 
+def attach_groups(batch: Any, groups: DecodeGroups | None) -> None:
+    """Put a formed batch's cascade groups on it (``batch.decode_groups``): the scheduler's
+    fact about who shares which prefix, read by the engine's plan and the simulator's price.
+    Nothing with ``groups`` None (no cascade decoding)."""
+    if batch is not None and groups is not None:
+        batch.decode_groups = groups(batch.entries)
+
+
 def saved_reads(groups: list[tuple[int, list[int]]]) -> int:
     """KV tokens a cascade step does not read: ``(n - 1) · P`` per group."""
     return sum((len(members) - 1) * shared for shared, members in groups)

@@ -63,6 +63,7 @@ from testbed.cache.base import Lease, PrefixCache
 from testbed.cache.reuse import ReuseConfig
 from testbed.errors import BadInput
 from testbed.scheduler.adder import AddResult, PrefillAdder
+from testbed.scheduler.decode_groups import DecodeGroups, attach_groups
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
@@ -88,6 +89,7 @@ class Scheduler:
         ``check_invariants``: check the cache's bookkeeping against the held leases after every
         `next_batch` and `complete` (``debug.check_invariants``; slow, for tests and the fuzzer)."""
         self.check_invariants = check_invariants
+        self.decode_groups: DecodeGroups | None = None  # cascade: set by `build_scheduler`
         self.cache = cache
         self.reuse = ReusePlanner(cache, reuse) if reuse is not None and reuse.active else None
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -165,6 +167,7 @@ class Scheduler:
             self._finished_out += self._apply(done, tokens, now)
             if batch is None:
                 batch = self._form(now)
+        attach_groups(batch, self.decode_groups)
         self._in_flight = batch
         if self.check_invariants:
             self.cache.check_invariants(self.leases())

@@ -48,6 +48,7 @@ from typing import Collection
 from testbed.cache.base import Lease
 from testbed.cache.block_hash import BlockHashCache
 from testbed.errors import BadInput, WorkloadRefused
+from testbed.scheduler.decode_groups import DecodeGroups, attach_groups
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.vllm_config import VllmSchedulerConfig
@@ -66,6 +67,7 @@ class VllmScheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.eos_for_all = eos_for_all
         self.check_invariants = check_invariants
+        self.decode_groups: DecodeGroups | None = None  # cascade: set by `build_scheduler`
         self.waiting: deque[Req] = deque()  # FCFS; preempted requests go to the front
         self.running: list[Req] = []  # admission order; the last is preempted first
         self.preemptions = 0
@@ -155,6 +157,7 @@ class VllmScheduler:
         # a step of decodes only (running requests feeding their last token) is a decode step;
         # one with a prefill chunk or an admission is a prefill step (mixed ones included)
         batch = Batch("decode" if all(decodes) else "prefill", entries) if entries else None
+        attach_groups(batch, self.decode_groups)
         if self.check_invariants:
             self.cache.check_invariants(self.leases())
         return batch

@@ -215,11 +215,13 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      network_delay_s: float = 0.0, progress: bool = False,
                      transfer_s_per_token: float = 0.0, observe: bool = False,
                      check_invariants: bool = False,
-                     max_concurrency: int | None = None) -> ClusterResult:
+                     max_concurrency: int | None = None,
+                     decode_groups: Callable[[], Any] | None = None) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
     scheduler, seeded ``seed + i``) behind ``router``, in virtual time; with ``observe`` the
     result carries a `RunObserver`'s steps and request phases; with ``check_invariants`` every
-    scheduler checks its cache after every step."""
+    scheduler checks its cache after every step; ``decode_groups()``: each replica's cascade
+    groups (`testbed.scheduler.decode_groups.DecodeGroups`, or None without cascade)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = scheduler_config(scheduler_cfg)
@@ -227,7 +229,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
     if len({id(c) for c in caches}) != replicas:
         raise ValueError("make_cache must build a new cache on every call")
     router.bind(replicas, caches)
-    schedulers = [build_scheduler(c, config, seed=seed + i, check_invariants=check_invariants)
+    schedulers = [build_scheduler(c, config, seed=seed + i, check_invariants=check_invariants,
+                                  decode_groups=decode_groups() if decode_groups else None)
                   for i, c in enumerate(caches)]
     driver = ClusterDriver(requests, schedulers, executor, router, max_in_flight=max_in_flight,
                            network_delay_s=network_delay_s,

@@ -15,6 +15,7 @@ from testbed.metrics import RequestRecord
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.scheduler.build import build_scheduler
+from testbed.scheduler.decode_groups import DecodeGroups
 from testbed.serving.driver import Driver, DriverResult
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
@@ -28,7 +29,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
           reuse: ReuseConfig | None = None,
           check_prompt: Callable[[Request, np.ndarray], None] | None = None,
           check_invariants: bool = False,
-          max_concurrency: int | None = None) -> tuple[Scheduler, DriverResult]:
+          max_concurrency: int | None = None,
+          decode_groups: DecodeGroups | None = None) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
@@ -39,10 +41,11 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     prefixes). ``check_prompt``: called on each prompt rebuilt from real outputs before its call is
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``).
-    ``max_concurrency``: calls outstanding at once (``arrival.``; None: unlimited)."""
+    ``max_concurrency``: calls outstanding at once (``arrival.``; None: unlimited).
+    ``decode_groups``: cascade decoding's groups, put on each formed batch (None: none)."""
     scheduler = build_scheduler(cache, scheduler_cfg, seed=seed, eos_token_ids=eos_token_ids,
                                 eos_for_all=generate, reuse=reuse,
-                                check_invariants=check_invariants)
+                                check_invariants=check_invariants, decode_groups=decode_groups)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight,
                     generate=rebuilds_prompts(requests, generate), progress=progress,
                     record_steps=record_steps,

@@ -26,7 +26,8 @@ class SimExecutor:
     """A GPU that takes the cost model's time and says what the workload says.
 
     ``attention`` is the run's key: ``cascade*`` prices cascade decoding, each decode step's
-    shared prefixes read once per group (the engine's groups, `DecodeGroups`); any other name,
+    shared prefixes read once per group (the groups the scheduler put on the batch, the engine's
+    too; a batch formed without them is grouped here by the same `DecodeGroups`); any other name,
     or None, prices every request's whole context. ``cascade_min_saved``: as the engine's, a
     step whose groups save fewer KV reads is priced plain (`DecodeGroups`). Without cascade, a
     cost model that prices re-read KV apart (``prices_rereads``: a fitted CPU model whose ``h``
@@ -45,7 +46,8 @@ class SimExecutor:
 
     def execute(self, batch: Batch) -> StepOutcome:
         new, context = batch.shape()
-        shared = self.groups(batch.entries) if self.groups is not None else ()
+        shared = () if self.groups is None else batch.decode_groups \
+            if batch.decode_groups is not None else self.groups(batch.entries)
         if batch.kv_copies or any(e.reuse for e in batch.entries):
             step = reuse_shape(batch)
         else:
