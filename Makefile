@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup real run test bench clean
+.PHONY: setup real run test bench clean gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,22 @@ test: setup
 
 bench: setup
 	$(PY) -m experiments.benchmarks.cache $(ARGS)
+
+# The pure-Python packages a bare CUDA machine lacks (its torch, triton, transformers, numpy, pandas
+# are used as they are: ../shared/GPU.md), as wheels for its Python, pinned to this venv's
+# versions, into .whl/ (git-ignored); experiments/validation/gpu_validate.sh installs them into a
+# temporary folder there when an import fails. antlr4 4.9.3 is an sdist: its wheel is built here.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS := hydra-core omegaconf hydra-joblib-launcher simpy fastapi starlette pydantic \
+	pydantic-core annotated-types typing-inspection annotated-doc uvicorn click h11
+gpu-wheels: setup
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform any -d .whl \
+	  $$($(PY) -c "from importlib.metadata import version; print(' '.join(f'{n}=={version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+	$(PY) -m pip wheel -q --no-deps -w .whl "antlr4-python3-runtime==$$($(PY) -c "from importlib.metadata import version; print(version('antlr4-python3-runtime'))")"
+	@ls .whl | wc -l | xargs echo "wheels in .whl:"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .hypothesis

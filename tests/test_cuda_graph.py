@@ -174,3 +174,37 @@ def test_a_capture_mid_run_warms_up_on_inputs_that_touch_only_the_padding_slot(t
     assert len(seen) == len(runner.graphs.graphs) * (1 if EMULATE else 2) > 1  # the warm-ups
     for out_slots, indices in seen:
         assert set(out_slots) == {0} and all(set(i) <= {0} for i in indices)
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_and_the_failure_is_reported(tiny, monkeypatch):
+    def broken(self, key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", broken)
+    runner = ModelRunner(tiny, 40, attention="triton", emulate_graphs=True,
+                         cuda_graph_max_batch=4)
+    reqs = [make_req(f"r{i}", list(range(3 + i, 8 + i)), np.arange(1 + 8 * i, 8 + 8 * i))
+            for i in range(3)]
+    runner.run(Batch("prefill", [BatchEntry(r, 0, 5, True) for r in reqs]))
+    for r in reqs:
+        r.output.append(7)
+    logits = runner.run(Batch("decode", [BatchEntry(r, 5, 1, True) for r in reqs]))
+    assert logits.shape == (3, 256) and runner.graphs.replays == 0
+    assert runner.graphs.summary()["graph_capture_failures"] == {
+        "4x0x0": "RuntimeError: operation not permitted when stream is capturing"}
+
+
+def test_triton_layer_kernels_that_fail_here_give_way_to_their_torch_references(tiny,
+                                                                               monkeypatch):
+    import radix_kernels
+
+    def broken(gate_up):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(radix_kernels, "silu_and_mul", broken, raising=False)
+    with pytest.warns(UserWarning, match=r"the Triton layer kernels failed here \(RuntimeError: "
+                                         r"PassManager::run failed\)"):
+        runner = ModelRunner(tiny, 40, attention="triton")
+    assert runner.kernels.name == "torch"
+    assert EngineExecutor(runner).graph_summary()["layer_kernels_error"] == \
+        "RuntimeError: PassManager::run failed"

@@ -288,7 +288,8 @@ def test_fetch_on_the_command_line_does_nothing_when_both_are_here():
         here_or_skip(name)
     proc = subprocess.run([sys.executable, "-m", "testbed.data", "fetch", "smollm2_135m_instruct",
                            "sharegpt_v3"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=os.environ | {"PYTHONPATH": str(REPO)})
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["smollm2_135m_instruct", "sharegpt_v3"]

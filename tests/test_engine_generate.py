@@ -128,7 +128,8 @@ def test_the_refusal_is_one_line_on_the_command_line(tmp_path):
                            "workload=trace", f"workload.path={trace}",
                            f"hydra.run.dir={tmp_path / 'out'}"],
                           cwd=REPO, capture_output=True, text=True,
-                          env=os.environ | {"PYTHONPATH": str(REPO)})
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)})
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: request a has 'max_new_tokens' and no 'output': only backend=engine generates "

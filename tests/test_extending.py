@@ -87,7 +87,8 @@ class NoRoute:
 
 
 def cli(*overrides: str, path: str, sweep: bool = False, cwd=REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (path, os.environ.get("PYTHONPATH")) if p)}
     flags = ["-m"] if sweep else []
     return subprocess.run([sys.executable, "-m", "testbed.run", *flags, "progress=false",
                            *overrides], cwd=cwd, env=env, capture_output=True, text=True,

@@ -76,7 +76,7 @@ def served_step_ms(overrides: list[str], context: int, tokens: int = 48) -> floa
     import httpx
 
     from testbed.api.server import start_server
-    handle = start_server(["device=cpu", *overrides], in_process=False, timeout_s=600)
+    handle = start_server(["engine.device=cpu", *overrides], in_process=False, timeout_s=600)
     try:
         best = np.inf
         for _ in range(2):
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", default=["model=smollm2_135m"])
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as testbed.serve on a CPU
-    run = assemble(compose_config(["backend=engine", "device=cpu", *args.overrides]))
+    run = assemble(compose_config(["backend=engine", "engine.device=cpu", *args.overrides]))
     shapes = [StepShape.decode((args.context,) * b) for b in args.batch]
     executor = run.build_executor(grid_slots(shapes))
     for b in args.batch:

@@ -81,9 +81,9 @@ def run_once(overrides: list[str], base: list[str] = MODEL) -> dict:
     return summary
 
 
-VARIANTS = {"radix+lpm": ["cache=radix", "scheduler=lpm", "attention=torch"],
-            "radix+cascade": ["cache=radix", "scheduler=lpm", "attention=cascade"],
-            "none+fcfs": ["cache=none", "scheduler=fcfs", "attention=torch"]}
+VARIANTS = {"radix+lpm": ["cache=radix", "scheduler=lpm", "engine.attention=torch"],
+            "radix+cascade": ["cache=radix", "scheduler=lpm", "engine.attention=cascade"],
+            "none+fcfs": ["cache=none", "scheduler=fcfs", "engine.attention=torch"]}
 
 
 def compare(name: str, workload: list[str], repeats: int,
@@ -108,7 +108,7 @@ def cli_default(repeats: int, min_saved: int) -> None:
     """The literal CLI default on the engine: makespans, the fastest of ``repeats`` each."""
     variants = {"radix+lpm": VARIANTS["radix+lpm"], "radix+cascade": VARIANTS["radix+cascade"],
                 f"+min_saved={min_saved}": VARIANTS["radix+cascade"]
-                + [f"cascade_min_saved={min_saved}"],
+                + [f"engine.cascade_min_saved={min_saved}"],
                 "none+fcfs": VARIANTS["none+fcfs"]}
     run_once(["workload.num_problems=4"], CLI_DEFAULT)  # untimed: one-time imports, allocations
     best: dict[str, dict] = {}

@@ -40,7 +40,7 @@ from testbed.api.server import ServerHandle, one_cpu_thread, start_server
 
 # a KV pool small enough to evict, prompts chunked, and reservations of one future token so that
 # the scheduler admits optimistically and retracts under pressure: aborts meet every state
-DEFAULT_OVERRIDES = ["model=tiny", "device=cpu", "cache.capacity_tokens=512",
+DEFAULT_OVERRIDES = ["model=tiny", "engine.device=cpu", "cache.capacity_tokens=512",
                      "scheduler.chunked_prefill_size=64", "scheduler.clip_max_new_tokens=1",
                      "serve.max_queue=512"]
 VOCAB = 256  # the tiny model's

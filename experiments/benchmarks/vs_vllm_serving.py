@@ -52,7 +52,7 @@ SHOWN = ["requests_per_s", "output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "hit_
 @contextlib.contextmanager
 def testbed_server(name: str):
     from testbed.api.server import start_server
-    handle = start_server(["model=smollm2_135m", "device=cpu", f"cache.capacity_tokens={CAPACITY}",
+    handle = start_server(["model=smollm2_135m", "engine.device=cpu", f"cache.capacity_tokens={CAPACITY}",
                            "serve.model_name=" + vs_vllm.SERVED_NAME, *TESTBED[name]],
                           in_process=False, timeout_s=600)
     try:

@@ -131,7 +131,7 @@ def engine(work: Path, prompts: list[list[int]], depth: int, repeats: int,
         for r in range(repeats):  # interleaved: a slow spell of the machine hits every cache
             for label, cache in CACHES.items():
                 got = run(work, f"engine_w{w}_{label}_{r}",
-                          ["backend=engine", "model=smollm2_135m", "device=cpu",
+                          ["backend=engine", "model=smollm2_135m", "engine.device=cpu",
                            "workload=trace", f"workload.path={trace}",
                            f"cache.capacity_tokens={capacity}", *cache])
                 key = (w, label)

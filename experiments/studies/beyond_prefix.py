@@ -51,7 +51,7 @@ from testbed.execute import execute  # noqa: E402
 SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "cache=radix", "scheduler=lpm",
        "cost_model=roofline", "progress=false"]
 ENGINE = ["backend=engine", "model=tiny", "cache=radix", "scheduler=lpm", "progress=false",
-          "attention=torch",  # plain decode, as its figures were measured (the CPU default cascades)
+          "engine.attention=torch",  # plain decode, as its figures were measured (the CPU default cascades)
           "arrival.max_in_flight=4"]  # 4 programs at a time: later prompts find earlier chunks
 # The engine's small workloads: the shapes of the defaults (conf/workload), scaled to a CPU.
 SMALL = {
@@ -113,7 +113,7 @@ def quality(workload: str, mode: Mode, runs: Path) -> dict:
     out: dict = {}
     for forced in (True, False):
         tag = "forced" if forced else "generate"
-        s = run_once(ENGINE + [f"workload={workload}", f"forced={str(forced).lower()}"]
+        s = run_once(ENGINE + [f"workload={workload}", f"engine.forced={str(forced).lower()}"]
                      + SMALL[workload] + mode.overrides(),
                      runs / "engine" / workload / f"{mode.name.replace(' ', '_')}_{tag}")
         if forced:

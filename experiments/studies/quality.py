@@ -59,9 +59,9 @@ from testbed.workloads.sharegpt import load_tokenizer  # noqa: E402
 NEW_TOKENS = 16  # the answer's room, and KL's first 16 positions (testbed.engine.quality)
 # plain decode (attention=torch), as the figures in docs/results/quality.md were measured: the
 # CPU default now decodes in cascade, equal within fp32 rounding, which can flip a near tie
-ENGINE = ["backend=engine", "model=smollm2_135m", "device=cpu", "dtype=float32", "cache=radix",
-          "scheduler=lpm", "forced=false", "save_token_ids=true", "progress=false",
-          "attention=torch"]
+ENGINE = ["backend=engine", "model=smollm2_135m", "engine.device=cpu", "engine.dtype=float32", "cache=radix",
+          "scheduler=lpm", "engine.forced=false", "save_token_ids=true", "progress=false",
+          "engine.attention=torch"]
 # sizes for one CPU core: 16 documents, so that later prompts find earlier ones' documents
 SIZES = {
     "rag_text": ["workload.num_requests=24", "workload.corpus_docs=16"],

@@ -45,7 +45,7 @@ def captured_decodes(workload: str, batch: int) -> tuple[object, list[list[tuple
     """The engine, and every decode batch of ``batch`` requests it ran on ``workload``: each
     request's (context, slots of its context)."""
     sve.BASE[:] = sve.REAL["base"]
-    run = assemble(sve.config(["forced=true"], "calibrate"))
+    run = assemble(sve.config(["engine.forced=true"], "calibrate"))
     engine = run.build_executor(20_000)
     engine.clock = time.process_time
     kept: list[list[tuple[int, np.ndarray]]] = []

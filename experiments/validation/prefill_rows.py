@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     sve.BASE[:] = sve.REAL["base"]
-    run = assemble(sve.config(["forced=true"], "calibrate"))
+    run = assemble(sve.config(["engine.forced=true"], "calibrate"))
     shapes = [StepShape(tuple(int(n) for n in step.split(",")), (0,) * len(step.split(",")))
               for step in args.step]
     engine = run.build_executor(max(s.num_new for s in shapes) + 16)

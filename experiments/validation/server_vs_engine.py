@@ -62,7 +62,7 @@ class Case:
 
     def overrides(self, vocab: int | None) -> list[str]:
         words = [*MODELS[self.model], *WORKLOADS[self.workload], *self.arrival, *self.extra,
-                 "forced=false", "progress=false", "device=cpu"]
+                 "engine.forced=false", "progress=false", "engine.device=cpu"]
         if vocab is not None and self.workload not in TEXT:  # as the engine fits it offline
             words.append(f"workload.vocab_size={vocab}")
         return words
@@ -110,7 +110,7 @@ def run_case(case: Case, out: Path) -> dict:
     """Offline first (its fitted vocabulary tells the server run's), then the server."""
     offline = run_offline(case, out / "engine")
     *_, vocab = offline
-    handle = start_server([*MODELS[case.model], "device=cpu"], in_process=False, timeout_s=600)
+    handle = start_server([*MODELS[case.model], "engine.device=cpu"], in_process=False, timeout_s=600)
     try:
         served = run_server(case, handle.url, vocab, out / "server")
     finally:

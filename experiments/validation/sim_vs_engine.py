@@ -59,7 +59,7 @@ from testbed.serving.serve import records_of, serve
 # plain decode on both sides: the simulator here is built with SimExecutor(fitted) (no cascade
 # groups), while the CPU engine's default attention decodes in cascade
 BASE = ["model=tiny", "hardware=cpu", "progress=false", "workload.vocab_size=256",
-        "attention=torch"]
+        "engine.attention=torch"]
 EXTRA: list[str] = []  # the command line's overrides, applied after BASE (e.g. a GPU model)
 HELD_BACK = {
     "tree_of_thought": ["workload=tree_of_thought", "workload.num_problems=8"],
@@ -74,7 +74,7 @@ CAPACITY = 6000  # tokens: small enough that eviction happens
 #: lengths included, each size measured, since this CPU's BLAS costs move in steps with the rows
 #: and the fit prices each row count on its own: `calibrate.row_table`)
 REAL = {
-    "base": ["model=smollm2_135m", "hardware=cpu", "progress=false", "attention=torch"],
+    "base": ["model=smollm2_135m", "hardware=cpu", "progress=false", "engine.attention=torch"],
     "held_back": {
         "sharegpt_chat": ["workload=sharegpt_chat", "workload.num_conversations=4",
                           "workload.max_turns=3", "workload.max_total_len=1024"],
@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="the real model (smollm2_135m) on four "
                     "held-back text workloads, with a reduced grid (REAL); 4 rounds by default")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. "
-                    "model=llama2_7b hardware=h200 device=cuda dtype=bfloat16 attention=triton")
+                    "model=llama2_7b hardware=h200 engine.device=cuda engine.dtype=bfloat16 engine.attention=triton")
     args = ap.parse_args()
     if args.real:
         BASE[:] = REAL["base"]
@@ -212,7 +212,7 @@ def main() -> None:
     EXTRA.extend(args.overrides)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    cal = config(["forced=true"] + GRID, "calibrate")  # the run config with backend=engine
+    cal = config(["engine.forced=true"] + GRID, "calibrate")  # the run config with backend=engine
     run = assemble(cal)
     model, hw = run.model_shape, run.hardware
     floor = RooflineCostModel(model, hw)  # the fitted model's floor, as testbed.calibrate's

@@ -78,7 +78,7 @@ TARGET = {"ttft_p50_s": 0.15, "tpot_p50_s": 0.15}  # the issue's held-out bound
 # attention=torch: plain decode, each request reading its own KV, as vLLM's CPU attention does
 # (not cascade); the fitted h then prices the KV a step's requests read again (SharedReads)
 SIM = ["backend=sim", "scheduler=vllm", "cache=block_hash", "model=smollm2_135m", "hardware=cpu",
-       "attention=torch", "forced=true", "progress=false"]
+       "engine.attention=torch", "engine.forced=true", "progress=false"]
 
 
 def cases(workloads: dict, loops: list[int]) -> list[tuple[str, int]]:

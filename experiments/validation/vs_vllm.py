@@ -339,7 +339,7 @@ def run_server(words: list[str], served: Served, arrival: list[str], out: Path) 
 
 def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
     return [*words, *arrival, "backend=server", f"server.url={served.url}",
-            f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "forced=true",
+            f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "engine.forced=true",
             "save_token_ids=true", "progress=false"]
 
 
@@ -366,7 +366,7 @@ def closed_loop(workload: str, words: list[str], served: Served, n: int, out: Pa
     arrival = [f"arrival.max_in_flight={n}"]
     server = run_server(words, served, arrival, out / "server")
     cache = [f"cache.block_size={served.block_size}",
-             f"cache.capacity_tokens={served.capacity_tokens}", "forced=true", "progress=false"]
+             f"cache.capacity_tokens={served.capacity_tokens}", "engine.forced=true", "progress=false"]
     execute(compose_config([*SIM, *words, *arrival, *cache]), out / "sim")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
     trace = out / "as_ran.jsonl"

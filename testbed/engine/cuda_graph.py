@@ -171,7 +171,8 @@ class DecodeGraphs:
         self.capture_s = 0.0  # every capture, warm-up included
         self.memory_bytes = 0  # the graphs' pool, as the allocator reserved it
         self.replays = 0
-        self.recaptures = 0  # graphs dropped because a step outgrew the static KV index space
+        self.recaptures = 0
+        self.failed: dict[GraphKey, str] = {}  # shapes whose capture failed: eager, and why  # graphs dropped because a step outgrew the static KV index space
 
     # ------------------------------------------------------------------ which steps
     def bucket(self, n: int) -> int | None:
@@ -242,7 +243,15 @@ class DecodeGraphs:
             self.recaptures += len(self.graphs)
             self.graphs.clear()
             return None
-        captured = self.graphs.get(key) or self._capture(key)
+        captured = self.graphs.get(key)
+        if captured is None:
+            if key in self.failed:
+                return None
+            try:
+                captured = self._capture(key)
+            except Exception as e:  # noqa: BLE001 - this shape runs eagerly from now on
+                self.failed[key] = f"{type(e).__name__}: {e}"[:500]
+                return None
         self.static.load(key, inputs)
         self.replays += 1
         if captured.graph is None:
@@ -255,5 +264,8 @@ class DecodeGraphs:
                 "graph_max_batch": self.max_batch,
                 "graphs_captured": len(self.graphs), "graph_capture_s": self.capture_s,
                 "graph_memory_bytes": self.memory_bytes, "graph_replays": self.replays,
-                "graph_recaptures": self.recaptures}
+                "graph_recaptures": self.recaptures,
+                **({"graph_capture_failures": {f"{k.batch}x{k.groups}x{k.width}": why
+                                               for k, why in self.failed.items()}}
+                   if self.failed else {})}
 

@@ -104,8 +104,14 @@ class EngineExecutor:
     def graph_summary(self) -> dict:
         """The CUDA graphs' figures for the run's summary (capture time, memory, replays);
         ``cuda_graph: false`` when decode ran eagerly."""
-        graphs = self.runner.graphs
-        return graphs.summary() if graphs is not None else {"cuda_graph": False}
+        runner = self.runner
+        out = runner.graphs.summary() if runner.graphs is not None else {"cuda_graph": False}
+        out["layer_kernels"] = runner.kernels.name
+        for key, error in (("graph_error", runner.graph_error),
+                           ("layer_kernels_error", runner.kernels_error)):
+            if error:
+                out[key] = error
+        return out
 
 
 def top_logprobs(batch: Batch, logits: torch.Tensor) -> list | None:

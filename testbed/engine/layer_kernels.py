@@ -53,6 +53,41 @@ def triton_kernels() -> LayerKernels:
                         radix_kernels.rope_store_kv)
 
 
-def kernels_for(attention_name: str) -> LayerKernels:
-    """The layer kernels that go with an attention backend (its ``name``)."""
-    return triton_kernels() if attention_name == "triton" else TORCH_KERNELS
+def kernels_for(attention_name: str, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> tuple[LayerKernels, str | None]:
+    """The layer kernels that go with an attention backend (its ``name``), and why not the
+    Triton ones where they were meant but failed a smoke test on ``device`` in ``dtype`` (a
+    Triton release that cannot compile one, say): then the torch references run instead, and
+    the reason is reported (a slower engine, never a wrong one)."""
+    if attention_name != "triton":
+        return TORCH_KERNELS, None
+    kernels = triton_kernels()
+    try:
+        smoke_test(kernels, torch.device(device), dtype)
+    except Exception as e:  # noqa: BLE001 - any failure means: not these kernels here
+        return TORCH_KERNELS, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    return kernels, None
+
+
+def smoke_test(kernels: LayerKernels, device: torch.device, dtype: torch.dtype) -> None:
+    """Each kernel once on a small step (4 tokens, 2 query heads per KV head, head_dim 16),
+    against its torch reference within the dtype's rounding."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+    t, heads, kv_heads, dim = 4, 4, 2, 16
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    x, residual, weight = rand(t, 64), rand(t, 64), rand(64)
+    for got, want in zip(kernels.add_rmsnorm(x, residual, weight, 1e-6),
+                         TORCH_KERNELS.add_rmsnorm(x, residual, weight, 1e-6)):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    gate_up = rand(t, 64)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up),
+                               atol=tol, rtol=tol)
+    qkv = rand(t, (heads + 2 * kv_heads) * dim)
+    cos, sin = rand(t, 1, dim), rand(t, 1, dim)
+    slots = torch.tensor([3, 1, 4, 2], device=device)
+    bufs = [torch.zeros(6, kv_heads, dim, dtype=dtype, device=device) for _ in range(4)]
+    q = kernels.rope_store(qkv, cos, sin, slots, bufs[0], bufs[1], heads, kv_heads)
+    want = TORCH_KERNELS.rope_store(qkv, cos, sin, slots, bufs[2], bufs[3], heads, kv_heads)
+    torch.testing.assert_close(q, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(bufs[0], bufs[2], atol=tol, rtol=tol)

@@ -19,6 +19,7 @@ once the weights are loaded (`kv_slots_for_free_memory`).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -85,7 +86,13 @@ class ModelRunner:
         self.device = model.device
         self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
                           if isinstance(attention, str) else attention)
-        self.kernels = kernels_for(getattr(self.attention, "name", "torch"))
+        # the fused layer steps of the backend's family; the torch ones, and why, if the
+        # Triton ones failed their smoke test here
+        self.kernels, self.kernels_error = kernels_for(getattr(self.attention, "name", "torch"),
+                                                       self.device, model.dtype)
+        if self.kernels_error:
+            warnings.warn(f"the Triton layer kernels failed here ({self.kernels_error}); the "
+                          "engine runs their torch references instead", stacklevel=2)
         if num_slots is None:
             num_slots = kv_pool_slots(model, mem_fraction, max_slots)
         self.kv_cache = KVCache.for_model(model.config, num_slots, model.dtype, self.device)
@@ -95,11 +102,17 @@ class ModelRunner:
         self.decode_groups = DecodeGroups(min_saved=cascade_min_saved)
         self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
         self.graphs: DecodeGraphs | None = None
+        self.graph_error: str | None = None  # why decode runs eagerly though graphs were asked
         graphs = emulate_graphs or (cuda_graph and self.device.type == "cuda")
         if graphs and getattr(self.attention, "graphable", False):
             self.graphs = DecodeGraphs(self, cuda_graph_max_batch, emulate=emulate_graphs)
             if not self.graphs.emulate:
-                self.graphs.capture_buckets()
+                try:
+                    self.graphs.capture_buckets()
+                except Exception as e:  # noqa: BLE001 - eager decode is slower, not wrong
+                    self.graphs, self.graph_error = None, f"{type(e).__name__}: {e}"[:500]
+                    warnings.warn(f"CUDA graph capture failed ({self.graph_error}); decode "
+                                  "steps run eagerly", stacklevel=2)
 
     @property
     def num_slots(self) -> int:
