@@ -88,8 +88,9 @@ def test_reference_rope_store_kv_is_apply_rope_then_store_kv():
     t, h, kh, d = 4, 6, 2, 16
     qkv = randn(t, (h + 2 * kh) * d, dtype=torch.float16, seed=5)
     cos, sin = tables([0, 3, 900, 40000], d, torch.float16)
-    slots = torch.tensor([7, 2, 9, 4])
-    got, want = [[torch.zeros(10, kh, d, dtype=torch.float16) for _ in "kv"] for _ in range(2)]
+    slots = torch.tensor([7, 2, 9, 4], device=DEVICE or "cpu")
+    got, want = [[torch.zeros(10, kh, d, dtype=torch.float16, device=DEVICE or "cpu")
+                  for _ in "kv"] for _ in range(2)]
     q = ref.rope_store_kv(qkv, cos, sin, slots, *got, h, kh)
     qk = apply_rope(qkv[:, :(h + kh) * d].view(t, h + kh, d), cos, sin)
     ref.store_kv(*want, slots, qk[:, h:], qkv[:, (h + kh) * d:].view(t, kh, d))

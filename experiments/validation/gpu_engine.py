@@ -44,6 +44,7 @@ from testbed.engine.kv_cache import KVCache
 from testbed.engine.loader import build_model, config_from_model_group, parse_dtype
 from testbed.engine.runner import ModelRunner
 from testbed.execute import execute
+
 from testbed.serving.serve import serve
 from testbed.workloads.request import Request
 
@@ -132,8 +133,14 @@ def kernels(model, args) -> dict:
             runner.run(batch)
             torch.cuda.synchronize()
         launched = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        names: dict[str, list] = {}
+        for e in launched:
+            entry = names.setdefault(e.name[:80], [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.device_time_total if hasattr(e, "device_time_total") else 0.0
         out[attention] = {"kernels_a_step": len(launched),
-                          "kernels_a_layer": len(launched) / model.config.num_layers}
+                          "kernels_a_layer": len(launched) / model.config.num_layers,
+                          "by_name": dict(sorted(names.items(), key=lambda kv: -kv[1][0]))}
         del runner
     return out
 
@@ -156,6 +163,62 @@ RUNS = {  # name -> overrides (besides the model's), the ones the acceptance rea
     "tot_radix_cascade": [*TOT[:3], "engine.attention=cascade_triton"],
     "tot_radix_eager": [*TOT, "engine.cuda_graph=false"],
 }
+
+
+def step_profile(args, base: list[str]) -> dict:
+    """Where a served decode step's time goes (tree-of-thought, radix+lpm, CUDA graphs): per
+    decode step its duration, the host's time preparing its inputs, and the GPU time of the
+    static copies and the replay (CUDA events); the rest of the step is host time the GPU
+    waited for (sampling, reading the tokens back, launching)."""
+    from testbed.engine import cuda_graph, executor, runner
+
+    rows: list[dict] = []
+    now: dict = {}
+    execute_, prepare_, replay_ = (executor.EngineExecutor.execute, runner.ModelRunner.prepare,
+                                   cuda_graph.DecodeGraphs.run)
+
+    def prepare(self, *a, **k):
+        started = time.perf_counter()
+        try:
+            return prepare_(self, *a, **k)
+        finally:
+            now["prepare_host_s"] = time.perf_counter() - started
+
+    def replay(self, key, inputs, n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay_(self, key, inputs, n)
+        end.record()
+        now["events"] = (start, end)
+        return out
+
+    def execute(self, batch):
+        now.clear()
+        out = execute_(self, batch)
+        if "events" in now:
+            start, end = now["events"]
+            gpu = start.elapsed_time(end) / 1e3
+            rows.append({"batch": len(batch.entries), "step_s": out.duration_s,
+                         "prepare_host_s": now.get("prepare_host_s"), "replay_gpu_s": gpu})
+        return out
+
+    executor.EngineExecutor.execute, runner.ModelRunner.prepare = execute, prepare
+    cuda_graph.DecodeGraphs.run = replay
+    try:
+        execute(compose_config([*base, *RUNS["tot_radix"],
+                                    f"workload.num_problems={args.problems}", "progress=false"]),
+                    Path(args.runs_dir) / "profile_tot_radix")
+    finally:
+        executor.EngineExecutor.execute, runner.ModelRunner.prepare = execute_, prepare_
+        cuda_graph.DecodeGraphs.run = replay_
+    out = {}
+    for low, high in ((1, 16), (17, 32), (33, 64), (65, 512)):
+        chosen = [r for r in rows if low <= r["batch"] <= high]
+        if chosen:
+            out[f"batch_{low}_{high}"] = {"steps": len(chosen)} | {
+                k: statistics.median(r[k] for r in chosen)
+                for k in ("step_s", "prepare_host_s", "replay_gpu_s")}
+    return out
 
 
 def decode_median(run_dir: Path, batch: int) -> tuple[float | None, int]:
@@ -236,7 +299,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=12, help="tree-of-thought problems")
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--sections", nargs="*",
-                    default=["bandwidth", "kv_pool", "syncs", "kernels", "runs"])
+                    default=["bandwidth", "kv_pool", "syncs", "kernels", "profile", "runs"])
     ap.add_argument("--only", nargs="*", default=None, help="runs to do (default: all)")
     args = ap.parse_args()
     args.runs_dir = args.runs_dir or str(Path(args.out).parent / "runs")
@@ -286,6 +349,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     report["runs"] = {}
     save = lambda: out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # noqa: E731
+    section("profile", lambda: step_profile(args, base))
     section("runs", lambda: runs(args, base, bandwidth, run.model_shape, report["runs"], save))
     print(f"wrote {out_path}")
 

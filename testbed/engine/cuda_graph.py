@@ -213,6 +213,10 @@ class DecodeGraphs:
             self.runner.forward(inputs)
             captured = Captured(None, inputs, None)
         else:
+            # what the allocator holds once its unused cache is let go (torch.cuda.graph lets
+            # it go on entry): the growth is the graph pool's
+            torch.cuda.synchronize(self.runner.device)
+            torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.runner.device)
             stream = torch.cuda.Stream(self.runner.device)
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
@@ -224,6 +228,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits = self.runner.forward(inputs)
             torch.cuda.synchronize(self.runner.device)
+            torch.cuda.empty_cache()
             self.memory_bytes += torch.cuda.memory_reserved(self.runner.device) - reserved
             captured = Captured(graph, inputs, logits)
         self.graphs[key] = captured

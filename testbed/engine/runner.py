@@ -84,6 +84,9 @@ class ModelRunner:
         here); ``emulate_graphs``: the graph path without graphs, on any device (tests)."""
         self.model = model
         self.device = model.device
+        # RoPE's frequencies on the device now: moved in the first forward, the copy from the
+        # host would synchronize (and could not be captured in a CUDA graph)
+        model.inv_freq = model.inv_freq.to(self.device)
         self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
                           if isinstance(attention, str) else attention)
         # the fused layer steps of the backend's family; the torch ones, and why, if the
