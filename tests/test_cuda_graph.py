@@ -151,7 +151,7 @@ def test_a_capture_mid_run_warms_up_on_inputs_that_touch_only_the_padding_slot(t
     forward on the static inputs, which must not hold the last step's (that would write made-up
     K/V into the slots of requests still running): every row writes and reads slot 0."""
     seen, capturing = [], []
-    forward, capture = ModelRunner.forward, DecodeGraphs._capture
+    forward, capture = DecodeGraphs._forward, DecodeGraphs._capture
 
     def recording(self, inputs):  # (reading back inside a CUDA graph's capture is not allowed)
         if capturing and not (DEVICE == "cuda" and torch.cuda.is_current_stream_capturing()):
@@ -168,7 +168,7 @@ def test_a_capture_mid_run_warms_up_on_inputs_that_touch_only_the_padding_slot(t
         finally:
             capturing.pop()
 
-    monkeypatch.setattr(ModelRunner, "forward", recording)
+    monkeypatch.setattr(DecodeGraphs, "_forward", recording)
     monkeypatch.setattr(DecodeGraphs, "_capture", flagged)
     runner, _, _, _ = served(tiny, "cascade_triton", 400, {"max_batch": 8})
     assert len(seen) == len(runner.graphs.graphs) * (1 if EMULATE else 2) > 1  # the warm-ups

@@ -123,10 +123,30 @@ def plan_decode(backend: AttentionBackend, meta: AttentionMetadata) -> Any:
 def forward_decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
                    v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
     if meta.cascade is not None:
-        from testbed.engine.cascade import cascade_decode
-
         return cascade_decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
     return decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
+
+
+def cascade_decode(backend: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                   planned: tuple[Any, Any, Any], sm_scale: float) -> torch.Tensor:
+    """Decode attention of ``q [n, heads, dim]`` (one query per request), prefixes shared."""
+    plan, suffix, prefix = planned
+    n, heads, dim = q.shape
+    kv_heads = k_buf.shape[1]
+    group = heads // kv_heads
+    o, lse = backend.decode_part(q.reshape(n, kv_heads, group, dim), k_buf, v_buf, suffix,
+                                 sm_scale)
+    o, lse = o.reshape(n, heads, dim), lse.reshape(n, heads)
+    g, w = plan.num_groups, plan.width
+    shared = q.index_select(0, plan.gather).view(g, w, kv_heads, group, dim)
+    shared = shared.transpose(1, 2).reshape(g, kv_heads, w * group, dim)
+    o_p, lse_p = backend.decode_part(shared, k_buf, v_buf, prefix, sm_scale)
+    o_p = o_p.view(g, kv_heads, w, group, dim).transpose(1, 2).reshape(g * w, heads, dim)
+    lse_p = lse_p.view(g, kv_heads, w, group).transpose(1, 2).reshape(g * w, heads)
+    merged = backend.merge(o_p.index_select(0, plan.places), lse_p.index_select(0, plan.places),
+                           o, lse)
+    return torch.where(plan.grouped[:, None, None], merged, o)
+
 
 
 class TorchAttention:

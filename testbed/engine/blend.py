@@ -55,6 +55,7 @@ import torch.nn.functional as F
 
 from testbed.engine.attention import EXTEND_QUERY_BLOCK
 from testbed.engine.kv_cache import KVCache
+from testbed.engine.layer_kernels import TORCH_KERNELS
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 
@@ -160,9 +161,12 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
     rows_host = np.arange(new)  # new-token rows carried on (all, until layer 1)
     rows = torch.as_tensor(rows_host, device=device)
     picked = np.zeros(0, dtype=np.int64)
+    residual = None  # the model's residual stream (`DecoderLayer`): each norm adds to it
+    norm = TORCH_KERNELS.add_rmsnorm
     for i, layer in enumerate(model.layers):  # 2. layer 0 for all; 4. then the carried rows
         attn, k_buf, v_buf = layer.self_attn, kv_cache.k[i], kv_cache.v[i]
-        q, k, v = attn.project(layer.input_layernorm(h), cos[rows], sin[rows])
+        x, residual = norm(h, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q, k, v = attn.project(x, cos[rows], sin[rows])
         if i == 1 and in_span.any():  # 3. select, then carry only fresh + picked + last
             span_rows = torch.as_tensor(np.flatnonzero(in_span), device=device)
             span_slots = slots_d[context + span_rows]
@@ -175,12 +179,15 @@ def blend_prefill(model: LlamaModel, kv_cache: KVCache, tokens: np.ndarray, slot
             keep[-1] = True
             rows_host = np.flatnonzero(keep)
             rows = torch.as_tensor(rows_host, device=device)
-            h, q, k, v = h[rows], q[rows], k[rows], v[rows]
+            residual, q, k, v = residual[rows], q[rows], k[rows], v[rows]
         out_slots = slots_d[context + rows]
         k_buf[out_slots] = k.to(k_buf.dtype)
         v_buf[out_slots] = v.to(v_buf.dtype)
         o = attend_by_position(q, context + rows_host, k_buf, v_buf, slots_d, attn.sm_scale)
-        h = h + attn.o_proj(o.reshape(len(rows), attn.q_size))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = model.logits(h[-1:])[0]
+        x, residual = norm(attn.o_proj(o.reshape(len(rows), attn.q_size)), residual,
+                           layer.post_attention_layernorm.weight,
+                           layer.post_attention_layernorm.eps)
+        h = layer.mlp(x, TORCH_KERNELS)
+    h, _ = norm(h[-1:], residual[-1:], model.norm.weight, model.norm.eps)
+    logits = model.lm_head_of(h)[0]
     return BlendResult(logits=logits, picked=picked, computed=context + rows_host)

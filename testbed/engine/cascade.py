@@ -7,7 +7,8 @@ as one sequence with ``n`` times the query rows (so the prefix's keys and values
 every request then attends its own suffix (positions ``P ..``; all of its KV when it is in no
 group, which is plain decode), and the two partial results merge exactly by their log-sum-exps
 (`radix_kernels.merge_states`). Both parts are the backend's ordinary `decode_part`, so the torch
-and the Triton backends cascade the same way.
+and the Triton backends cascade the same way (`testbed.engine.attention.cascade_decode`; this
+module is the plan).
 
 Every tensor of a plan has a shape fixed by three numbers, the step's requests ``B``, its groups
 ``G`` and their widest ``W``, never by which request is where: the prefix pass runs ``G x W``
@@ -88,24 +89,3 @@ class CascadePlan:
                 ) -> tuple[CascadePlan, Any, Any]:
         return (self, backend.plan_part(self.suffix, table, num_kv_splits),
                 backend.plan_part(self.prefix, table, num_kv_splits))
-
-
-def cascade_decode(backend: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                   planned: tuple[CascadePlan, Any, Any], sm_scale: float) -> torch.Tensor:
-    """Decode attention of ``q [n, heads, dim]`` (one query per request), prefixes shared."""
-    plan, suffix, prefix = planned
-    n, heads, dim = q.shape
-    kv_heads = k_buf.shape[1]
-    group = heads // kv_heads
-    o, lse = backend.decode_part(q.reshape(n, kv_heads, group, dim), k_buf, v_buf, suffix,
-                                 sm_scale)
-    o, lse = o.reshape(n, heads, dim), lse.reshape(n, heads)
-    g, w = plan.num_groups, plan.width
-    shared = q.index_select(0, plan.gather).view(g, w, kv_heads, group, dim)
-    shared = shared.transpose(1, 2).reshape(g, kv_heads, w * group, dim)
-    o_p, lse_p = backend.decode_part(shared, k_buf, v_buf, prefix, sm_scale)
-    o_p = o_p.view(g, kv_heads, w, group, dim).transpose(1, 2).reshape(g * w, heads, dim)
-    lse_p = lse_p.view(g, kv_heads, w, group).transpose(1, 2).reshape(g * w, heads)
-    merged = backend.merge(o_p.index_select(0, plan.places), lse_p.index_select(0, plan.places),
-                           o, lse)
-    return torch.where(plan.grouped[:, None, None], merged, o)

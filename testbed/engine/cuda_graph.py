@@ -159,7 +159,7 @@ class DecodeGraphs:
                  kv_capacity: int | None = None) -> None:
         """``kv_capacity``: KV index space per plan part (default: the pool plus a slot per row,
         or 2,048 tokens a row if more); a step that needs more grows it."""
-        self.runner = runner
+        self.runner = runner  # its model, KV buffers, attention and kernels run the forward
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.emulate = emulate or runner.device.type != "cuda"
@@ -197,6 +197,12 @@ class DecodeGraphs:
         return key
 
     # ------------------------------------------------------------------ capture and replay
+    @torch.inference_mode()
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        r = self.runner
+        return r.model(inputs.input_ids, inputs.positions, inputs.meta, r.kv_cache, r.attention,
+                       r.kernels)
+
     def capture_buckets(self) -> None:
         """Capture every plain bucket, largest first (later, smaller graphs reuse the pool)."""
         for b in reversed(self.buckets):
@@ -210,7 +216,7 @@ class DecodeGraphs:
         ids, positions, meta = self.static.step_inputs(key)
         inputs = StepInputs(input_ids=ids, positions=positions, meta=meta)
         if self.emulate:  # the warm-up a capture runs, so that the CPU checks what it writes
-            self.runner.forward(inputs)
+            self._forward(inputs)
             captured = Captured(None, inputs, None)
         else:
             # what the allocator holds once its unused cache is let go (torch.cuda.graph lets
@@ -222,11 +228,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
             with torch.cuda.stream(stream):  # compile and warm up outside the capture
                 for _ in range(2):
-                    self.runner.forward(inputs)
+                    self._forward(inputs)
             torch.cuda.current_stream(self.runner.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.runner.forward(inputs)
+                logits = self._forward(inputs)
             torch.cuda.synchronize(self.runner.device)
             torch.cuda.empty_cache()
             self.memory_bytes += torch.cuda.memory_reserved(self.runner.device) - reserved
@@ -260,7 +266,7 @@ class DecodeGraphs:
         self.static.load(key, inputs)
         self.replays += 1
         if captured.graph is None:
-            return self.runner.forward(captured.inputs)[:n]
+            return self._forward(captured.inputs)[:n]
         captured.graph.replay()
         return captured.logits[:n]
 
