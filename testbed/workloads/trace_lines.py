@@ -12,6 +12,9 @@ import math
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
+from testbed.workloads.request import TOKEN_DTYPE
 from testbed.workloads.trace_format import TraceError, require_file
 
 
@@ -31,6 +34,8 @@ def json_records(path: Path) -> Iterator[tuple[int, dict]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TraceError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # json's parser recurses once per level of nesting
+                raise TraceError(f"{path}:{lineno}: not valid JSON (nested too deeply)") from None
             if not isinstance(record, dict):
                 raise TraceError(f"{path}:{lineno}: expected a JSON object")
             yield lineno, record
@@ -54,3 +59,19 @@ def seconds(record: dict, name: str, where: str, default: float | None = None) -
     if not math.isfinite(value) or value < 0:
         raise TraceError(f"{where}: {name!r} must be a number >= 0, got {value!r}")
     return float(value)
+
+
+def token_ids(items: list, where: str) -> np.ndarray:
+    """A JSON list of token ids as the project's dtype, each an integer in [0, 2^31); ``where``
+    names the list (``PATH:LINE: prompt``) in the message, which names the first bad item."""
+    top = np.iinfo(TOKEN_DTYPE).max
+    if set(map(type, items)) <= {int}:  # the usual case, checked at numpy's speed
+        if not items or (min(items) >= 0 and max(items) <= top):
+            return np.asarray(items, dtype=TOKEN_DTYPE)
+        i = next(i for i, x in enumerate(items) if not 0 <= x <= top)
+        raise TraceError(f"{where}: token ids must lie in [0, 2^31), got {items[i]} at "
+                         f"position {i}")
+    i, x = next((i, x) for i, x in enumerate(items) if type(x) is not int)
+    # a bool, a float, a string, a list, an object: none of them is a token id
+    raise TraceError(f"{where}: token ids must be integers, got {json.dumps(x)[:40]} at "
+                     f"position {i}")
