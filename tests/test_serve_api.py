@@ -222,6 +222,16 @@ def test_models_and_health(server):
     assert health["status"] == "ok" and health["model"] == "tiny"
 
 
+def test_debug_state_counts_the_servers_answers_by_status(server):
+    before = state(server)["http_answered"]
+    assert post(server, "/v1/completions", {"prompt": [1], "model": "gpt-4"}).status_code == 404
+    completion(server, [1, 2], max_tokens=1)
+    after = state(server)
+    assert after["http_in_progress"] == 1  # this request
+    assert after["http_answered"]["404"] == before.get("404", 0) + 1
+    assert after["http_answered"]["200"] == before.get("200", 0) + 2  # and the state read before
+
+
 def stall(engine):
     """Hold the engine's loop between steps (an inspection that waits) until the returned event
     is set."""

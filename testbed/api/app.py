@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from testbed.api.answers import AnswerCounts, CountAnswers
 from testbed.api.online import EngineBusy, EngineDead, OnlineEngine, Update, generating_request
 from testbed.api.protocol import (ApiError, Generation, ServerFacts, choice, envelope, parse,
                                   usage)
@@ -38,6 +39,8 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 
 def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
     app = FastAPI(title=f"testbed.serve: {facts.model_name}")
+    answers = AnswerCounts()
+    app.add_middleware(CountAnswers, counts=answers)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -70,7 +73,7 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
 
     @app.get("/debug/state")
     async def debug_state() -> dict[str, Any]:
-        return await in_loop(engine_state)
+        return {**await in_loop(engine_state), **answers.snapshot()}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
