@@ -113,7 +113,7 @@ class OnlineEngine:
         when the loop is not running."""
         with self._wake:
             if self.error is not None or self._stop:
-                raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+                raise self._dead()
             if len(self._live) >= self.max_live:
                 return False
             if request.id in self._live:
@@ -133,15 +133,20 @@ class OnlineEngine:
         not running). Not begun within ``timeout`` seconds (a long step): withdrawn, never to
         run, and `EngineBusy` raised saying for how long the loop has been busy."""
         if not self.alive:
-            raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+            raise self._dead()
         future: Future = Future()
         self._post("inspect", (fn, future))
         try:
             return future.result(timeout)
         except TimeoutError:
             if future.cancel():  # not begun: the loop skips it (a reset must not run late)
+                if not self.alive:  # it died after the inspection was posted
+                    raise self._dead() from None
                 raise EngineBusy(time.perf_counter() - self._inbox_read) from None
             return future.result()  # begun just now, between steps
+
+    def _dead(self) -> EngineDead:
+        return EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
 
     def _post(self, kind: str, item: Any) -> None:
         with self._wake:
