@@ -1,7 +1,7 @@
 """The one assembly step: a composed run config in, the checked plan of a run out.
 
 `assemble(cfg)` reads the config once (Hydra's ``DictConfig`` or a plain mapping): it resolves the
-model group (``model.path=DIR``), fits a generated workload's vocabulary to the engine's model,
+model group (``model.path=DIR``), fits a generated workload's vocabulary to the served model,
 checks every family's choice against its registry (testbed/registry.py: the workload, the cache
 and its eviction policy, the scheduler and its queue policy, the router, the cost model and the
 executor), checks the run keys (seed, replicas, timeline, debug, arrival, programs in flight) and
@@ -276,12 +276,13 @@ def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "con
 
 
 def fit_vocabulary(config: dict[str, Any]) -> str | None:
-    """On the engine, a generated workload's token ids must exist in the model's vocabulary:
-    shrink ``workload.vocab_size`` to the model's. Returns a note when it did."""
+    """Where a model reads the token ids (the engine; a live server, whose model the ``model``
+    group names), a generated workload's ids must exist in the model's vocabulary: shrink
+    ``workload.vocab_size`` to the model's. Returns a note when it did."""
     vocab = config["model"].get("vocab_size")
     wanted = config["workload"].get("vocab_size")
-    if config["backend"].get("name") != "engine" or vocab is None or wanted is None \
-            or wanted <= vocab:
+    if config["backend"].get("name") not in ("engine", SERVER) or vocab is None \
+            or wanted is None or wanted <= vocab:
         return None
     config["workload"]["vocab_size"] = vocab
     return f"note: workload.vocab_size {wanted} > model vocabulary {vocab}; using {vocab}"

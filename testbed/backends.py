@@ -28,7 +28,7 @@ from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
-from testbed.workloads.request import refuse_beams, refuse_empty_prompts, refuse_generating
+from testbed.workloads.request import refuse_beams, refuse_generating
 
 @dataclass
 class BackendResult:
@@ -48,8 +48,6 @@ def run_backend(run: Assembly, requests: list[Request]) -> BackendResult:
         refuse_generating(requests, run.backend)
     if run.backend != "engine":
         refuse_beams(requests, run.backend)
-    if run.backend not in (REPLAY, "engine"):  # the engine's limits say it for the engine
-        refuse_empty_prompts(requests, run.backend)
     if run.backend == SERVER:
         from testbed.remote import run_server
         done = run_server(run, requests)

@@ -83,9 +83,11 @@ def llama_with_eos(tmp_path_factory):
 # ---------------------------------------------------------------------------- trace format
 def test_a_token_trace_reads_max_new_tokens_and_output_references(tmp_path):
     path = write_trace(tmp_path / "t.jsonl", [
-        {"id": "q", "prompt": [1, 2, 3], "max_new_tokens": 4},
-        {"id": "r", "prompt": [1, 2, 3, {"output": "q"}, 9], "max_new_tokens": 2, "after": ["q"]},
-        {"id": "s", "prompt": [7, {"output": "r"}], "output": [5], "after": ["r"]}])
+        {"id": "q", "program": "p", "prompt": [1, 2, 3], "max_new_tokens": 4},
+        {"id": "r", "program": "p", "prompt": [1, 2, 3, {"output": "q"}, 9], "max_new_tokens": 2,
+         "after": ["q"]},
+        {"id": "s", "program": "p", "prompt": [7, {"output": "r"}], "output": [5],
+         "after": ["r"]}])
     q, r, s = load_tokens(path)
     assert q.generates and q.max_new_tokens == 4 and q.output_limit == 4 and len(q.output) == 0
     assert r.prompt.tolist() == [1, 2, 3, 9]  # q's output is not known before the engine runs

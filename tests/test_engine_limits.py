@@ -79,7 +79,8 @@ def bad_traces(tmp_path: Path, ctx256: Path) -> dict[str, tuple[list[str], str]]
                     f"request 17: prompt 404 + output 16 tokens exceeds the model's context of "
                     f"256 (max_position_embeddings in {ctx256}/config.json)"),
         "empty": (engine_overrides(empty, "model=tiny"),
-                  "request e: empty prompt (the model needs at least one prompt token)"),
+                  f"{empty}:2: request e: empty prompt (a call is served by prefilling at least "
+                  "one prompt token)"),
     }
 
 

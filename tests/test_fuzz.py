@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
 from testbed.cli import CONF_DIR
+from testbed.fuzz.bad_traces import KINDS, bad_trace_path, malformed_kind, spoil
 from testbed.fuzz.checks import check_run
 from testbed.fuzz.cli import main, run_one
+from testbed.fuzz.space import write_token_trace
 
 
 @pytest.fixture
@@ -120,3 +123,36 @@ def test_the_checks_catch_inconsistent_run_files(hydra_conf, tmp_path):
     assert any(f"request {records[2]['id']}: first token" in p for p in problems)
     assert any("KV in use 2001 > capacity 2000" in p for p in problems)
     assert any(p.startswith("summary cached/prompt") for p in problems)
+
+
+def bad_trace(tmp_path, kind: str, seed: int = 3) -> list[str]:
+    """The overrides of a run of a spoiled trace of ``kind``."""
+    path = bad_trace_path(tmp_path, seed, kind)
+    write_token_trace(path, np.random.default_rng(seed), 50)
+    spoil(path, kind, np.random.default_rng([seed, 44]))
+    return ["workload=trace", f"workload.path={path}", "workload.format=tokens"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_malformed_trace_is_refused_in_one_line_naming_its_file(
+        hydra_conf, tmp_path, kind):
+    backend = ["replay", "sim", "engine"][KINDS.index(kind) % 3]
+    overrides = [f"backend={backend}", *bad_trace(tmp_path, kind)]
+    if backend == "engine":
+        overrides += ["model=tiny", "device=cpu"]
+    assert malformed_kind(overrides) == kind
+    outcome = run_one(overrides, None, tmp_path / "run", repeat=False)
+    assert (outcome.status, outcome.problems) == ("refused", [])
+    assert outcome.refusal.startswith(f"{tmp_path}/bad3_{kind}.jsonl:")
+
+
+def test_a_malformed_trace_that_runs_is_a_failure(hydra_conf, tmp_path, monkeypatch):
+    import testbed.workloads
+    import testbed.workloads.traces
+
+    for module in (testbed.workloads, testbed.workloads.traces):  # as before issue 44
+        monkeypatch.setattr(module, "check_workload", lambda *args: None)
+    outcome = run_one(["backend=replay", *bad_trace(tmp_path, "after_names_no_call")], None,
+                      tmp_path / "run", repeat=False)
+    assert (outcome.status, outcome.problems) == (
+        "failed", ["a malformed trace (after_names_no_call) ran"])

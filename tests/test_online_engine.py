@@ -1,7 +1,8 @@
 """`OnlineEngine` (`testbed/api/online.py`) with a scripted executor: each request's updates carry
 its tokens in order and end with its finish and usage; an abort ends a request between steps,
-silently, its KV released; a failing step ends every live request with ``error`` and the API
-then answers 503 (``/health`` and new requests)."""
+silently, its KV released; an inspection that finds no step boundary in time is withdrawn
+(``EngineBusy``, the API's 503); a failing step ends every live request with ``error`` and the
+API then answers 503 (``/health`` and new requests)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from testbed.api.app import make_app
-from testbed.api.online import EngineDead, OnlineEngine, generating_request
+from testbed.api.online import EngineBusy, EngineDead, OnlineEngine, generating_request
 from testbed.api.protocol import ServerFacts
 from testbed.cache import RadixCache
 from testbed.engine.limits import ModelLimits
@@ -113,6 +114,32 @@ def test_an_abort_ends_the_request_between_steps_silently_and_frees_its_kv():
         assert engine.live == 0
         engine.inspect(lambda e: e.scheduler.check_drained())
     finally:
+        engine.stop()
+
+
+def test_an_inspection_during_a_long_step_is_withdrawn_as_busy_and_never_runs(monkeypatch):
+    """/debug/state used to answer a plain-text 500 once a step outlasted its 30 s wait."""
+    import testbed.api.app
+
+    executor = Scripted(hold_at=1)  # the first step runs until told to end
+    engine = engine_with(executor, eos=())
+    ran = []
+    try:
+        submit(engine, "a", range(10), 3)
+        assert executor.holding.wait(30)
+        with pytest.raises(EngineBusy) as busy:
+            engine.inspect(ran.append, timeout=0.05)
+        assert busy.value.seconds >= 0.05
+        monkeypatch.setattr(testbed.api.app, "BETWEEN_STEPS_WAIT_S", 0.05)
+        facts = ServerFacts("scripted", 0.0, 1.0, 16, ModelLimits(256), lambda n: True, 200)
+        with TestClient(make_app(engine, facts)) as http:
+            r = http.get("/debug/state")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_busy"
+        executor.hold.set()
+        assert engine.inspect(lambda e: e.counts["steps"]) >= 1
+        assert ran == []  # withdrawn: it did not run once the step ended
+    finally:
+        executor.hold.set()
         engine.stop()
 
 

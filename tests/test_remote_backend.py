@@ -121,6 +121,34 @@ def test_a_failed_call_is_recorded_and_the_run_goes_on(compose, tmp_path, stub):
     assert notes[0].startswith("2 of 4 requests failed") and "HTTP 500: boom" in notes[0]
 
 
+def test_a_run_whose_every_call_failed_stops_in_one_line_naming_the_first(compose, tmp_path,
+                                                                          stub):
+    """It used to end with exit 0 and a summary of nothing (issue 44: 30/30 calls refused)."""
+    stub.reset(fail={i: (400, "token id 25968 at position 3 is outside the model's\nvocabulary")
+                     for i in range(4)})
+    with pytest.raises(BadInput) as refused:
+        run(compose, tmp_path, stub)
+    assert str(refused.value) == (
+        f"all 4 calls to the server at {stub.url} failed, so the run measured nothing; the "
+        "first, a1: HTTP 400: token id 25968 at position 3 is outside the model's vocabulary")
+
+
+def test_a_generated_workload_keeps_its_token_ids_in_the_models_vocabulary(compose, tmp_path,
+                                                                           stub):
+    """As on the engine (`testbed.assembly.fit_vocabulary`): model=tiny names a server of 256
+    tokens, so tree-of-thought draws its ids from those, not from its 32,000."""
+    from testbed.assembly import assemble
+
+    cfg = compose("backend=server", f"server.url={stub.url}", "model=tiny",
+                  "workload=tree_of_thought", "workload.num_problems=1")
+    run = assemble(cfg)
+    assert run.notes == ["note: workload.vocab_size 32000 > model vocabulary 256; using 256"]
+    requests = run.requests()
+    assert max(int(r.sequence().max()) for r in requests) < 256
+    execute(cfg, tmp_path)
+    assert max(stub.received[0]["prompt"]) < 256  # the first call splices in no server output
+
+
 def test_a_broken_stream_fails_that_call_only(compose, tmp_path, stub):
     stub.reset(break_after={0: 1})
     _, rows, _ = run(compose, tmp_path, stub)

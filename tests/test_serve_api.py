@@ -8,6 +8,7 @@ are polled at ``/health`` (`testbed.api.server.start_server`)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -147,44 +148,65 @@ def test_eos_ignore_eos_min_tokens_and_stop_token_ids(server):
 
 
 MALFORMED = [
-    ("not json", "{\"prompt\": [1, 2", 400, "not valid JSON"),
-    ("not an object", "[1, 2]", 400, "must be a JSON object"),
-    ("no prompt", {"max_tokens": 3}, 400, "prompt must be a string or a list of token ids"),
-    ("a batch", {"prompt": [[1, 2], [3]]}, 400, "one prompt per request"),
-    ("empty prompt", {"prompt": []}, 400, "empty prompt"),
+    ("not json", "{\"prompt\": [1, 2", 400,
+     "the request body is not valid JSON: Expecting ',' delimiter: line 1 column 17 (char 16)"),
+    ("nested too deeply", "[" * 100_000 + "]" * 100_000, 400,  # was a plain-text 500
+     "the request body is not valid JSON: nested too deeply"),
+    ("not an object", "[1, 2]", 400, "the request body must be a JSON object"),
+    ("no prompt", {"max_tokens": 3}, 400,
+     "prompt must be a string or a list of token ids (integers), got NoneType"),
+    ("a batch", {"prompt": [[1, 2], [3]]}, 400, "one prompt per request: prompt must be a string "
+     "or a list of token ids, not a batch of prompts"),
+    ("empty prompt", {"prompt": []}, 400, "empty prompt (the model needs at least one prompt "
+     "token)"),
     ("max_tokens negative", {"prompt": [1], "max_tokens": -4}, 400,
      "max_tokens must be >= 0, got -4"),
-    ("max_tokens text", {"prompt": [1], "max_tokens": "5"}, 400, "max_tokens must be an integer"),
+    ("max_tokens text", {"prompt": [1], "max_tokens": "5"}, 400,
+     "max_tokens must be an integer, got '5'"),
     ("past the context", {"prompt": [1] * 100, "max_tokens": 4000}, 400,
-     "prompt 100 + output 4000 tokens exceeds the model's context of 4096"),
+     "prompt 100 + output 4000 tokens exceeds the model's context of 4096 "
+     "(model.max_position_embeddings of model=tiny)"),
     ("past the KV pool", {"prompt": [1] * 300, "max_tokens": 100}, 400,
-     "whole pool of 384 tokens"),
+     "prompt 300 + max_tokens 100 tokens need more KV than this server's whole pool of 384 "
+     "tokens (cache.capacity_tokens)"),
     ("id past the vocabulary", {"prompt": [1, 256]}, 400,
      "token id 256 at position 1 is outside the model's vocabulary of 256 tokens"),
-    ("negative id", {"prompt": [-1, 2]}, 400, "token id -1 at position 0"),
-    ("text without tokenizer", {"prompt": "hello"}, 400, "model tiny has no tokenizer"),
+    ("id of 2**64", {"prompt": [1, 2**64]}, 400,  # was a plain-text 500 (OverflowError)
+     "token id 18446744073709551616 at position 1 is outside the model's vocabulary of 256 "
+     "tokens"),
+    ("negative id", {"prompt": [-1, 2]}, 400,
+     "token id -1 at position 0 is outside the model's vocabulary of 256 tokens"),
+    ("text without tokenizer", {"prompt": "hello"}, 400, "model tiny has no tokenizer, so a text "
+     "prompt cannot be served; send the prompt as a list of token ids to /v1/completions"),
     ("other temperature", {"prompt": [1], "temperature": 0.7}, 400,
-     "this server samples with temperature=0.0, top_p=1.0"),
-    ("n of 2", {"prompt": [1], "n": 2}, 400, "n must be 1"),
-    ("stop strings", {"prompt": [1], "stop": ["\n"]}, 400, "use stop_token_ids"),
+     "temperature=0.7 is not served: this server samples with temperature=0.0, top_p=1.0 (set "
+     "at start: python -m testbed.serve temperature=... top_p=...)"),
+    ("n of 2", {"prompt": [1], "n": 2}, 400, "n must be 1: one choice per request"),
+    ("stop strings", {"prompt": [1], "stop": ["\n"]}, 400,
+     "stop strings are not supported; use stop_token_ids"),
     ("min past max", {"prompt": [1], "max_tokens": 2, "min_tokens": 3}, 400,
      "min_tokens 3 must be at most max_tokens 2"),
     ("stop id past vocabulary", {"prompt": [1], "stop_token_ids": [300]}, 400,
-     "stop_token_ids must lie in the model's vocabulary"),
-    ("stream not a bool", {"prompt": [1], "stream": "yes"}, 400, "stream must be true or false"),
-    ("another model", {"prompt": [1], "model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+     "stop_token_ids must lie in the model's vocabulary 0 .. 255"),
+    ("stop id of 2**64", {"prompt": [1], "stop_token_ids": [2**64]}, 400,
+     "stop_token_ids must lie in the model's vocabulary 0 .. 255"),
+    ("stream not a bool", {"prompt": [1], "stream": "yes"}, 400,
+     "stream must be true or false, got 'yes'"),
+    ("another model", {"prompt": [1], "model": "gpt-4"}, 404,
+     "model 'gpt-4' is not served here; this server serves 'tiny'"),
 ]
 
 
 @pytest.mark.parametrize("body, status, message", [m[1:] for m in MALFORMED],
                          ids=[m[0] for m in MALFORMED])
-def test_a_malformed_completion_gets_its_4xx_naming_what_is_wrong(server, body, status, message):
+def test_a_malformed_completion_gets_its_json_4xx_naming_what_is_wrong(server, body, status,
+                                                                       message):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + "/v1/completions", content=content,
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status
     error = r.json()["error"]
-    assert message in error["message"] and error["type"]
+    assert error["message"] == message and error["type"]
 
 
 def test_chat_on_a_model_without_tokenizer_is_refused(server):
@@ -198,6 +220,16 @@ def test_models_and_health(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["model"] == "tiny"
+
+
+def test_debug_state_counts_the_servers_answers_by_status(server):
+    before = state(server)["http_answered"]
+    assert post(server, "/v1/completions", {"prompt": [1], "model": "gpt-4"}).status_code == 404
+    completion(server, [1, 2], max_tokens=1)
+    after = state(server)
+    assert after["http_in_progress"] == 1  # this request
+    assert after["http_answered"]["404"] == before.get("404", 0) + 1
+    assert after["http_answered"]["200"] == before.get("200", 0) + 2  # and the state read before
 
 
 def stall(engine):
@@ -231,6 +263,81 @@ def test_a_client_leaving_mid_stream_aborts_its_request_and_the_server_drains(se
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert completion(server, SYSTEM + [7], max_tokens=2)["usage"]["completion_tokens"] == 2
     server.engine.inspect(lambda e: e.scheduler.check_drained())
+
+
+async def asgi_post(app, body: bytes | None, path: str = "/v1/completions") -> list[dict]:
+    """POST ``body`` to the ASGI ``app`` as a client that then goes away (``None``: before
+    sending it): every later receive is ``http.disconnect``. The messages the app sent; an
+    exception escaping the app (a traceback in the server's log) fails the test."""
+    sent: list[dict] = []
+    pending = [] if body is None else [{"type": "http.request", "body": body,
+                                        "more_body": False}]
+
+    async def receive() -> dict:
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 9), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    return sent
+
+
+def test_a_non_streaming_client_gone_before_its_answer_gets_499_and_its_request_aborted(server):
+    """It used to be a 500 with a traceback in the log: the answer, cancelled a moment before,
+    was read before the cancellation ran (InvalidStateError)."""
+    import asyncio
+
+    before = state(server)["aborted"]
+    gate = stall(server.engine)  # its request cannot finish before the client is found gone
+    try:
+        body = json.dumps({"prompt": tokens(9), "max_tokens": 300}).encode()
+        sent = asyncio.run(asgi_post(server.app, body))
+    finally:
+        gate.set()
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    done = wait_until(lambda: (s := state(server))["live"] == 0 and not s["has_work"] and s)
+    assert done["aborted"] == before + 1 and (done["leases"], done["protected_tokens"]) == (0, 0)
+
+
+def test_a_client_gone_before_its_body_was_read_gets_499_without_a_traceback(server):
+    import asyncio
+
+    submitted = state(server)["submitted"]
+    sent = asyncio.run(asgi_post(server.app, None))
+    assert sent[0]["status"] == 499
+    assert json.loads(sent[1]["body"])["error"]["message"] == \
+        "the client closed the connection before its request was read"
+    assert state(server)["submitted"] == submitted  # nothing reached the engine
+
+
+def test_debug_state_answers_a_json_503_while_the_engine_is_busy(server, monkeypatch):
+    """It used to be a plain-text 500 once a step outlasted the 30 s inspection timeout. A
+    withdrawn reset never runs late: the cache keeps what it held."""
+    import testbed.api.app
+
+    completion(server, tokens(20), max_tokens=2)
+    held = state(server)["evictable_tokens"]
+    monkeypatch.setattr(testbed.api.app, "BETWEEN_STEPS_WAIT_S", 0.2)
+    gate = stall(server.engine)  # the loop busy, as in a long step
+    try:
+        busy = [httpx.get(server.url + "/debug/state", timeout=30),
+                httpx.post(server.url + "/reset_prefix_cache", timeout=30)]
+    finally:
+        gate.set()
+    for r in busy:
+        assert r.status_code == 503
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "engine_busy")
+        assert re.fullmatch(r"the engine is busy: \d+\.\d s in its current step \(since its "
+                            r"loop last came between steps\); this is answered between steps, "
+                            r"retry later", error["message"]), error["message"]
+    monkeypatch.undo()
+    assert state(server)["evictable_tokens"] == held > 0
 
 
 def test_past_the_queue_limit_a_request_gets_429_and_is_served_once_there_is_room():

@@ -41,7 +41,8 @@ def test_all_formats_are_registered():
 # --- tokens: think time and priority ------------------------------------------------------------
 
 def test_tokens_round_trip_keeps_think_time_and_priority(tmp_path):
-    reqs = [Request(id="a", prompt=np.array([1, 2], np.int32), output=np.array([3], np.int32)),
+    reqs = [Request(id="a", prompt=np.array([1, 2], np.int32), output=np.array([3], np.int32),
+                    program="p"),
             Request(id="b", prompt=np.array([1], np.int32), output=np.array([], np.int32),
                     program="p", after=["a"], think_time_s=2.5, priority=-3)]
     save_tokens(reqs, tmp_path / "t.jsonl")

@@ -27,8 +27,9 @@ def test_generate_save_load_round_trip_is_identical(tmp_path):
 
 
 def test_tokens_trace_defaults_ids_to_line_order_and_arrival_to_zero(tmp_path):
-    path = write_lines(tmp_path / "t.jsonl", {"prompt": [1, 2], "output": [3]},
-                       {"prompt": [4], "output": [], "after": ["0"], "arrival_s": 1.5})
+    path = write_lines(tmp_path / "t.jsonl", {"prompt": [1, 2], "output": [3], "program": "p"},
+                       {"prompt": [4], "output": [], "after": ["0"], "arrival_s": 1.5,
+                        "program": "p"})
     a, b = load_tokens(path)
     assert (a.id, a.arrival_s, b.id, b.after, b.arrival_s) == ("0", 0.0, "1", ["0"], 1.5)
 

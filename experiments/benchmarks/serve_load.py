@@ -3,15 +3,21 @@
 Starts the server (the tiny random Llama with a 512-token KV pool by default, so eviction, chunking
 and retraction happen) on a free loopback port, then ``--clients`` concurrent clients send
 ``--requests`` requests in all, streamed: prompts drawn over a few shared prefixes, a share
-(``--disconnect``) closing the stream after one to three chunks, a share (``--malformed``) each
-of a malformed kind in turn (bad JSON, max_tokens 0, past the context, an id outside the
-vocabulary, a batch of prompts, a wrong type). A poller asks ``/health`` every 0.2 s throughout.
-At the end, once the server has nothing left to do, it checks:
+(``--disconnect``) going away, half of them closing the stream after one to three chunks and half
+sent without streaming and closed as soon as the server reads the body (``Expect:
+100-continue``: the server's handler is running then), a share (``--malformed``) each of a
+malformed kind in turn (bad JSON, JSON nested too deeply, max_tokens 0, past the context, an id
+outside the vocabulary, an id of 2**64, a batch of prompts, a wrong type). A poller asks
+``/health`` every 0.2 s throughout. At the end, once the server has nothing left to do (no
+request live, no HTTP request in progress but the one asking), it checks:
 
 - every well-formed request answered exactly once (one last chunk with a ``finish_reason``, one
   ``[DONE]``, its ``token_ids`` adding up to ``usage.completion_tokens``), every response id
   distinct, none lost: the server's ``submitted`` = ``finished`` + ``aborted``, nothing live;
 - every malformed request answered 4xx with an OpenAI error body;
+- the server answered no 5xx, nor left any request unanswered, and answered 499 to every
+  non-streaming client that went away (its own counts, ``http_answered``: those clients cannot
+  see their answer);
 - ``/health`` never failed;
 - ``/debug/state`` (read between steps in the engine's loop): the cache's invariants hold, no
   lease and no locked token left.
@@ -46,9 +52,11 @@ DEFAULT_OVERRIDES = ["model=tiny", "engine.device=cpu", "cache.capacity_tokens=5
 VOCAB = 256  # the tiny model's
 MALFORMED = {  # kind -> the raw body sent
     "bad_json": '{"prompt": [1, 2, 3], "max_tokens": ',
+    "nested_too_deeply": "[" * 100_000 + "]" * 100_000,
     "max_tokens_negative": json.dumps({"prompt": [1, 2, 3], "max_tokens": -1}),
     "past_context": json.dumps({"prompt": [1] * 64, "max_tokens": 5000}),
     "outside_vocabulary": json.dumps({"prompt": [1, VOCAB + 7, 3], "max_tokens": 4}),
+    "id_of_2_64": json.dumps({"prompt": [1, 2**64, 3], "max_tokens": 4}),
     "batch_of_prompts": json.dumps({"prompt": [[1, 2], [3, 4]], "max_tokens": 4}),
     "wrong_type": json.dumps({"prompt": [1, 2], "max_tokens": "four"}),
 }
@@ -56,7 +64,7 @@ MALFORMED = {  # kind -> the raw body sent
 
 @dataclass
 class Outcome:
-    kind: str  # ok | disconnect | malformed
+    kind: str  # ok | disconnect (mid-stream) | gone (not streaming) | malformed
     status: int | None = None
     ids: set = field(default_factory=set)  # response ids seen
     finals: int = 0  # chunks with a finish_reason
@@ -72,13 +80,15 @@ class Outcome:
 
 def plan(n: int, disconnect: float, malformed: float, seed: int) -> list[dict]:
     """Each request's kind and body, in the order the clients take them: ``round(n ×
-    malformed)`` malformed ones (each kind in turn), ``round(n × disconnect)`` that disconnect,
-    the rest well-formed, in a shuffled order."""
+    malformed)`` malformed ones (each kind in turn), ``round(n × disconnect)`` that disconnect
+    (half mid-stream, rounded up; half not streaming), the rest well-formed, in a shuffled
+    order."""
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, VOCAB, 32).tolist() for _ in range(4)]
     bad_kinds = list(MALFORMED)
-    n_bad, n_gone = round(n * malformed), round(n * disconnect)
-    kinds = ["malformed"] * n_bad + ["disconnect"] * n_gone + ["ok"] * (n - n_bad - n_gone)
+    n_bad, n_left = round(n * malformed), round(n * disconnect)
+    kinds = ["malformed"] * n_bad + ["disconnect"] * ((n_left + 1) // 2) + \
+        ["gone"] * (n_left // 2) + ["ok"] * (n - n_bad - n_left)
     rng.shuffle(kinds)
     out, bad = [], 0
     for kind in kinds:
@@ -87,7 +97,7 @@ def plan(n: int, disconnect: float, malformed: float, seed: int) -> list[dict]:
         if kind == "malformed":
             out.append({"kind": kind, "raw": MALFORMED[bad_kinds[bad % len(bad_kinds)]]})
             bad += 1
-        elif kind == "disconnect":  # long enough to be cut off mid-stream
+        elif kind in ("disconnect", "gone"):  # long enough to be cut off
             out.append({"kind": kind, "body": {"prompt": prompt, "max_tokens": 400,
                                                "ignore_eos": True},
                         "chunks": int(rng.integers(1, 4))})
@@ -139,6 +149,28 @@ async def one(client: httpx.AsyncClient, url: str, item: dict) -> Outcome:
     return out
 
 
+async def gone(url: str, item: dict) -> Outcome:
+    """A non-streaming request whose client goes away while the server handles it: sent with
+    ``Expect: 100-continue``, so the server's ``100 Continue`` says its handler is reading the
+    body; the body is sent and the connection closed at once. Its status is that ``100``."""
+    out = Outcome("gone")
+    target = httpx.URL(url)
+    body = json.dumps(item["body"]).encode()
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(f"POST {target.raw_path.decode()} HTTP/1.1\r\nHost: {target.host}\r\n"
+                     "Content-Type: application/json\r\nExpect: 100-continue\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        await writer.drain()
+        out.status = int((await reader.readline()).split()[1])
+        writer.write(body)
+        await writer.drain()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+    return out
+
+
 async def health_poller(url: str, stop: asyncio.Event, counts: dict) -> None:
     async with httpx.AsyncClient(timeout=5.0) as client:
         while not stop.is_set():
@@ -167,7 +199,9 @@ async def drive(url: str, items: list[dict], clients: int) -> tuple[list[Outcome
             while not queue.empty():
                 item = queue.get_nowait()
                 try:
-                    results.append(await one(client, url + "/v1/completions", item))
+                    send = gone(url + "/v1/completions", item) if item["kind"] == "gone" \
+                        else one(client, url + "/v1/completions", item)
+                    results.append(await send)
                 except Exception as e:  # noqa: BLE001 - a transport failure counts against it
                     results.append(Outcome(item["kind"], error=f"{type(e).__name__}: {e}"))
 
@@ -178,11 +212,13 @@ async def drive(url: str, items: list[dict], clients: int) -> tuple[list[Outcome
 
 
 def settled_state(url: str, timeout_s: float = 60.0) -> dict:
-    """``/debug/state`` once nothing is live and the scheduler has no work (polled)."""
+    """``/debug/state`` once nothing is live, the scheduler has no work and the server handles
+    no HTTP request but this one (polled)."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = httpx.get(url + "/debug/state", timeout=30).json()
-        if (state["live"] == 0 and not state["has_work"]) or time.monotonic() > deadline:
+        if (state["live"] == 0 and not state["has_work"] and state["http_in_progress"] == 1) \
+                or time.monotonic() > deadline:
             return state
         time.sleep(0.05)
 
@@ -194,7 +230,9 @@ def percentile(values: list[float], q: float) -> float | None:
 def summarize(items: list[dict], results: list[Outcome], health: dict, state: dict) -> dict:
     ok = [r for r in results if r.kind == "ok"]
     disc = [r for r in results if r.kind == "disconnect"]
+    left = [r for r in results if r.kind == "gone"]
     bad = [r for r in results if r.kind == "malformed"]
+    answered = {int(k): v for k, v in state["http_answered"].items()}
     complete = [r for r in ok if r.status == 200 and r.finals == 1 and r.done == 1
                 and len(r.ids) == 1 and r.usage_tokens == r.tokens and not r.error]
     ids = [i for r in ok + disc for i in r.ids]
@@ -203,9 +241,14 @@ def summarize(items: list[dict], results: list[Outcome], health: dict, state: di
     return {
         "requests": len(items), "answered": len(results),
         "completed": len(complete), "well_formed": len(ok),
-        "disconnects": len(disc), "aborted_by_server": state["aborted"],
+        "disconnects": len(disc), "gone": len(left),
+        "gone_read": sum(r.status == 100 and not r.error for r in left),
+        "aborted_by_server": state["aborted"],
         "malformed": len(bad), "malformed_4xx": sum(400 <= (r.status or 0) < 500
                                                     and not r.error for r in bad),
+        "answered_499": answered.get(499, 0),
+        "answered_5xx": sum(v for k, v in answered.items() if k >= 500),
+        "unanswered": answered.get(0, 0),
         "health_ok": health["ok"], "health_failed": health["failed"],
         "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
@@ -228,8 +271,13 @@ def failures(s: dict) -> list[str]:
         "every malformed request got a 4xx": s["malformed_4xx"] == s["malformed"],
         "no request lost": s["lost"] == 0,
         "no response duplicated": s["duplicated_ids"] == 0,
-        "the server took exactly the well-formed requests":
-            s["submitted"] == s["well_formed"] + s["disconnects"],
+        "the server took the well-formed requests and at most those of the clients that left":
+            s["well_formed"] + s["disconnects"] <= s["submitted"]
+            <= s["well_formed"] + s["disconnects"] + s["gone"],
+        "every non-streaming client that left was read, then answered 499":
+            s["gone_read"] == s["gone"] == s["answered_499"],
+        "the server answered no 5xx and left no request unanswered":
+            s["answered_5xx"] == s["unanswered"] == 0,
         "health never failed": s["health_failed"] == 0 and s["health_ok"] > 0,
         "no lease or lock left": s["leases_at_end"] == 0 and s["locked_tokens_at_end"] == 0,
         "the cache's invariants hold": s["invariants"] == "ok",
@@ -242,8 +290,10 @@ def table(s: dict, wall_s: float) -> str:
         return "-" if v is None else f"{1000 * v:.0f} ms"
     rows = [("requests", s["requests"]),
             ("completed (well-formed, answered once)", f"{s['completed']} / {s['well_formed']}"),
-            ("disconnects mid-stream (aborted by the server)",
-             f"{s['disconnects']} ({s['aborted_by_server']})"),
+            ("disconnects mid-stream / not streaming (aborted by the server)",
+             f"{s['disconnects']} / {s['gone']} ({s['aborted_by_server']})"),
+            ("answered 499 / 5xx / none (the server's counts)",
+             f"{s['answered_499']} / {s['answered_5xx']} / {s['unanswered']}"),
             ("malformed (answered 4xx)", f"{s['malformed']} ({s['malformed_4xx']})"),
             ("lost / duplicated", f"{s['lost']} / {s['duplicated_ids']}"),
             ("health checks ok / failed", f"{s['health_ok']} / {s['health_failed']}"),
@@ -285,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=400)
-    p.add_argument("--disconnect", type=float, default=0.1, help="share closing mid-stream")
+    p.add_argument("--disconnect", type=float, default=0.1,
+                   help="share going away (half mid-stream, half not streaming)")
     p.add_argument("--malformed", type=float, default=0.1, help="share of malformed requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-process", action="store_true",

@@ -5,9 +5,10 @@ events with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /de
 scheduler and cache, read between steps: counts, locks, invariants). A request is parsed and
 checked here (`testbed.api.protocol`), then handed to the engine with a sink that moves its
 updates onto this event loop; a client that goes away (a stream cancelled by Starlette, or a
-non-streaming client found disconnected) has its request aborted, its KV released at the next
-step boundary. Errors are OpenAI's JSON ``{"error": {...}}`` with a 4xx/5xx status
-(docs/design.md §3 "Serving over HTTP").
+non-streaming client found disconnected, answered 499) has its request aborted, its KV released
+at the next step boundary. Errors are OpenAI's JSON ``{"error": {...}}`` with a 4xx/5xx status,
+whatever the body (docs/design.md §3 "Serving over HTTP"); the endpoints read between steps
+answer 503 when the loop is busy past `BETWEEN_STEPS_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -20,17 +21,26 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
-from testbed.api.online import EngineDead, OnlineEngine, Update, generating_request
+from testbed.api.answers import AnswerCounts, CountAnswers
+from testbed.api.online import EngineBusy, EngineDead, OnlineEngine, Update, generating_request
 from testbed.api.protocol import (ApiError, Generation, ServerFacts, choice, envelope, parse,
                                   usage)
 from testbed.api.text import Detokenizer
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+# How long /debug/state and /reset_prefix_cache wait for a step boundary before answering 503
+# (engine busy): a step takes milliseconds on the tiny model, up to a second or so for SmolLM2
+# on a CPU (docs/results/serve.md); one far longer is a stall worth reporting, not waiting out.
+BETWEEN_STEPS_WAIT_S = 5.0
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it
 
 
 def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
     app = FastAPI(title=f"testbed.serve: {facts.model_name}")
+    answers = AnswerCounts()
+    app.add_middleware(CountAnswers, counts=answers)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError) -> JSONResponse:
@@ -50,15 +60,20 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
             "max_model_len": facts.limits.context}]}
 
     async def in_loop(fn: Callable[[OnlineEngine], Any]) -> Any:
-        """``fn(engine)`` run in the loop thread between steps; 503 when the loop is dead."""
-        if not engine.alive:
-            raise ApiError(503, f"the engine loop is not running ({engine.error})",
-                           code="engine_dead", kind="server_error")
-        return await run_in_threadpool(engine.inspect, fn)
+        """``fn(engine)`` run in the loop thread between steps; 503 when the loop is dead, or
+        busy past `BETWEEN_STEPS_WAIT_S` (then ``fn`` never runs)."""
+        try:
+            return await run_in_threadpool(engine.inspect, fn, BETWEEN_STEPS_WAIT_S)
+        except EngineDead as e:
+            raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
+        except EngineBusy as e:
+            raise ApiError(503, f"the engine is busy: {e.seconds:.1f} s in its current step "
+                           "(since its loop last came between steps); this is answered between "
+                           "steps, retry later", code="engine_busy", kind="server_error") from None
 
     @app.get("/debug/state")
     async def debug_state() -> dict[str, Any]:
-        return await in_loop(engine_state)
+        return {**await in_loop(engine_state), **answers.snapshot()}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
@@ -111,11 +126,13 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not answer.done():  # the client went away, or the server is stopping
+            # decided here: a cancelled task reads as cancelled only once the loop has run it
+            abandoned = not answer.done()  # the client went away, or the server is stopping
+            if abandoned:
                 answer.cancel()
                 engine.abort(rid)
-        if answer.cancelled():
-            return Response(status_code=499)  # nobody reads it (nginx's "client closed")
+        if abandoned:
+            return Response(status_code=CLIENT_CLOSED)
         ids, last = answer.result()
         if last.finish_reason == "error":
             raise ApiError(500, f"the engine failed: {last.error}", code="engine_error",
@@ -173,11 +190,19 @@ class AbortingStream(StreamingResponse):
 
 
 async def json_body(request: Request) -> Any:
-    raw = await request.body()
+    """The body as JSON: 400 when it is not (nested too deeply for the parser too), 499 when the
+    client went away before sending all of it."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ApiError(CLIENT_CLOSED, "the client closed the connection before its request was "
+                       "read", code="client_closed") from None
     try:
         return json.loads(raw)
     except ValueError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply") from None
 
 
 def sse(obj: dict[str, Any]) -> str:

@@ -51,6 +51,15 @@ class EngineDead(RuntimeError):
     """The loop thread has stopped or failed: nothing can be submitted."""
 
 
+class EngineBusy(RuntimeError):
+    """An inspection found no step boundary in time: the loop has been busy (in a step) for
+    ``seconds`` since it last read its inbox. The inspection was withdrawn: it never runs."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the engine loop has been busy for {seconds:.1f} s")
+        self.seconds = seconds
+
+
 @dataclass
 class _Live:
     req: Req | None  # None until the loop thread submitted it
@@ -73,6 +82,7 @@ class OnlineEngine:
         self._live: dict[str, _Live] = {}  # request id -> its state (both threads; under _wake)
         self._stop = False
         self._t0 = time.perf_counter()
+        self._inbox_read = self._t0  # when the loop last took its inbox (a step boundary)
         self._thread = threading.Thread(target=self._run, name="online-engine", daemon=True)
 
     # ------------------------------------------------------------------ any thread
@@ -103,7 +113,7 @@ class OnlineEngine:
         when the loop is not running."""
         with self._wake:
             if self.error is not None or self._stop:
-                raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+                raise self._dead()
             if len(self._live) >= self.max_live:
                 return False
             if request.id in self._live:
@@ -120,12 +130,23 @@ class OnlineEngine:
     def inspect(self, fn: Callable[["OnlineEngine"], Any], timeout: float = 30.0) -> Any:
         """``fn(engine)`` run in the loop thread between steps (where the scheduler and the cache
         may be read); its result, or its exception raised here (`EngineDead` when the loop is
-        not running)."""
+        not running). Not begun within ``timeout`` seconds (a long step): withdrawn, never to
+        run, and `EngineBusy` raised saying for how long the loop has been busy."""
         if not self.alive:
-            raise EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
+            raise self._dead()
         future: Future = Future()
         self._post("inspect", (fn, future))
-        return future.result(timeout)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            if future.cancel():  # not begun: the loop skips it (a reset must not run late)
+                if not self.alive:  # it died after the inspection was posted
+                    raise self._dead() from None
+                raise EngineBusy(time.perf_counter() - self._inbox_read) from None
+            return future.result()  # begun just now, between steps
+
+    def _dead(self) -> EngineDead:
+        return EngineDead(f"the engine loop is not running ({self.error or 'stopped'})")
 
     def _post(self, kind: str, item: Any) -> None:
         with self._wake:
@@ -146,6 +167,7 @@ class OnlineEngine:
                         self._fail_inspections("the engine stopped")
                         return
                     inbox, self._inbox = list(self._inbox), deque()
+                    self._inbox_read = time.perf_counter()
                 self._take(inbox)
                 if self.scheduler.has_work and not self._step():
                     with self._wake:  # work but no batch: wait for input rather than spin
@@ -174,6 +196,8 @@ class OnlineEngine:
                         self._live.pop(item, None)
             else:
                 fn, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue  # withdrawn by its caller (EngineBusy)
                 try:
                     future.set_result(fn(self))
                 except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -239,8 +263,8 @@ class OnlineEngine:
         with self._wake:
             inbox, self._inbox = list(self._inbox), deque()
         for kind, item in inbox:
-            if kind == "inspect":
-                item[1].set_exception(RuntimeError(why))
+            if kind == "inspect" and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(EngineDead(why))
 
     @staticmethod
     def _emit(sink: Sink, update: Update) -> None:

@@ -129,7 +129,10 @@ def completion_prompt(body: dict, facts: ServerFacts) -> np.ndarray:
                            "token ids, not a batch of prompts", param="prompt")
         raise ApiError(400, "prompt must be a string or a list of token ids (integers), got "
                        f"{type(prompt).__name__}", param="prompt")
-    return np.asarray(ids, dtype=np.int64)
+    try:
+        return np.asarray(ids, dtype=np.int64)
+    except OverflowError:  # an id beyond 64 bits: in no vocabulary, which the limits' check says
+        return np.asarray(ids, dtype=object)
 
 
 def chat_prompt(body: dict, facts: ServerFacts) -> np.ndarray:

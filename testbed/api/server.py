@@ -148,6 +148,11 @@ class ServerHandle:
 
     output: str = ""  # a subprocess's stdout and stderr, once stopped
 
+    @property
+    def app(self) -> Any:
+        """The ASGI app (in this process only), for tests that call it as a client cannot."""
+        return self._server.config.app
+
     def stop(self) -> int | None:
         """Stop the server and the engine's loop; the subprocess by SIGTERM (killed after 30 s):
         its exit status."""

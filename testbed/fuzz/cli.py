@@ -5,7 +5,8 @@ Every run composes its overrides like ``python -m testbed.run`` does, with
 end) and ``save_token_ids=true``, and goes through the same `testbed.execute.execute`. A run passes
 when it finishes with consistent files (`testbed.fuzz.checks`) or is refused with a one-line
 `BadInput`, before the workload is generated (the assembly step, or a generator's check of its
-own values) unless the refusal is of the workload's requests (`WorkloadRefused`); a share of the
+own values) unless the refusal is of the workload's requests (`WorkloadRefused`); a malformed
+trace must be refused, naming its file once the config passed assembly; a share of the
 runs (``--repeat``) runs twice and must give the same summary. Every other outcome is a failure,
 printed with the command line that reproduces it.
 """
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from testbed.assembly import assemble
 from testbed.cli import CONF_DIR
 from testbed.errors import BadInput, WorkloadRefused
+from testbed.fuzz.bad_traces import malformed_kind
 from testbed.fuzz.checks import check_run, comparable
 from testbed.fuzz.space import capacity_overrides, draw
 from testbed.execute import execute
@@ -59,13 +61,16 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
     composing it failed, and composing again reports why)."""
     started = time.perf_counter()
     outcome = Outcome(overrides, "ok")
+    assembled = False  # the config checked: what is refused now is the workload
     generated = False  # assembled and generated: only the workload's requests may be refused
     try:
         summaries = []
         for attempt in range(2 if repeat else 1):
             if cfg is None:
                 cfg = compose("config", overrides=[*overrides, *ALWAYS])
-            assemble(copy.deepcopy(cfg)).requests()  # refusals of config values end here
+            run = assemble(copy.deepcopy(cfg))  # refusals of config values end here
+            assembled = True
+            run.requests()
             generated = True
             target = run_dir / str(attempt)
             execute(copy.deepcopy(cfg), target, notes=[])
@@ -86,10 +91,26 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
     except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
         tb = traceback.format_exc(limit=-4)
         outcome.problems.append(f"internal error: {type(e).__name__}: {e}\n{tb}")
+    outcome.problems += malformed_trace_problems(overrides, outcome, assembled)
     if outcome.problems:
         outcome.status = "failed"
     outcome.seconds = time.perf_counter() - started
     return outcome
+
+
+def malformed_trace_problems(overrides: list[str], outcome: Outcome, assembled: bool
+                             ) -> list[str]:
+    """A malformed trace (`testbed.fuzz.bad_traces`) must not run, and once the config passed
+    assembly its refusal must name the file: one line starting with ``PATH:``."""
+    kind = malformed_kind(overrides)
+    if kind is None or outcome.problems:
+        return []
+    if outcome.status == "ok":
+        return [f"a malformed trace ({kind}) ran"]
+    path = next(o.partition("=")[2] for o in overrides if o.startswith("workload.path="))
+    if assembled and not outcome.refusal.startswith(f"{path}:"):
+        return [f"a malformed trace ({kind}) refused without naming its file: {outcome.refusal}"]
+    return []
 
 
 def draw_config(rng: np.random.Generator, workdir: Path,
@@ -161,6 +182,10 @@ def report(outcomes: list[Outcome], seconds: float) -> int:
     print(f"{len(outcomes)} configs in {seconds:.0f} s: {counts['ok']} ran, "
           f"{counts['refused']} refused in one line, {counts['failed']} failed")
     print("drawn: " + ", ".join(f"{k} {v}" for k, v in sorted(drawn.items())))
+    bad = Counter(k for o in outcomes if (k := malformed_kind(o.overrides)) is not None)
+    if bad:
+        print(f"malformed traces: {sum(bad.values())} (" +
+              ", ".join(f"{k} {v}" for k, v in sorted(bad.items())) + ")")
     reasons = Counter(re.sub(r"\d+", "N", o.refusal) for o in outcomes if o.refusal)
     if reasons:
         print("refused, most common first:")

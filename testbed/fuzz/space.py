@@ -2,6 +2,10 @@
 its knobs, reuse and match mode, router, arrival kind and generated workload, at small sizes, with
 KV capacities from below one request to unlimited.
 
+A token trace drawn is malformed half the time (`testbed.fuzz.bad_traces`: a duplicate id, a
+cycle, an ``after`` naming no call, an empty file, ...): its run must be refused in one line naming
+the file.
+
 A draw is a list of Hydra overrides, the same a user types after ``python -m testbed.run``. The
 capacity is drawn in a second step, once the workload's requests are known (`capacity_overrides`),
 so that "below one request", "exactly the largest request" and "a few requests" mean what they say.
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from testbed.fuzz.bad_traces import KINDS, bad_trace_path, spoil
 from testbed.workloads.request import Request
 
 BACKENDS = {"replay": 0.4, "sim": 0.52, "engine": 0.08}
@@ -168,8 +173,15 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
              "chat_tenants"]
     workload = str(rng.choice(names))
     if workload == "trace":
-        path = workdir / f"trace{index}.jsonl"
+        # half the traces spoiled, in a stream of their own so that the other draws stay as
+        # they were (testbed/fuzz/bad_traces.py)
+        bad = np.random.default_rng([index, 44])
+        kind = str(bad.choice(KINDS)) if bad.random() < 0.5 else None
+        path = workdir / f"trace{index}.jsonl" if kind is None else \
+            bad_trace_path(workdir, index, kind)
         write_token_trace(path, rng, vocab)
+        if kind is not None:
+            spoil(path, kind, bad)
         out += ["workload=trace", f"workload.path={path}", "workload.format=tokens"]
     else:
         out += [f"workload={workload}", *workload_overrides(workload, rng, vocab)]

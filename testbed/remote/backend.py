@@ -11,7 +11,8 @@ for 1, dropped from its record (vLLM refuses ``max_tokens: 0``).
 The server's cache is the server's: the records' ``cached_tokens`` are what it reports (None
 where it reports nothing), ``evicted_tokens`` is 0 and ``inserted`` true (neither is known), and
 the summary's ``cache`` and ``eviction`` say ``server``. The ideal hit rate is of the calls as
-they ran: their prompts as sent and the outputs received.
+they ran: their prompts as sent and the outputs received. A run in which every call failed
+measured nothing: it stops with one line naming the first failure (`EveryCallFailed`, exit 2).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from testbed.workloads.request import TOKEN_DTYPE, OutputRef, Request
 NOT_REPORTED = ("the server did not report cached tokens (usage.prompt_tokens_details."
                 "cached_tokens), so hit_rate is null: start vLLM with "
                 "--enable-prompt-tokens-details, SGLang with --enable-cache-report")
+
+
+class EveryCallFailed(BadInput):
+    """No call of the run got an answer (the server refused or failed every one): the run stops
+    with one line naming the first failure (exit 2), since its summary would measure nothing."""
 
 
 @dataclass
@@ -80,6 +86,10 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
         sent = await driver.run()
     save_ids = run.get("save_token_ids", False)
     records = [record_of(s, driver.t0, save_ids) for s in sent]
+    if records and all(r.failed for r in records):  # nothing measured: not a run to summarize
+        raise EveryCallFailed(f"all {len(records):,} calls to the server at {settings.url} "
+                              f"failed, so the run measured nothing; the first, "
+                              f"{first_failure(records)}")
     extra = {"server_url": settings.url, "server_model": model, "forced": forced,
              "temperature": temperature}
     return ServerRun(records, extra, notes_of(records, sent, forced),
@@ -119,17 +129,22 @@ def record_of(s: Sent, t0: float, save_token_ids: bool) -> RequestRecord:
         failed=done.failed)
 
 
+def first_failure(records: list[RequestRecord]) -> str:
+    """``ID: HTTP STATUS: ERROR`` of the first failed call, on one line."""
+    first = next(r for r in records if r.failed)
+    status = f"HTTP {first.status}: " if first.status not in (None, 200) else ""
+    return f"{first.id}: {status}{' '.join(str(first.error).split())}"
+
+
 def notes_of(records: list[RequestRecord], sent: list[Sent], forced: bool) -> list[str]:
     """The lines printed after the run: failed calls, cached tokens not reported, forced
     lengths the server did not keep."""
     notes = []
     failed = [r for r in records if r.failed]
     if failed:
-        first = failed[0]
-        status = f"HTTP {first.status}: " if first.status not in (None, 200) else ""
         notes.append(f"{len(failed):,} of {len(records):,} requests failed (recorded with their "
                      f"status and error; left out of the latency figures), the first "
-                     f"{first.id}: {status}{first.error}")
+                     f"{first_failure(records)}")
     if records and len(failed) < len(records) and \
             all(r.cached_tokens is None for r in records if not r.failed):
         notes.append(f"note: {NOT_REPORTED}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from testbed.errors import BadInput, WorkloadRefused
+from testbed.errors import BadInput
 from testbed.registry import Registry
 from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beam_search import beam_search
 from testbed.workloads.beyond_prefix import paraphrase, rag
+from testbed.workloads.checks import check_workload
 from testbed.workloads.mixed import mix
 from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,
                                      tree_of_thought)
@@ -79,22 +80,10 @@ def generate(cfg: Mapping[str, Any], seed: int = 0) -> list[Request]:
 
 def build_workload(cfg: Mapping[str, Any], seed: int = 0,
                    arrival: Mapping[str, Any] | Arrival | None = None) -> list[Request]:
-    """Generate or load the workload, apply the arrival process, and sort by arrival."""
+    """Generate or load the workload, apply the arrival process, check it (`check_workload`:
+    ids, ``after``, prompts) and sort by arrival."""
     if not isinstance(arrival, Arrival):  # checked before anything is generated
         arrival = Arrival.from_mapping(arrival, is_trace=cfg.get("name") == "trace")
     requests = arrival.apply(generate(cfg, seed=seed), seed=seed)
-    check_dependencies(requests)
+    check_workload(requests)  # every backend alike, before anything runs
     return arrival_order(requests)
-
-
-def check_dependencies(requests: list[Request]) -> None:
-    """A call waits (``after``) only for calls of its own program: programs start as units (a
-    closed loop counts them), so a program needs a call that waits for none of another's."""
-    program_of = {r.id: r.program_id for r in requests}
-    for r in requests:
-        mine = program_of[r.id]
-        for a in r.after:
-            if a in program_of and program_of[a] != mine:
-                raise WorkloadRefused(f"request {r.id} waits for {a} ('after') of another program "
-                               f"({program_of[a]!r}, not {mine!r}); calls that wait for each "
-                               "other must share a 'program'")

@@ -120,33 +120,10 @@ def refuse_beams(requests: list[Request], backend: str) -> None:
                               f"search (backend={backend})")
 
 
-def refuse_empty_prompts(requests: list[Request], backend: str) -> None:
-    """A served call computes at least one prompt token (its prefill makes the first output):
-    one line naming the first call whose prompt is empty. (Replay only counts tokens.)"""
-    call = next((r for r in requests if len(r.prompt) == 0), None)
-    if call is not None:
-        raise WorkloadRefused(f"request {call.id}: empty prompt (backend={backend} serves a call by "
-                       "prefilling at least one prompt token)")
-
-
 def materialize(segments: tuple[Segment, ...], outputs: dict[str, np.ndarray]) -> np.ndarray:
     """The prompt spelled by ``segments``, with each `OutputRef` replaced by ``outputs[call]``."""
     parts = [outputs[s.call] if isinstance(s, OutputRef) else s for s in segments]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=TOKEN_DTYPE)
-
-
-def as_tokens(ids, where: str) -> np.ndarray:
-    """Token ids as the project's dtype; ``where`` names the source in the error message."""
-    arr = np.asarray(ids)
-    if arr.ndim != 1:
-        raise WorkloadRefused(f"{where}: token ids must be a flat list of integers")
-    if arr.size == 0:
-        return np.zeros(0, dtype=TOKEN_DTYPE)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise WorkloadRefused(f"{where}: token ids must be integers, got {arr.dtype}")
-    if arr.min() < 0 or arr.max() > np.iinfo(TOKEN_DTYPE).max:
-        raise WorkloadRefused(f"{where}: token ids must lie in [0, 2^31)")
-    return arr.astype(TOKEN_DTYPE, copy=False)
 
 
 def arrival_order(requests: list[Request]) -> list[Request]:

@@ -1,9 +1,9 @@
 """What every trace loader shares: the formats ``workload.format`` names, the options each
 format's loader takes, and the error a malformed trace raises.
 
-The loaders live in ``traces.py`` (tokens, mooncake, bailian, azure; ``load_trace`` dispatches on
-`TRACE_FORMATS`) and ``sharegpt.py``; both import this module and neither imports the other at
-module level except ``traces.py`` importing sharegpt's loader to dispatch to it.
+The loaders live in ``traces.py`` (tokens; ``load_trace`` dispatches on `TRACE_FORMATS`),
+``production_traces.py`` (mooncake, bailian, azure) and ``sharegpt.py``; each imports this module,
+and only ``traces.py`` imports the others (to dispatch to their loaders).
 """
 
 from __future__ import annotations
