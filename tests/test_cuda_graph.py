@@ -208,3 +208,66 @@ def test_triton_layer_kernels_that_fail_here_give_way_to_their_torch_references(
     assert runner.kernels.name == "torch"
     assert EngineExecutor(runner).graph_summary()["layer_kernels_error"] == \
         "RuntimeError: PassManager::run failed"
+
+
+# operators that read a tensor back to the host, or make one from host values (a copy from the
+# host: neither may run inside a captured graph), or size their output by the data
+READ_BACK_OR_HOST_MADE = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique",
+                          "_unique2", "lift_fresh", "lift_fresh_copy", "scalar_tensor", "tensor",
+                          "arange", "full", "zeros", "ones", "randn", "rand", "randint",
+                          "repeat_interleave", "bincount", "_to_cpu"}
+
+
+@pytest.mark.parametrize("attention", ["triton", "cascade_triton"])
+def test_a_decode_forward_makes_nothing_from_the_host_and_reads_nothing_back(tiny, attention):
+    """Dispatch mode over the graph path's forward (the replay, emulated): every operator
+    dispatched is listed, and none reads back, makes a tensor from host values or sizes its
+    output by the data; the only allocations are kernel outputs (``empty``), which a captured
+    graph takes from its pool. (Inside a Triton launch the interpreter's own copies are left
+    out: on a GPU the launch is one kernel.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import triton.runtime.interpreter as interpreter
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.in_triton = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.in_triton:
+                self.ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    seen = Seen()
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        seen.in_triton += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            seen.in_triton -= 1
+
+    runner = ModelRunner(tiny, 40, attention=attention, cuda_graph_max_batch=4,
+                         **({"emulate_graphs": True} if EMULATE else {"cuda_graph": True}))
+    # three requests on the same 4 prefix slots, each with its own: cascade groups them
+    reqs = [make_req(f"r{i}", [5, 6, 7, 8, 9 + i], [1, 2, 3, 4, 5 + 2 * i, 6 + 2 * i])
+            for i in range(3)]
+    runner.run(Batch("prefill", [BatchEntry(r, 0, 5, True) for r in reqs]))
+    for r in reqs:
+        r.output.append(7)
+    decode = Batch("decode", [BatchEntry(r, 5, 1, True) for r in reqs])
+    decode.decode_groups = [(4, [0, 1, 2])]
+    runner.run(decode)  # captured (emulated: on first use), replayed once
+    (key, captured), = [(k, c) for k, c in runner.graphs.graphs.items() if k.batch == 4
+                        and bool(k.groups) == attention.startswith("cascade")]
+    inputs = captured.inputs
+    interpreter.InterpretedFunction.run = counted
+    try:
+        with seen:
+            runner.graphs._forward(inputs)
+    finally:
+        interpreter.InterpretedFunction.run = run
+    assert seen.ops and not set(seen.ops) & READ_BACK_OR_HOST_MADE
+    assert {op for op in seen.ops if op.startswith("empty")} <= {"empty", "empty_like"}

@@ -149,7 +149,7 @@ def model_spread(workload: str) -> dict[str, float]:
     agreement fragile (README: what the tiny model can tell)."""
     run = assemble(compose_config(ENGINE + [f"workload={workload}"] + SMALL[workload]))
     prompt = run.requests()[0].prompt
-    model = run.build_executor(len(prompt) + 1).runner.model
+    model = run.build_executor(len(prompt) + 1).model
     logp = torch.log_softmax(exact_logits(model, prompt).float(), -1)
     p = logp.exp()
     top2 = p.topk(2, -1).values

@@ -220,8 +220,8 @@ def main() -> None:
     steps = [] if args.fitted else grid(cal.calibrate)
     engine = run.build_executor(max(CAPACITY, grid_slots(steps)))
     if args.clock == "cpu":
-        if engine.runner.device.type != "cpu":
-            ap.error(f"--clock cpu times a CPU engine, not {engine.runner.device}")
+        if engine.device.type != "cpu":
+            ap.error(f"--clock cpu times a CPU engine, not {engine.device}")
         if args.threads != 1:  # process time sums every thread's: no step duration then
             ap.error(f"--clock cpu needs --threads 1, got {args.threads}")
         engine.clock = time.process_time

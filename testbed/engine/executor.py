@@ -97,6 +97,15 @@ class EngineExecutor:
         return self.runner.device
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.model.dtype
+
+    @property
+    def attention_name(self) -> str:
+        """The attention backend's class name (what a calibration was measured with)."""
+        return type(self.runner.attention).__name__
+
+    @property
     def model(self):
         """The `LlamaModel` (its config: vocabulary, EOS ids; its weights for quality checks)."""
         return self.runner.model
