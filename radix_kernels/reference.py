@@ -108,13 +108,22 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                             return_lse)
 
 
-def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
+                 places: torch.Tensor | None = None, keep: torch.Tensor | None = None):
     """Merge two partial attention results over disjoint key sets (the split-KV merge).
 
     ``o_*``: ``[n, heads, dim]``; ``lse_*``: ``[n, heads]``. Returns ``(o, lse)``: attention over
     the union of both key sets. A side with ``lse = -inf`` (no keys) contributes nothing; if both
-    are empty the output is 0 and ``lse = -inf``.
+    are empty the output is 0 and ``lse = -inf``. With ``places`` and ``keep`` (``[n]``), token
+    ``i``'s side a is row ``places[i]`` of ``o_a``, and only where ``keep[i]``; elsewhere the
+    result is side b exactly.
     """
+    if places is not None:
+        o, lse = merge_states(o_a.index_select(0, places), lse_a.index_select(0, places), o_b,
+                              lse_b)
+        keep = keep.bool()
+        return (torch.where(keep[:, None, None], o, o_b.to(o.dtype)),
+                torch.where(keep[:, None], lse, lse_b.float()))
     lse_a, lse_b = lse_a.float(), lse_b.float()
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)

@@ -159,3 +159,14 @@ def test_shared_reads_count_every_repeated_cached_slot_where_cascade_groups_save
     hits = [cache.acquire(np.concatenate([prompt, toks(2000 + 100 * i, 8)])) for i in range(3)]
     assert [lease.hit for lease in hits] == [40, 40, 40]
     assert SharedReads()(entries(hits)) == 2 * 40
+
+
+def test_a_group_wider_than_a_programs_query_rows_is_split_in_order():
+    from testbed.engine.cascade import MAX_QUERY_ROWS, prefix_splits, split_wide
+
+    members = list(range(70))
+    assert split_wide([(30, members), (5, [70, 71])], gqa_group=1) == [
+        (30, members[:MAX_QUERY_ROWS]), (30, members[MAX_QUERY_ROWS:]), (5, [70, 71])]
+    assert [len(m) for _, m in split_wide([(30, members)], gqa_group=4)] == [16, 16, 16, 16, 6]
+    assert [prefix_splits(n, fixed=False) for n in (1, 64, 65, 2048, 9000)] == [1, 1, 2, 32, 32]
+    assert prefix_splits(10, fixed=True) == 32

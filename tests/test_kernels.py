@@ -315,6 +315,25 @@ def test_merge_states_matches_reference(dtype):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_states_with_places_gathers_side_a_and_keeps_side_b_where_told(dtype):
+    """Cascade's merge: token i takes side a from row places[i] of 2 rows where keep[i], and
+    is side b bit for bit elsewhere."""
+    g = torch.Generator().manual_seed(3)
+    o_a = torch.randn(2, 3, 32, generator=g).to(DEVICE, dtype)
+    o_b = torch.randn(5, 3, 32, generator=g).to(DEVICE, dtype)
+    lse_a = (torch.randn(2, 3, generator=g) * 3).to(DEVICE)
+    lse_b = (torch.randn(5, 3, generator=g) * 3).to(DEVICE)
+    places = torch.tensor([1, 0, 0, 1, 0], device=DEVICE)
+    keep = torch.tensor([True, True, False, True, False], device=DEVICE)
+    o, lse = KERNELS["merge"].merge_states(o_a, lse_a, o_b, lse_b, places, keep)
+    ro, rlse = ref.merge_states(o_a.float(), lse_a, o_b.float(), lse_b, places, keep)
+    close(o, ro, TOL[dtype])
+    close(lse, rlse, 1e-5)
+    assert torch.equal(o[~keep], o_b[~keep]) and torch.equal(lse[~keep], lse_b[~keep])
+
+
+@needs_triton
 def test_rejects_dims_that_cannot_compile():
     b = make_batch([2], [2], 4, 2, 16, seed=10, device=DEVICE)
     with pytest.raises(ValueError, match="block_m"):

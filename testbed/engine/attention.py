@@ -69,9 +69,10 @@ class AttentionBackend(Protocol):
         ``want_lse``) the natural-log LSE ``[n, kv_heads, R]`` fp32."""
 
     def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-              lse_b: torch.Tensor) -> torch.Tensor:
+              lse_b: torch.Tensor, places: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Attention over the union of two disjoint key sets (``[n, heads, dim]``, LSEs
-        ``[n, heads]``): `radix_kernels.merge_states`."""
+        ``[n, heads]``) where ``keep[i]``, side a's row of token ``i`` being ``places[i]``;
+        side b as it is elsewhere: `radix_kernels.merge_states`."""
 
 
 def decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
@@ -143,9 +144,7 @@ def cascade_decode(backend: Any, q: torch.Tensor, k_buf: torch.Tensor, v_buf: to
     o_p, lse_p = backend.decode_part(shared, k_buf, v_buf, prefix, sm_scale)
     o_p = o_p.view(g, kv_heads, w, group, dim).transpose(1, 2).reshape(g * w, heads, dim)
     lse_p = lse_p.view(g, kv_heads, w, group).transpose(1, 2).reshape(g * w, heads)
-    merged = backend.merge(o_p.index_select(0, plan.places), lse_p.index_select(0, plan.places),
-                           o, lse)
-    return torch.where(plan.grouped[:, None, None], merged, o)
+    return backend.merge(o_p, lse_p, o, lse, plan.places, plan.grouped)
 
 
 
@@ -232,12 +231,14 @@ class TorchAttention:
         return o, scores.amax(dim=-1) - probs.amax(dim=-1).log()
 
     def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-              lse_b: torch.Tensor) -> torch.Tensor:
+              lse_b: torch.Tensor, places: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """`radix_kernels.reference.merge_states`' weights ``exp(lse_x) / Σ``, as one sigmoid
         and one lerp (``o_b + σ(lse_a − lse_b) · (o_a − o_b)``): a side without keys (-inf)
         weighs 0; both sides have keys here (a prefix, and at least the request's own token)."""
+        o_a, lse_a = o_a.index_select(0, places), lse_a.index_select(0, places)
         weight = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]
-        return torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
+        merged = torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
+        return torch.where(keep[:, None, None], merged, o_b)
 
     def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
@@ -317,8 +318,8 @@ class TritonAttention:
         return o.view(q.shape), None if lse is None else lse.view(n, heads, rows)
 
     def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-              lse_b: torch.Tensor) -> torch.Tensor:
-        return self.kernels.merge_states(o_a, lse_a, o_b, lse_b)[0]
+              lse_b: torch.Tensor, places: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.kernels.merge_states(o_a, lse_a, o_b, lse_b, places, keep)[0]
 
     def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:

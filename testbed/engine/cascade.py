@@ -32,6 +32,31 @@ import torch
 from testbed.engine.metadata import KVRanges, indptr
 from testbed.engine.slot_table import PAD_ROW
 
+#: the prefix pass's query rows per program: a group's members times the GQA group, at most
+#: this many (a wider group is split, each part reading the prefix once: `split_wide`); more
+#: rows than this would not fit a program's registers (fp32 accumulators of rows x head_dim)
+MAX_QUERY_ROWS = 64
+#: the prefix pass splits its KV into chunks of this many keys, at most MAX_PREFIX_SPLITS of them
+#: (a CUDA graph's: all of them): one group's prefix is one sequence, so its parallelism comes
+#: from the chunks (plain decode has a sequence per request)
+PREFIX_KEYS_PER_SPLIT = 64
+MAX_PREFIX_SPLITS = 32
+
+
+def split_wide(groups: list[tuple[int, list[int]]], gqa_group: int
+               ) -> list[tuple[int, list[int]]]:
+    """Groups of at most ``MAX_QUERY_ROWS // gqa_group`` members, a wider one cut in order."""
+    width = max(1, MAX_QUERY_ROWS // gqa_group)
+    return [(shared, members[i:i + width]) for shared, members in groups
+            for i in range(0, len(members), width)]
+
+
+def prefix_splits(longest: int, fixed: bool) -> int:
+    """Split-KV chunks of the prefix pass: all of them under a CUDA graph (``fixed``)."""
+    if fixed:
+        return MAX_PREFIX_SPLITS
+    return min(MAX_PREFIX_SPLITS, max(1, -(-longest // PREFIX_KEYS_PER_SPLIT)))
+
 
 @dataclass
 class CascadePlan:
@@ -87,5 +112,8 @@ class CascadePlan:
 
     def planned(self, backend: Any, table: torch.Tensor, num_kv_splits: int | None = None
                 ) -> tuple[CascadePlan, Any, Any]:
+        """The backend's views of the suffixes (``num_kv_splits``: a graph's fixed count) and
+        of the prefixes (`prefix_splits`)."""
         return (self, backend.plan_part(self.suffix, table, num_kv_splits),
-                backend.plan_part(self.prefix, table, num_kv_splits))
+                backend.plan_part(self.prefix, table,
+                                  prefix_splits(self.prefix.longest, num_kv_splits is not None)))

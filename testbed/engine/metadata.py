@@ -167,3 +167,12 @@ class AttentionMetadata:
             host[i, :n] = kv_indices[start:start + n]
         table = torch.from_numpy(host).to(device)
         return cls.from_table(qo_lens, kv_lens, np.arange(len(kv_lens)), table)[0]
+
+
+@dataclass
+class StepInputs:
+    """A step's forward inputs: the new tokens' ids and positions, and its layout."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata

@@ -20,31 +20,24 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from testbed.engine.attention import MAX_KV_SPLITS, AttentionBackend, make_attention
 from testbed.engine.blend import blend_prefill
-from testbed.engine.cascade import CascadePlan
+from testbed.engine.cascade import CascadePlan, split_wide
 from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.layer_kernels import kernels_for
-from testbed.engine.metadata import AttentionMetadata
+from testbed.engine.metadata import AttentionMetadata, StepInputs
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
 
 
 def kv_slots_for_free_memory(free_bytes: int, total_bytes: int, mem_fraction: float,
@@ -122,12 +115,14 @@ class ModelRunner:
         return self.kv_cache.num_slots
 
     def groups_of(self, batch: Batch) -> list[tuple[int, list[int]]]:
-        """The batch's cascade groups: the scheduler's when it formed them, else read here."""
+        """The batch's cascade groups (the scheduler's when it formed them, else read here),
+        a group too wide for one program split (`split_wide`)."""
         if not getattr(self.attention, "cascade", False):
             return []
-        if batch.decode_groups is not None:
-            return batch.decode_groups
-        return self.decode_groups(batch.entries)
+        groups = batch.decode_groups if batch.decode_groups is not None \
+            else self.decode_groups(batch.entries)
+        c = self.model.config
+        return split_wide(groups, c.num_heads // c.num_kv_heads) if groups else groups
 
     def prepare(self, batch: Batch, graph: GraphKey | None = None,
                 groups: list[tuple[int, list[int]]] | None = None) -> StepInputs:
