@@ -30,6 +30,7 @@ from testbed.cache.tier_config import has_lower_tiers, tier_options
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
+from testbed.overrides import compose_config  # noqa: F401 - composed here for scripts (re-exported)
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
@@ -248,22 +249,21 @@ class Assembly:
         return cluster_delays(self.config["router"])
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "config"
-                   ) -> DictConfig:
-    """The config ``conf/NAME.yaml`` with these overrides, composed as ``python -m testbed.run``
-    composes it (for scripts, experiments and tests); a bad override is one BadInput line."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+def check_device(device: Any) -> None:
+    """The engine's ``device``, checked before anything loads: a CUDA device torch cannot see is
+    refused in one line (the engine would otherwise load the model first)."""
+    if device is None or not str(device).startswith("cuda"):
+        return
+    import torch
 
-    from testbed.cli import CONF_DIR
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose(name, overrides=list(overrides))
-    except HydraException as e:  # Hydra's own advice, without its search path and links
-        lines = str(e).strip().split("\n\n")[0].splitlines()
-        advice = [line.strip() for line in lines if not line.startswith("See https://")]
-        raise BadInput(" ".join(advice)) from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise BadInput(f"device={device}: torch sees no CUDA device on this machine; use "
+                       "device=cpu (or leave device unset: CUDA where present, else the CPU)")
+    index = str(device).partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= count):
+        raise BadInput(f"device={device}: torch sees {count} CUDA device(s), cuda:0 to "
+                       f"cuda:{count - 1}; use one of them")
 
 
 def fit_vocabulary(config: dict[str, Any]) -> str | None:
@@ -338,6 +338,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
             raise BadInput(f"{group} must be a config group (a mapping), got {found!r}")
         config[group] = dict(found)
     backend = config["backend"].get("name")
+    if backend == "engine":
+        check_device(config.get("device"))
     # the simulator and replay price or ignore the preset's shape: no model download for them
     config["model"] = resolve_model_group(config["model"],
                                           need_checkpoint=backend not in ("sim", REPLAY, SERVER))
