@@ -27,6 +27,8 @@ from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
+from testbed.backend_limits import REPLAY, SERVER, check_replicas, check_server
+from testbed.engine_timing import apply_timing, check_fit_timing, timing_settings
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
@@ -41,8 +43,6 @@ from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
 from testbed.workloads.arrivals import Arrival
 
-REPLAY = "replay"  # the backend without an executor: requests one at a time, no time
-SERVER = "server"  # nor has this one: a live OpenAI-compatible server serves (testbed/remote/)
 
 
 def plain(node: Any) -> Any:
@@ -213,8 +213,12 @@ class Assembly:
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
             if self.config.get("attention") is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
-            if self.backend != "engine":
-                self.build_cost_model()
+            if self.backend == "engine":
+                timing_settings(self.config, self.engine_device)
+            else:  # a fit measured on the CPU predicts an engine timed as it was
+                cost_model = self.build_cost_model()
+                check_fit_timing(getattr(cost_model, "meta", None) or {}, self.config,
+                                 self.config["cost_model"].get("path"))
         if self.replicas > 1:
             self.cluster_delays()
             self.build_router(None)
@@ -233,13 +237,16 @@ class Assembly:
             device = self.engine_device
             if capacity is None and not device.startswith("cuda"):
                 capacity = self.kv_capacity() if most is None else min(self.kv_capacity(), most)
-        return self.executor.build(
+        executor = self.executor.build(
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=c.get("dtype"),
             attention=self.attention, cascade_min_saved=self.cascade_min_saved,
             seed=self.seed, forced=bool(c.get("forced", True)),
             temperature=group_values.number(c, "temperature", "", 0.0),
             top_p=group_values.number(c, "top_p", "", 1.0))
+        if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
+            apply_timing(executor, *timing_settings(c, device))
+        return executor
 
     def build_router(self, kv_capacity: int | None):
         """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""
@@ -287,45 +294,6 @@ def programs_in_flight(config: dict[str, Any], arrival: Arrival) -> int | None:
     if value is not None and value < 1:
         raise BadInput(f"workload.max_in_flight must be >= 1 or null, got {value}")
     return value
-
-
-def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> None:
-    """Replicas run only in the simulator, one cache each, without lower tiers or reuse beyond
-    prefixes (checked before anything is generated)."""
-    replicas = config.get("replicas") or 1
-    if replicas == 1:
-        return
-    if backend == REPLAY:
-        raise BadInput("replicas > 1 needs backend=sim (replay serves one cache)")
-    if backend == "engine":
-        raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
-    if backend == SERVER:
-        raise BadInput(f"replicas={replicas} needs backend=sim; backend=server sends to one "
-                       "server (server.url)")
-    c = config["cache"]
-    if has_lower_tiers(c):
-        raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
-    if reuse.active:
-        raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
-
-
-def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timeline: bool):
-    """backend=server: the ``server`` block checked (`testbed.remote.settings`), and what the
-    server's own cache and scheduler decide refused: reuse beyond prefixes, lower tiers, a
-    timeline (the client sees no steps). Other backends ignore the block."""
-    if backend != SERVER:
-        return None
-    from testbed.remote.settings import ServerSettings
-
-    if reuse.active or has_lower_tiers(config["cache"]):
-        raise BadInput("cache.reuse / cache.match / cache.host_tokens / cache.disk_tokens do not "
-                       "apply to backend=server: its cache is the server's")
-    if timeline:
-        raise BadInput("timeline=true needs backend=sim or backend=engine (backend=server sees "
-                       "no steps)")
-    for key, default in (("temperature", 0.0), ("top_p", 1.0)):  # sent with every call
-        group_values.number(config, key, "", default)
-    return ServerSettings.from_mapping(config.get("server"))
 
 
 def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,6 +52,7 @@ from testbed.calibrate_grid import (  # noqa: E402, F401 (the grid's names, impo
 from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
+from testbed.sim.grid_reach import grid_extent  # noqa: E402
 from testbed.sim.step_shape import StepShape  # noqa: E402
 
 
@@ -77,10 +79,15 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
 
 
 def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
-    """What a calibration was measured on (saved with the coefficients)."""
+    """What a calibration was measured on (saved with the coefficients): with the engine's
+    threads and step clock (`testbed.engine_timing`), which a run it predicts must share."""
+    import torch
+
     return {"model": model.name, "device": str(executor.runner.device), "hardware": hw.name,
             "dtype": str(next(executor.runner.model.parameters()).dtype).replace("torch.", ""),
-            "attention": type(executor.runner.attention).__name__}
+            "attention": type(executor.runner.attention).__name__,
+            "threads": torch.get_num_threads(),
+            "clock": "cpu" if executor.clock is time.process_time else "wall"}
 
 
 def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel
@@ -108,7 +115,8 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
     coeffs = fit_coefficients(samples, relative=relative, exclude=exclude,
                               row_knots=row_knots)
     fitted = FittedCostModel(coeffs, floor_model=floor)
-    meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor)}
+    meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor),
+                   "grid": grid_extent(s for s, _ in samples)}
     run_dir.mkdir(parents=True, exist_ok=True)
     save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
     errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],

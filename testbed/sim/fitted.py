@@ -80,8 +80,11 @@ class FittedCostModel:
     the fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
-                 floor_model: RooflineCostModel) -> None:
+                 floor_model: RooflineCostModel, meta: Mapping[str, Any] | None = None) -> None:
         self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
+        #: what the coefficients were measured on (the file's ``meta``: device, threads, clock,
+        #: the grid's extent), as `load_fitted` read it; empty when built from coefficients
+        self.meta = dict(meta or {})
         self.tables = {kind: row_table(row) for kind, row in self.coeffs.items()}
         #: whether re-read KV (`StepShape.reread`) costs other than a first read: the simulator
         #: then finds the step's shared prefixes for it (`testbed.sim.executor.SimExecutor`)
@@ -142,7 +145,8 @@ def load_fitted(path: str | Path, floor_model: RooflineCostModel) -> FittedCostM
         raise BadInput(f"cost_model.path={path}: missing key 'coeffs' (expected coeffs: "
                        f"{{decode: {{a..g}}, prefill: {{a..g}}}}; f and g may be left out)")
     coeffs = _check_coeffs(doc["coeffs"], where=f"cost_model.path={path}", error=BadInput)
-    return FittedCostModel(coeffs, floor_model)
+    meta = doc.get("meta")
+    return FittedCostModel(coeffs, floor_model, meta if isinstance(meta, dict) else None)
 
 
 def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
