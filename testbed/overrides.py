@@ -107,7 +107,7 @@ def check_keys(argv: list[str], name: str = "config", conf_dir: Path = CONF_DIR)
         for depth, part in enumerate(parts):
             if not isinstance(node, DictConfig):
                 break  # below a value: Hydra says what it says
-            if part not in node or (depth == 0 and part == "hydra"):
+            if part not in node:
                 raise BadInput(unknown_key(parts[:depth], part, node, choices))
             node = node[part]
 

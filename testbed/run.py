@@ -100,8 +100,8 @@ def summary_head(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
     # conf/hydra/launcher/ray.yaml has the name of the Ray plugin's own config, which Hydra then
     # merges in as a schema with a deprecation warning per job; the file does not rely on it.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against")
+    check_group_choices(sys.argv[1:])
     main()

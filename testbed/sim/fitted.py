@@ -16,15 +16,20 @@ import datetime as _dt
 import math
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import yaml
 
 from testbed.errors import BadInput
 from testbed.sim.step_shape import StepShape
 
-if TYPE_CHECKING:
-    from testbed.sim.cost_model import RooflineCostModel
+class FloorModel(Protocol):
+    """What a fitted model asks of its floor (`testbed.sim.cost_model.RooflineCostModel`)."""
+
+    def floor(self, step: StepShape) -> float: ...
+
+    def move_time(self, step: StepShape) -> float: ...
+
 
 KINDS = ("decode", "prefill")
 COEFFS = ("a", "b", "c", "d", "e", "f", "g", "h")
@@ -80,7 +85,7 @@ class FittedCostModel:
     the fit: the floor model's `RooflineCostModel.move_time` is added."""
 
     def __init__(self, coeffs: Mapping[str, Mapping[str, float]],
-                 floor_model: RooflineCostModel, meta: Mapping[str, Any] | None = None) -> None:
+                 floor_model: FloorModel, meta: Mapping[str, Any] | None = None) -> None:
         self.coeffs = _check_coeffs(coeffs, where="FittedCostModel")
         #: what the coefficients were measured on (the file's ``meta``: device, threads, clock,
         #: the grid's extent), as `load_fitted` read it; empty when built from coefficients
@@ -129,7 +134,7 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
 
 
-def load_fitted(path: str | Path, floor_model: RooflineCostModel) -> FittedCostModel:
+def load_fitted(path: str | Path, floor_model: FloorModel) -> FittedCostModel:
     """A `FittedCostModel` from a file written by `save_fitted`."""
     path = Path(path)
     if not path.is_file():
