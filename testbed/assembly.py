@@ -28,9 +28,12 @@ from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
 from testbed.engine_config import EngineConfig
+from testbed.backend_limits import REPLAY, SERVER, check_replicas, check_server
+from testbed.engine_timing import apply_timing, check_fit_timing, timing_settings
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.model_group import resolve_model_group
+from testbed.overrides import compose_config  # noqa: F401 - composed here for scripts (re-exported)
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
@@ -41,8 +44,6 @@ from testbed.serving.executor import EXECUTORS
 from testbed.workloads import WORKLOADS, Request, build_workload
 from testbed.workloads.arrivals import Arrival
 
-REPLAY = "replay"  # the backend without an executor: requests one at a time, no time
-SERVER = "server"  # nor has this one: a live OpenAI-compatible server serves (testbed/remote/)
 
 
 def plain(node: Any) -> Any:
@@ -221,8 +222,12 @@ class Assembly:
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
             if self.engine.attention is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
-            if self.backend != "engine":
-                self.build_cost_model()
+            if self.backend == "engine":
+                timing_settings(self.config, self.engine_device)
+            else:  # a fit measured on the CPU predicts an engine timed as it was
+                cost_model = self.build_cost_model()
+                check_fit_timing(getattr(cost_model, "meta", None) or {}, self.config,
+                                 self.config["cost_model"].get("path"))
         if self.replicas > 1:
             self.cluster_delays()
             self.build_router(None)
@@ -242,12 +247,15 @@ class Assembly:
             device = self.engine_device
             if capacity is None and not device.startswith("cuda"):
                 capacity = self.kv_capacity() if most is None else min(self.kv_capacity(), most)
-        return self.executor.build(
+        executor = self.executor.build(
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=e.dtype,
             attention=self.attention, cascade_min_saved=e.cascade_min_saved,
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
             seed=self.seed, forced=e.forced, temperature=e.temperature, top_p=e.top_p)
+        if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
+            apply_timing(executor, *timing_settings(c, device))
+        return executor
 
     def build_router(self, kv_capacity: int | None):
         """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""
@@ -257,22 +265,21 @@ class Assembly:
         return cluster_delays(self.config["router"])
 
 
-def compose_config(overrides: list[str] | tuple[str, ...] = (), name: str = "config"
-                   ) -> DictConfig:
-    """The config ``conf/NAME.yaml`` with these overrides, composed as ``python -m testbed.run``
-    composes it (for scripts, experiments and tests); a bad override is one BadInput line."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+def check_device(device: Any) -> None:
+    """The engine's ``device``, checked before anything loads: a CUDA device torch cannot see is
+    refused in one line (the engine would otherwise load the model first)."""
+    if device is None or not str(device).startswith("cuda"):
+        return
+    import torch
 
-    from testbed.cli import CONF_DIR
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            return compose(name, overrides=list(overrides))
-    except HydraException as e:  # Hydra's own advice, without its search path and links
-        lines = str(e).strip().split("\n\n")[0].splitlines()
-        advice = [line.strip() for line in lines if not line.startswith("See https://")]
-        raise BadInput(" ".join(advice)) from None
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise BadInput(f"device={device}: torch sees no CUDA device on this machine; use "
+                       "device=cpu (or leave device unset: CUDA where present, else the CPU)")
+    index = str(device).partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= count):
+        raise BadInput(f"device={device}: torch sees {count} CUDA device(s), cuda:0 to "
+                       f"cuda:{count - 1}; use one of them")
 
 
 def fit_vocabulary(config: dict[str, Any]) -> str | None:
@@ -299,43 +306,6 @@ def programs_in_flight(config: dict[str, Any], arrival: Arrival) -> int | None:
     return value
 
 
-def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> None:
-    """Replicas run only in the simulator, one cache each, without lower tiers or reuse beyond
-    prefixes (checked before anything is generated)."""
-    replicas = config.get("replicas") or 1
-    if replicas == 1:
-        return
-    if backend == REPLAY:
-        raise BadInput("replicas > 1 needs backend=sim (replay serves one cache)")
-    if backend == "engine":
-        raise BadInput(f"replicas={replicas} needs backend=sim; the engine serves one replica")
-    if backend == SERVER:
-        raise BadInput(f"replicas={replicas} needs backend=sim; backend=server sends to one "
-                       "server (server.url)")
-    c = config["cache"]
-    if has_lower_tiers(c):
-        raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
-    if reuse.active:
-        raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
-
-
-def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timeline: bool):
-    """backend=server: the ``server`` block checked (`testbed.remote.settings`), and what the
-    server's own cache and scheduler decide refused: reuse beyond prefixes, lower tiers, a
-    timeline (the client sees no steps). Other backends ignore the block."""
-    if backend != SERVER:
-        return None
-    from testbed.remote.settings import ServerSettings
-
-    if reuse.active or has_lower_tiers(config["cache"]):
-        raise BadInput("cache.reuse / cache.match / cache.host_tokens / cache.disk_tokens do not "
-                       "apply to backend=server: its cache is the server's")
-    if timeline:
-        raise BadInput("timeline=true needs backend=sim or backend=engine (backend=server sees "
-                       "no steps)")
-    return ServerSettings.from_mapping(config.get("server"))
-
-
 def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     """Read and check a composed run config (module docstring)."""
     config = dict(plain(cfg))
@@ -346,6 +316,9 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
             raise BadInput(f"{group} must be a config group (a mapping), got {found!r}")
         config[group] = dict(found)
     backend = config["backend"].get("name")
+    engine = EngineConfig.from_config(config)
+    if backend == "engine":
+        check_device(engine.device)
     # the simulator and replay price or ignore the preset's shape: no model download for them
     config["model"] = resolve_model_group(config["model"],
                                           need_checkpoint=backend not in ("sim", REPLAY, SERVER))
@@ -362,7 +335,6 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise BadInput(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
-    engine = EngineConfig.from_config(config)
     debug = config.get("debug") or {}
     if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
         raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")

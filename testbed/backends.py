@@ -133,6 +133,10 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     else:
         capacity = run.capacity_tokens if run.capacity_tokens is not None else run.kv_capacity()
         executor = run.build_executor(capacity, requests)
+        grid = (getattr(executor.cost_model, "meta", None) or {}).get("grid")
+        if grid:  # which steps a fitted model priced beyond its grid
+            from testbed.sim.grid_reach import GridReach
+            executor.reach = GridReach(grid, run.config["cost_model"].get("path"))
         planner = None
         if run.has_lower_tiers:
             from testbed.sim.transfer import make_planner
@@ -164,6 +168,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
         add_quality_fields(records, {rid: q.fields() for rid, q in quality.records().items()})
     extra |= tier_extra(cache)
     note = unfit_note(run, aborted_sizes(records, requests), len(records), capacity, pool_tokens)
+    if getattr(executor, "reach", None) is not None and executor.reach.warning():
+        note.append(executor.reach.warning())
     ideal = ideal_as_ran(result.reqs) if rebuilds_prompts(requests, generate) else None
     return BackendResult(records, scheduler.preemptions, extra, note, result.observer,
                          ideal_hit_rate=ideal, beams=result.beams)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,7 +35,6 @@ import matplotlib
 import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm import tqdm
 
 from testbed import group_values
 from testbed.cli import check_group_choices
@@ -44,214 +44,16 @@ from testbed.errors import BadInput
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from testbed.cache.base import Lease  # noqa: E402
-from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
-from testbed.scheduler.request_state import Req  # noqa: E402
+from testbed.calibrate_grid import (  # noqa: E402, F401 (the grid's names, importable here too)
+    GRID_KEYS, SERVER_KNOT_STEPS, SLOT_LAYOUTS, batch_on_slots, grid, grid_slots, grid_values,
+    measure, median_times, ragged_decodes, row_knots, row_table_on, server_row_knots,
+    shared_contexts, shared_decodes, slot_layout, slot_order, synthetic_batch, timed_pass,
+)
 from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
+from testbed.sim.grid_reach import grid_extent  # noqa: E402
 from testbed.sim.step_shape import StepShape  # noqa: E402
-from testbed.workloads.request import Request  # noqa: E402
-
-
-#: the ``calibrate`` lists that span the grid, and the least value each may hold
-GRID_KEYS = {"prefill_batch": 1, "prefill_new": 1, "prefill_context": 0, "decode_batch": 1,
-             "decode_context": 0}
-
-
-def grid_values(cfg: Any, key: str) -> list[int]:
-    """``calibrate.KEY``: a non-empty list of integers, each at least `GRID_KEYS`'s."""
-    values, least = cfg.get(key), GRID_KEYS[key]
-    if not isinstance(values, Sequence) or isinstance(values, str) or not values \
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < least for v in values):
-        raise BadInput(f"calibrate.{key} must be a non-empty list of integers >= {least}, "
-                       f"got {values!r}")
-    return list(values)
-
-
-def grid(cfg: Any) -> list[StepShape]:
-    """The steps to measure: every prefill and decode shape of the ``calibrate`` config."""
-    steps = []
-    for batch in grid_values(cfg, "prefill_batch"):
-        for new in grid_values(cfg, "prefill_new"):
-            for context in grid_values(cfg, "prefill_context"):
-                steps.append(StepShape(new=(new,) * batch, context=(context,) * batch))
-    contexts = grid_values(cfg, "decode_context")
-    for batch in grid_values(cfg, "decode_batch"):
-        for context in contexts:
-            steps.append(StepShape.decode((context,) * batch))
-    if group_values.check_setting("calibrate.decode_ragged", bool, cfg.get("decode_ragged")):
-        steps += ragged_decodes(grid_values(cfg, "decode_batch"), contexts)
-    if group_values.check_setting("calibrate.decode_shared", bool,
-                                  cfg.get("decode_shared", False)):
-        steps += shared_decodes(grid_values(cfg, "decode_batch"), contexts,
-                                shared_contexts(cfg, contexts))
-    return steps
-
-
-def shared_contexts(cfg: Any, contexts: list[int]) -> list[int]:
-    """``calibrate.decode_shared_context`` (null: the ``decode_context`` values): the contexts of
-    the shared decode batches, each above the least ``decode_context``."""
-    values = cfg.get("decode_shared_context")
-    if values is None:
-        return contexts
-    least = min(contexts)
-    if not isinstance(values, Sequence) or isinstance(values, str) or not values \
-            or any(isinstance(v, bool) or not isinstance(v, int) or v <= least for v in values):
-        raise BadInput(f"calibrate.decode_shared_context must be null or a non-empty list of "
-                       f"integers > the least decode_context ({least}), got {values!r}")
-    return list(values)
-
-
-def shared_decodes(batches: list[int], contexts: list[int], shared: Sequence[int]
-                   ) -> list[StepShape]:
-    """Decode batches whose requests share a prefix: for each batch size of two or more and each
-    context of ``shared`` above the least of ``contexts``, every request at that context, all but
-    the least's tokens shared (tree-of-thought's siblings, few-shot's questions): what the others
-    read again (`StepShape.reread`), from a CPU's caches."""
-    least = min(contexts)
-    return [StepShape.decode((context,) * batch, reread=(batch - 1) * (context - least))
-            for batch in batches if batch >= 2 for context in shared if context > least]
-
-
-def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
-    """Decode batches of mixed contexts: for each batch size of two or more and each context
-    above the least, contexts spread evenly from the least up to that one (a served decode batch
-    mixes long and short requests; the longest sets a padded kernel's cost, the sum an unpadded
-    one's)."""
-    least = min(contexts)
-    return [StepShape.decode(tuple(int(round(c)) for c in np.linspace(least, context, batch)))
-            for batch in batches if batch >= 2 for context in contexts if context > least]
-
-
-def row_knots(cfg: Any, steps: Sequence[StepShape]) -> dict[str, list[int]]:
-    """``calibrate.row_table`` (default true): per step kind, the row counts (``Σnew``: a decode's
-    batch size, a prefill's new tokens) of ``steps``, each of which the fit then prices on its
-    own (``n<K>``, `testbed.sim.fit`); else none."""
-    return {kind: sorted({s.num_new for s in steps if s.kind == kind})
-            for kind in ("decode", "prefill")} if row_table_on(cfg) else {}
-
-
-def row_table_on(cfg: Any) -> bool:
-    """``calibrate.row_table``, checked (default true)."""
-    return group_values.check_setting("calibrate.row_table", bool, cfg.get("row_table", True))
-
-
-#: a decode batch size a server fit prices on its own (`server_row_knots`) once this many of its
-#: recovered steps are there to fit it
-SERVER_KNOT_STEPS = 20
-
-
-def server_row_knots(cfg: Any, samples: Sequence[tuple[StepShape, float]]
-                     ) -> dict[str, list[int]]:
-    """``calibrate.row_table`` on a server's recovered steps: the decode batch sizes with at least
-    `SERVER_KNOT_STEPS` steps each (a server's rows are what its workload ran, not a grid: a size
-    seen a few times would be priced by its noise); prefills keep the linear form (their new
-    tokens take hundreds of values)."""
-    sizes = [s.batch for s, _ in samples if s.kind == "decode"]
-    knots = sorted(k for k in set(sizes) if sizes.count(k) >= SERVER_KNOT_STEPS)
-    return {"decode": knots, "prefill": []} if row_table_on(cfg) and knots else {}
-
-
-#: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
-SLOT_LAYOUTS = ("interleaved", "contiguous")
-
-
-def slot_layout(cfg: Any) -> str:
-    """``calibrate.slot_layout``, checked (default ``interleaved``)."""
-    layout = cfg.get("slot_layout", "interleaved")
-    if layout not in SLOT_LAYOUTS:
-        raise BadInput(f"calibrate.slot_layout must be one of {', '.join(SLOT_LAYOUTS)}, "
-                       f"got {layout!r}")
-    return layout
-
-
-def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
-    """Each request's KV slots (context first, then its new tokens), from 1 up, distinct but for
-    a shared prefix.
-
-    ``contiguous``: one run of slots per request. ``interleaved``: the contexts alternate token by
-    token across the batch's requests (token t of every request holding more than t, then token
-    t+1, ...), then each request's new tokens in one run. A served decode batch holds its KV so:
-    the pool hands each step's new tokens out in turn, one slot per request, so what requests
-    decoded together sits interleaved. Reading it gathers rows a batch apart: on the 2-core
-    development CPU, SmolLM2-135M's decode steps of 4, 8 and 16 requests at 512 tokens each took
-    1%, 7% and 9% longer interleaved than contiguous (side by side, medians of 12), so a grid of
-    contiguous batches fits served steps short. A decode step with ``reread`` tokens (the grid's
-    shared batches, `grid`) has every request begin with the same ``reread / (batch − 1)`` slots,
-    one run, as one prefill wrote them; the layout applies to the rest.
-    """
-    shared = step.reread // (step.batch - 1) if step.reread else 0
-    prefix = list(range(1, shared + 1))
-    contexts = np.asarray(step.context) - shared
-    if layout == "contiguous":
-        lengths = contexts + np.asarray(step.new)
-        ends = shared + np.cumsum(lengths)
-        return [np.asarray(prefix + list(range(end - n + 1, end + 1)), dtype=np.int32)
-                for n, end in zip(lengths, ends)]
-    # the (token, request) pairs of every context, ordered by token then request
-    token, request = np.nonzero(np.arange(contexts.max(initial=0))[:, None] < contexts[None, :])
-    slots = [prefix + list(1 + shared + np.flatnonzero(request == i))
-             for i in range(len(contexts))]
-    start = 1 + shared + len(token)
-    for i, new in enumerate(step.new):
-        slots[i] += range(start, start + new)
-        start += new
-    return [np.asarray(s, dtype=np.int32) for s in slots]
-
-
-def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator,
-                    layout: str = "interleaved") -> Batch:
-    """A batch of the given shape over fresh requests holding distinct KV slots, laid out as
-    ``layout`` says (`slot_order`)."""
-    return batch_on_slots(step, slot_order(step, layout), vocab, rng)
-
-
-def batch_on_slots(step: StepShape, slots: Sequence[np.ndarray], vocab: int,
-                   rng: np.random.Generator, cached: bool = False) -> Batch:
-    """A batch of the given shape over fresh requests (random tokens) reading and writing the
-    given KV slots, each request's context first, then its new tokens; ``cached``: each
-    request's context counts as its cached prefix (its lease's hit), else nothing does."""
-    entries = []
-    for i, (new, context, own) in enumerate(zip(step.new, step.context, slots)):
-        request = Request(f"cal{i}", rng.integers(0, vocab, new + context, dtype=np.int32),
-                          np.zeros(1, dtype=np.int32))
-        req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=i)
-        req.lease = Lease(hit=context if cached else 0, slots=np.asarray(own, dtype=np.int32))
-        entries.append(BatchEntry(req, context, new, produces_token=True))
-    return Batch("decode" if step.is_decode else "prefill", entries)
-
-
-def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) -> list[float]:
-    """Run every batch once, in a random order, and return the step times in the batches' order.
-
-    A served workload never repeats the step before it, so timing a shape back to back (caches,
-    allocator and kernel choice all hot) would measure it faster than the engine ever runs it.
-    """
-    times = [0.0] * len(batches)
-    for i in rng.permutation(len(batches)):
-        times[i] = executor.execute(batches[i]).duration_s
-    return times
-
-
-def measure(executor: Any, steps: list[StepShape], repeats: int, vocab: int,
-            seed: int = 0, progress: bool = False,
-            layout: str = "interleaved") -> list[tuple[StepShape, float]]:
-    """The median of ``repeats`` timed passes over the steps, after one warm-up pass
-    (allocator, kernels)."""
-    rng = np.random.default_rng(seed)
-    batches = [synthetic_batch(step, vocab, rng, layout) for step in steps]
-    timed_pass(executor, batches, rng)
-    passes = [timed_pass(executor, batches, rng)
-              for _ in tqdm(range(repeats), desc="calibrate", unit="pass",
-                            disable=None if progress else True)]
-    return median_times(steps, passes)
-
-
-def median_times(steps: list[StepShape],
-                 passes: list[list[float]]) -> list[tuple[StepShape, float]]:
-    """Each step with the median of its times over ``passes`` (each from `timed_pass`)."""
-    return [(step, float(np.median(t))) for step, t in zip(steps, zip(*passes))]
 
 
 def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: Path,
@@ -276,16 +78,16 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
     plt.close(fig)
 
 
-def grid_slots(steps: list[StepShape]) -> int:
-    """KV slots the largest synthetic batch of ``steps`` needs (0 for no steps)."""
-    return max((sum(n + ctx for n, ctx in zip(s.new, s.context)) for s in steps), default=0)
-
-
 def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
-    """What a calibration was measured on (saved with the coefficients)."""
-    return {"model": model.name, "device": str(executor.runner.device), "hardware": hw.name,
-            "dtype": str(next(executor.runner.model.parameters()).dtype).replace("torch.", ""),
-            "attention": type(executor.runner.attention).__name__}
+    """What a calibration was measured on (saved with the coefficients): with the engine's
+    threads and step clock (`testbed.engine_timing`), which a run it predicts must share."""
+    import torch
+
+    return {"model": model.name, "device": str(executor.device), "hardware": hw.name,
+            "dtype": str(executor.dtype).replace("torch.", ""),
+            "attention": executor.attention_name,
+            "threads": torch.get_num_threads(),
+            "clock": "cpu" if executor.clock is time.process_time else "wall"}
 
 
 def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel
@@ -313,7 +115,8 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
     coeffs = fit_coefficients(samples, relative=relative, exclude=exclude,
                               row_knots=row_knots)
     fitted = FittedCostModel(coeffs, floor_model=floor)
-    meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor)}
+    meta = meta | {"steps_measured": len(samples), **floor_check(samples, floor),
+                   "grid": grid_extent(s for s, _ in samples)}
     run_dir.mkdir(parents=True, exist_ok=True)
     save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
     errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],
@@ -416,5 +219,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
+    check_group_choices(sys.argv[1:], name="calibrate")
     main()

@@ -1,7 +1,9 @@
-"""Command-line helpers shared by the entry points: one clear line for a bad group choice.
+"""Command-line helpers shared by the entry points: one clear line for a bad override.
 
-Hydra reports an unknown option of a config group (``scheduler=sjf``) over several lines; users'
-sweeps and scripts are better served by ``error: scheduler must be one of ...; got 'sjf'``.
+Hydra reports an unknown option of a config group (``scheduler=sjf``) or an unknown key
+(``cache.capacity=100``) over several lines; users' sweeps and scripts are better served by
+``error: scheduler must be one of ...; got 'sjf'`` and exit status 2, before Hydra starts
+(`testbed.overrides`).
 """
 
 from __future__ import annotations
@@ -9,39 +11,19 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+from testbed.errors import BadInput
+from testbed.overrides import CONF_DIR, check_overrides, group_options, search_dirs
+
+__all__ = ["CONF_DIR", "check_group_choices", "group_options", "search_dirs"]
 
 
-def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
-    """The selectable options of a config group (files starting with ``_`` are building blocks)."""
-    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml") if not p.stem.startswith("_"))
-
-
-def search_dirs(argv: list[str]) -> list[Path]:
-    """Config folders added by ``hydra.searchpath=[file://DIR,...]`` (your own group files)."""
-    dirs = []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+") == "hydra.searchpath":
-            dirs += [Path(v.strip()[len("file://"):]) for v in value.strip("[]").split(",")
-                     if v.strip().startswith("file://")]
-    return dirs
-
-
-def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
-    """Exit with one line if an override picks an option a config group does not have (in
-    ``conf/`` or a folder of ``hydra.searchpath``)."""
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
-    extra = search_dirs(argv)
-    for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in groups:
-            continue
-        for choice in value.split(","):  # multirun lists
-            options = sorted({*group_options(key, conf_dir),
-                              *(o for d in extra if (d / key).is_dir()
-                                for o in group_options(key, d))})
-            if choice not in options:
-                print(f"error: {key} must be one of {', '.join(options)}; got {choice!r}",
-                      file=sys.stderr)
-                sys.exit(2)
+def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR, name: str = "config"
+                        ) -> None:
+    """Exit with one line (status 2) if an override picks an option a config group does not
+    have (in ``conf/`` or a folder of ``hydra.searchpath``) or sets a key the config ``NAME``
+    (``conf/NAME.yaml``) does not have."""
+    try:
+        check_overrides(argv, name, conf_dir)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

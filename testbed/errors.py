@@ -10,9 +10,14 @@ caught bad values as ``ValueError`` keep working.
 prompt, a token id outside the model's vocabulary, a prompt longer than its context, calls that
 wait across programs, a trace file's content): every other refusal comes from config values and
 is raised by `testbed.assembly.assemble`, before anything is generated (the fuzzer checks it).
+
+A message that refuses a name says what is allowed and, with `did_you_mean`, the closest one.
 """
 
 from __future__ import annotations
+
+import difflib
+from typing import Iterable
 
 
 class BadInput(ValueError):
@@ -26,3 +31,9 @@ class WorkloadRefused(BadInput):
 def failure_kind(error: BaseException) -> str:
     """``"bad_input"`` for a refused input, ``"internal"`` for anything else (a defect)."""
     return "bad_input" if isinstance(error, BadInput) else "internal"
+
+
+def did_you_mean(word: str, allowed: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the allowed name closest to ``word``, or "" for none close."""
+    close = difflib.get_close_matches(word, list(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, did_you_mean
 from testbed.group_values import check_setting
 
 CUSTOM = "custom"  # the group option that takes ``target``
@@ -205,7 +205,8 @@ class Registry:
             allowed = ["name", *(["target"] if target else []), *settings,
                        *self.run_keys, *run_keys]
             raise BadInput(f"{self.family}.{unknown[0]} is not a setting of "
-                           f"{self.family}={label}; allowed: {', '.join(dict.fromkeys(allowed))}")
+                           f"{self.family}={label}; allowed: {', '.join(dict.fromkeys(allowed))}"
+                           + did_you_mean(unknown[0], allowed))
         params = {k: check_setting(f"{self.family}.{k}", names.get(k), v)
                   for k, v in params.items()}
         return Resolved(self, label, entry, params)

@@ -89,9 +89,10 @@ def summary_head(summary: dict) -> str:
             f"cache={summary['cache']}", f"eviction={summary['eviction']}"]
     if summary["backend"] == "server":
         head += [f"server_url={summary['server_url']}", f"server_model={summary['server_model']}"]
-    elif summary["backend"] != "replay":
-        head += [f"scheduler={summary['scheduler']}", f"model={summary['model']}",
-                 f"hardware={summary['hardware']}",
+    elif summary["backend"] != "replay":  # the engine names the device it ran on
+        where = f"device={summary['device']}" if summary.get("device") else \
+            f"hardware={summary['hardware']}"
+        head += [f"scheduler={summary['scheduler']}", f"model={summary['model']}", where,
                  f"kv_capacity_tokens={summary['kv_capacity_tokens']}"]
     else:
         head.append(f"capacity_tokens={summary['capacity_tokens']}")
@@ -99,8 +100,8 @@ def summary_head(summary: dict) -> str:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
     # conf/hydra/launcher/ray.yaml has the name of the Ray plugin's own config, which Hydra then
     # merges in as a schema with a deprecation warning per job; the file does not rely on it.
     warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/ray' is validated against")
+    check_group_choices(sys.argv[1:])
     main()

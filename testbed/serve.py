@@ -31,5 +31,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    check_group_choices(sys.argv[1:])
+    check_group_choices(sys.argv[1:], name="serve")
     main()

@@ -141,7 +141,7 @@ def block_state(cache: BlockHashCache) -> list:
     stats = sorted((b, s.created, s.last_access, s.access_count, s.priority, s.start)
                    for b, s in cache._stats.items())
     return [cache._free.blocks(), keyed, cache._key[keyed].tolist(), stats,
-            sorted(cache._dups.items()), cache.evictable_size, cache.protected_size]
+            sorted(cache._index.holders().items()), cache.evictable_size, cache.protected_size]
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "mru", "gdsf"])
@@ -161,7 +161,7 @@ def test_block_hash_replay_in_one_pass_equals_acquire_extend_release(policy, cap
         assert fused.replay_one(r.prompt, r.output, who) == \
             PrefixCache.replay_one(calls, r.prompt, r.output, who)
         assert block_state(fused) == block_state(calls)
-        duplicates |= bool(fused._dups)
+        duplicates |= fused._index.has_duplicates
     fused.check_invariants()
     assert duplicates, "the case should make duplicate keys"
 

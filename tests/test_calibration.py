@@ -102,7 +102,8 @@ def test_a_row_table_fits_a_decode_cost_that_jumps_with_the_batch_exactly():
             else 1e-3 + 1e-5 * step.num_new
 
     cfg = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
-           "decode_batch": list(jump), "decode_context": [16, 256, 1024]}
+           "decode_batch": list(jump), "decode_context": [16, 256, 1024],
+           "decode_batch_fill": False}  # the sizes between are read off the table below
     samples = [(s, true_time(s)) for s in grid(cfg)]
     coeffs = fit_coefficients(samples, row_knots=row_knots(cfg, grid(cfg)))
     assert {k: round(v, 9) for k, v in coeffs["decode"].items() if k.startswith("n")} == {
@@ -166,9 +167,23 @@ def test_a_fitted_file_keeps_its_batch_table_and_rejects_bad_entries(tmp_path):
         load_fitted(bad, floor)
 
 
+def test_the_grid_fills_every_decode_batch_size_between_the_listed_ones_at_the_least_context():
+    """Each row count is priced on its own (row_table): none is read between two measured."""
+    cfg = config("calibrate", "calibrate.decode_batch=[1,4,6]", "calibrate.decode_context=[64,512]",
+                 "calibrate.decode_ragged=false", "calibrate.decode_shared=false").calibrate
+    decodes = [s.context for s in grid(cfg) if s.is_decode]
+    assert decodes[6:] == [(64,) * 2, (64,) * 3, (64,) * 5]
+    off = config("calibrate", "calibrate.decode_batch=[1,4]", "calibrate.decode_batch_fill=false",
+                 "calibrate.decode_ragged=false", "calibrate.decode_shared=false").calibrate
+    assert sorted({s.batch for s in grid(off) if s.is_decode}) == [1, 4]
+    linear = config("calibrate", "calibrate.decode_batch=[1,4]", "calibrate.row_table=false",
+                    "calibrate.decode_ragged=false", "calibrate.decode_shared=false").calibrate
+    assert sorted({s.batch for s in grid(linear) if s.is_decode}) == [1, 4]
+
+
 def test_the_ragged_grid_spreads_contexts_from_the_least_to_each_larger_one():
     cfg = {"prefill_batch": [1], "prefill_new": [16], "prefill_context": [0],
-           "decode_batch": [1, 3], "decode_context": [10, 50, 90]}
+           "decode_batch": [1, 3], "decode_context": [10, 50, 90], "decode_batch_fill": False}
     uniform = grid(cfg)
     assert [s.context for s in uniform if s.is_decode] == \
         [(10,), (50,), (90,), (10,) * 3, (50,) * 3, (90,) * 3]
@@ -360,8 +375,9 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
                          reread=sample["reread"])
         assert fitted.step_time(step) >= floor.floor(step)
     saved = json.loads((tmp_path / "calibration.json").read_text())
-    # 8 prefills, 4 decodes, 1 shared decode (4 requests sharing 56 of their 64 tokens)
-    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 13
+    # 8 prefills, 4 decodes, 1 shared decode (4 requests sharing 56 of their 64 tokens), and the
+    # batches of 2 and 3 between 1 and 4 at the least context (calibrate.decode_batch_fill)
+    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 15
     assert [x["reread"] for x in saved["samples"]].count(3 * 56) == 1
     assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -13,12 +13,12 @@ from testbed.sim.cost_model import (
     FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )
 from testbed.sim.roofline_fit import grid_steps, loaded_steps, ratios
+from tests.conftest import vidur_profile
 from testbed.sim.specs import (
     HardwareSpec, hardware_spec, kv_capacity_tokens, mem_fraction, model_spec,
 )
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-VIDUR = Path(__file__).resolve().parents[2] / "shared" / "vidur" / "a100_codellama34b_tp2"
 KiB = 1024
 
 
@@ -468,8 +468,7 @@ def test_roofline_against_vidur_a100():
     priced by those operators (VidurCostModel as Vidur 0.0.26 prices them, no per-step overhead),
     on the loaded steps it is fitted to and on single shapes."""
     pd = pytest.importorskip("pandas")
-    if not VIDUR.is_dir():
-        pytest.skip(f"Vidur data not present: {VIDUR}")
+    vidur_dir = vidur_profile()
     # one layer of CodeLlama-34B per rank (Vidur times layers): only per-layer numbers are read
     layer = ModelShape("codellama34b-layer", num_layers=1, hidden_size=8192, num_heads=64,
                        num_kv_heads=8, head_dim=128, intermediate_size=22016, vocab_size=32000,
@@ -477,7 +476,7 @@ def test_roofline_against_vidur_a100():
     a100 = hw("a100")
     med = lambda df, op: df[f"time_stats.{op}.median"] / 1e3  # noqa: E731  (ms → s)
 
-    mlp = pd.read_csv(VIDUR / "mlp.csv").groupby("num_tokens").median(numeric_only=True)
+    mlp = pd.read_csv(vidur_dir / "mlp.csv").groupby("num_tokens").median(numeric_only=True)
     matmuls = sum(med(mlp, op) for op in
                   ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj"))
     T = mlp.index.to_numpy()
@@ -486,7 +485,7 @@ def test_roofline_against_vidur_a100():
     ratio = matmuls / matmul_floor
     assert ratio.min() > 1.2 and ratio[T <= 64].max() < 1.4 and ratio[T >= 512].max() < 1.7
 
-    att = pd.read_csv(VIDUR / "attention.csv")
+    att = pd.read_csv(vidur_dir / "attention.csv")
     heads, kv = layer.num_heads // 2, layer.kv_bytes_per_token_per_gpu
 
     def attention_floor(step):
@@ -509,7 +508,7 @@ def test_roofline_against_vidur_a100():
     from testbed.sim.vidur_profile import load_vidur_profile
 
     m = model("codellama_34b")
-    vidur = VidurCostModel(load_vidur_profile(VIDUR, m), m, overhead_s=0.0)
+    vidur = VidurCostModel(load_vidur_profile(vidur_dir, m), m, overhead_s=0.0)
     roof = RooflineCostModel(m, a100, overhead_s=0.0)
     grid = vidur.profile.prefill
     seen = np.isfinite(grid.values)

@@ -3,7 +3,8 @@ before they land, failures leave nothing behind and say in one line what to do, 
 ``workload.path=data:NAME`` replays exactly as the file's own path does.
 
 Downloads are served by an HTTP server on 127.0.0.1 started in the test; nothing here reaches
-another machine. Tests that need the real traces use ../shared/traces as the pinned files."""
+another machine. Tests that need the real traces read them from the data folder (`make test`
+fetches them there), else from ../shared/traces, else skip saying how to fetch them."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from testbed.data import PACKAGE_FILES, TRACES, DataError, data_dir, download, resolve_trace, sha256_of
-from tests.conftest import SHARED_TRACES
+from testbed.data import (FOLDERS, PACKAGE_FILES, TRACES, DataError, data_dir, download,
+                          resolve_folder, resolve_trace, sha256_of)
+from tests.conftest import data_file, vidur_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,10 +61,8 @@ def closed_port_url() -> str:
 
 
 def shared(name: str) -> Path:
-    path = SHARED_TRACES / TRACES[name].filename
-    if not path.is_file():
-        pytest.skip(f"real trace not present: {path}")
-    return path
+    """The real trace ``name`` (`tests.conftest.data_file`)."""
+    return data_file(name)
 
 
 def cli(*args: str, data: Path, mirror: str | None = None, module: str = "testbed.data"):
@@ -130,12 +130,13 @@ def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(DataError) as e:
         resolve_trace("data:mooncake")
     assert str(e.value) == ("data:mooncake: unknown name; known: "
-                            + ", ".join([*TRACES, *PACKAGE_FILES]) + " (python -m testbed.data list)")
+                            + ", ".join([*TRACES, *PACKAGE_FILES, *FOLDERS])
+                            + " (python -m testbed.data list)")
 
 
 def test_data_names_set_the_format_and_refuse_another(monkeypatch):
-    monkeypatch.setenv("TESTBED_DATA", str(SHARED_TRACES))
     path = shared("azure_code_2023")
+    monkeypatch.setenv("TESTBED_DATA", str(path.parent))
     assert resolve_trace("data:azure_code_2023") == (path, "azure")
     assert resolve_trace("data:azure_code_2023", "azure") == (path, "azure")
     with pytest.raises(DataError, match=r"^workload.format=mooncake does not fit "
@@ -154,10 +155,58 @@ def test_the_registry_pins_the_hashes_and_sizes_of_the_shared_copies():
         assert trace.url.startswith("https://raw.githubusercontent.com/")
 
 
+VIDUR = "vidur_a100_codellama34b_tp2"
+
+
+def test_the_registry_pins_every_file_of_vidurs_profile():
+    profile, entry = vidur_profile(), FOLDERS[VIDUR]
+    assert [(f, sha256_of(profile / f), (profile / f).stat().st_size) for f, _, _ in entry.files] \
+        == list(entry.files)
+    assert entry.file_url("mlp.csv") == ("https://raw.githubusercontent.com/microsoft/vidur/"
+                                         "acb95f6/data/profiling/a100/mlp.csv")
+
+
+def test_a_profile_is_fetched_file_by_file_and_then_read_by_cost_model_profile_dir(tmp_path,
+                                                                                   monkeypatch):
+    """Each file lands verified in the directory NAME; ``data:NAME`` is that directory, and a
+    second fetch downloads nothing."""
+    profile, data = vidur_profile(), tmp_path / "data"
+    with http_server(profile) as mirror:
+        first = cli("fetch", VIDUR, data=data, mirror=mirror)
+    again = cli("fetch", VIDUR, data=data, mirror=closed_port_url())
+    assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+    where = f"{data / VIDUR} (4 files of microsoft/vidur@acb95f6, each sha256 verified)\n"
+    assert (first.stdout, again.stdout) == (f"{VIDUR}: fetched into {where}",
+                                            f"{VIDUR}: already at {where}")
+    assert sorted(os.listdir(data / VIDUR)) == sorted(f for f, _, _ in FOLDERS[VIDUR].files)
+    monkeypatch.setenv("TESTBED_DATA", str(data))
+    assert resolve_folder(f"data:{VIDUR}", "cost_model.profile_dir") == data / VIDUR
+    run = cli("backend=sim", "model=codellama_34b", "hardware=a100", "cost_model=vidur",
+              f"cost_model.profile_dir=data:{VIDUR}", "workload.num_problems=1",
+              f"hydra.run.dir={tmp_path / 'run'}", data=data, module="testbed.run")
+    assert run.returncode == 0, run.stderr
+
+
+def test_a_profile_offline_names_its_first_file_and_where_to_put_it(tmp_path):
+    data = tmp_path / "data"
+    mirror = closed_port_url()
+    proc = cli("fetch", VIDUR, "mooncake_synthetic", data=data, mirror=mirror)
+    assert proc.returncode == 2 and proc.stdout == ""
+    first, second = proc.stderr.splitlines()  # each name tried: one failing stops no other
+    assert first.startswith(f"error: data:{VIDUR}: could not download {mirror}/mlp.csv (")
+    assert first.endswith(f"; run python -m testbed.data fetch {VIDUR} where it is reachable, "
+                          f"or put the file there by hand: {data / VIDUR / 'mlp.csv'}")
+    assert second.startswith("error: data:mooncake_synthetic: could not download ")
+    with pytest.raises(DataError) as e:
+        resolve_trace(f"data:{VIDUR}")
+    assert str(e.value) == (f"data:{VIDUR} is a directory of files, not a trace; use it as "
+                            f"cost_model.profile_dir=data:{VIDUR}")
+
+
 def test_fetch_downloads_verifies_and_then_finds_the_file_here(tmp_path):
     source = shared("azure_code_2023")
     data = tmp_path / "data"
-    with http_server(SHARED_TRACES) as mirror:
+    with http_server(source.parent) as mirror:
         first = cli("fetch", "azure_code_2023", data=data, mirror=mirror)
         again = cli("fetch", "azure_code_2023", data=data, mirror=closed_port_url())
     dest = data / "azure_llm_inference_2023_code.csv"

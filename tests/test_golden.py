@@ -138,6 +138,8 @@ def report_digest(tmp: Path) -> str:
 # random_tree, self_consistency, tiers and tree_of_thought: SGLang 0.5.23's step rules became the
 # default (docs/design.md §4, "SGLang releases"); with scheduler.sglang=0.4.10 those cases give
 # their earlier digests, the config's label aside.
+# Every run case recorded again on 2026-12-04 (issue 49): the config gained the keys threads and
+# clock; without them each digest is the one before, to the bit.
 GOLDEN = {
     "blend": "bdb14f5e584c75a0",
     "block_hash_replay": "e1c7e1249a1cc6e8",

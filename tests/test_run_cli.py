@@ -2,6 +2,7 @@
 requests.jsonl into the Hydra run dir; bad values fail with one line."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,58 @@ def test_bad_values_fail_with_one_line_naming_the_key(tmp_path):
     proc = run("scheduler=sjf", f"hydra.run.dir={tmp_path}")
     assert proc.stderr.strip() == \
         "error: scheduler must be one of custom, dfs_weight, fcfs, hrrn, lof, lpm, random, vllm; got 'sjf'"
+
+
+def test_an_unknown_key_is_one_line_naming_its_group_the_allowed_keys_and_the_closest(tmp_path):
+    """The first try gets the project's line (Hydra's would suggest appending it with +)."""
+    proc = run("cache.capacity=100", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: cache.capacity is not a setting of cache=radix; allowed: name, capacity_tokens, "
+        "page_size, evict_unit, split_recency, host_tokens, disk_tokens, write_policy, "
+        "write_threshold, host_eviction, disk_eviction, load_back, host_link, disk_link, reuse, "
+        "recompute_ratio, chunk_boundaries, match, similarity_threshold; "
+        "did you mean capacity_tokens?\n")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_an_unknown_top_level_key_in_a_sweep_is_refused_before_any_job(tmp_path):
+    proc = run("-m", "workload=few_shot,chat", "sed=3", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: sed is not a setting of the config; allowed: backend, workload, cache, eviction, "
+        "scheduler, model, hardware, cost_model, router, seed, replicas, arrival, server, "
+        "device, dtype, threads, clock, attention, cascade_min_saved, forced, temperature, top_p, "
+        "save_token_ids, timeline, progress, debug; did you mean seed?\n")
+
+
+def test_a_mistyped_option_names_the_options_and_the_closest(tmp_path):
+    proc = run("workload=tree_of_thougt", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == (
+        "error: workload must be one of beam_search, chat, chat_long, chat_tenants, custom, "
+        "few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, "
+        "rag_text, random_tree, self_consistency, shared_prefix, sharegpt, sharegpt_chat, "
+        "trace, tree_of_thought; got 'tree_of_thougt'; did you mean tree_of_thought?\n")
+
+
+def test_a_cuda_device_torch_cannot_see_is_refused_before_the_model_loads(tmp_path):
+    """Bad input (exit 2, one line), refused in assembly: no model is built, no step taken."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # torch sees no CUDA device, GPU or not
+    proc = subprocess.run([sys.executable, "-m", "testbed.run", "backend=engine", "model=tiny",
+                           "device=cuda", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("error: device=cuda: torch sees no CUDA device on this machine; use "
+                           "device=cpu (or leave device unset: CUDA where present, else the "
+                           "CPU)\n")
+    assert json.loads((tmp_path / "failed.json").read_text())["kind"] == "bad_input"
+
+
+def test_an_engine_run_names_the_device_it_ran_on_not_the_hardware_preset(tmp_path):
+    proc = run("backend=engine", "model=tiny", "device=cpu", "workload=few_shot",
+               "workload.num_tasks=1", "workload.questions_per_task=2", "progress=false",
+               f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    head = proc.stdout.splitlines()[0]
+    assert " · device=cpu · " in head and "hardware=" not in head

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import SHARED_TRACES
+from conftest import data_file
 from testbed.workloads.request import Request
 from testbed.workloads.traces import (
     LOADERS, TRACE_FORMATS, TraceError, load_azure, load_bailian, load_tokens, load_trace,
@@ -170,9 +170,7 @@ def test_malformed_azure_csv_names_file_line_and_problem(tmp_path, body, line, m
 
 
 def test_azure_conversation_trace_loads_every_row():
-    path = SHARED_TRACES / "azure_llm_inference_2023_conv.csv"
-    if not path.is_file():
-        pytest.skip(f"real trace not present: {path}")
+    path = data_file("azure_conv_2023")
     reqs = load_azure(path)
     assert len(reqs) == 19366
     assert (len(reqs[0].prompt), len(reqs[0].output)) == (374, 44)  # the first data row

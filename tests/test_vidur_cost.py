@@ -4,8 +4,9 @@ NCCL launches), monotone, a cached prefix priced by its attention only, refusals
 directory holds, and a whole run.
 
 The core tests write small profiles in Vidur's own column layout (the headers of
-``shared/vidur/a100_codellama34b_tp2``) with linear times; the tests on the real profile skip
-when it is absent."""
+Vidur's A100 CodeLlama-34B profile) with linear times; the tests on the real profile read it from
+the data folder (``python -m testbed.data fetch vidur_a100_codellama34b_tp2``; `make test` fetches
+it), else ../shared's copy, else skip saying how to fetch it."""
 
 import json
 import subprocess
@@ -24,9 +25,9 @@ from testbed.model_shape import ModelShape
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.sim.vidur_cost import VidurCostModel, round_up
 from testbed.sim.vidur_profile import TOKEN_OPS, ProfileError, load_vidur_profile
+from tests.conftest import vidur_profile
 
 REPO = Path(__file__).resolve().parents[1]
-VIDUR = REPO.parent / "shared" / "vidur" / "a100_codellama34b_tp2"
 MODEL = ModelShape("t", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
                    head_dim=16, intermediate_size=128, vocab_size=256, tp=2)
 STATS = ("min", "max", "mean", "median", "std")
@@ -442,14 +443,13 @@ def test_a_run_with_the_codellama_preset(tmp_path):
     assert proc.stderr.count("\n") == 1 and "model=codellama_34b needs n_embd=8192" in proc.stderr
 
 
-# ---- the real profile (shared/vidur: A100, CodeLlama-34B, TP2) ----
+# ---- the real profile (data:vidur_a100_codellama34b_tp2: A100, CodeLlama-34B, TP2) ----
 
 @pytest.fixture(scope="module")
 def real() -> VidurCostModel:
-    if not VIDUR.is_dir():
-        pytest.skip(f"Vidur's profile not present: {VIDUR}")
     m = model_spec(yaml.safe_load((REPO / "conf/model/codellama_34b.yaml").read_text()))
-    return VidurCostModel(load_vidur_profile(VIDUR, m), m)  # Vidur's rules, as cost_model=vidur
+    profile = vidur_profile()
+    return VidurCostModel(load_vidur_profile(profile, m), m)  # Vidur's rules, as cost_model=vidur
 
 
 def test_real_profile_close_to_every_measurement(real):

@@ -172,6 +172,7 @@ def main() -> None:
                     choices=list(REAL_WORKLOADS), help="--real: which workloads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    MODEL.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
     if args.real:
         real(args.repeats, args.workloads)
         return

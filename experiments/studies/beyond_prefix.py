@@ -223,6 +223,7 @@ def main() -> None:
                     help="torch threads for the engine (tiny shapes: more only add contention)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
     started = time.perf_counter()
     rows = []
     for w in args.workloads:

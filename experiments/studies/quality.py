@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         plot(pd.read_csv(args.out / "quality.csv"), args.out / "quality.png")
         return pd.read_csv(args.out / "quality.csv")
     torch.set_num_threads(args.threads)
+    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
     started = time.perf_counter()
     modes = [m for m in MODES if args.modes is None or m.name in args.modes]
     tasks = {t: FEW_SHOT_MODES if t == "few_shot_text" else modes for t in args.tasks}

@@ -219,6 +219,8 @@ def main() -> None:
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
     steps = [] if args.fitted else grid(cal.calibrate)
     engine = run.build_executor(max(CAPACITY, grid_slots(steps)))
+    torch.set_num_threads(args.threads)  # this script's flags, over the run keys' defaults
+    engine.clock = None  # wall time, unless --clock cpu
     if args.clock == "cpu":
         if engine.device.type != "cpu":
             ap.error(f"--clock cpu times a CPU engine, not {engine.device}")

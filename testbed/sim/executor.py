@@ -43,6 +43,7 @@ class SimExecutor:
             cost_model, "prices_rereads", False) else None
         self.decode_context = 0  # Σcontext of the decode steps priced so far
         self.decode_saved = 0  # of which cascade left unread (StepShape.shared_saving)
+        self.reach = None  # a `testbed.sim.grid_reach.GridReach` told every step priced, if set
 
     def execute(self, batch: Batch) -> StepOutcome:
         new, context = batch.shape()
@@ -53,6 +54,8 @@ class SimExecutor:
         else:
             reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
             step = StepShape(new=new, context=context, shared=shared, reread=reread)
+        if self.reach is not None:
+            self.reach.add(step)
         if step.is_decode:
             self.decode_context += step.num_context
             self.decode_saved += step.shared_saving

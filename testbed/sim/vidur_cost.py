@@ -215,6 +215,7 @@ def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | Non
                      nccl_launch_s: float = NCCL_LAUNCH_S) -> VidurCostModel:
     """The ``cost_model=vidur`` entry: the profile in ``profile_dir`` for ``model``; ``overhead_s``
     null takes the hardware's ``step_overhead_s``."""
+    from testbed.data import resolve_folder
     from testbed.sim.cost_model import DEFAULT_MBU, number, resolve_path
     from testbed.sim.vidur_profile import load_vidur_profile
 
@@ -223,7 +224,8 @@ def vidur_cost_model(model: ModelShape, hw: HardwareSpec, profile_dir: str | Non
                        "of Vidur's profiling CSVs: mlp.csv, attention.csv, all_reduce.csv)")
     overhead = number("overhead_s", overhead_s, None)
     return VidurCostModel(
-        load_vidur_profile(resolve_path(profile_dir), model), model,
+        load_vidur_profile(resolve_path(resolve_folder(profile_dir, "cost_model.profile_dir")),
+                           model), model,
         overhead_s=hw.step_overhead_s if overhead is None else overhead,
         kv_granularity=number("kv_granularity", kv_granularity, KV_GRANULARITY),
         decode_batching_overhead=number("decode_batching_overhead", decode_batching_overhead,

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from testbed.assembly import Assembly, assemble, compose_config
 from testbed.cache.radix import RadixCache
-from testbed.cli import check_group_choices
+from testbed.overrides import check_overrides
 from testbed.errors import BadInput
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         overrides = [*source_overrides(args.source), *args.overrides]
-        check_group_choices(overrides)
+        check_overrides(overrides)
         at = parse_at(args.at)
         if args.cols < 1 or args.tokens < 1:
             raise BadInput("--cols and --tokens must be >= 1")
