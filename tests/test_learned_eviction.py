@@ -210,3 +210,17 @@ def test_deterministic_and_keeps_the_cache_invariants():
     assert [(r.id, r.cached_tokens) for r in ra] == [(r.id, r.cached_tokens) for r in rb]
     a.check_invariants()
     b.check_invariants()
+
+
+def test_a_saved_model_is_used_from_the_first_request_and_kept_without_refits(tmp_path):
+    trained, _ = run(SMALL, workload(seed=0))
+    assert trained.policy.fits > 0
+    trained.policy.model.save(tmp_path / "model.json")
+    policy = EVICTION.build({**SMALL, "model": str(tmp_path / "model.json"), "refit": False})
+    rows = [tuple(r) for r in np.random.default_rng(0).integers(0, 20, size=(50, 9)).tolist()]
+    assert [policy.model.predict(r) for r in rows] == [trained.policy.model.predict(r) for r in rows]
+    cache = RadixCache(300, policy=policy)
+    replay(workload(seed=1), cache)
+    assert policy.fits == 0 and len(policy.window) > SMALL["retrain_every"]
+    with pytest.raises(ValueError, match="eviction.model=.*: not a saved learned model"):
+        EVICTION.build({"name": "learned", "model": str(tmp_path / "none.json")})

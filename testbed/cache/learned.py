@@ -45,7 +45,9 @@ until its last access or size changes, so a refit never changes keys already in 
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -90,15 +92,34 @@ class Ghost(NamedTuple):
 
 
 class TreeModel:
-    """A fitted regression tree as plain lists: `predict` walks it in Python (microseconds)."""
+    """A fitted regression tree as plain lists: `predict` walks it in Python (microseconds).
+    `save` and `load` keep it as JSON (the lists; ``eviction.model``)."""
 
-    def __init__(self, fitted: DecisionTreeRegressor) -> None:
+    FIELDS = ("left", "right", "feature", "threshold", "value")
+
+    def __init__(self, fitted: DecisionTreeRegressor | None = None) -> None:
+        if fitted is None:
+            return  # `load` fills it
         tree = fitted.tree_
         self.left = tree.children_left.tolist()
         self.right = tree.children_right.tolist()
         self.feature = tree.feature.tolist()
         self.threshold = tree.threshold.tolist()
         self.value = tree.value[:, 0, 0].tolist()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({f: getattr(self, f) for f in self.FIELDS}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TreeModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            model = cls()
+            for f in cls.FIELDS:
+                setattr(model, f, list(data[f]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"eviction.model={path}: not a saved learned model ({e})") from None
+        return model
 
     def predict(self, row: Row) -> float:
         node, left = 0, self.left
@@ -115,7 +136,8 @@ class LearnedEviction(EvictionPolicy):
 
     def __init__(self, retrain_every: int = 500, window: int = 20000, horizon: int = 1000,
                  min_train: int = 1000, max_depth: int = 6, min_samples_leaf: int = 50,
-                 scale: float = 5000.0, seed: int = 0) -> None:
+                 scale: float = 5000.0, seed: int = 0, model: str | None = None,
+                 refit: bool = True) -> None:
         for key, value in (("retrain_every", retrain_every), ("window", window),
                            ("horizon", horizon), ("min_train", min_train),
                            ("max_depth", max_depth), ("min_samples_leaf", min_samples_leaf)):
@@ -136,7 +158,10 @@ class LearnedEviction(EvictionPolicy):
         self.window: deque[tuple[int, Row, int]] = deque(maxlen=window)
         self._new_labels = 0
         self.fits = 0  # models fitted so far
-        self.model: TreeModel | None = None
+        # a model trained elsewhere (`TreeModel.save`, e.g. on another trace): used from the
+        # first request; ``refit`` false keeps it (judged on a trace it was not trained on)
+        self.model: TreeModel | None = TreeModel.load(model) if model else None
+        self.refit = refit
         self._predicted: dict[Row, float] = {}  # memoised probabilities of the current model
         self._prev: dict[int, tuple[int, int]] = {}  # id -> (previous access, latest access)
         self._pending: dict[int, tuple[int, Row]] = {}  # id -> (access time, features then)
@@ -208,7 +233,8 @@ class LearnedEviction(EvictionPolicy):
     def _label(self, row: Row, reused: int) -> None:
         self.window.append((self.now, row, reused))
         self._new_labels += 1
-        if self._new_labels >= self.retrain_every and len(self.window) >= self.min_train:
+        if (self.refit and self._new_labels >= self.retrain_every
+                and len(self.window) >= self.min_train):
             self._fit()
 
     def _reused(self, entry_id: int) -> None:
