@@ -34,9 +34,10 @@ class LRUK:
         self.uses: dict[int, list[int]] = {}  # entry id -> its last K use times (logical clock)
 
     def priority(self, entry: Any) -> Any:
+        # uses are what the hooks saw (creations and hits), not every refresh of last_access:
+        # SGLang 0.5.23's checkpoint refreshes a request's whole path twice after its insert,
+        # which would count as two uses of every new entry (docs/extending.md)
         uses = self.uses.get(entry.id, [])
-        if not uses or uses[-1] != entry.last_access:  # a use the hooks did not see
-            uses = [*uses, entry.last_access][-self.k:]
         kth = uses[-self.k] if len(uses) >= self.k else -1
         return (kth, entry.last_access)
 
@@ -54,6 +55,11 @@ class LRUK:
 
     def on_evict(self, entry: Any, key: Any) -> None:
         self.uses.pop(entry.id, None)
+
+    def on_split(self, head: Any, tail: Any) -> None:
+        # optional hook: a radix node was cut; the new head shares the entry's uses
+        if tail.id in self.uses:
+            self.uses[head.id] = list(self.uses[tail.id])
 
 
 class MostRecentlyUsed:

@@ -56,19 +56,20 @@ def test_a_user_class_gives_exactly_the_run_of_its_builtin(compose, tmp_path, gr
     assert user[group] == target and ours[group] == builtin
 
 
-def test_lru_k_with_k_1_is_lru_and_with_k_2_is_not(compose, tmp_path):
-    # SGLang 0.4.10's single insert: under 0.5.23's checkpoint (a prompt insert and a look-up
-    # after every insert) LRU-K(2) evicts exactly as LRU does on this workload (0.0611 both;
-    # 0.0698 here under 0.4.10; docs/extending.md)
+@pytest.mark.parametrize("release", ["0.5.23", "0.4.10"])
+def test_lru_k_with_k_1_is_lru_and_with_k_2_is_not(compose, tmp_path, release):
+    # the same under both releases: LRU-K counts the uses its hooks see, so 0.5.23's checkpoint
+    # walks (which refresh recency right after an insert) are not uses (0.0747 against LRU's
+    # 0.0656 under both; before, LRU-K(2) was LRU under 0.5.23: docs/extending.md)
     base = ["backend=replay", "workload=chat", "workload.num_sessions=40",
-            "cache.capacity_tokens=6000", "scheduler.sglang=0.4.10"]
+            "cache.capacity_tokens=16000", f"scheduler.sglang={release}"]
     lru, lru_reqs = run(compose, tmp_path, "lru", *base, "eviction=lru")
     k1, k1_reqs = run(compose, tmp_path, "k1", *base, "eviction=custom",
                       "eviction.target=my_policies.LRUK", "+eviction.k=1")
     k2, _ = run(compose, tmp_path, "k2", *base, "eviction=custom",
                 "eviction.target=my_policies.LRUK", "+eviction.k=2")
     assert k1_reqs == lru_reqs and lru["evicted_tokens"] > 0
-    assert k2["hit_rate"] != lru["hit_rate"]
+    assert (round(lru["hit_rate"], 4), round(k2["hit_rate"], 4)) == (0.0656, 0.0747)
 
 
 BAD = '''

@@ -172,19 +172,21 @@ def test_an_evicted_leaf_wanted_again_is_labelled_reused_and_keeps_its_turn():
     cache.check_invariants()
 
 
-def test_a_ghost_older_than_the_horizon_is_labelled_not_reused_and_forgotten():
+@pytest.mark.parametrize("release", ["0.5.23", "0.4.10"])
+def test_a_ghost_older_than_the_horizon_is_labelled_not_reused_and_forgotten(release):
+    # the policy's clock counts requests, so 0.5.23's checkpoint walks (which tick the cache's
+    # clock 2.5 times as fast on a conversation trace) move nothing here
     policy = LearnedEviction(horizon=5)
-    # the clocks below count one insert per request: 0.4.10's (0.5.23's checkpoint adds a look-up)
-    cache = RadixCache(4, policy=policy, sglang="0.4.10")
-    serve(cache, [1, 2, 3])  # created at clock 3
-    serve(cache, [7, 8, 9])  # evicts [1, 2, 3]: a ghost
+    cache = RadixCache(4, policy=policy, sglang=release)
+    serve(cache, [1, 2, 3])  # request 1
+    serve(cache, [7, 8, 9])  # request 2 evicts [1, 2, 3]: a ghost
     for i in range(6):
-        serve(cache, [20 + i])  # each evicts the one before, 3 clock ticks apart
-    serve(cache, [1, 2, 3])  # too late: no label 1
-    assert policy.window[0] == (9, (log_bin(3), 0, 1, 0, 0, 1, 0, 1, log_bin(3)), 0)
-    assert [label for _, _, label in policy.window] == [0] * 7
+        serve(cache, [20 + i])  # requests 3-8, each evicting the one before
+    serve(cache, [1, 2, 3])  # request 9: too late, no label 1
+    assert policy.window[0] == (6, (log_bin(3), 0, 1, 0, 0, 1, 0, 1, log_bin(3)), 0)
+    assert [label for _, _, label in policy.window] == [0] * 4  # requests 1-4, 5 requests on
     # ghosts older than the horizon are forgotten (when another node is evicted), keys and all
-    assert sorted(g.id for ghosts in policy._ghosts.values() for g in ghosts) == [4, 5, 6, 7]
+    assert sorted(g.id for ghosts in policy._ghosts.values() for g in ghosts) == [3, 4, 5, 6, 7]
     assert policy._ghosts_under == {0: dict.fromkeys(policy._ghosts)}  # all under the root
 
 
@@ -208,3 +210,17 @@ def test_deterministic_and_keeps_the_cache_invariants():
     assert [(r.id, r.cached_tokens) for r in ra] == [(r.id, r.cached_tokens) for r in rb]
     a.check_invariants()
     b.check_invariants()
+
+
+def test_a_saved_model_is_used_from_the_first_request_and_kept_without_refits(tmp_path):
+    trained, _ = run(SMALL, workload(seed=0))
+    assert trained.policy.fits > 0
+    trained.policy.model.save(tmp_path / "model.json")
+    policy = EVICTION.build({**SMALL, "model": str(tmp_path / "model.json"), "refit": False})
+    rows = [tuple(r) for r in np.random.default_rng(0).integers(0, 20, size=(50, 9)).tolist()]
+    assert [policy.model.predict(r) for r in rows] == [trained.policy.model.predict(r) for r in rows]
+    cache = RadixCache(300, policy=policy)
+    replay(workload(seed=1), cache)
+    assert policy.fits == 0 and len(policy.window) > SMALL["retrain_every"]
+    with pytest.raises(ValueError, match="eviction.model=.*: not a saved learned model"):
+        EVICTION.build({"name": "learned", "model": str(tmp_path / "none.json")})

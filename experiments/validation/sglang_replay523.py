@@ -139,15 +139,16 @@ def runtime(sgl) -> None:
 
 
 def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int | None,
-                    rules: tuple[str, ...] = tuple(RULES523), eviction: str = "lru"
-                    ) -> tuple[list[int], list[int], int, list]:
+                    rules: tuple[str, ...] = tuple(RULES523), eviction: str = "lru",
+                    strategy=None, after=None) -> tuple[list[int], list[int], int, list]:
     """0.5.23's RadixCache serving ``requests`` one at a time (module docstring). Returns per
     request the hit and the tokens evicted, the tokens left in the tree and its runs
     (`sglang_replay.sglang_runs`). ``rules``: those of `RULES523` SGLang's server follows (all of
     them by default); without them its tree is fed replay.py's calls (the whole prompt matched,
     prompt + output inserted, the shortfall of whole new pages evicted). ``eviction``: the
     tree's strategy (``--radix-eviction-policy``; not ``tlru``, whose bookkeeping the classic
-    tree lacks)."""
+    tree lacks); ``strategy``, an object with ``get_priority(node)``, replaces it (a rule the
+    wheel lacks); ``after(tree)`` is called after each request."""
     runtime(sgl)
     last = 1 if "kv" in rules else 0  # the last output token's KV: never computed
     kv_lens = [len(r.prompt) + len(r.output) - last for r in requests]
@@ -158,6 +159,8 @@ def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int 
     tree = sgl.radix.RadixCache(sgl.params.CacheInitParams(
         disable=False, req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
         page_size=page_size, eviction_policy=eviction))
+    if strategy is not None:
+        tree.eviction_strategy = strategy
     hits, evicted = [], []
     for r, kv_len in zip(requests, kv_lens):
         if -(-kv_len // page_size) > pages:
@@ -183,6 +186,8 @@ def serve_sglang523(sgl, requests: list[Request], page_size: int, capacity: int 
         req.kv.kv_committed_len = req.kv.kv_allocated_len = kv_len
         hits.append(req.prefix_len)
         sgl.common.release_kv_cache(req, tree, checkpoint=True)
+        if after is not None:
+            after(tree)
     return hits, evicted, tree.total_size(), sglang_runs(tree)
 
 

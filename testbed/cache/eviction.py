@@ -4,9 +4,10 @@ A policy maps an entry's statistics to a priority key; the cache evicts the smal
 The cache owns the data structure (a lazily-invalidated heap of candidates) and re-asks the policy
 whenever an entry's statistics change, so policy code never lives inside the tree. Policies with
 state of their own (an aging clock, reuse statistics, the future) learn about accesses, creations,
-hits and evictions through the hooks of `EvictionPolicy`. `EVICTION` builds the one the
-``eviction`` config group names (a built-in, or ``eviction=custom eviction.target=module.Class``:
-any class with `EvictionPolicy`'s methods; docs/extending.md).
+hits and evictions through the hooks of `EvictionPolicy` (and ``on_split``, optional: a radix node
+was cut in two, so that history kept per entry id can follow; docs/design.md §4). `EVICTION` builds
+the one the ``eviction`` config group names (a built-in, or ``eviction=custom
+eviction.target=module.Class``: any class with `EvictionPolicy`'s methods; docs/extending.md).
 
 Keys are computed when an entry is (re)offered; a policy whose key drifts with global state (GDSF's
 clock, the workload-aware estimator) sees it applied to an entry at its next offer, as in the usual
@@ -70,6 +71,15 @@ class EvictionPolicy:
 
     def on_evict(self, entry: EntryStats, key: Any) -> None:
         """An entry was evicted with this key."""
+
+    def on_split(self, head: EntryStats, tail: EntryStats) -> None:
+        """A radix node was cut in two: ``head`` (a new entry, a new id) took its first tokens,
+        ``tail`` (the same entry as before, its id kept) the rest. The tree has copied what SGLang's
+        ``_split_node`` copies (hits, priority) and more (``access_count``, ``history``,
+        ``category``) to the head; history a policy keeps by entry id is its own to share.
+        Optional: the tree calls it only on policies that define it. Under SGLang 0.5.23's
+        checkpoint insert every finished request's leaf is cut at its prompt's end by an insert
+        walk, which calls no other hook."""
 
     def path_key_needed(self) -> bool:
         """Whether the cache must tell the policy the tokens leading into an entry (oracle)."""
@@ -193,6 +203,43 @@ class TLRU(EvictionPolicy):
         return (-1 if entry.start >= budget else 0, entry.last_access)
 
 
+class SizeAware(EvictionPolicy):
+    """Hits per token (SGLang PR 30300's ``hpt``, "size-aware" eviction): key ``(hits + 1) /
+    size``, smallest first, so among entries hit about as often the largest goes first and one
+    eviction frees more KV; ties by LRU (SGLang's heap compares ``(priority, node)`` and a node
+    orders by its last access). ``hits`` as LFU's (`hit_count`): 0.5.23's insert count by
+    default. A split or a page trim changes ``size``, and the tree re-offers the entry."""
+
+    name = "size_aware"
+
+    def __init__(self, hits: str = "insert") -> None:
+        self.hits = check_hits(hits)
+
+    def priority(self, entry: EntryStats) -> Any:
+        return ((hit_count(entry, self.hits) + 1) / max(entry.size, 1), entry.last_access)
+
+
+class WLFU(EvictionPolicy):
+    """LRU with a frequency age penalty (SGLang PR 23781's ``wlfu``): key ``last_access − alpha ×
+    log1p(hits)``, smallest first, so of two entries last used at the same time the one hit more
+    often goes first (a prefix that has served many requests makes room for newer ones); ties by
+    LRU. ``alpha`` 0 is LRU. SGLang's ``last_access_time`` is seconds of ``time.monotonic``, ours
+    the cache's logical clock (one tick per node a walk touches), so ``alpha`` is in ticks here;
+    the PR's default is 2.0 (seconds)."""
+
+    name = "wlfu"
+
+    def __init__(self, alpha: float = 2.0, hits: str = "insert") -> None:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha < 0:
+            raise BadInput(f"eviction.alpha must be a number >= 0, got {alpha!r}")
+        self.alpha = float(alpha)
+        self.hits = check_hits(hits)
+
+    def priority(self, entry: EntryStats) -> Any:
+        return (entry.last_access - self.alpha * math.log1p(hit_count(entry, self.hits)),
+                entry.last_access)
+
+
 class PriorityLRU(EvictionPolicy):
     """Entries used only by less urgent requests go first (larger priority value); then LRU."""
 
@@ -261,7 +308,8 @@ class WorkloadAware(EvictionPolicy):
 
 EVICTION = Registry("eviction", methods=("priority", "on_access", "on_create", "on_hit", "on_evict"),
                     context_keys=("requests", "cost_fn"), what="an eviction policy")
-for _policy in (LRU, FIFO, FILO, LFU, MRU, SLRU, TLRU, PriorityLRU, GDSF, WorkloadAware):
+for _policy in (LRU, FIFO, FILO, LFU, MRU, SLRU, TLRU, SizeAware, WLFU, PriorityLRU, GDSF,
+                WorkloadAware):
     EVICTION.register(_policy.name, _policy)
 # "oracle" registers in testbed/cache/oracle.py: it is built from the whole workload (``requests``)
 # scikit-learn is imported only when a run chooses it (testbed/cache/learned.py)

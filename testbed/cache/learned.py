@@ -3,12 +3,12 @@
 What it is for: a deployable step from LRU towards Belady's rule (`testbed.cache.oracle`) that
 learns from the past only. On a conversation trace what the oracle knows is *which* histories will
 be continued; this policy estimates, per entry, the probability ``p`` that it is used again within
-``horizon`` accesses (the cache's logical clock), from features the cache keeps or the policy
+``horizon`` requests (`on_access` calls: the policy's clock), from features the cache keeps or the policy
 keeps cheaply, each binned to a small integer (largest bins in `CAPS`):
 
 - ``size``, ``start`` (tokens before it) and ``start + size`` in `log_bin`s (four per octave);
   ``access_count`` (creation counts one); the gap between the entry's last two accesses as
-  ``bit_length`` (0 before a second access); the request category, an index by first appearance
+  ``bit_length`` (in requests; 0 before a second access); the request category, an index by first appearance
   (0: none);
 - on a radix tree (entries with a ``parent``): its *turn*, the number of nodes above it counting
   evicted ones (a new leaf's is its parent's plus one, or more if it re-creates evicted nodes: a
@@ -19,9 +19,11 @@ keeps cheaply, each binned to a small integer (largest bins in `CAPS`):
 Labels come from the past as it arrives. Each access (creation or hit) of a leaf leaves it
 *pending* with the binned features it has then (a node with children is not a candidate, and
 labelling the shared system prompt's hits would fill the window); a hit within ``horizon`` labels
-them 1 (a hit on the new head of a split labels the entry it was cut from, and the cut-off tail,
-passed by the walk, becomes pending as a tail). An evicted radix node becomes a `Ghost` under its
-parent, keyed by its first token, for ``horizon`` accesses; a node evicted with ghosts below it
+them 1. A split (`on_split`: a walk stopped inside a node, at a match, an insert or SGLang 0.5.23's
+checkpoint, which cuts every finished request's leaf at its prompt's end) gives the entry's turn,
+access times and pending label to the head, the part a later walk reaches, and makes the tail
+pending as a tail. An evicted radix node becomes a `Ghost` under its parent, keyed by its first
+token, for ``horizon`` requests; a node evicted with ghosts below it
 carries them along, shifted by its size. A new leaf that starts in a ghost's place and runs
 through a carried ghost's first token means a request wanted those tokens again: it labels each
 such ghost still pending 1 and takes its turn. So the labels do not depend on what the policy
@@ -33,8 +35,9 @@ arrays are walked in Python (`TreeModel`), so a key costs a few comparisons (mem
 row), never a call into scikit-learn.
 
 The key is computed when an entry is (re)offered (`testbed.cache.eviction`) and must stay
-meaningful in the heap: ``last_access + scale * p``, smallest evicted first (LRU in which an entry
-likely to be reused counts as ``scale * p`` accesses younger). Before the first model the key is
+meaningful in the heap: ``last_access + scale * rate * p``, smallest evicted first (LRU in which an
+entry likely to be reused counts as ``scale * p`` requests younger; ``rate``, the cache's clock
+ticks per request so far, turns requests into the ticks ``last_access`` counts). Before the first model the key is
 ``last_access - 2**60``: exactly LRU, and below every learned key. A key is memoised per entry
 until its last access or size changes, so a refit never changes keys already in the heap
 (`RadixCache.check_invariants` holds).
@@ -42,7 +45,9 @@ until its last access or size changes, so a refit never changes keys already in 
 
 from __future__ import annotations
 
+import json
 from collections import deque
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -87,15 +92,34 @@ class Ghost(NamedTuple):
 
 
 class TreeModel:
-    """A fitted regression tree as plain lists: `predict` walks it in Python (microseconds)."""
+    """A fitted regression tree as plain lists: `predict` walks it in Python (microseconds).
+    `save` and `load` keep it as JSON (the lists; ``eviction.model``)."""
 
-    def __init__(self, fitted: DecisionTreeRegressor) -> None:
+    FIELDS = ("left", "right", "feature", "threshold", "value")
+
+    def __init__(self, fitted: DecisionTreeRegressor | None = None) -> None:
+        if fitted is None:
+            return  # `load` fills it
         tree = fitted.tree_
         self.left = tree.children_left.tolist()
         self.right = tree.children_right.tolist()
         self.feature = tree.feature.tolist()
         self.threshold = tree.threshold.tolist()
         self.value = tree.value[:, 0, 0].tolist()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({f: getattr(self, f) for f in self.FIELDS}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TreeModel":
+        try:
+            data = json.loads(Path(path).read_text())
+            model = cls()
+            for f in cls.FIELDS:
+                setattr(model, f, list(data[f]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise BadInput(f"eviction.model={path}: not a saved learned model ({e})") from None
+        return model
 
     def predict(self, row: Row) -> float:
         node, left = 0, self.left
@@ -110,9 +134,10 @@ class LearnedEviction(EvictionPolicy):
 
     name = "learned"
 
-    def __init__(self, retrain_every: int = 500, window: int = 20000, horizon: int = 5000,
+    def __init__(self, retrain_every: int = 500, window: int = 20000, horizon: int = 1000,
                  min_train: int = 1000, max_depth: int = 6, min_samples_leaf: int = 50,
-                 scale: float = 30000.0, seed: int = 0) -> None:
+                 scale: float = 5000.0, seed: int = 0, model: str | None = None,
+                 refit: bool = True) -> None:
         for key, value in (("retrain_every", retrain_every), ("window", window),
                            ("horizon", horizon), ("min_train", min_train),
                            ("max_depth", max_depth), ("min_samples_leaf", min_samples_leaf)):
@@ -123,12 +148,20 @@ class LearnedEviction(EvictionPolicy):
         self.retrain_every, self.horizon, self.min_train = retrain_every, horizon, min_train
         self.max_depth, self.min_samples_leaf = max_depth, min_samples_leaf
         self.scale, self.seed = scale, seed
-        self.now = 0  # the latest access time seen (the cache's logical clock)
+        # Time is counted in requests (`on_access` calls): the cache's logical clock ticks once
+        # per node a walk touches, and SGLang 0.5.23's checkpoint walks a request's path twice
+        # more than 0.4.10's insert did (2.5x the ticks a request on the Mooncake conversation
+        # trace), which shrank a horizon in ticks to 2/5 of its reach
+        self.now = 0  # requests begun so far
+        self.ticks = 0  # the latest access time seen (the cache's clock): keys mix it with p
         # the training window: (time the label became known, features, 1 reused / 0 not)
         self.window: deque[tuple[int, Row, int]] = deque(maxlen=window)
         self._new_labels = 0
         self.fits = 0  # models fitted so far
-        self.model: TreeModel | None = None
+        # a model trained elsewhere (`TreeModel.save`, e.g. on another trace): used from the
+        # first request; ``refit`` false keeps it (judged on a trace it was not trained on)
+        self.model: TreeModel | None = TreeModel.load(model) if model else None
+        self.refit = refit
         self._predicted: dict[Row, float] = {}  # memoised probabilities of the current model
         self._prev: dict[int, tuple[int, int]] = {}  # id -> (previous access, latest access)
         self._pending: dict[int, tuple[int, Row]] = {}  # id -> (access time, features then)
@@ -168,16 +201,24 @@ class LearnedEviction(EvictionPolicy):
         memo = self._keys.get(entry.id)
         if memo is not None and memo[0] == entry.last_access and memo[1] == entry.size:
             return memo[2]
+        self.ticks = max(self.ticks, entry.last_access)
         if self.model is None:
             key: float = entry.last_access - 2**60  # no model yet: LRU
-        else:
-            key = entry.last_access + self.scale * self.reuse_probability(entry)
+        else:  # scale requests of recency, as clock ticks at the rate seen so far
+            rate = self.ticks / max(self.now, 1)
+            key = entry.last_access + self.scale * rate * self.reuse_probability(entry)
         self._keys[entry.id] = (entry.last_access, entry.size, key)
         return key
 
     # ------------------------------------------------------------ labels from the past
+    def on_access(self, requester: Any) -> None:
+        self.now += 1  # a request begins: the policy's clock
+
+    def _tick(self, entry: EntryStats) -> None:
+        self.ticks = max(self.ticks, entry.last_access)
+
     def _access(self, entry: EntryStats) -> None:
-        now = self.now = max(self.now, entry.last_access)
+        now = self.now
         prev = self._prev.get(entry.id)
         self._prev[entry.id] = (prev[1] if prev is not None else -1, now)
         self._expire()
@@ -192,7 +233,8 @@ class LearnedEviction(EvictionPolicy):
     def _label(self, row: Row, reused: int) -> None:
         self.window.append((self.now, row, reused))
         self._new_labels += 1
-        if self._new_labels >= self.retrain_every and len(self.window) >= self.min_train:
+        if (self.refit and self._new_labels >= self.retrain_every
+                and len(self.window) >= self.min_train):
             self._fit()
 
     def _reused(self, entry_id: int) -> None:
@@ -213,7 +255,7 @@ class LearnedEviction(EvictionPolicy):
     def on_create(self, entry: EntryStats) -> None:
         parent = getattr(entry, "parent", None)
         if parent is not None:
-            self.now = max(self.now, entry.last_access)
+            self._tick(entry)
             self._expire()  # (a ghost older than the horizon is labelled 0 first)
             turn = self._turn.get(parent.id, 0) + 1
             kb = entry.kb
@@ -225,11 +267,11 @@ class LearnedEviction(EvictionPolicy):
         self._access(entry)
 
     def on_hit(self, entry: EntryStats) -> None:
-        self.now = max(self.now, entry.last_access)
+        self._tick(entry)
         self._expire()
         if entry.id not in self._pending and entry.id not in self._prev:
-            # the head of a split (radix tree): the reuse is of the entry it was cut from, its
-            # only child, which kept the id, the pending label and the access history
+            # the head of a split the policy was not told of (a tree without `on_split`): the
+            # reuse is of the entry it was cut from, its only child, which kept the id
             for child in list(getattr(entry, "children", {}).values()):
                 self._reused(child.id)
                 self._turn[entry.id] = self._turn.get(child.id, 0)
@@ -238,6 +280,25 @@ class LearnedEviction(EvictionPolicy):
                     self._access(child)  # the tail, passed by the walk: pending as a tail now
         self._reused(entry.id)
         self._access(entry)
+
+    def on_split(self, head: EntryStats, tail: EntryStats) -> None:
+        """A radix node was cut (a walk stopped inside it: a match, an insert, 0.5.23's
+        checkpoint at a prompt's end). The entry's history goes to the head, the part a walk
+        reached (a continued conversation re-reads the prompt, not the output): its turn, its
+        access times and its pending label (the horizon restarting now); the tail, if the entry
+        was pending, becomes pending as a tail, with its own features."""
+        self._tick(tail)
+        if tail.id in self._turn:
+            self._turn[head.id] = self._turn[tail.id]
+        prev = self._prev.get(tail.id)
+        if prev is not None:
+            self._prev[head.id] = prev
+        pending = self._pending.pop(tail.id, None)
+        if pending is not None:
+            self._pending[head.id] = (self.now, pending[1])
+            self._expiry.append((self.now, head.id))
+            self._pending[tail.id] = (self.now, self.features(tail))
+            self._expiry.append((self.now, tail.id))
 
     def on_evict(self, entry: EntryStats, key: Any) -> None:
         if getattr(entry, "alive", False):

@@ -86,6 +86,9 @@ class RadixTree:
                            else self.policy.on_create)
         self._on_access = (None if type(self.policy).on_access is EvictionPolicy.on_access
                            else self.policy.on_access)
+        # optional (a user's class need not have it): called with (head, tail) of every split
+        on_split = getattr(type(self.policy), "on_split", EvictionPolicy.on_split)
+        self._on_split = None if on_split is EvictionPolicy.on_split else self.policy.on_split
         self._leaf_hook = leaf_hook
         self._history = getattr(self.policy, "needs_history", False)
         self._clock = 0
@@ -144,6 +147,8 @@ class RadixTree:
         node.kb = node.kb[cut:]
         node.slots = node.slots[at:]
         self.num_nodes += 1
+        if self._on_split is not None:  # before the offer: a policy's key may read what it moves
+            self._on_split(head, node)
         self.eviction.offer(node)  # its size changed; a size-aware policy must see it
         return head
 
