@@ -131,9 +131,11 @@ def report_digest(tmp: Path) -> str:
 
 
 # Recorded again on 2026-12-04 (later) for every case: the summary's config gained the engine:
-# block and the old top-level engine keys turned null (their aliases), an engine run's summary
-# its cuda_graph and layer_kernels fields; with the config and those fields left out, every
-# digest is the one before, byte for byte (the step room changed no decision and no token).
+# block, the old top-level engine keys turned null (their aliases) and the run keys threads and
+# clock came; an engine run's summary gained cuda_graph and layer_kernels. With the config and
+# those fields left out, every digest is the one before, byte for byte (checked case by case
+# against c1b00ef: the step room, the new eviction hooks and the timing keys changed no
+# decision, hit or token of these cases).
 # Recorded again on 2026-12-04 for blend, block_hash_sim, chat_long, default_sim, rag,
 # random_tree, self_consistency, tiers and tree_of_thought: SGLang 0.5.23's step rules became the
 # default (docs/design.md §4, "SGLang releases"); with scheduler.sglang=0.4.10 those cases give
@@ -141,25 +143,25 @@ def report_digest(tmp: Path) -> str:
 # Every run case recorded again on 2026-12-04 (issue 49): the config gained the keys threads and
 # clock; without them each digest is the one before, to the bit.
 GOLDEN = {
-    "blend": "bdb14f5e584c75a0",
-    "block_hash_replay": "e1c7e1249a1cc6e8",
-    "block_hash_sim": "9b02871978bd8d19",
-    "chat": "4c39518f3f3c3007",
-    "chat_long": "c57354a6f28d3094",
-    "cluster_cache_aware": "5dcd76f6a53eff23",
-    "default_sim": "c8c112da73541210",
-    "engine_tiny": "d98a1a81638ab8f5",
-    "few_shot": "66cde0a23d9a3a4f",
-    "mixed": "32cb6c1b4bfc3ae6",
-    "mooncake_replay": "3dd778de2a4535b5",
-    "multimodal": "ebc548705064a062",
-    "paraphrase": "4fac4959f8bca114",
-    "rag": "55304edec520c206",
-    "random_tree": "0c69814d9b83aa3c",
-    "self_consistency": "4a94d3cd7c7b1271",
-    "shared_prefix": "29031b6f7eb84846",
-    "tiers": "465e521d03f47d77",
-    "tree_of_thought": "104f0687ae6e4403",
+    "blend": "b3662055cab93b74",
+    "block_hash_replay": "7a5fbbed91c1ee98",
+    "block_hash_sim": "3121d16de8851a00",
+    "chat": "09bd29a9d6906cce",
+    "chat_long": "7baddaa352232517",
+    "cluster_cache_aware": "99fb08fb10675a2c",
+    "default_sim": "f020be6d0f925032",
+    "engine_tiny": "ec12e1b6a1776ad4",
+    "few_shot": "da889f92e5a05335",
+    "mixed": "cf700b68d934f110",
+    "mooncake_replay": "920e86be14ad9afe",
+    "multimodal": "13e60fa470455b1a",
+    "paraphrase": "86b6f0373da67c3e",
+    "rag": "3e831b092188e1e7",
+    "random_tree": "8eb161c479f734b5",
+    "self_consistency": "9c2c9a2dc6d9565d",
+    "shared_prefix": "0c112b5ffc9b7a83",
+    "tiers": "6646ff03ea61e3c0",
+    "tree_of_thought": "4f73816ad60106ff",
     "sweep_report": "6bc0e1e87893d000",
 }
 
