@@ -154,7 +154,7 @@ MALFORMED = [
      "the request body is not valid JSON: nested too deeply"),
     ("not an object", "[1, 2]", 400, "the request body must be a JSON object"),
     ("no prompt", {"max_tokens": 3}, 400,
-     "prompt must be a string or a list of token ids (integers), got NoneType"),
+     "prompt is required: a string, or a list of token ids (integers)"),
     ("a batch", {"prompt": [[1, 2], [3]]}, 400, "one prompt per request: prompt must be a string "
      "or a list of token ids, not a batch of prompts"),
     ("empty prompt", {"prompt": []}, 400, "empty prompt (the model needs at least one prompt "

@@ -120,6 +120,9 @@ def _tokenizer(facts: ServerFacts, what: str) -> Any:
 
 def completion_prompt(body: dict, facts: ServerFacts) -> np.ndarray:
     prompt = body.get("prompt")
+    if prompt is None:
+        raise ApiError(400, "prompt is required: a string, or a list of token ids (integers)",
+                       param="prompt")
     if isinstance(prompt, str):
         ids = _tokenizer(facts, "a text prompt").encode(prompt)
     elif (ids := _token_list(prompt, "prompt")) is None:
