@@ -62,7 +62,7 @@ def branching_requests(n: int = 11, seed: int = 0) -> list[Request]:
             for i in range(n)]
 
 
-def served(model, attention: str, capacity: int, graphs: dict | None, **scheduler):
+def served(model, attention: str, capacity: int, graphs: dict | None, n: int = 11, **scheduler):
     """Greedy generation through the scheduler; every step takes 1 ms of the executor's clock,
     so the eager and graph runs make the same scheduling decisions. ``graphs``: `DecodeGraphs`'
     settings (emulated), None: eager."""
@@ -72,7 +72,7 @@ def served(model, attention: str, capacity: int, graphs: dict | None, **schedule
     executor = EngineExecutor(runner)
     ticks = itertools.count()
     executor.clock = lambda: next(ticks) * 1e-3
-    state, result = serve(branching_requests(), RadixCache(capacity),
+    state, result = serve(branching_requests(n), RadixCache(capacity),
                           {"name": "lpm", **scheduler}, executor, generate=True,
                           record_steps=True)
     outputs = [(r.id, list(r.output), r.cached_tokens, r.preemptions) for r in result.reqs]
@@ -101,14 +101,6 @@ def test_the_graph_path_gives_the_eager_tokens_and_hits_across_buckets(tiny, att
     assert runner.slots.rows > 2 and runner.slots.width > 16
     assert sum(o[2] or 0 for o in graphed) > 0  # hits
     assert sum(r.evicted_tokens for r in result.reqs) > 0 and state.preemptions > 0
-
-
-def test_a_step_that_outgrows_the_static_kv_index_space_grows_it_and_recaptures(tiny):
-    _, _, _, eager = served(tiny, "cascade_triton", 400, None)
-    runner, _, _, graphed = served(tiny, "cascade_triton", 400,
-                                   {"max_batch": 8, "kv_capacity": 16})
-    assert graphed == eager
-    assert runner.graphs.recaptures > 0 and runner.graphs.static.kv_capacity > 16
 
 
 def make_req(rid: str, prompt: list[int], slots: np.ndarray) -> Req:
@@ -145,11 +137,45 @@ def test_padded_rows_write_only_the_padding_slot_and_their_logits_are_dropped(ti
     torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
 
 
+def sharing_steps(runner, steps: int = 2, cascade: bool = True):
+    """Three requests on the same 4 prefix slots, each with its own, prefilled, then decoded for
+    ``steps`` steps (the first plain, the others grouped when ``cascade``); the logits."""
+    reqs = [make_req(f"r{i}", [5, 6, 7, 8, 9 + i], [1, 2, 3, 4, 5 + 4 * i, 6 + 4 * i,
+                                                      7 + 4 * i, 8 + 4 * i]) for i in range(3)]
+    runner.run(Batch("prefill", [BatchEntry(r, 0, 5, True) for r in reqs]))
+    out = []
+    for step in range(steps):
+        for r in reqs:
+            r.output.append(7 + step)
+        decode = Batch("decode", [BatchEntry(r, 5 + step, 1, True) for r in reqs])
+        decode.decode_groups = [(4, [0, 1, 2])] if cascade and step else []
+        out.append(runner.run(decode))
+    return out
+
+
+def graphed_runner(tiny, attention: str, **graphs) -> ModelRunner:
+    runner = ModelRunner(tiny, 40, attention=attention)
+    runner.graphs = DecodeGraphs(runner, emulate=EMULATE, **{"max_batch": 4, **graphs})
+    return runner
+
+
+def test_a_step_that_outgrows_the_static_kv_index_space_grows_it_and_recaptures(tiny):
+    """Static KV index space for 8 slots: the first decode step (18 KV slots) runs eagerly
+    while the space grows (every graph dropped), the next ones replay; the same logits."""
+    eager = sharing_steps(ModelRunner(tiny, 40, attention="cascade_triton"), steps=3)
+    runner = graphed_runner(tiny, "cascade_triton", kv_capacity=8)
+    graphed = sharing_steps(runner, steps=3)
+    assert runner.graphs.static.kv_capacity == 32 and runner.graphs.replays == 2
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def test_a_capture_mid_run_warms_up_on_inputs_that_touch_only_the_padding_slot(tiny,
                                                                               monkeypatch):
-    """A cascade shape is captured on first use, mid-run: the warm-up and the capture run the
-    forward on the static inputs, which must not hold the last step's (that would write made-up
-    K/V into the slots of requests still running): every row writes and reads slot 0."""
+    """A cascade shape is captured on first use, after a plain step's inputs were copied in:
+    the warm-up and the capture run the forward on the static inputs, which must not hold the
+    last step's (that would write made-up K/V into the slots of requests still running): every
+    row writes and reads slot 0."""
     seen, capturing = [], []
     forward, capture = DecodeGraphs._forward, DecodeGraphs._capture
 
@@ -170,11 +196,15 @@ def test_a_capture_mid_run_warms_up_on_inputs_that_touch_only_the_padding_slot(t
 
     monkeypatch.setattr(DecodeGraphs, "_forward", recording)
     monkeypatch.setattr(DecodeGraphs, "_capture", flagged)
-    runner, _, _, _ = served(tiny, "cascade_triton", 400, {"max_batch": 8})
-    assert len(seen) == len(runner.graphs.graphs) * (1 if EMULATE else 2) > 1  # the warm-ups
+    eager = sharing_steps(ModelRunner(tiny, 40, attention="cascade_triton"))
+    runner = graphed_runner(tiny, "cascade_triton")
+    graphed = sharing_steps(runner)
+    assert [bool(k.groups) for k in runner.graphs.graphs] == [False, True]
+    assert len(seen) == 2 * (1 if EMULATE else 2)  # the warm-ups
     for out_slots, indices in seen:
         assert set(out_slots) == {0} and all(set(i) <= {0} for i in indices)
-
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 def test_a_shape_whose_capture_fails_runs_eagerly_and_the_failure_is_reported(tiny, monkeypatch):
     def broken(self, key):
