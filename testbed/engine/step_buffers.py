@@ -38,6 +38,7 @@ class StepBuffers:
         stages = 2 if self.pinned else 1
         self._hosts = [torch.empty(capacity, dtype=torch.int64, pin_memory=self.pinned)
                        for _ in range(stages)]
+        self._host_np = [h.numpy() for h in self._hosts]  # host memory: views, no copy
         self._done: list[torch.cuda.Event | None] = [None] * stages  # the last copy out of each
         self.host = self._hosts[0]
         # on the CPU the staging buffer is the step's memory: no copy at all
@@ -60,8 +61,8 @@ class StepBuffers:
         self._turn = (turn + 1) % len(self._hosts)
         if self._done[turn] is not None:
             self._done[turn].synchronize()  # this staging buffer is free again
-        host = self.host = self._hosts[turn]
-        host_np = host.numpy()
+        host, host_np = self._hosts[turn], self._host_np[turn]
+        self.host = host
         at = 0
         for a, n in zip(arrays, sizes):
             host_np[at:at + n] = np.asarray(a).reshape(-1)
