@@ -33,12 +33,13 @@ TREE_PAGED = ["workload=tree_of_thought", "workload.num_problems=2", "workload.d
               "arrival.max_in_flight=5"]
 
 
-# chunks of 32 (prompts of 56+), a pool of 200: evicted and retracted while generating
+# chunks of 32 (prompts of 56+), a pool of 290: evicted and retracted while generating, with
+# the same admissions either way
 TREE_CHUNKED = ["workload=tree_of_thought", "workload.num_problems=2", "workload.depth=3",
                 "workload.instruction_len=16", "workload.problem_len=40",
                 "workload.step_prompt_len=8", "workload.thought_len=24", "cache=radix",
                 "scheduler=lpm", "scheduler.chunked_prefill_size=32",
-                "scheduler.clip_max_new_tokens=4", "cache.capacity_tokens=200",
+                "scheduler.clip_max_new_tokens=4", "cache.capacity_tokens=290",
                 "workload.vocab_size=256", "forced=false"]
 
 
@@ -71,6 +72,17 @@ def test_overlap_generates_the_same_tokens_and_hits_as_the_plain_loop(tmp_path, 
         for summary in (plain_summary, overlap_summary):
             assert summary["preemptions"] > 0 and summary["evicted_tokens"] > 0
         assert max(len(prompt) for prompt, *_ in plain.values()) > 32  # chunked
+
+
+def test_in_a_tighter_pool_overlap_moves_only_hits_as_its_later_insert_does(tmp_path):
+    """At 210 slots the retractions and evictions fall differently with and without overlap
+    (a prefill's prompt enters the tree one step later under overlap, as in SGLang): some
+    forks hit less or more, but every request generates the same tokens."""
+    tight = [*TREE_CHUNKED[:-3], "cache.capacity_tokens=210", *TREE_CHUNKED[-2:]]
+    _, plain = tokens(tmp_path, "plain", [*tight, "scheduler.overlap=false"])
+    _, overlap = tokens(tmp_path, "overlap", [*tight, "scheduler.overlap=true"])
+    assert {k: v[:3] for k, v in overlap.items()} == {k: v[:3] for k, v in plain.items()}
+    assert any(overlap[k][3] != plain[k][3] for k in plain)
 
 
 # ---------------------------------------------------------------------------- the server's loop

@@ -208,7 +208,7 @@ def decode_run(overlap: bool, host: HostCost, device_s: float = 0.004):
 ])
 def test_overlap_hides_the_hosts_work_behind_a_concurrent_devices(host_s, device_s,
                                                                    overlapped):
-    host = HostCost(per_step_s=host_s)
+    host = HostCost(prefill_s=host_s, decode_s=host_s)
     plain, over = decode_run(False, host, device_s), decode_run(True, host, device_s)
     assert len(plain.steps) == len(over.steps) == 20
     assert plain.end_s == pytest.approx(20 * (host_s + device_s))
@@ -218,7 +218,7 @@ def test_overlap_hides_the_hosts_work_behind_a_concurrent_devices(host_s, device
 
 
 def test_a_synchronous_device_hides_nothing_and_no_host_price_is_the_old_timeline():
-    sync = HostCost(per_step_s=0.001, concurrent=False)
+    sync = HostCost(prefill_s=0.001, decode_s=0.001, concurrent=False)
     assert decode_run(True, sync).end_s == pytest.approx(decode_run(False, sync).end_s) \
         == pytest.approx(20 * 0.005)
     for overlap in (False, True):  # without host time every step ends its device time later
@@ -226,11 +226,12 @@ def test_a_synchronous_device_hides_nothing_and_no_host_price_is_the_old_timelin
         assert [s.duration_s for s in steps] == [0.004] * 20
 
 
-def test_the_host_price_is_fitted_to_the_steps_host_time():
-    steps = decode_run(False, HostCost(per_step_s=0.001, per_request_s=0.0002)).steps
-    fitted = fit_host_cost(steps)
-    assert fitted.per_step_s + 4 * fitted.per_request_s == pytest.approx(0.0018)
-    assert fitted.price(4, 4) == pytest.approx(0.0018)
+def test_the_host_price_is_fitted_to_the_steps_host_time_per_kind():
+    priced = HostCost(prefill_s=0.002, prefill_token_s=1e-5, decode_s=0.001,
+                      decode_request_s=0.0002)
+    fitted = fit_host_cost(decode_run(False, priced).steps)
+    assert fitted.price("decode", 4, 4) == pytest.approx(0.0018)
+    assert fitted.price("prefill", 4, 32) == pytest.approx(0.002 + 32e-5)
 
 
 def test_a_done_handle_takes_its_outcomes_duration_as_the_launchs_time_unless_told():

@@ -60,8 +60,9 @@ class Wait:
 @dataclass(frozen=True)
 class Stepped:
     """A step's results were applied: its outcome, the requests it finished, and its place on
-    the timeline (``start_s``: when the step before it ended, or when it formed if later;
-    ``duration_s`` to when it ended), with the host seconds it took (forming, launching,
+    the timeline (``start_s``: when the step before it ended, or when the host began forming it
+    if later; ``duration_s``: to its end on the device, plus reading its results back and
+    applying them: the steps tile the busy timeline), with the host seconds it took (forming, launching,
     reading back, applying) and the device's (``gpu_s``)."""
 
     batch: Batch
@@ -88,7 +89,7 @@ class _Flight:
 
     batch: Batch
     handle: Any
-    formed_s: float  # timeline time at which it formed
+    formed_s: float  # timeline time at which the host began forming it
     launched_s: float  # timeline time at which the host had launched it
     host_s: float  # host seconds so far: forming and launching
     # a synchronous device's step ended at ``base + span`` (its launch): known at launch
@@ -151,16 +152,17 @@ class StepCycle:
     # ------------------------------------------------------------------ the parts of a turn
     def _form(self) -> Generator[Event, None, Batch | None]:
         s, tl = self.scheduler, self.timeline
-        if tl.host > self.now():  # host work counted since the last wait (applying results)
-            yield Wait(tl.host - self.now())
+        # Host work since the last wait (applying results) is not waited for here but in the
+        # next wait: a request submitted as those results finished its parent then joins the
+        # step after next, as it always has (and as the simulator's priced host keeps it).
         tl.host = max(tl.host, self.now())  # idle time moves the host along
+        self._form_start = tl.host
         start = self.clock()
         batch = s.form(self.now())
         finished = s.take_finished()
         loads = s.take_loads()
         self._form_s = self.clock() - start
         tl.host += self._form_s
-        self._formed_at = tl.host
         yield Formed(batch, finished, loads, self.now())
         return batch
 
@@ -169,7 +171,7 @@ class StepCycle:
         handle = self.executor.launch(batch)
         before = tl.host
         tl.host += handle.launch_s
-        flight = _Flight(batch, handle, self._formed_at, tl.host, self._form_s)
+        flight = _Flight(batch, handle, self._form_start, tl.host, self._form_s)
         if not self.asynchronous:  # the work was done inside launch: the device is the host
             flight.ended = (before, handle.launch_s)
             tl.device_free = tl.host
@@ -198,8 +200,11 @@ class StepCycle:
         finished = s.take_finished() + s.complete(flight.batch, outcome.tokens, now)
         apply_s = self.clock() - start
         tl.host += apply_s
+        # its share of the timeline: from the end of the step before (or from when the host
+        # began forming it, if later) to its end on the device, plus reading and applying it
         begin = max(tl.last_end, min(flight.formed_s, end))
-        tl.last_end = end
+        duration = _after(base, span, begin) + read_s + apply_s
+        tl.last_end = begin + duration
         host_s = flight.host_s + outcome.host_s + read_s + apply_s
-        yield Stepped(flight.batch, outcome, finished, begin, _after(base, span, begin),
-                      host_s, outcome.device_s, now)
+        yield Stepped(flight.batch, outcome, finished, begin, duration, host_s,
+                      outcome.device_s, now)
