@@ -13,12 +13,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from testbed.assembly import compose_config
 from testbed.execute import execute
 from tests.test_engine_hot_path import sync_spy  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# on a GPU machine (gpu_validate.sh) the loop's tests run there too: CUDA events, the pinned
+# readback, two staging buffers, the token table on the device
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 # The command that crashed in EngineRunner.prepare (a decode step fed a fork no token), and a
 # paged tree whose forks left the loop waiting forever with admissible requests queued.
@@ -59,8 +63,9 @@ def tokens(tmp_path: Path, name: str, overrides: list[str]) -> tuple[dict, dict]
     [*SELF_CONSISTENCY, "forced=false"],  # the model's own greedy tokens
     [*TREE_PAGED, "forced=false"],
     TREE_CHUNKED,
+    *([[*TREE_CHUNKED, "device=cuda"]] if "cuda" in DEVICES else []),
 ], ids=["self_consistency", "self_consistency_generated", "tree_of_thought_paged",
-        "tree_of_thought_chunked_retracted"])
+        "tree_of_thought_chunked_retracted", *(["cuda"] if "cuda" in DEVICES else [])])
 def test_overlap_generates_the_same_tokens_and_hits_as_the_plain_loop(tmp_path, overrides):
     plain_summary, plain = tokens(tmp_path, "plain", [*overrides, "scheduler.overlap=false"])
     overlap_summary, overlap = tokens(tmp_path, "overlap", [*overrides, "scheduler.overlap=true"])
@@ -86,10 +91,10 @@ def test_in_a_tighter_pool_overlap_moves_only_hits_as_its_later_insert_does(tmp_
 
 
 # ---------------------------------------------------------------------------- the server's loop
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request):
     from testbed.engine.loader import build_model, tiny_config
-    return build_model(tiny_config(), seed=0)
+    return build_model(tiny_config(), seed=0, device=request.param)
 
 
 def engine(tiny, capacity: int = 90):
