@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from testbed.engine.attention import MAX_KV_SPLITS, FlatKV
 from testbed.engine.cascade import CascadePlan
-from testbed.engine.metadata import AttentionMetadata
+from testbed.engine.metadata import AttentionMetadata, StepInputs
 
-if TYPE_CHECKING:
-    from testbed.engine.runner import ModelRunner, StepInputs
 
 MAX_CASCADE_GRAPHS = 64  # cascade shapes captured on first use, then replayed; beyond: eager
 
@@ -155,11 +153,11 @@ class Captured:
 class DecodeGraphs:
     """The runner's captured decode steps (module docstring)."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int, emulate: bool = False,
+    def __init__(self, runner: Any, max_batch: int, emulate: bool = False,
                  kv_capacity: int | None = None) -> None:
         """``kv_capacity``: KV index space per plan part (default: the pool plus a slot per row,
         or 2,048 tokens a row if more); a step that needs more grows it."""
-        self.runner = runner  # its model, KV buffers, attention and kernels run the forward
+        self.runner = runner  # a `ModelRunner`: its model, KV buffers, attention, kernels
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         self.emulate = emulate or runner.device.type != "cuda"
@@ -209,7 +207,6 @@ class DecodeGraphs:
             self._capture(GraphKey(b))
 
     def _capture(self, key: GraphKey) -> Captured:
-        from testbed.engine.runner import StepInputs
 
         started = time.perf_counter()
         self.static.reset()

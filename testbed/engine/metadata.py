@@ -167,3 +167,17 @@ class AttentionMetadata:
             host[i, :n] = kv_indices[start:start + n]
         table = torch.from_numpy(host).to(device)
         return cls.from_table(qo_lens, kv_lens, np.arange(len(kv_lens)), table)[0]
+
+
+@dataclass
+class StepInputs:
+    """A step's flat inputs and its metadata, as `testbed.engine.runner.ModelRunner.prepare`
+    builds them (a CUDA graph's static copies too, `testbed.engine.cuda_graph`)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The slot-table rows of the step's first ``n`` entries (its own, padding aside)."""
+        return self.meta.kv.rows[:n]

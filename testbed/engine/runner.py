@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,24 +32,13 @@ from testbed.engine.cascade import CascadePlan
 from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.layer_kernels import kernels_for
-from testbed.engine.metadata import AttentionMetadata
+from testbed.engine.metadata import AttentionMetadata, StepInputs
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-
-    def rows(self, n: int) -> torch.Tensor:
-        """The slot-table rows of the step's first ``n`` entries (its own, padding aside)."""
-        return self.meta.kv.rows[:n]
 
 
 def kv_slots_for_free_memory(free_bytes: int, total_bytes: int, mem_fraction: float,
