@@ -1,8 +1,10 @@
 """The serving loop, shared by the simulator and the engine: arrivals, program dependencies,
 think times, and one step loop per replica, in SimPy's virtual time.
 
-Virtual time advances by each step's duration, whoever computed it (a cost model or a timed model
-step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
+Each replica's steps are turns of the one step cycle the server's thread runs too
+(`testbed.serving.step_cycle.StepCycle`: form, launch, read back, apply); virtual time advances as
+its timeline says, from what each step cost the device and the host, whoever computed it (a cost
+model or a timed model step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
 dependencies finished; with ``max_in_flight`` at most that many programs run at once (a closed
 loop), the next starting when one finishes; with ``max_concurrency`` at most that many calls are
 outstanding at once, across programs (bench_serving's ``--max-concurrency``): a ready call waits
