@@ -228,6 +228,7 @@ class Assembly:
                 cost_model = self.build_cost_model()
                 check_fit_timing(getattr(cost_model, "meta", None) or {}, self.config,
                                  self.config["cost_model"].get("path"))
+                self.host_cost  # noqa: B018 - the host block checked
         if self.replicas > 1:
             self.cluster_delays()
             self.build_router(None)
@@ -252,10 +253,17 @@ class Assembly:
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=e.dtype,
             attention=self.attention, cascade_min_saved=e.cascade_min_saved,
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
-            seed=self.seed, forced=e.forced, temperature=e.temperature, top_p=e.top_p)
+            seed=self.seed, forced=e.forced, temperature=e.temperature, top_p=e.top_p,
+            host_cost=self.host_cost)
         if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
             apply_timing(executor, *timing_settings(c, device))
         return executor
+
+    @cached_property
+    def host_cost(self):
+        """The simulator's price of the host's work per step (the ``host`` block)."""
+        from testbed.sim.overlap import HostCost
+        return HostCost.from_config(self.config.get("host"))
 
     def build_router(self, kv_capacity: int | None):
         """The router of ``replicas`` (``max_tree_size`` null: a replica's KV capacity)."""

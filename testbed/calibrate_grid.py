@@ -213,10 +213,14 @@ def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) ->
 
     A served workload never repeats the step before it, so timing a shape back to back (caches,
     allocator and kernel choice all hot) would measure it faster than the engine ever runs it.
+    A step's time is the device's (``gpu_s``: CUDA events; on the CPU, launch's work), where the
+    executor splits it: the host's work is priced apart (`testbed.sim.overlap`).
     """
     times = [0.0] * len(batches)
     for i in rng.permutation(len(batches)):
-        times[i] = executor.execute(batches[i]).duration_s
+        outcome = executor.execute(batches[i])
+        gpu = getattr(outcome, "gpu_s", None)
+        times[i] = outcome.duration_s if gpu is None else gpu
     return times
 
 

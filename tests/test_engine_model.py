@@ -290,13 +290,16 @@ def test_forced_mode_returns_the_workloads_tokens_and_matches_the_simulators_dec
 
 def test_a_step_is_timed_by_the_executors_clock_and_its_wall_time_kept_aside(tiny_ours):
     executor = EngineExecutor(ModelRunner(tiny_ours, num_slots=120), forced=True)
-    ticks = iter([10.0, 10.25])  # a clock of one's own: the step lasts what it says
+    # a clock of one's own: the step lasts what it says (launch 10.0 to 10.25, reading the
+    # tokens back at 10.25 takes none)
+    ticks = iter([10.0, 10.25, 10.25, 10.25])
     executor.clock = lambda: next(ticks)
     request = Request("r0", np.arange(1, 9, dtype=np.int32), np.array([3, 4], dtype=np.int32))
     req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=0)
     req.lease = Lease(hit=0, slots=np.arange(1, 9, dtype=np.int32))
     outcome = executor.execute(Batch("prefill", [BatchEntry(req, 0, 8, produces_token=True)]))
     assert outcome.duration_s == executor.busy_s == 0.25
+    assert outcome.gpu_s == 0.25 and outcome.host_s == 0.0  # the CPU: launch's work is the device's
     assert executor.wall_s > 0 and executor.steps == 1
 
 

@@ -87,10 +87,10 @@ class Counting(SimExecutor):
 
     computed = 0
 
-    def execute(self, batch):
+    def launch(self, batch):
         if batch.kind == "prefill":
             self.computed += sum(e.computed for e in batch.entries)
-        return super().execute(batch)
+        return super().launch(batch)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.15, 1.0])

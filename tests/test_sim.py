@@ -176,11 +176,11 @@ class SavingRecorder(SimExecutor):
         super().__init__(*args, **kw)
         self.saved: list[int] = []
 
-    def execute(self, batch):
+    def launch(self, batch):
         from testbed.scheduler.decode_groups import DecodeGroups, saved_reads
 
         self.saved.append(saved_reads(DecodeGroups()(batch.entries)))
-        return super().execute(batch)
+        return super().launch(batch)
 
 
 def test_cascade_min_saved_prices_steps_saving_less_as_plain_decode():

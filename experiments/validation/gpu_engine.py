@@ -15,10 +15,14 @@ each section on its own (a failure is recorded and the next runs):
   ``--suffix`` own) tokens launches (torch's profiler), plain and cascade, and per layer;
 - ``runs``: runs through `testbed.execute` (as ``python -m testbed.run`` runs them; each writes
   its run directory under ``--runs-dir``): the decode step at that shape as steps.jsonl records
-  it (the median of the decode steps at the full batch, host work included), eager and CUDA
-  graphs, plain and cascade, each beside its byte floor; tree-of-thought (``--problems``)
-  radix+lpm (graphs, eager, cascade) and none+fcfs; few-shot radix+lpm and none+fcfs; the
-  throughput ratios.
+  it (the median of the decode steps at the full batch: its share of the timeline, host work
+  included, and its split, ``gpu_s`` by CUDA events and ``host_s`` by the clock), eager and CUDA
+  graphs, plain and cascade, and plain with ``scheduler.overlap=true`` (the serving loop
+  launches each step before reading the last one back: the host's work hidden behind the GPU's),
+  each beside its byte floor; tree-of-thought (``--problems``) radix+lpm (graphs, with overlap,
+  eager, cascade) and none+fcfs, with each run's decode steps split into GPU and host time by
+  batch size; few-shot radix+lpm and none+fcfs; the throughput ratios (on the run's timeline,
+  and on the wall clock: requests over the run's seconds).
 
     python -m experiments.validation.gpu_engine --out FILE.json [--runs-dir DIR]
         [--model llama2_7b] [--sections bandwidth kv_pool syncs kernels runs]
@@ -147,11 +151,14 @@ def kernels(model, args) -> dict:
 
 TOT = ["workload=tree_of_thought", "cache=radix", "scheduler=lpm", "engine.attention=triton"]
 SHAPE = ["workload=shared_prefix", "engine.cuda_graph_max_batch=32"]  # one batch size: 32
+OVERLAP = "scheduler.overlap=true"
 RUNS = {  # name -> overrides (besides the model's), the ones the acceptance reads first
     "tot_radix": TOT,
     "tot_none": ["workload=tree_of_thought", "cache=none", "scheduler=fcfs",
                  "engine.attention=triton"],
+    "tot_radix_overlap": [*TOT, OVERLAP],
     "shape_plain_graph": [*SHAPE, "engine.attention=triton"],
+    "shape_plain_graph_overlap": [*SHAPE, "engine.attention=triton", OVERLAP],
     "shape_cascade_graph": [*SHAPE, "engine.attention=cascade_triton"],
     "shape_plain_eager": [*SHAPE, "engine.attention=triton", "engine.cuda_graph=false"],
     "shape_cascade_eager": [*SHAPE, "engine.attention=cascade_triton",
@@ -165,67 +172,32 @@ RUNS = {  # name -> overrides (besides the model's), the ones the acceptance rea
 }
 
 
-def step_profile(args, base: list[str]) -> dict:
-    """Where a served decode step's time goes (tree-of-thought, radix+lpm, CUDA graphs): per
-    decode step its duration, the host's time preparing its inputs, and the GPU time of the
-    static copies and the replay (CUDA events); the rest of the step is host time the GPU
-    waited for (sampling, reading the tokens back, launching)."""
-    from testbed.engine import cuda_graph, executor, runner
-
-    rows: list[dict] = []
-    now: dict = {}
-    execute_, prepare_, replay_ = (executor.EngineExecutor.execute, runner.ModelRunner.prepare,
-                                   cuda_graph.DecodeGraphs.run)
-
-    def prepare(self, *a, **k):
-        started = time.perf_counter()
-        try:
-            return prepare_(self, *a, **k)
-        finally:
-            now["prepare_host_s"] = time.perf_counter() - started
-
-    def replay(self, key, inputs, n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = replay_(self, key, inputs, n)
-        end.record()
-        now["events"] = (start, end)
-        return out
-
-    def execute(self, batch):
-        now.clear()
-        out = execute_(self, batch)
-        if "events" in now:
-            start, end = now["events"]
-            gpu = start.elapsed_time(end) / 1e3
-            rows.append({"batch": len(batch.entries), "step_s": out.duration_s,
-                         "prepare_host_s": now.get("prepare_host_s"), "replay_gpu_s": gpu})
-        return out
-
-    executor.EngineExecutor.execute, runner.ModelRunner.prepare = execute, prepare
-    cuda_graph.DecodeGraphs.run = replay
-    try:
-        execute(compose_config([*base, *RUNS["tot_radix"],
-                                    f"workload.num_problems={args.problems}", "progress=false"]),
-                    Path(args.runs_dir) / "profile_tot_radix")
-    finally:
-        executor.EngineExecutor.execute, runner.ModelRunner.prepare = execute_, prepare_
-        cuda_graph.DecodeGraphs.run = replay_
+def step_split(run_dir: Path) -> dict:
+    """A run's decode steps by batch size: medians of each step's share of the timeline
+    (``duration_s``), its GPU time (``gpu_s``, CUDA events) and its host time (``host_s``:
+    forming, launching, reading back, applying), from steps.jsonl."""
+    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
     out = {}
     for low, high in ((1, 16), (17, 32), (33, 64), (65, 512)):
-        chosen = [r for r in rows if low <= r["batch"] <= high]
+        chosen = [s for s in steps if s["kind"] == "decode" and low <= s["batch_size"] <= high]
         if chosen:
             out[f"batch_{low}_{high}"] = {"steps": len(chosen)} | {
-                k: statistics.median(r[k] for r in chosen)
-                for k in ("step_s", "prepare_host_s", "replay_gpu_s")}
+                k: statistics.median(s[k] for s in chosen)
+                for k in ("duration_s", "gpu_s", "host_s")}
     return out
 
 
-def decode_median(run_dir: Path, batch: int) -> tuple[float | None, int]:
-    """Median duration of the decode steps of ``batch`` requests in steps.jsonl, and how many."""
+def decode_median(run_dir: Path, batch: int) -> dict:
+    """Medians over the decode steps of ``batch`` requests in steps.jsonl: the step's share of
+    the timeline, its GPU and its host time; and how many there were."""
     steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    times = [s["duration_s"] for s in steps if s["kind"] == "decode" and s["batch_size"] == batch]
-    return (statistics.median(times) if times else None), len(times)
+    chosen = [s for s in steps if s["kind"] == "decode" and s["batch_size"] == batch]
+    if not chosen:
+        return {"decode_step_s": None, "decode_steps_at_batch": 0}
+    return {"decode_step_s": statistics.median(s["duration_s"] for s in chosen),
+            "decode_gpu_s": statistics.median(s["gpu_s"] for s in chosen),
+            "decode_host_s": statistics.median(s["host_s"] for s in chosen),
+            "decode_steps_at_batch": len(chosen)}
 
 
 def runs(args, base: list[str], bandwidth: float | None, model_shape, out: dict,
@@ -250,14 +222,19 @@ def runs(args, base: list[str], bandwidth: float | None, model_shape, out: dict,
                     "graph_replays", "graphs_captured", "kv_capacity_tokens", "cuda_graph",
                     "layer_kernels", "layer_kernels_error", "graph_error",
                     "graph_capture_failures")
+            run_s = (summary.get("timing") or {}).get("run_s")
             out[name] = {k: summary.get(k) for k in keep} | {
-                "wall_s": time.perf_counter() - started}
+                "wall_s": time.perf_counter() - started, "run_s": run_s,
+                "wall_throughput_req_s": summary.get("num_requests", 0) / run_s
+                if run_s else None}
+            if name.startswith("tot"):
+                out[name]["decode_split"] = step_split(run_dir)
             if name.startswith("shape"):
-                median, count = decode_median(run_dir, args.requests)
+                out[name] |= decode_median(run_dir, args.requests)
+                median = out[name]["decode_step_s"]
                 context = args.prefix + args.suffix + args.new // 2  # the median step's
                 kv = args.requests * context if "plain" in name else \
                     args.prefix + args.requests * (context - args.prefix)
-                out[name] |= {"decode_step_s": median, "decode_steps_at_batch": count}
                 if bandwidth and median:
                     floor = byte_floor_s(model_shape.linear_params * model_shape.dtype_bytes, kv,
                                          model_shape.kv_bytes_per_token, bandwidth)
@@ -271,8 +248,13 @@ def runs(args, base: list[str], bandwidth: float | None, model_shape, out: dict,
     ratio = lambda a, b: (out[a]["throughput_req_s"] / out[b]["throughput_req_s"]  # noqa: E731
                           if out.get(a, {}).get("throughput_req_s") and
                           out.get(b, {}).get("throughput_req_s") else None)
+    wall = lambda a, b: (out[a]["wall_throughput_req_s"] / out[b]["wall_throughput_req_s"]  # noqa: E731
+                         if out.get(a, {}).get("wall_throughput_req_s") and
+                         out.get(b, {}).get("wall_throughput_req_s") else None)
     out["ratios"] = {
         "tot_radix_over_none": ratio("tot_radix", "tot_none"),
+        "tot_overlap_over_plain": ratio("tot_radix_overlap", "tot_radix"),
+        "tot_overlap_over_plain_wall": wall("tot_radix_overlap", "tot_radix"),
         "tot_radix_cascade_over_none": ratio("tot_radix_cascade", "tot_none"),
         "tot_graph_over_eager": ratio("tot_radix", "tot_radix_eager"),
         "fewshot_radix_over_none": ratio("fewshot_radix", "fewshot_none")}
@@ -280,6 +262,9 @@ def runs(args, base: list[str], bandwidth: float | None, model_shape, out: dict,
     cascade = out.get("shape_cascade_graph", {}).get("decode_step_s")
     if plain and cascade:
         out["ratios"]["cascade_over_plain_step"] = cascade / plain
+    overlapped = out.get("shape_plain_graph_overlap", {}).get("decode_step_s")
+    if plain and overlapped:
+        out["ratios"]["overlap_over_plain_step"] = overlapped / plain
     return out
 
 
@@ -299,7 +284,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=12, help="tree-of-thought problems")
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--sections", nargs="*",
-                    default=["bandwidth", "kv_pool", "syncs", "kernels", "profile", "runs"])
+                    default=["bandwidth", "kv_pool", "syncs", "kernels", "runs"])
     ap.add_argument("--only", nargs="*", default=None, help="runs to do (default: all)")
     args = ap.parse_args()
     args.runs_dir = args.runs_dir or str(Path(args.out).parent / "runs")
@@ -349,7 +334,6 @@ def main() -> None:
     torch.cuda.empty_cache()
     report["runs"] = {}
     save = lambda: out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # noqa: E731
-    section("profile", lambda: step_profile(args, base))
     section("runs", lambda: runs(args, base, bandwidth, run.model_shape, report["runs"], save))
     print(f"wrote {out_path}")
 

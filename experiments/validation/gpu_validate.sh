@@ -7,9 +7,11 @@
 #      installed into a temporary folder when an import fails (../shared/GPU.md);
 #   1. experiments.validation.gpu_engine on a Llama-2-7B-shaped random model in bf16: the copy
 #      bandwidth and the byte floor; the decode step at 32 x (2,048 shared + 64 own), eager and
-#      CUDA graphs, plain and cascade, as steps.jsonl records it, beside its floor; kernels a
-#      decode step launches; synchronizing calls in the forward; the KV pool; tree-of-thought
-#      (12 problems) and few-shot radix+lpm against none+fcfs (graphs, eager and cascade);
+#      CUDA graphs, plain and cascade, and with scheduler.overlap=true (the next step launched
+#      before the last one's tokens are read), as steps.jsonl records it (its GPU time by CUDA
+#      events and its host time beside it), beside its floor; kernels a decode step launches;
+#      synchronizing calls in the forward; the KV pool; tree-of-thought (12 problems) and
+#      few-shot radix+lpm against none+fcfs (graphs, with overlap, eager and cascade);
 #   2. the engine's tests and the kernel test grid compiled on the GPU (two pytest processes side
 #      by side: correctness only, nothing timed);
 #   3. radix_kernels.gpu_check: every kernel against torch in fp32/fp16/bf16 at model shapes,
@@ -50,7 +52,8 @@ step() {  # step NAME CAP_SECONDS COMMAND...: run it unless past the deadline, r
 }
 PRESSURE=test_hits_eviction_and_retraction_each_keep_greedy_tokens_equal_to_hf
 ENGINE_TESTS=(tests/test_engine_generate.py tests/test_cascade.py tests/test_engine_hot_path.py
-              tests/test_cuda_graph.py "tests/test_engine_model.py::$PRESSURE")
+              tests/test_cuda_graph.py "tests/test_engine_model.py::$PRESSURE"
+              tests/test_engine_overlap.py)
 KERNEL_TESTS=(tests/test_kernels.py tests/test_layer_kernels.py)
 
 step gpu_engine 200 $PY -m experiments.validation.gpu_engine --out "$WORK/gpu_engine.json" \
@@ -98,10 +101,13 @@ for name in ("gpu_engine.json", "kernels.json", "sim_vs_engine/sim_vs_engine.jso
 runs = (doc["gpu_engine.json"] or {}).get("runs") or {}
 for key, value in (runs.get("ratios") or {}).items():
     print(f"{key}: {value:.3f}" if value is not None else f"{key}: -")
-for name in ("shape_plain_eager", "shape_plain_graph", "shape_cascade_eager", "shape_cascade_graph"):
+for name in ("shape_plain_eager", "shape_plain_graph", "shape_plain_graph_overlap",
+             "shape_cascade_eager", "shape_cascade_graph"):
     r = runs.get(name) or {}
     if r.get("decode_step_s"):
-        print(f"{name}: decode step {r['decode_step_s'] * 1e3:.2f} ms, byte floor "
+        print(f"{name}: decode step {r['decode_step_s'] * 1e3:.2f} ms (GPU "
+              f"{(r.get('decode_gpu_s') or 0) * 1e3:.2f} ms, host "
+              f"{(r.get('decode_host_s') or 0) * 1e3:.2f} ms), byte floor "
               f"{(r.get('byte_floor_s') or 0) * 1e3:.2f} ms ({r.get('over_floor') or 0:.2f}x)")
 (out / "gpu_validate.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
 print(f"wrote {out / 'gpu_validate.json'}")

@@ -12,6 +12,15 @@ measured and predicted, in ``steps_<workload>.csv``) and the engine's own spread
 machine whose speed drifts by 10-30% over seconds: calibration and validation then see the same
 drift, and the engine's own spread over rounds (printed) is the noise floor of every figure.
 
+The engine's timeline is its serving loop's (`testbed.serving.step_cycle`): each step's device
+time (``gpu_s``; on the CPU, launch's work: forward and sampling) plus the host's work around it
+(``host_s``: forming the batch, preparing nothing the device sees, reading the tokens back,
+applying them). The cost model is fitted to the device's time on the grid; the host's is priced
+apart (`testbed.sim.overlap.HostCost`), fitted each round on a served workload held apart from
+both the grid and the held-back ones (`HOST`, a random tree of continuations); the CPU engine is
+synchronous, so it hides nothing of it even under ``scheduler.overlap=true`` (``--overlap``
+runs both sides so).
+
 Offline batch check: on a workload without dependencies (few-shot, all at t=0), timing cannot
 change decisions, so both backends must make identical steps and identical hits.
 
@@ -28,9 +37,9 @@ minute to the next, which no step-time model can predict, while the CPU time the
 takes moves far less (memory bandwidth and caches are still shared). With one torch thread, on an
 idle machine, the two coincide; the report gives each workload's wall time over CPU time.
 
-    python -m experiments.validation.sim_vs_engine [--real] [--out DIR] [--rounds 7] \
-        [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200 device=cuda
-        dtype=bfloat16 attention=triton]
+    python -m experiments.validation.sim_vs_engine [--real] [--overlap] [--out DIR] \
+        [--rounds 7] [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200
+        device=cuda dtype=bfloat16 attention=triton]
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from testbed.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, mape
+from testbed.sim.overlap import HostCost, fit_host_cost
 from testbed.serving.serve import records_of, serve
 
 # plain decode on both sides: the simulator here is built with SimExecutor(fitted) (no cascade
@@ -66,6 +76,11 @@ HELD_BACK = {
     "chat": ["workload=chat", "workload.num_sessions=12"],
 }
 OFFLINE = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=8"]
+#: the served workload the host's time per step is fitted on, each round (held apart from the
+#: grid and from the held-back workloads): prefills over cached prefixes, decode batches of
+#: every size
+HOST = ["workload=random_tree", "workload.num_requests=48", "workload.root_len=128",
+        "workload.segment_len=16", "workload.output_len=16"]
 GRID: list[str] = []  # overrides of conf/calibrate.yaml's grid (none: its own)
 CAPACITY = 6000  # tokens: small enough that eviction happens
 #: --real: the real model on four text workloads, each held back from the grid; the grid reduced to
@@ -86,6 +101,8 @@ REAL = {
                           "workload.max_total_len=256", "arrival.max_in_flight=8"],
     },
     "offline": ["workload=few_shot_text", "workload.num_tasks=2", "workload.questions_per_task=4"],
+    "host": ["workload=random_tree", "workload.num_requests=24", "workload.root_len=128",
+             "workload.segment_len=16", "workload.output_len=16", "workload.vocab_size=49152"],
     # prefills of 128 new tokens too: this CPU's cost per row is not linear between 256 and 1,024
     # rows (prefill_rows: a 477-token prefill ran at 1.50 ms a token, 256 at 1.45 and 4 x 256 at
     # 1.32), and chat's first step (4 prompts, 891 tokens) sits there
@@ -146,12 +163,17 @@ def spread(values: list[float]) -> float | None:
         if values and np.median(values) else None
 
 
-def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[float]) -> dict:
-    """The simulator (with ``fitted``) against the engine's runs of one workload."""
-    _, sim = workload.serve(SimExecutor(fitted))
+def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[float],
+                  host: HostCost) -> dict:
+    """The simulator (``fitted`` for the device, ``host`` for the host) against the engine's
+    runs of one workload; the per-step figures are the device's time against ``fitted``."""
+    _, sim = workload.serve(SimExecutor(fitted, host_cost=host))
     median = {m: float(np.median([s[m] for _, s in engine_runs])) for m in METRICS}
-    steps_run = [(shape(s), s.duration_s)
+    steps_run = [(shape(s), s.gpu_s)
                  for result, _ in engine_runs for s in result.steps]
+    host_steps = [s for result, _ in engine_runs for s in result.steps]
+    host_measured = sum(s.host_s for s in host_steps)
+    host_priced = sum(host.price(s.kind, len(s.new), sum(s.new)) for s in host_steps)
     by_kind = {kind: error(sum(fitted.step_time(s) for s, _ in steps_run if s.kind == kind),
                            sum(t for s, t in steps_run if s.kind == kind))
                for kind in ("prefill", "decode")}  # the fitted model's error on each kind's total
@@ -159,6 +181,8 @@ def held_back_row(workload: Workload, engine_runs: list, fitted, paired: list[fl
             "step_mape": mape([fitted.step_time(s) for s, _ in steps_run],
                               [t for _, t in steps_run]),
             "prefill_time": by_kind["prefill"], "decode_time": by_kind["decode"],
+            "host_share": host_measured / sum(s.duration_s for s in host_steps),
+            "host_time": error(host_priced, host_measured),
             **{m.removesuffix("_s"): error(sim[m], median[m]) for m in METRICS},
             "paired_makespan": float(np.median(paired)) if paired else None,
             "paired_makespans": paired,
@@ -178,7 +202,7 @@ def write_steps(engine_runs: list, fitted, path: Path) -> None:
     """Every engine step of every round, measured and predicted, as CSV."""
     pd.DataFrame([{"round": i, "kind": s.kind, "batch": len(s.new), "new": sum(s.new),
                    "context": sum(s.context), "max_kv": max(np.add(s.new, s.context)),
-                   "measured_s": s.duration_s,
+                   "measured_s": s.gpu_s, "host_s": s.host_s, "timeline_s": s.duration_s,
                    "reread": s.reread, "predicted_s": fitted.step_time(shape(s))}
                   for i, (result, _) in enumerate(engine_runs) for s in result.steps]
                  ).to_csv(path, index=False)
@@ -194,6 +218,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
                     help="the engine's step clock: wall time, or this process's CPU time (a CPU "
                     "machine shared with other jobs); default wall, --real: cpu")
+    ap.add_argument("--overlap", action="store_true", help="scheduler.overlap=true on both "
+                    "sides (the engine's loop launches each step before reading the last one)")
     ap.add_argument("--real", action="store_true", help="the real model (smollm2_135m) on four "
                     "held-back text workloads, with a reduced grid (REAL); 4 rounds by default")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. "
@@ -204,12 +230,13 @@ def main() -> None:
         HELD_BACK.clear()
         HELD_BACK.update(REAL["held_back"])
         OFFLINE[:] = REAL["offline"]
+        HOST[:] = REAL["host"]
         GRID[:] = REAL["grid"]
         if args.rounds is None:
             args.rounds = REAL["rounds"]
     args.rounds = 7 if args.rounds is None else args.rounds
     args.clock = args.clock or ("cpu" if args.real else "wall")
-    EXTRA.extend(args.overrides)
+    EXTRA.extend((["scheduler.overlap=true"] if args.overlap else []) + args.overrides)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     cal = config(["engine.forced=true"] + GRID, "calibrate")  # the run config with backend=engine
@@ -217,6 +244,7 @@ def main() -> None:
     model, hw = run.model_shape, run.hardware
     floor = RooflineCostModel(model, hw)  # the fitted model's floor, as testbed.calibrate's
     workloads = {name: Workload(overrides) for name, overrides in HELD_BACK.items()}
+    host_workload = Workload(HOST)
     steps = [] if args.fitted else grid(cal.calibrate)
     engine = run.build_executor(max(CAPACITY, grid_slots(steps)))
     torch.set_num_threads(args.threads)  # this script's flags, over the run keys' defaults
@@ -236,10 +264,11 @@ def main() -> None:
     timed_pass(engine, batches, rng)  # warm-up: CPU torch builds kernels per new shape
     for w in workloads.values() if not args.real or REAL["warm_workloads"] else ():
         w.serve(engine)
-    grid_times, runs = [], {name: [] for name in workloads}
+    grid_times, runs, host_runs = [], {name: [] for name in workloads}, []
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         if batches:
             grid_times.append(timed_pass(engine, batches, rng))
+        host_runs.append(host_workload.serve(engine)[0].steps)
         for name, w in workloads.items():
             busy, wall = engine.busy_s, engine.wall_s
             runs[name].append(w.serve(engine))
@@ -252,6 +281,16 @@ def main() -> None:
               f"decode {cal['mape']['decode']:.1%}")
         args.fitted = args.out / "calibration" / "cost_model.yaml"
     fitted = fitted_model(args.fitted.resolve())
+    # the host's time per step, fitted on every round's run of HOST; a CPU engine is synchronous
+    host = fit_host_cost([s for steps_ in host_runs for s in steps_],
+                         concurrent=engine.asynchronous)
+    host_steps = [s for steps_ in host_runs for s in steps_]
+    print(f"host per step (fitted on {len(host_steps)} steps of {HOST[0]}): prefill "
+          f"{host.prefill_s * 1e3:.3f} ms + {host.prefill_request_s * 1e6:.1f} us a request + "
+          f"{host.prefill_token_s * 1e6:.2f} us a new token, decode {host.decode_s * 1e3:.3f} "
+          f"ms + {host.decode_request_s * 1e6:.1f} us a request; concurrent {host.concurrent}; "
+          f"{sum(s.host_s for s in host_steps) / sum(s.duration_s for s in host_steps):.1%} "
+          "of that run's timeline")
 
     # Paired rounds: each round's grid pass fitted on its own and judged against that round's
     # engine runs, seconds apart, so the machine's slower drift cancels out of the comparison
@@ -261,10 +300,13 @@ def main() -> None:
         fitted_r = FittedCostModel(fit_coefficients(list(zip(steps, times)),
                                                     row_knots=knots), floor_model=floor)
         for name, w in workloads.items():
-            paired[name].append(error(w.serve(SimExecutor(fitted_r))[1]["makespan_s"],
-                                      runs[name][r][1]["makespan_s"]))
+            host_r = fit_host_cost(host_runs[r], concurrent=engine.asynchronous)
+            paired[name].append(error(
+                w.serve(SimExecutor(fitted_r, host_cost=host_r))[1]["makespan_s"],
+                runs[name][r][1]["makespan_s"]))
 
     report = {"fitted": str(args.fitted), "rounds": args.rounds, "clock": args.clock,
+              "overlap": args.overlap, "host": host.to_config(),
               "held_back": {},
               "grid": [{"new": list(s.new), "context": list(s.context), "reread": s.reread,
                         "times_s": list(t)}
@@ -273,7 +315,7 @@ def main() -> None:
           f"{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'e2e p50':>9}")
     notes = []
     for name, w in workloads.items():
-        row = held_back_row(w, runs[name], fitted, paired[name])
+        row = held_back_row(w, runs[name], fitted, paired[name], host)
         row["wall_over_clock"] = wall_over_clock[name]
         report["held_back"][name] = row
         write_steps(runs[name], fitted, args.out / f"steps_{name}.csv")
@@ -287,7 +329,9 @@ def main() -> None:
                      + (f"; paired errors {min(paired[name]):+.1%}..{max(paired[name]):+.1%}"
                         if paired[name] else "")
                      + f"; fitted model on the engine's steps: prefill time "
-                     f"{row['prefill_time']:+.1%}, decode time {row['decode_time']:+.1%}"
+                     f"{row['prefill_time']:+.1%}, decode time {row['decode_time']:+.1%}; "
+                     f"host {row['host_share']:.1%} of the timeline, priced "
+                     f"{row['host_time']:+.1%}"
                      + (f"\n    steps' wall time / CPU time over rounds: "
                         + " ".join(f"{x:.2f}" for x in wall_over_clock[name])
                         if args.clock == "cpu" else "")
@@ -306,7 +350,8 @@ def main() -> None:
               f"say more about that than about the simulator; run it again")
 
     offline = Workload(OFFLINE)
-    (eng, _), (sim, _) = offline.serve(engine), offline.serve(SimExecutor(fitted))
+    (eng, _), (sim, _) = offline.serve(engine), offline.serve(SimExecutor(fitted,
+                                                                          host_cost=host))
     same_steps = [(s.kind, s.ids, s.new, s.context) for s in eng.steps] == \
         [(s.kind, s.ids, s.new, s.context) for s in sim.steps]
     same_hits = [r.cached_tokens for r in eng.reqs] == [r.cached_tokens for r in sim.reqs]

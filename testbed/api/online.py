@@ -1,15 +1,19 @@
 """`OnlineEngine`: the shared scheduler and the engine stepped on wall-clock time, for the server.
 
 One background thread owns the `Scheduler`, its cache and the executor; nothing else touches
-them. It loops: take the inbox (submissions, aborts, inspections) in arrival order, form the next
-batch (``now`` = seconds since the engine started, `time.perf_counter`), run it, report its
-tokens, and hand each request's new tokens and its finish to that request's ``sink`` (a callable
-the HTTP layer gives; it must not block). With nothing to do it sleeps on the inbox's condition:
-no busy wait. Caching and scheduling stay in the scheduler and the cache; this loop only calls
-their API, as `testbed.serving.driver` does in virtual time.
+them. It loops: take the inbox (submissions, aborts, inspections) in arrival order, then one turn
+of the replica's `testbed.serving.step_cycle.StepCycle` (``now`` = seconds since the engine
+started, `time.perf_counter`): form and launch the next step, read back and apply a step's
+results (with ``scheduler.overlap`` the step before, so the device runs the new one meanwhile),
+and hand each request's new tokens and its finish to that request's ``sink`` (a callable the HTTP
+layer gives; it must not block). The cycle is the SimPy driver's (`testbed.serving.driver`): the
+step's path from either loop to the forward is the same code; here its waits happen inside the
+executor's ``result()``, on the wall clock. With nothing to do the thread sleeps on the inbox's
+condition: no busy wait. Caching and scheduling stay in the scheduler and the cache.
 
 Other threads call `submit`, `abort` and `inspect`; each only appends to the inbox. An abort
-acts at the next step boundary (`Scheduler.abort`). Lower-tier load-backs complete at once (no
+acts at the next step boundary (`Scheduler.abort`; under overlap a step still running then has
+its token for the request dropped). Lower-tier load-backs complete at once (no
 copy engine is modelled here: the cache has already counted the loaded slots).
 """
 
@@ -27,6 +31,7 @@ import numpy as np
 
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
+from testbed.serving.step_cycle import Formed, StepCycle, Stepped
 from testbed.workloads.request import Request
 
 
@@ -84,6 +89,7 @@ class OnlineEngine:
         self._t0 = time.perf_counter()
         self._inbox_read = self._t0  # when the loop last took its inbox (a step boundary)
         self._thread = threading.Thread(target=self._run, name="online-engine", daemon=True)
+        self.cycle = StepCycle(scheduler, executor, self.now)
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> "OnlineEngine":
@@ -204,20 +210,23 @@ class OnlineEngine:
                     future.set_exception(e)
 
     def _step(self) -> bool:
-        """One step, its tokens and finishes handed on; False when no batch formed."""
+        """One turn of the step cycle, its tokens and finishes handed on; False when no step
+        formed and none is running."""
         s = self.scheduler
-        batch = s.next_batch(self.now())
-        finished = s.take_finished()
-        for req in s.take_loads():  # no copy engine here: the load-back is done at once
-            s.load_done(req)
-        if batch is not None:
-            outcome = self.executor.execute(batch)
-            self.counts["steps"] += 1
-            finished += s.complete(batch, outcome.tokens, self.now())
+        formed, finished = False, []
+        for event in self.cycle.turn():
+            if isinstance(event, Formed):
+                formed |= event.batch is not None
+                finished += event.finished
+                for req in event.loads:  # no copy engine here: the load-back is done at once
+                    s.load_done(req)
+            elif isinstance(event, Stepped):
+                self.counts["steps"] += 1
+                finished += event.finished
         self._send_tokens()
         for req in finished:
             self._finished(req, self._reason(req))
-        return batch is not None
+        return formed or self.cycle.in_flight
 
     def _send_tokens(self) -> None:
         """Each live request's output tokens not sent yet (a finished one's go with its end)."""

@@ -208,6 +208,7 @@ class DecodeGraphs:
             self._capture(GraphKey(b))
 
     def _capture(self, key: GraphKey) -> Captured:
+
         started = time.perf_counter()
         self.static.reset()
         ids, positions, meta = self.static.step_inputs(key)

@@ -1,19 +1,28 @@
 """`EngineExecutor`: the real model behind the simulator's `Executor` seam.
 
-It runs each `Batch` through the `ModelRunner`, picks the next token of every entry that produces
-one, and reports the step's measured wall time (``time.perf_counter`` around building the step's
-inputs, the forward, sampling and reading the tokens back; ``torch.cuda.synchronize`` on CUDA), by
-which the driver advances virtual time. With ``forced=True`` the workload's predetermined tokens
-are returned instead of the model's (the model still runs and samples, so the step costs the
-same): engine and simulator then see identical sequences and make identical decisions. A request
+`launch` enqueues a `Batch`'s step on the device through the `ModelRunner` (inputs, forward,
+sampling, each produced token into the token table beside the slot table, where the next decode
+step reads its inputs, and the tokens' copy to the host) and returns a
+`testbed.engine.launched.LaunchedStep` without waiting; its ``result()`` waits for the tokens and
+returns the `StepOutcome`: the token each entry produced, the device's time (``gpu_s``: CUDA
+events around the step's work; on the CPU, where launch does the work, launch's time) and the
+host's (``host_s``: launching; on the CPU 0). Nothing between the two reads the device: on CUDA
+the serving loop forms and launches the next step meanwhile (``asynchronous``). ``execute`` is
+``launch(batch).result()``, timed as before from launch to result (``duration_s``).
+
+With ``forced=True`` the workload's predetermined tokens are returned instead of the model's (the
+model still runs and samples, so the step costs the same), and they are what the token table
+holds: engine and simulator then see identical sequences and make identical decisions. A request
 without predetermined output (``max_new_tokens`` in a token trace) gets the model's tokens
 either way. Requests that reused donor KV (blend prefill) are measured against exact
-recomputation by ``self.quality`` (`testbed.engine.quality.QualityMonitor`), outside the timed part.
+recomputation by ``self.quality`` (`testbed.engine.quality.QualityMonitor`) when their results
+are read, outside the timed part.
 
-``clock`` (``time.perf_counter`` by default) is what a step's duration is read from; a study on a
-CPU machine that other jobs share may set ``time.process_time`` (this process's CPU seconds), which
-the other jobs' time slices do not inflate (``experiments/validation/sim_vs_engine.py --clock
-cpu``). The step's wall time is added up in ``wall_s`` either way.
+``clock`` (``time.perf_counter`` by default) is what a step's times are read from (`step_clock`,
+which the serving loop also times the scheduler's work with); a study on a CPU machine that other
+jobs share may set ``time.process_time`` (this process's CPU seconds), which the other jobs' time
+slices do not inflate (``experiments/validation/sim_vs_engine.py --clock cpu``). The steps' wall
+time is added up in ``wall_s`` either way.
 """
 
 from __future__ import annotations
@@ -21,10 +30,12 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from testbed.engine.attention import ATTENTION_BACKENDS
 from testbed.engine.host_memory import keep_freed_memory
+from testbed.engine.launched import DeviceTimer, LaunchedStep, Readback
 from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.quality import QualityMonitor
 from testbed.engine.runner import ModelRunner
@@ -53,39 +64,55 @@ class EngineExecutor:
         # approximate (KV-reusing) requests against exact recomputation: records(), summary()
         self.quality = QualityMonitor(runner.model, forced)
 
-    def execute(self, batch: Batch) -> StepOutcome:
-        cuda = self.runner.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.runner.device)
-        clock = self.clock or time.perf_counter
+    @property
+    def asynchronous(self) -> bool:
+        """The device runs a launched step while the host goes on (CUDA)."""
+        return self.runner.device.type == "cuda"
+
+    @property
+    def step_clock(self):
+        return self.clock or time.perf_counter
+
+    def launch(self, batch: Batch) -> LaunchedStep:
+        """Enqueue ``batch``'s step; nothing is read back (module docstring)."""
+        clock = self.step_clock
         graphs = self.runner.graphs
         captured_before = graphs.capture_s if graphs is not None else 0.0
         start, wall = clock(), time.perf_counter()
-        logits = self.runner.run(batch)
-        sampled = self.sampler(logits).tolist()  # reading the tokens back syncs the device
-        logprobs = top_logprobs(batch, logits)
-        if cuda:
-            torch.cuda.synchronize(self.runner.device)
-        duration = clock() - start
-        if graphs is not None:  # a graph captured in this step: capture is not the step's work
-            duration = max(duration - (graphs.capture_s - captured_before), 0.0)
-        self.steps += 1
-        self.busy_s += duration
+        timer = DeviceTimer(self.runner.device)
+        timer.start()
+        logits, rows = self.runner.step(batch)
+        sampled = self.sampler(logits)
+        forced = self._forced(batch)
+        written = sampled  # what the token table holds: the replayed token where forced
+        if forced is not None:
+            forced_dev = _to_device(forced, sampled.device)
+            written = torch.where(forced_dev >= 0, forced_dev, sampled)
+        self.runner.store_tokens(rows, written)
+        top = top_logprobs(batch, logits)
+        kept = logits.clone() if self.quality.watches(batch) else None
+        readback = Readback(sampled)
+        timer.stop()
+        # a graph captured in this step: capture is not the step's work
+        captured = graphs.capture_s - captured_before if graphs is not None else 0.0
+        launch_s = max(clock() - start - captured, 0.0)
         self.wall_s += time.perf_counter() - wall
-        tokens: list[int | None] = []
-        for e, own in zip(batch.entries, sampled):
-            if not (e.produces_token and e.req.remaining_new_tokens > 0):
-                tokens.append(None)
-            elif self.forced and not e.req.request.generates:  # replay the workload's token
-                tok = int(e.req.request.output[len(e.req.output)])
-                self.forced_tokens += 1
-                self.forced_agreed += tok == own
-                tokens.append(tok)
-            else:
-                tokens.append(int(own))
-        self.quality.observe(batch, logits, tokens)  # after the timed part: not in duration_s
-        return StepOutcome(duration_s=duration, tokens=tokens, logprobs=logprobs)
+        return LaunchedStep(self, batch, readback, forced, top, kept, timer, launch_s,
+                            synchronous=not self.asynchronous, capture_s=captured)
 
+    def execute(self, batch: Batch) -> StepOutcome:
+        return self.launch(batch).result()
+
+    def _forced(self, batch: Batch) -> np.ndarray | None:
+        """The workload's token for each entry that replays one (-1 elsewhere), or None when
+        none does: known on the host at launch, from the entry's position."""
+        if not self.forced:
+            return None
+        out = np.full(len(batch.entries), -1, dtype=np.int64)
+        for i, e in enumerate(batch.entries):
+            if e.makes_output and not e.req.request.generates:
+                out[i] = e.req.request.output[e.output_index]
+        return out if (out >= 0).any() else None
 
     # ------------------------------------------------------------------ facts for the run
     @property
@@ -126,7 +153,8 @@ class EngineExecutor:
 def top_logprobs(batch: Batch, logits: torch.Tensor) -> list | None:
     """For each entry whose request asks for ``top_logprobs`` (beam search) and ends its fill:
     the most likely next tokens and their log-probs (log-softmax of the float32 logits, as HF's
-    beam search takes them), highest first; None for the others, or for a batch without any."""
+    beam search takes them), highest first, as device tensors (read back with the step's
+    tokens); None for the others, or for a batch without any."""
     rows = [i for i, e in enumerate(batch.entries)
             if e.req.request.top_logprobs and e.produces_token]
     if not rows:
@@ -135,8 +163,16 @@ def top_logprobs(batch: Batch, logits: torch.Tensor) -> list | None:
     logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
     for row, lp in zip(rows, logprobs):
         values, ids = lp.topk(min(batch.entries[row].req.request.top_logprobs, lp.shape[-1]))
-        out[row] = (ids.cpu().numpy(), values.cpu().numpy())
+        out[row] = (ids, values)
     return out
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on ``device`` without waiting: from pinned memory on CUDA."""
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,

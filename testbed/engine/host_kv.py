@@ -11,9 +11,6 @@ if configured, is held in CPU memory too: the engine checks the data path, not S
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-
 import numpy as np
 import torch
 
@@ -34,8 +31,8 @@ class LowerKV:
 
 
 class TieredEngineExecutor:
-    """An engine executor whose cache has lower tiers: moves KV as the cache logged, then runs the
-    step. The copy time is part of the step's measured time. Everything else is the wrapped
+    """An engine executor whose cache has lower tiers: moves KV as the cache logged, then
+    launches the step. The copy time is part of the step's launch. Everything else is the wrapped
     executor's (``runner``, forced-token counts, ...)."""
 
     def __init__(self, executor, cache: TieredRadixCache) -> None:
@@ -67,11 +64,18 @@ class TieredEngineExecutor:
                 dst.v[layer][dst_at] = src.v[layer][src_at].to(dst_dev)
             self.copied_tokens += len(t.src_slots)
 
-    def execute(self, batch: Batch) -> StepOutcome:
-        started = time.perf_counter()
+    def launch(self, batch: Batch):
+        """The copies the cache logged, then the wrapped executor's launch; the copy time is
+        the launch's (the copies are synchronous: on CUDA the device is idle meanwhile)."""
+        clock = self.executor.step_clock
+        started = clock()
         self.apply(self.cache.drain_transfers())
         if self.executor.runner.device.type == "cuda":
             torch.cuda.synchronize(self.executor.runner.device)
-        copy_s = time.perf_counter() - started
-        outcome = self.executor.execute(batch)
-        return replace(outcome, duration_s=outcome.duration_s + copy_s)
+        copy_s = clock() - started
+        handle = self.executor.launch(batch)
+        handle.launch_s += copy_s
+        return handle
+
+    def execute(self, batch: Batch) -> StepOutcome:
+        return self.launch(batch).result()

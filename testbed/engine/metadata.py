@@ -171,8 +171,13 @@ class AttentionMetadata:
 
 @dataclass
 class StepInputs:
-    """A step's forward inputs: the new tokens' ids and positions, and its layout."""
+    """A step's flat inputs and its metadata, as `testbed.engine.runner.ModelRunner.prepare`
+    builds them (a CUDA graph's static copies too, `testbed.engine.cuda_graph`)."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The slot-table rows of the step's first ``n`` entries (its own, padding aside)."""
+        return self.meta.kv.rows[:n]

@@ -192,6 +192,11 @@ class QualityMonitor:
         self._rows: dict[Req, dict[int, tuple[int, torch.Tensor | None]]] = {}
         self._done: dict[str, QualityRecord] = {}
 
+    def watches(self, batch: Batch) -> bool:
+        """Whether `observe` needs ``batch``'s logits (it reuses KV, or follows a request that
+        did)."""
+        return any(e.reuse or e.req in self._rows for e in batch.entries)
+
     def observe(self, batch: Batch, logits: torch.Tensor, tokens: Sequence[int | None]) -> None:
         for row, (e, tok) in enumerate(zip(batch.entries, tokens)):
             req = e.req

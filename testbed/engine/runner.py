@@ -1,8 +1,9 @@
 """`ModelRunner`: runs one scheduler `Batch` through the model (vLLM's name).
 
-It owns the model, the KV buffers, the slot table and the attention backend. `prepare` is the
-only place a step's inputs are built: the new tokens of every entry concatenated
-(``entry.input_ids()``), their positions ``context .. context + new - 1``, the slot-table writes
+It owns the model, the KV buffers, the slot table (and its token table) and the attention
+backend. `prepare` is the only place a step's inputs are built: the new tokens of every entry
+concatenated (``entry.input_ids()``; a decode step's are read on the device from the token
+table, where each request's last step left its token: `store_tokens`), their positions ``context .. context + new - 1``, the slot-table writes
 that bring each entry's row up to its KV slots (``entry.kv_slots()``: positions ``0 .. context +
 new - 1``, of which the last ``new`` are written in this step), and the `AttentionMetadata` —
 all in one host-to-device transfer into the runner's persistent `StepBuffers`; the index arrays
@@ -132,11 +133,12 @@ class ModelRunner:
         if not entries:
             raise ValueError("cannot run an empty batch")
         ids, positions = [], []
+        on_device = all(e.decode for e in entries)  # inputs: the token table's
         for e in entries:
             if e.new < 1 or len(e.kv_slots()) != e.context + e.new:
                 raise ValueError(f"request {e.req.id}: {len(e.kv_slots())} KV slots for context "
                                  f"{e.context} + new {e.new}")
-            ids.append(e.input_ids())
+            ids.append(np.zeros(1, dtype=np.int64) if on_device else e.input_ids())
             positions.append(np.arange(e.context, e.context + e.new))
         rows, writes = self.slots.update(entries)
         written = writes[2]
@@ -172,6 +174,8 @@ class ModelRunner:
             meta.num_kv_splits = MAX_KV_SPLITS
         meta.plan = self.attention.plan(meta)
         input_ids, pos = extra[3].split([len(tokens) // 2, len(tokens) // 2])
+        if on_device:  # each row's last token (a padding row's: 0)
+            input_ids = self.slots.last_tokens(meta.kv.rows)
         return StepInputs(input_ids=input_ids, positions=pos, meta=meta)
 
     @torch.inference_mode()
@@ -180,23 +184,34 @@ class ModelRunner:
                           self.attention, self.kernels)
 
     @torch.inference_mode()
-    def _run_plain(self, batch: Batch) -> torch.Tensor:
+    def _run_plain(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch without reused KV: a decode step through its CUDA graph when one takes it,
-        else eagerly."""
+        else eagerly. Its logits, and its entries' rows."""
         groups = self.groups_of(batch)
         key = None
+        n = len(batch.entries)
         if self.graphs is not None and batch.kind == "decode" \
                 and all(e.new == 1 for e in batch.entries):
-            key = self.graphs.key(len(batch.entries), groups)
+            key = self.graphs.key(n, groups)
         inputs = self.prepare(batch, key, groups)
         if key is not None:
-            logits = self.graphs.run(key, inputs, len(batch.entries))
+            logits = self.graphs.run(key, inputs, n)
             if logits is not None:
-                return logits
-        return self.forward(inputs)[:len(batch.entries)]
+                return logits, inputs.rows(n)
+        return self.forward(inputs)[:n], inputs.rows(n)
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token; the entries'
+        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token (`step`)."""
+        return self.step(batch)[0]
+
+    @torch.inference_mode()
+    def store_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The tokens a step produced, into the token table: the next decode's inputs."""
+        self.slots.store_tokens(rows, tokens)
+
+    def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token, and the
+        entries' token-table rows (device tensors; nothing read back); the entries'
         new K/V are written into their slots.
 
         A prefill entry with a non-empty ``reuse`` (spans of donor KV, `testbed.engine.blend`)
@@ -206,12 +221,13 @@ class ModelRunner:
         reuse = [e.reuse for e in batch.entries]
         if any(reuse):
             logits = self._run_blended(batch, reuse)
+            rows = torch.as_tensor(self.slots.rows_of(batch.entries)).to(self.device)
         else:
-            logits = self._run_plain(batch)
+            logits, rows = self._run_plain(batch)
         for c in batch.kv_copies:
             copy_kv(self.kv_cache, c.src_slots, c.dst_slots, c.shift, self.model.inv_freq,
                     self.triton_copies)
-        return logits
+        return logits, rows
 
     def _run_blended(self, batch: Batch, reuse: list) -> torch.Tensor:
         out: list[torch.Tensor | None] = [None] * len(batch.entries)

@@ -12,8 +12,16 @@ live in the buffer they were synced from needs only the new tail; one whose buff
 compared with the host's copy of the row (rare: once per insert or page-buffer growth). A row is
 given back when its request holds no lease (finished or retracted) and is not in the step.
 
+Beside it, the token table (``tokens``, one entry a row; SGLang's future map, mini-sglang's
+token pool): the token each request's last step produced, written there on the device by the step
+that sampled it (`store_tokens`). A decode step reads its inputs from it, so the next step can be
+launched before this one's tokens have reached the host (`testbed.serving.step_cycle`). A row's
+token is valid from the step that produced it until the row is given back; a retracted request
+re-prefills from the host.
+
 Row 0 (`PAD_ROW`) is never given to a request: it stays all zeros, the padding slot, so a step
-padded to a CUDA graph's batch size points its extra rows there (one key: the padding slot).
+padded to a CUDA graph's batch size points its extra rows there (one key: the padding slot; its
+token 0).
 The table grows (doubling) when a step needs more rows or columns; no captured graph reads it
 (a step's indices are gathered from it before the forward, `testbed.engine.cuda_graph`).
 """
@@ -33,6 +41,7 @@ class SlotTable:
     def __init__(self, device: torch.device | str, rows: int = 16, width: int = 256) -> None:
         self.device = torch.device(device)
         self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)  # the last token
         self.host = np.zeros((rows, width), dtype=np.int32)  # what the device rows hold
         self.row_of: dict[Req, int] = {}
         self.synced: dict[int, tuple[np.ndarray, int]] = {}  # row -> (slot buffer, columns)
@@ -52,8 +61,10 @@ class SlotTable:
         table[: self.rows, : self.width] = self.table
         host = np.zeros((rows, width), dtype=np.int32)
         host[: self.rows, : self.width] = self.host
+        tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        tokens[: self.rows] = self.tokens
         self.free = list(range(rows - 1, self.rows - 1, -1)) + self.free
-        self.table, self.host = table, host
+        self.table, self.host, self.tokens = table, host, tokens
 
     def _release_idle(self, batch: set[Req]) -> None:
         for req in [r for r in self.row_of if r.lease is None and r not in batch]:
@@ -106,3 +117,21 @@ class SlotTable:
         """Write on the device what `update` planned (its arrays, moved there)."""
         if rows.numel():
             self.table[rows, cols] = slots.to(torch.int32)
+
+    def rows_of(self, entries: list[BatchEntry]) -> np.ndarray:
+        """The entries' rows, a row given to each that has none (a step whose entries did not
+        go through `update`: a blend prefill's)."""
+        missing = [e.req for e in entries if e.req not in self.row_of]
+        if len(missing) > len(self.free):
+            self._grow(self.rows + (len(missing) - len(self.free)) * 2, self.width)
+        for req in missing:
+            self.row_of[req] = self.free.pop()
+        return np.asarray([self.row_of[e.req] for e in entries], dtype=np.int64)
+
+    def store_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The tokens a step produced, into its entries' rows (on the device, no sync)."""
+        self.tokens.index_copy_(0, rows, tokens.to(torch.int64))
+
+    def last_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """The token each row's last step produced: a decode step's inputs."""
+        return self.tokens.index_select(0, rows)

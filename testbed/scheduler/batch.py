@@ -31,6 +31,9 @@ class BatchEntry:
     gen: int = 0  # the request's retraction count when formed: a stale entry's token is dropped
     slots: np.ndarray | None = None  # KV slots when formed (the lease may end before it runs)
     reuse: tuple[ReusedSpan, ...] = ()  # spans inside [context, context+new): KV not computed
+    # a decode: its input is the token its request's last step produced (on the engine's
+    # device, where that step left it; its results may not be applied yet under overlap)
+    decode: bool = False
 
     @property
     def computed(self) -> int:
@@ -44,8 +47,25 @@ class BatchEntry:
         self.slots = self.req.lease.slots
         return self
 
+    @property
+    def output_index(self) -> int:
+        """Which output token of its request this entry produces (if it produces one): the one
+        at fill position ``context + new``. Read from the entry alone, so it holds whether or
+        not the results of the step before have been applied yet (overlap)."""
+        return self.context + self.new - len(self.req.prompt)
+
+    @property
+    def makes_output(self) -> bool:
+        """Whether the token this entry produces is one its request can take: it ends the fill
+        and the request's output is not full by then (a request decoded once more under
+        overlap after its last token is in flight makes none)."""
+        return self.produces_token and 0 <= self.output_index < self.req.max_new_tokens
+
     def input_ids(self) -> np.ndarray:
-        """Token ids fed in this step (positions context .. context+new-1)."""
+        """Token ids fed in this step (positions context .. context+new-1), from the host: a
+        prefill's. A decode step's input is the token its request's last step produced, which
+        the engine reads on the device (`testbed.engine.slot_table`); here it is the
+        request's last output, so only once that step's results are applied."""
         if self.new == 1 and self.req.output and self.context == self.req.fill_len - 1:
             return np.asarray(self.req.output[-1:], dtype=np.int32)
         return self.req.fill()[self.context : self.context + self.new]
@@ -80,8 +100,23 @@ class StepOutcome:
     step took and the token each entry produced (None where an entry produces none). An entry
     whose request asks for ``top_logprobs`` (a beam search's, `testbed.scheduler.beam`) and ends
     its fill gets the most likely next tokens and their log-probs in ``logprobs`` (the engine's
-    only; None elsewhere)."""
+    only; None elsewhere).
+
+    The step's time, split (docs/design.md §4, "Launch and result"): ``gpu_s``, what it cost the
+    device (CUDA events on a GPU; on a synchronous device, the CPU, the launch's whole work; the
+    cost model's price in the simulator; None: ``duration_s``); ``host_s``, the host work the
+    executor added around it (launching; the simulator's priced host time); ``wait_s``, how
+    long reading the result back waited for the device. ``duration_s`` is the step as the
+    executor alone timed it, launch to result (what `testbed.calibrate` measured before)."""
 
     duration_s: float
     tokens: list[int | None]
     logprobs: list[tuple[np.ndarray, np.ndarray] | None] | None = None
+    gpu_s: float | None = None
+    host_s: float = 0.0
+    wait_s: float = 0.0
+
+    @property
+    def device_s(self) -> float:
+        """``gpu_s``, or ``duration_s`` where the executor did not split its time."""
+        return self.duration_s if self.gpu_s is None else self.gpu_s

@@ -34,6 +34,12 @@ the admission checks themselves are in `testbed.scheduler.adder`).
   prefill-only call (no output) is never decoded: there is no token to feed it. When no batch
   forms until those results are applied, the step is formed again at once (SGLang's loop).
 
+  Two orders drive it, to the same decisions. The serving loop's (`testbed.serving.step_cycle`):
+  `form` the next batch while the last one runs, launch it, then `complete` the last one (its
+  results apply at once, a batch having formed since). The results-first order (SGLang's tests,
+  the scheduler's own): `complete` a batch (its results wait, nothing having formed since), then
+  `next_batch` forms the next and applies them.
+
 Beyond SGLang: when nothing runs and the first request's reservation does not fit, it is admitted
 anyway (SGLang clips ``max_new_tokens`` at submission so that this cannot happen; without the
 exception such a run would never end).
@@ -112,8 +118,10 @@ class Scheduler:
         self.chunked: Req | None = None
         self.batch_is_full = False
         self._last_prefill: Batch | None = None  # merged into the running batch at the next step
-        self._in_flight: Batch | None = None
-        self._pending: tuple[Batch, list[int | None]] | None = None  # overlap: results to apply
+        self._unapplied: list[Batch] = []  # formed, results not applied yet (oldest first)
+        self._newest: Batch | None = None  # what the latest `form` returned
+        # overlap, results-first order: results reported before the next batch formed
+        self._pending: tuple[Batch, list[int | None]] | None = None
         self._finished_out: list[Req] = []  # finished while applying pending results
         self.min_new_token_ratio = c.init_new_token_ratio * c.min_new_token_ratio_factor
         self.new_token_ratio_decay = (c.init_new_token_ratio - self.min_new_token_ratio) / c.new_token_ratio_decay_steps
@@ -145,30 +153,43 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.chunked or self.loading or self._pending
+        return bool(self.waiting or self.chunked or self.loading or self._unapplied
                     or any(not r.finished for r in self.running)
                     or (self._last_prefill and any(not e.req.finished
                                                    for e in self._last_prefill.entries)))
 
     # ------------------------------------------------------------------ the next step
     def next_batch(self, now: float = 0.0) -> Batch | None:
-        """Form the next step (``get_next_batch_to_run``). With ``overlap``, the previous step's
-        results are applied right after it is formed; `take_finished` returns what they finished.
+        """Form the next step (``get_next_batch_to_run``) in the results-first order: with
+        ``overlap``, the results `complete` kept back are applied right after it is formed;
+        `take_finished` returns what they finished.
 
         When no batch forms but applying those results changed the state (a request finished
         and unlocked or freed its KV), the step is formed again at once: SGLang's overlap loop
         goes round again without waiting for input. The driver would otherwise wait for an
         arrival that may never come while admissible requests sit in the queue."""
-        self._now = now
-        batch = self._form(now)
+        batch = self.form(now)
         if self._pending is not None:
             done, tokens = self._pending
             self._pending = None
-            self._finished_out += self._apply(done, tokens, now)
+            self._finished_out += self._applied(done, tokens, now)
             if batch is None:
-                batch = self._form(now)
+                batch = self.form(now)
+        return batch
+
+    def form(self, now: float = 0.0) -> Batch | None:
+        """Form the next step and put its cascade groups on it, applying no results: under
+        ``overlap`` the step formed before it may still be running (its results come with
+        `complete`). None when no step forms now."""
+        self._now = now
+        # at most the step before this one is still unapplied (overlap); a batch formed and
+        # never completed before that is forgotten, as one that never ran
+        self._unapplied = self._unapplied[-1:] if self.config.overlap else []
+        batch = self._form(now)
         attach_groups(batch, self.decode_groups)
-        self._in_flight = batch
+        if batch is not None:
+            self._unapplied.append(batch)
+        self._newest = batch
         if self.check_invariants:
             self.cache.check_invariants(self.leases())
         return batch
@@ -435,7 +456,8 @@ class Scheduler:
         entries = []
         for req, evicted, evicted_early in zip(self.running, self.cache.extend_each(leases, 1), early):
             req.evicted_tokens += evicted + evicted_early
-            entries.append(BatchEntry(req, req.computed, 1, produces_token=True).bind())
+            entries.append(BatchEntry(req, req.computed, 1, produces_token=True,
+                                      decode=True).bind())
             req.computed += 1
         return Batch("decode", entries)
 
@@ -444,9 +466,9 @@ class Scheduler:
         ``update_running_batch`` -> ``_reqs_finishing_inflight``): the running requests whose
         token still in flight is their last by length (``next_output_finishes_by_length``).
         0.4.10 decodes them one step more and drops that token."""
-        if not (self.rules.skip_finishing_decode and self._pending):
+        if not (self.rules.skip_finishing_decode and self._unapplied):
             return set()
-        return {id(e.req) for e in self._pending[0].entries
+        return {id(e.req) for e in self._unapplied[-1].entries
                 if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
                 and len(e.req.output) + 1 >= e.req.max_new_tokens}
 
@@ -549,17 +571,23 @@ class Scheduler:
     # ------------------------------------------------------------------ results in
     def complete(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
         """Report a step's outcome (the token each entry produced, or None); returns the requests
-        that finished in it. With ``overlap`` the outcome is applied when the next batch has been
-        formed, and the finished requests come from `take_finished` then."""
-        self._in_flight = None
-        if self.config.overlap:
+        that finished in it. With ``overlap``, when no batch has formed since ``batch`` (the
+        results-first order), the outcome is kept until the next batch forms (`next_batch`),
+        and the finished requests come from `take_finished` then; when one has (the serving
+        loop's order), it is applied now."""
+        if self.config.overlap and batch is self._newest:
             self._pending = (batch, list(tokens))
             finished = []
         else:
-            finished = self._apply(batch, tokens, now)
+            finished = self._applied(batch, tokens, now)
         if self.check_invariants:
             self.cache.check_invariants(self.leases())
         return finished
+
+    def _applied(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
+        """Apply a step's results; it is no longer in flight."""
+        self._unapplied = [b for b in self._unapplied if b is not batch]
+        return self._apply(batch, tokens, now)
 
     def _apply(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
         """SGLang's ``process_batch_result_prefill/decode``."""
@@ -617,8 +645,9 @@ class Scheduler:
         slot, the running batch or the load-backs, and gives its lease up. The tokens it has KV
         for (``req.computed`` of its fill) enter the cache, as SGLang caches a request finished
         by an abort (``cache_finished_req``); a waiting one (never admitted, or retracted) holds
-        no KV. Call it between steps only (after `complete`, before `next_batch`): a result
-        still pending under ``overlap`` is then dropped, as for any finished request. Returns
+        no KV. Call it between steps only (before `form` or `next_batch`): a result still
+        pending under ``overlap`` (or a step still running) is then dropped, as for any finished
+        request; the KV its step is writing is inserted as it will be once the step ends. Returns
         False when the request had already finished (nothing to do)."""
         if req.finished:
             return False
@@ -649,7 +678,6 @@ class Scheduler:
     def leases(self) -> list[Lease]:
         """Leases of every request holding KV, batches in flight included (invariant checks)."""
         holders = self.running + ([self.chunked] if self.chunked else []) + self.loading
-        for batch in (self._last_prefill, self._in_flight,
-                      self._pending[0] if self._pending else None):
+        for batch in (self._last_prefill, *self._unapplied):
             holders += [e.req for e in batch.entries] if batch else []
         return list({id(r.lease): r.lease for r in holders if r.lease is not None}.values())

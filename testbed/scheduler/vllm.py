@@ -107,6 +107,10 @@ class VllmScheduler:
         return []
 
     # ------------------------------------------------------------------ the next step
+    def form(self, now: float = 0.0) -> Batch | None:
+        """The serving loop's name for `next_batch` (no overlap: nothing is ever left to apply)."""
+        return self.next_batch(now)
+
     def next_batch(self, now: float = 0.0) -> Batch | None:
         """``Scheduler.schedule``: running requests first, then waiting ones (module docstring)."""
         c = self.config
@@ -130,6 +134,7 @@ class VllmScheduler:
                 break
             decodes.append(bool(req.output) and new == 1 and req.computed == req.fill_len - 1)
             entries.append(self._scheduled(req, new))
+            entries[-1].decode = decodes[-1]
             budget -= new
             i += 1
         while not preempted and budget > 0 and self.waiting \

@@ -1,8 +1,10 @@
 """The serving loop, shared by the simulator and the engine: arrivals, program dependencies,
 think times, and one step loop per replica, in SimPy's virtual time.
 
-Virtual time advances by each step's duration, whoever computed it (a cost model or a timed model
-step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
+Each replica's steps are turns of the one step cycle the server's thread runs too
+(`testbed.serving.step_cycle.StepCycle`: form, launch, read back, apply); virtual time advances as
+its timeline says, from what each step cost the device and the host, whoever computed it (a cost
+model or a timed model step). A call is submitted at its arrival time or, if later, ``think_time_s`` after the last of its
 dependencies finished; with ``max_in_flight`` at most that many programs run at once (a closed
 loop), the next starting when one finishes; with ``max_concurrency`` at most that many calls are
 outstanding at once, across programs (bench_serving's ``--max-concurrency``): a ready call waits
@@ -37,6 +39,7 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
+from testbed.serving.step_cycle import Formed, StepCycle, Stepped, Wait
 from testbed.workloads.graph import ProgramGraph
 from testbed.workloads.request import TOKEN_DTYPE, Request, materialize
 
@@ -61,9 +64,12 @@ class StepStats:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One executed step: what ran (kind, request ids, tokens per entry) and how long it took;
-    ``reread``: in a decode step, the cached tokens its requests read after another of them read
-    the same KV (a prefix they share; `testbed.sim.step_shape.StepShape.reread`)."""
+    """One executed step: what ran (kind, request ids, tokens per entry) and how long it took
+    on the timeline (``duration_s``: from the end of the step before, or its forming if later, to
+    its results), what it cost the device (``gpu_s``) and the host (``host_s``: forming,
+    launching, reading back, applying; `testbed.serving.step_cycle`); ``reread``: in a decode
+    step, the cached tokens its requests read after another of them read the same KV (a prefix
+    they share; `testbed.sim.step_shape.StepShape.reread`), counted when it was formed."""
 
     kind: str
     ids: tuple[str, ...]
@@ -71,6 +77,8 @@ class StepRecord:
     context: tuple[int, ...]
     duration_s: float
     reread: int = 0
+    gpu_s: float | None = None
+    host_s: float = 0.0
 
 
 @dataclass
@@ -212,44 +220,61 @@ class Driver:
         rep.notify()
 
     def _step_loop(self, rep: Replica):
-        """One replica's loop: form a batch, run it on the executor, advance time by its
-        duration, hand the results to the scheduler; idle until a submission or a load-back
-        wakes it."""
-        scheduler = rep.scheduler
+        """One replica's loop: turns of its `StepCycle` (form and launch a step, read back and
+        apply one), virtual time advancing as the cycle's timeline says; idle until a
+        submission or a load-back wakes it."""
+        cycle = StepCycle(rep.scheduler, self.executor, lambda: self.env.now)
+        launched: dict[int, tuple[Any, int]] = {}  # id(batch) -> (_before_step's, reread)
         while True:
-            batch = scheduler.next_batch(self.env.now)
-            for req in scheduler.take_finished():
-                self._on_finish(req)
-            for req in scheduler.take_loads():
-                if self.observer is not None:
-                    self.observer.load_started(req, self.env.now)
-                self.env.process(self._load_back(rep, req))
-            if self.observer is not None:
-                self.observer.formed(batch, self.env.now, replica=rep.index)
-            if batch is None:
+            formed = False
+            for event in cycle.turn():
+                if isinstance(event, Wait):
+                    yield self.env.timeout(event.seconds)
+                elif isinstance(event, Formed):
+                    formed |= event.batch is not None
+                    self._formed(rep, event, launched)
+                else:
+                    self._stepped(rep, event, launched.pop(id(event.batch)))
+            if not formed and not cycle.in_flight:
                 if self.graph.all_finished:
                     return
                 rep.wake = self.env.event()
                 yield rep.wake
-                continue
-            before = self._before_step(batch)
-            outcome = self.executor.execute(batch)
-            for entry, top in zip(batch.entries, outcome.logprobs or ()):
-                if top is not None and self.beams.owns(entry.req.id):
-                    self.beams.observe(entry.req.id, *top)
-            if self.record_steps:
-                new, context = batch.shape()
-                self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
-                                             new, context, outcome.duration_s,
-                                             self._shared(batch.entries)))
-            yield self.env.timeout(outcome.duration_s)
-            rep.stats.add(batch.kind, batch.num_new_tokens, outcome.duration_s)
-            finished = scheduler.complete(batch, outcome.tokens, self.env.now)
-            self._after_step(rep, batch, outcome.tokens, before)
-            for req in finished:
-                self._on_finish(req)
+
+    def _formed(self, rep: Replica, event: Formed, launched: dict) -> None:
+        """A turn formed a step (or none): finishes and load-backs the scheduler reports, and
+        what the step's record and `_after_step` need from before it runs."""
+        for req in event.finished:
+            self._on_finish(req)
+        for req in event.loads:
             if self.observer is not None:
-                self.observer.stepped(self.env.now, replica=rep.index)
+                self.observer.load_started(req, self.env.now)
+            self.env.process(self._load_back(rep, req))
+        if self.observer is not None:
+            self.observer.formed(event.batch, self.env.now, replica=rep.index)
+        batch = event.batch
+        if batch is not None:
+            reread = self._shared(batch.entries) if self.record_steps else 0
+            launched[id(batch)] = (self._before_step(batch), reread)
+
+    def _stepped(self, rep: Replica, event: Stepped, launched: tuple[Any, int]) -> None:
+        """A step's results are applied: beams, records, totals, finishes."""
+        batch, outcome = event.batch, event.outcome
+        before, reread = launched
+        for entry, top in zip(batch.entries, outcome.logprobs or ()):
+            if top is not None and self.beams.owns(entry.req.id):
+                self.beams.observe(entry.req.id, *top)
+        if self.record_steps:
+            new, context = batch.shape()
+            self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),
+                                         new, context, event.duration_s, reread,
+                                         event.gpu_s, event.host_s))
+        rep.stats.add(batch.kind, batch.num_new_tokens, event.duration_s)
+        self._after_step(rep, batch, outcome.tokens, before)
+        for req in event.finished:
+            self._on_finish(req)
+        if self.observer is not None:
+            self.observer.stepped(batch, event, replica=rep.index)
 
     def _load_back(self, rep: Replica, req: Req):
         """Copy a request's lower-tier KV to the GPU, stage by stage, then let it be admitted."""

@@ -35,8 +35,10 @@ class StepRow:
     """One executed step and the replica's state right after it (one line of ``steps.jsonl``)."""
 
     replica: int
-    start_s: float
-    duration_s: float
+    start_s: float  # when the step before it ended (or it formed, if later)
+    duration_s: float  # to when its results were in: its share of the timeline
+    gpu_s: float  # what it cost the device (testbed.serving.step_cycle)
+    host_s: float  # what it cost the host: forming, launching, reading back, applying
     kind: str  # "prefill" or "decode"
     batch_size: int
     new_tokens: int  # positions filled in the step (computed, or reused beyond exact prefixes)
@@ -97,7 +99,7 @@ class _Replica:
         self.active: dict[str, Life] = {}  # prefilling or decoding
         self.prefilling: dict[str, Life] = {}
         self.preemptions = 0
-        self.step: tuple[float, Batch, int, int, int] | None = None  # formed, not yet done
+        self.steps: dict[int, tuple[int, int, int]] = {}  # id(batch) formed, not yet done
 
 
 class RunObserver:
@@ -154,20 +156,23 @@ class RunObserver:
                     admitted += 1
                     hit += e.req.cached_tokens
                     prompt += len(e.req.prompt)
-        rep.step = (now, batch, admitted, hit, prompt)
+        rep.steps[id(batch)] = (admitted, hit, prompt)
 
-    def stepped(self, now: float, replica: int = 0) -> None:
-        """The batch formed last on the replica has run; its results are in (with overlap they
-        are applied when the next batch forms)."""
-        rep, now = self.replicas[replica], float(now)
+    def stepped(self, batch: Batch, step: Any, replica: int = 0) -> None:
+        """``batch`` has run and its results are applied; ``step`` says when
+        (`testbed.serving.step_cycle.Stepped`: ``start_s``, ``duration_s``, ``gpu_s``,
+        ``host_s``, ``applied_s``).
+        With overlap the next batch formed before this."""
+        rep, now = self.replicas[replica], float(step.applied_s)
         self._poll(rep, now)
-        start, batch, admitted, hit, prompt = rep.step
-        rep.step = None
+        admitted, hit, prompt = rep.steps.pop(id(batch))
+        start, duration = float(step.start_s), float(step.duration_s)
         cache, scheduler = rep.scheduler.cache, rep.scheduler
         available, evictable = cache.available_size, cache.evictable_size
         bounded = not math.isinf(rep.capacity)
         self.rows.append(StepRow(
-            replica=replica, start_s=start, duration_s=now - start, kind=batch.kind,
+            replica=replica, start_s=start, duration_s=duration,
+            gpu_s=float(step.gpu_s), host_s=float(step.host_s), kind=batch.kind,
             batch_size=len(batch.entries), new_tokens=batch.num_new_tokens,
             context_tokens=sum(e.context for e in batch.entries), admitted=admitted,
             admitted_hit_tokens=hit, admitted_prompt_tokens=prompt,

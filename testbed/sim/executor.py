@@ -1,25 +1,27 @@
-"""The simulator's executor: `SimExecutor` asks a cost model how long a `Batch` takes (with
-``attention=cascade*``, of the step's cascade groups: `testbed.scheduler.decode_groups`) and
-emits the workload's predetermined output tokens. The seam it implements, and the registry of
-``backend=``, are `testbed.serving.executor`.
+"""The simulator's executor: `SimExecutor` asks a cost model how long a `Batch` takes on the
+device (with ``attention=cascade*``, of the step's cascade groups:
+`testbed.scheduler.decode_groups`) and a `HostCost` what it costs the host
+(`testbed.sim.overlap`), and emits the workload's predetermined output tokens. Its launch knows
+the outcome at once; the serving loop's timeline places the step (`testbed.serving.step_cycle`).
+The seam it implements, and the registry of ``backend=``, are `testbed.serving.executor`.
 """
 
 from __future__ import annotations
 
 from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, SharedReads, cascades
+from testbed.serving.executor import Done
 from testbed.sim.cost_model import CostModel
+from testbed.sim.overlap import HostCost
 from testbed.sim.step_shape import StepShape
 
 
 def predetermined_tokens(batch: Batch) -> list[int | None]:
-    """The next output token of each entry that produces one, from the workload."""
-    out: list[int | None] = []
-    for e in batch.entries:
-        req = e.req
-        produces = e.produces_token and req.remaining_new_tokens > 0
-        out.append(int(req.request.output[len(req.output)]) if produces else None)
-    return out
+    """The output token each entry produces, from the workload (None where it makes none). The
+    position comes from the entry (`BatchEntry.output_index`), so a step launched before the
+    last step's results were applied (overlap) gets the right ones."""
+    return [int(e.req.request.output[e.output_index]) if e.makes_output else None
+            for e in batch.entries]
 
 
 class SimExecutor:
@@ -33,11 +35,16 @@ class SimExecutor:
     cost model that prices re-read KV apart (``prices_rereads``: a fitted CPU model whose ``h``
     is not its ``e``) is told how much of a decode step's KV other requests of the batch read
     first (`StepShape.reread`, counted from the slots by `SharedReads`, whatever the cache).
+
+    ``host_cost``: the host's seconds per step, priced apart (None: none); its ``concurrent``
+    says whether the device runs beside the host (``asynchronous``), so that under
+    ``scheduler.overlap`` the host's work hides behind the device's.
     """
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
-                 cascade_min_saved: int = 0) -> None:
+                 cascade_min_saved: int = 0, host_cost: HostCost | None = None) -> None:
         self.cost_model = cost_model
+        self.host_cost = host_cost or HostCost()
         self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
         self.shared_reads = SharedReads() if self.groups is None and getattr(
             cost_model, "prices_rereads", False) else None
@@ -45,7 +52,23 @@ class SimExecutor:
         self.decode_saved = 0  # of which cascade left unread (StepShape.shared_saving)
         self.reach = None  # a `testbed.sim.grid_reach.GridReach` told every step priced, if set
 
+    @property
+    def asynchronous(self) -> bool:
+        return self.host_cost.concurrent
+
+    def launch(self, batch: Batch) -> Done:
+        """The step priced: its device time from the cost model, its host time from
+        ``host_cost`` (a synchronous device's launch takes both)."""
+        device = self._device_time(batch)
+        host = self.host_cost.host_time(batch)
+        outcome = StepOutcome(duration_s=device, tokens=predetermined_tokens(batch),
+                              gpu_s=device, host_s=host)
+        return Done(outcome, host if self.asynchronous else host + device)
+
     def execute(self, batch: Batch) -> StepOutcome:
+        return self.launch(batch).result()
+
+    def _device_time(self, batch: Batch) -> float:
         new, context = batch.shape()
         shared = () if self.groups is None else batch.decode_groups \
             if batch.decode_groups is not None else self.groups(batch.entries)
@@ -59,8 +82,7 @@ class SimExecutor:
         if step.is_decode:
             self.decode_context += step.num_context
             self.decode_saved += step.shared_saving
-        return StepOutcome(duration_s=self.cost_model.step_time(step),
-                           tokens=predetermined_tokens(batch))
+        return self.cost_model.step_time(step)
 
     @property
     def cascade_saved(self) -> float | None:
