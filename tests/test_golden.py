@@ -130,7 +130,7 @@ def report_digest(tmp: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# Recorded again for issue 45 for every case but the sweep report: the summary's config gained
+# Recorded again for issue 45 (2026-12-05) for every case but the sweep report: the summary's config gained
 # the host: block (the simulator's price of the host's work, all 0 by default); with it left out
 # of the config, every digest is the one before, byte for byte (the one step cycle changed no
 # decision, token or time of these runs).
@@ -147,25 +147,25 @@ def report_digest(tmp: Path) -> str:
 # Every run case recorded again on 2026-12-04 (issue 49): the config gained the keys threads and
 # clock; without them each digest is the one before, to the bit.
 GOLDEN = {
-    "blend": "b3662055cab93b74",
-    "block_hash_replay": "7a5fbbed91c1ee98",
-    "block_hash_sim": "3121d16de8851a00",
-    "chat": "09bd29a9d6906cce",
-    "chat_long": "7baddaa352232517",
-    "cluster_cache_aware": "99fb08fb10675a2c",
-    "default_sim": "f020be6d0f925032",
-    "engine_tiny": "ec12e1b6a1776ad4",
-    "few_shot": "da889f92e5a05335",
-    "mixed": "cf700b68d934f110",
-    "mooncake_replay": "920e86be14ad9afe",
-    "multimodal": "13e60fa470455b1a",
-    "paraphrase": "86b6f0373da67c3e",
-    "rag": "3e831b092188e1e7",
-    "random_tree": "8eb161c479f734b5",
-    "self_consistency": "9c2c9a2dc6d9565d",
-    "shared_prefix": "0c112b5ffc9b7a83",
-    "tiers": "6646ff03ea61e3c0",
-    "tree_of_thought": "4f73816ad60106ff",
+    "blend": "b2338796f0b31062",
+    "block_hash_replay": "dc9387a688420352",
+    "block_hash_sim": "6118056cf39bac8e",
+    "chat": "65c868ee1c566421",
+    "chat_long": "02afe8124e30053c",
+    "cluster_cache_aware": "70407ec660723052",
+    "default_sim": "b64d470ff0b27ae5",
+    "engine_tiny": "5da85a563ffc3fd3",
+    "few_shot": "f094a22540e75f42",
+    "mixed": "1f58b1d211e9db72",
+    "mooncake_replay": "0684c76c29d7edd6",
+    "multimodal": "3112e99c92428ef7",
+    "paraphrase": "ea78dee585c43a8d",
+    "rag": "2403011b914148f8",
+    "random_tree": "564ef086fd3c0b09",
+    "self_consistency": "fb65ab4b401fdb9f",
+    "shared_prefix": "44130d42695866d9",
+    "tiers": "a15c0ddc5144c631",
+    "tree_of_thought": "f58f1058a1396e39",
     "sweep_report": "6bc0e1e87893d000",
 }
 

@@ -87,8 +87,8 @@ def test_an_unknown_top_level_key_in_a_sweep_is_refused_before_any_job(tmp_path)
     assert proc.stderr == (
         "error: sed is not a setting of the config; allowed: backend, workload, cache, eviction, "
         "scheduler, model, hardware, cost_model, router, seed, replicas, arrival, server, engine, "
-        "device, dtype, threads, clock, attention, cascade_min_saved, forced, temperature, top_p, "
-        "save_token_ids, timeline, progress, debug; did you mean seed?\n")
+        "host, device, dtype, threads, clock, attention, cascade_min_saved, forced, temperature, "
+        "top_p, save_token_ids, timeline, progress, debug; did you mean seed?\n")
 
 
 def test_a_mistyped_option_names_the_options_and_the_closest(tmp_path):
