@@ -253,8 +253,8 @@ class Assembly:
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=e.dtype,
             attention=self.attention, cascade_min_saved=e.cascade_min_saved,
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
-            seed=self.seed, forced=e.forced, temperature=e.temperature, top_p=e.top_p,
-            host_cost=self.host_cost)
+            cpu_kernels=e.cpu_kernels, seed=self.seed, forced=e.forced,
+            temperature=e.temperature, top_p=e.top_p, host_cost=self.host_cost)
         if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
             apply_timing(executor, *timing_settings(c, device))
         return executor

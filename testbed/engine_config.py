@@ -19,6 +19,9 @@ from testbed.scheduler.decode_groups import ATTENTION_BACKENDS
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
+#: the engine's CPU kernels: native (oneDNN linear on weights prepared once, decode attention
+#: reading the KV pool in place), or torch's (linear, gathered attention), as before issue 46
+CPU_KERNELS = ("native", "torch")
 #: the top-level keys that alias engine keys (docs/reference.md)
 ALIASES = ("device", "dtype", "attention", "cascade_min_saved", "forced", "temperature", "top_p")
 
@@ -31,6 +34,7 @@ class EngineConfig:
     cascade_min_saved: int = 0
     cuda_graph: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored elsewhere)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured
+    cpu_kernels: str = "native"  # the CPU's linear and decode kernels (CPU_KERNELS)
     forced: bool = True  # replay the workload's output tokens (False: the model generates)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -81,6 +85,9 @@ class EngineConfig:
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise BadInput(f"{named['attention']} must be one of {', '.join(ATTENTION_BACKENDS)} or "
                            f"null, got {self.attention!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise BadInput(f"{named['cpu_kernels']} must be one of {', '.join(CPU_KERNELS)}, got "
+                           f"{self.cpu_kernels!r}")
         for key, least, unit in (("cascade_min_saved", 0, " (KV tokens)"),
                                  ("cuda_graph_max_batch", 1, " (requests)")):
             value = getattr(self, key)

@@ -14,6 +14,7 @@ from testbed.cache.shared_prefix import shared_prefix_groups
 from testbed.engine import attention as attention_module
 from testbed.engine.attention import make_attention
 from testbed.engine.cascade import CascadePlan
+from testbed.engine.cpu_attention import load_kernel
 from testbed.engine.metadata import AttentionMetadata, to_device
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -70,8 +71,10 @@ def grouped_decode_step(seed: int, groups, kv_lens, heads=4, kv_heads=2, dim=16,
 
 @pytest.mark.parametrize("kernels, fused", [
     ("torch", True), ("torch", False),  # the CPU's fused kernel; the matmuls (off the CPU)
+    ("in_place", True),  # the CPU's in-place decode kernel (testbed.engine.cpu_attention)
     pytest.param("triton", True, marks=pytest.mark.skipif(
-        not TRITON, reason="no GPU and TRITON_INTERPRET unset"))], ids=["torch", "torch_matmuls", "triton"])
+        not TRITON, reason="no GPU and TRITON_INTERPRET unset"))],
+    ids=["torch", "torch_matmuls", "in_place", "triton"])
 @pytest.mark.parametrize("seed, groups, kv_lens, heads", [
     (0, [(30, [0, 2, 3])], [37, 5, 33, 60], 4),                   # one group, one alone
     (1, [(12, [0, 1]), (70, [2, 4, 5])], [13, 40, 71, 9, 90, 72], 4),  # two groups, GQA 2
@@ -86,8 +89,10 @@ def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, head
     device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
     q, k, v, kb, vb = (t.to(device) for t in (q, k, v, kb, vb))
     outs = []
+    kernel = load_kernel()[0] if kernels == "in_place" else None
+    name = "torch" if kernels == "in_place" else kernels
     for cascade in (False, True):
-        backend = make_attention(f"cascade_{kernels}" if cascade else kernels, 2)
+        backend = make_attention(f"cascade_{name}" if cascade else name, 2, kernel=kernel)
         meta = AttentionMetadata.build(qo, kv, kv_indices, device)
         if cascade:
             arrays, sizes = CascadePlan.host_arrays(groups, kv, meta.rows)
@@ -97,6 +102,13 @@ def test_cascade_decode_equals_plain_decode(kernels, seed, groups, kv_lens, head
         kb_[meta.out_slots.long()], vb_[meta.out_slots.long()] = k, v  # the layer's store step
         outs.append(backend.forward(q, kb_, vb_, meta, 0.3))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    if kernel is not None:  # and plain in-place decode equals the gathered one
+        backend = make_attention("torch", 2)
+        meta = AttentionMetadata.build(qo, kv, kv_indices, device)
+        meta.plan = backend.plan(meta)
+        kb[meta.out_slots.long()], vb[meta.out_slots.long()] = k, v
+        torch.testing.assert_close(outs[0], backend.forward(q, kb, vb, meta, 0.3), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_engine_and_simulator_group_with_the_same_code():

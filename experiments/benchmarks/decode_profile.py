@@ -13,6 +13,11 @@ writes and gathers, sampling, the rest), each as a share of the profiled CPU tim
 of 48 tokens on a prompt of ``--context`` tokens, twice: the median gap between its tokens is a
 served decode step at batch 1, to set beside the engine's own.
 
+The CPU's in-place decode kernel (``engine.cpu_kernels=native``, `testbed.engine.cpu_attention`)
+is a C function called through ``ctypes``, no torch operator: the profiler does not see it, so
+its time is in the step's but in none of the shares (run with ``engine.cpu_kernels=torch`` for
+the gathered attention's share, or see `experiments.benchmarks.cpu_engine`).
+
 Used in docs/results/vs_vllm_serving.md to say where the engine's decode step loses to vLLM's.
 """
 
@@ -31,7 +36,8 @@ from testbed.sim.step_shape import StepShape
 
 #: operator name fragments -> what they do (first match wins)
 GROUPS = [
-    ("matmul: weights", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm")),
+    ("matmul: weights", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm",
+                         "_linear_pointwise")),  # the last: oneDNN on packed weights (issue 46)
     ("attention", ("scaled_dot_product", "softmax", "aten::baddbmm")),
     ("KV gather / write", ("index", "gather", "scatter", "aten::copy_", "aten::cat",
                           "aten::stack")),

@@ -12,7 +12,9 @@ Backends (``attention=``):
 - ``torch``: gathers KV head-major, fp32 inside, GQA without repeating K/V: decode steps padded to
   the longest KV (on the CPU one fused flash-attention call that also returns the LSE; elsewhere
   two batched matmuls), prefill steps per request with fused SDPA under the lower-right mask; the
-  reference and the CPU's kernels (the CPU default, ``cascade``, runs them in cascade).
+  reference and the CPU's kernels (the CPU default, ``cascade``, runs them in cascade). Given
+  the CPU's in-place kernel (`testbed.engine.cpu_attention`, ``engine.cpu_kernels=native``, fp32),
+  its decode steps read each request's slots where they lie instead of gathering them.
 - ``triton``: `radix_kernels.extend_attention` and, when every request has one new token,
   ``decode_attention``. Imported only when chosen.
 
@@ -83,6 +85,16 @@ def decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
     o, _ = backend.decode_part(q.reshape(n, kv_heads, heads // kv_heads, dim), k_buf, v_buf,
                                part, sm_scale, want_lse=False)
     return o.reshape(n, heads, dim)
+
+
+@dataclass
+class FlatKV:
+    """The Triton backend's (and the CPU kernel's) view of a `KVRanges`: flat indices and how
+    many split-KV chunks."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_kv_splits: int
 
 
 @dataclass
@@ -164,9 +176,12 @@ class TorchAttention:
     name = "torch"
     graphable = False  # a decode plan's shape follows the longest KV: no CUDA graph
 
-    def __init__(self, num_kv_heads: int, cascade: bool = False) -> None:
+    def __init__(self, num_kv_heads: int, cascade: bool = False, kernel: Any = None) -> None:
         self.num_kv_heads = num_kv_heads  # of the KV buffers: the gather's row arithmetic needs it
         self.cascade = cascade  # decode steps read shared prefixes once (the runner plans it)
+        # the CPU's in-place decode kernel (`testbed.engine.cpu_attention`, fp32): decode parts
+        # read the KV pool where it lies instead of gathering it; None: the gather
+        self.kernel = kernel
 
     def plan(self, meta: AttentionMetadata) -> Any:
         if meta.is_decode:
@@ -179,7 +194,9 @@ class TorchAttention:
         return ExtendLayout(kv_rows=rows, q_splits=meta.qo_lens.tolist(), blocks=blocks)
 
     def plan_part(self, kv: KVRanges, table: torch.Tensor, num_kv_splits: int | None = None
-                  ) -> PaddedKV:
+                  ) -> PaddedKV | FlatKV:
+        if self.kernel is not None:  # the slots themselves, no padding: the kernel walks them
+            return FlatKV(kv.indptr, kv.indices(table), 1)
         slots, mask = kv.padded(table)
         mask = mask[:, None, None, :]
         bias = None
@@ -211,8 +228,10 @@ class TorchAttention:
         return out
 
     def decode_part(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                    part: PaddedKV, sm_scale: float, want_lse: bool = True
+                    part: PaddedKV | FlatKV, sm_scale: float, want_lse: bool = True
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(part, FlatKV):
+            return self.kernel(q, k_buf, v_buf, part.indptr, part.indices, sm_scale, want_lse)
         n, heads, rows, dim = q.shape
         shape = (n, heads, part.mask.shape[3], dim)
         kp = k_buf.view(-1, dim).index_select(0, part.kv_rows).view(shape).float()
@@ -264,15 +283,6 @@ class TorchAttention:
 KERNEL_FUNCTIONS = ("extend_attention", "decode_attention", "merge_states")
 DECODE_KEYS_PER_SPLIT = 256  # triton decode: KV positions per split-KV chunk, at most 8 chunks
 MAX_KV_SPLITS = 8  # ... and a CUDA graph's decode uses all 8 (its KV lengths vary per replay)
-
-
-@dataclass
-class FlatKV:
-    """The Triton backend's view of a `KVRanges`: flat indices and how many split-KV chunks."""
-
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    num_kv_splits: int
 
 
 class TritonAttention:
@@ -329,14 +339,15 @@ class TritonAttention:
                                              meta.kv_indices, sm_scale, max_new=meta.plan)
 
 
-def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "cpu"
-                   ) -> AttentionBackend:
-    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``."""
+def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "cpu",
+                   kernel: Any = None) -> AttentionBackend:
+    """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``; ``kernel``:
+    the torch backends' in-place decode kernel (`testbed.engine.cpu_attention`), or None."""
     if name not in ATTENTION_BACKENDS:
         raise BadInput(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
     cascade = name.startswith("cascade")
     if name == "cascade":
         name = "triton" if torch.device(device).type == "cuda" else "torch"
     if name.endswith("torch"):
-        return TorchAttention(num_kv_heads, cascade=cascade)
+        return TorchAttention(num_kv_heads, cascade=cascade, kernel=kernel)
     return TritonAttention(cascade=cascade)

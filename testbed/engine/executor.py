@@ -144,7 +144,9 @@ class EngineExecutor:
         out = runner.graphs.summary() if runner.graphs is not None else {"cuda_graph": False}
         out["layer_kernels"] = runner.kernels.name
         for key, error in (("graph_error", runner.graph_error),
-                           ("layer_kernels_error", runner.kernels_error)):
+                           ("layer_kernels_error", runner.kernels_error),
+                           ("linear_error", runner.linear_error),
+                           ("decode_kernel_error", runner.decode_kernel_error)):
             if error:
                 out[key] = error
         return out
@@ -180,8 +182,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          attention: str | None = None, seed: int = 0, forced: bool = True,
                          temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
                          max_slots: int | None = None, cascade_min_saved: int = 0,
-                         cuda_graph: bool = True, cuda_graph_max_batch: int = 256
-                         ) -> EngineExecutor:
+                         cuda_graph: bool = True, cuda_graph_max_batch: int = 256,
+                         cpu_kernels: str = "native") -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
     of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
     CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
@@ -191,6 +193,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     ``model.dtype_bytes`` is 2; ``attention`` `default_attention` (triton on CUDA, cascade decoding
     on torch kernels elsewhere). ``cuda_graph``: decode steps of up to ``cuda_graph_max_batch``
     requests replay CUDA graphs captured here (CUDA with Triton attention; ignored elsewhere).
+    ``cpu_kernels``: the CPU's linear and decode kernels (`ModelRunner`).
     """
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -205,6 +208,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
     runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
                          max_slots=max_slots, cascade_min_saved=cascade_min_saved,
-                         cuda_graph=cuda_graph, cuda_graph_max_batch=cuda_graph_max_batch)
+                         cuda_graph=cuda_graph, cuda_graph_max_batch=cuda_graph_max_batch,
+                         cpu_kernels=cpu_kernels)
     return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                           forced=forced)

@@ -11,7 +11,8 @@ Numerics follow HF transformers' Llama: RMSNorm in fp32 then cast, RoPE in the `
 convention with cos/sin cast to the activations' dtype, GQA with query head ``h`` reading KV head
 ``h // (num_heads // num_kv_heads)``, SwiGLU MLP. Q/K/V and gate/up projections are fused
 (``qkv_proj``, ``gate_up_proj``, as in vLLM); `loader.weight_table` says which rows of them each
-HF tensor fills. Between the matmuls the layer runs fused steps
+HF tensor fills; on the CPU `testbed.engine.linear` swaps the linear layers for ones whose
+weights oneDNN prepared once. Between the matmuls the layer runs fused steps
 (`testbed.engine.layer_kernels`: add + RMSNorm, RoPE + KV store, SiLU-and-mul), Triton kernels
 on a GPU and torch ops elsewhere, with the same roundings as HF's unfused ops. Shapes and constants come from a `testbed.model_shape.ModelShape`
 (`ModelShape.from_hf` reads a checkpoint's `transformers` config).
@@ -158,6 +159,9 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if c.tie_word_embeddings else
                         nn.Linear(c.hidden_size, c.vocab_size, bias=False, **factory))
         self.inv_freq = rope_inv_freq(c)  # fp32 always (not a buffer: `.to(bf16)` leaves it alone)
+        # the LM head's weight prepared for the CPU's matmul (`testbed.engine.linear`); None:
+        # torch's linear on the embedding (tied) or lm_head weight
+        self.head: nn.Module | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -194,6 +198,8 @@ class LlamaModel(nn.Module):
         return self.lm_head_of(h)
 
     def lm_head_of(self, h: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return self.head(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight)
 

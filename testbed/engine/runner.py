@@ -29,14 +29,17 @@ import torch
 from testbed.engine.attention import MAX_KV_SPLITS, AttentionBackend, make_attention
 from testbed.engine.blend import blend_prefill
 from testbed.engine.cascade import CascadePlan, split_wide
+from testbed.engine.cpu_attention import load_kernel
 from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.layer_kernels import kernels_for
+from testbed.engine.linear import prepare_linears
 from testbed.engine.metadata import AttentionMetadata, StepInputs
 from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
+from testbed.engine_config import CPU_KERNELS
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
 
@@ -65,23 +68,48 @@ def kv_pool_slots(model: LlamaModel, mem_fraction: float, max_slots: int | None 
                                     KVCache.bytes_per_token(model.config, model.dtype), max_slots)
 
 
+def in_place_decode(model: LlamaModel) -> tuple[object | None, str | None]:
+    """The CPU's in-place decode kernel for ``model``'s KV (`testbed.engine.cpu_attention`), or
+    None and why not: it reads fp32 with a head_dim a multiple of 16 up to 256."""
+    head_dim = model.config.head_dim
+    if model.dtype != torch.float32:
+        return None, f"the in-place decode kernel is fp32 only, not {model.dtype}"
+    if head_dim % 16 or head_dim > 256:
+        return None, f"the in-place decode kernel takes head_dim 16, 32, ... 256, not {head_dim}"
+    return load_kernel()
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_slots: int | None,
                  attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
                  max_slots: int | None = None, cascade_min_saved: int = 0,
                  cuda_graph: bool = False, cuda_graph_max_batch: int = 256,
-                 emulate_graphs: bool = False) -> None:
+                 emulate_graphs: bool = False, cpu_kernels: str = "native") -> None:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
         at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`. ``cuda_graph``:
         decode steps of up to ``cuda_graph_max_batch`` requests replay CUDA graphs
         (`testbed.engine.cuda_graph`; on CUDA with a graphable attention backend, captured
-        here); ``emulate_graphs``: the graph path without graphs, on any device (tests)."""
+        here); ``emulate_graphs``: the graph path without graphs, on any device (tests).
+        ``cpu_kernels`` (`CPU_KERNELS`, the CPU only): ``native``, the linear layers on weights
+        oneDNN prepared once (`testbed.engine.linear`) and the torch backends' decode reading the
+        KV pool in place (`testbed.engine.cpu_attention`), each where it passes its smoke test
+        (else torch's, the reason in ``linear_error`` / ``decode_kernel_error``); ``torch``:
+        torch's linear and the gathered decode."""
         self.model = model
         self.device = model.device
+        if cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got "
+                             f"{cpu_kernels!r}")
+        native = cpu_kernels == "native" and self.device.type == "cpu"
+        self.linear, self.linear_error = prepare_linears(model, "onednn" if native else "torch")
+        decode_kernel, self.decode_kernel_error = None, None
+        if native and isinstance(attention, str) and not attention.endswith("triton"):
+            decode_kernel, self.decode_kernel_error = in_place_decode(model)
         # RoPE's frequencies on the device now: moved in the first forward, the copy from the
         # host would synchronize (and could not be captured in a CUDA graph)
         model.inv_freq = model.inv_freq.to(self.device)
-        self.attention = (make_attention(attention, model.config.num_kv_heads, self.device)
+        self.attention = (make_attention(attention, model.config.num_kv_heads, self.device,
+                                         decode_kernel)
                           if isinstance(attention, str) else attention)
         # the fused layer steps of the backend's family; the torch ones, and why, if the
         # Triton ones failed their smoke test here
