@@ -11,7 +11,9 @@ measured them, and wall time swings by up to 2x from one minute to the next, so 
 fitted under one setting predicts another's run wrongly. ``python -m testbed.calibrate``
 records both in the fitted file (``meta.threads``, ``meta.clock``), and a simulated run with
 ``cost_model=fitted`` refuses, in one line, a file measured on the CPU under settings other than
-its own (the engine run it predicts uses the same keys, with the same defaults).
+its own (the engine run it predicts uses the same keys, with the same defaults). Since issue 46
+the file also records ``meta.cpu_kernels`` (the engine's CPU kernels, 2-3x apart in decode
+speed), checked the same way against the run's ``engine.cpu_kernels``.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def apply_timing(executor: Any, threads: int | None, clock: str) -> None:
 
 def check_fit_timing(meta: Mapping[str, Any], config: Mapping[str, Any], path: Any) -> None:
     """A fitted cost model measured on the CPU predicts an engine run with the same ``threads``
-    and ``clock``: refuse, in one line, a file whose ``meta`` says otherwise than the run's keys
-    (a file without them, written before them, is taken as it is)."""
+    and ``clock`` (and ``engine.cpu_kernels``, where the file records them): refuse, in one
+    line, a file whose ``meta`` says otherwise than the run's keys (a file without them, written
+    before them, is taken as it is)."""
     if meta.get("device") != "cpu" or "threads" not in meta:
         return
     threads, clock = timing_settings(config, "cpu")
@@ -68,3 +71,9 @@ def check_fit_timing(meta: Mapping[str, Any], config: Mapping[str, Any], path: A
                        f"threads={threads} clock={clock}: set threads={fitted[0]} "
                        f"clock={fitted[1]}, or calibrate again with threads={threads} "
                        f"clock={clock}")
+    kernels = (config.get("engine") or {}).get("cpu_kernels") or "native"
+    if "cpu_kernels" in meta and meta["cpu_kernels"] != kernels:  # issue 46: 2-3x apart
+        raise BadInput(f"cost_model.path={path} was measured with engine.cpu_kernels="
+                       f"{meta['cpu_kernels']}, and this run's engine would run "
+                       f"engine.cpu_kernels={kernels}: set engine.cpu_kernels="
+                       f"{meta['cpu_kernels']}, or calibrate again with {kernels}")

@@ -72,6 +72,18 @@ def test_a_fit_measured_with_other_threads_or_clock_is_refused_naming_both():
                             "threads=2 clock=wall, or calibrate again with threads=1 clock=cpu")
 
 
+def test_a_fit_measured_with_other_cpu_kernels_is_refused_naming_both():
+    meta = {"device": "cpu", "threads": 1, "clock": "cpu", "cpu_kernels": "torch"}
+    check_fit_timing(meta, {"engine": {"cpu_kernels": "torch"}}, "f.yaml")  # the same
+    check_fit_timing({**meta, "cpu_kernels": "native"}, {}, "f.yaml")  # the default: native
+    check_fit_timing({"device": "cpu", "threads": 1, "clock": "cpu"}, {}, "f.yaml")  # before
+    with pytest.raises(BadInput) as e:
+        check_fit_timing(meta, {}, "f.yaml")
+    assert str(e.value) == ("cost_model.path=f.yaml was measured with engine.cpu_kernels=torch, "
+                            "and this run's engine would run engine.cpu_kernels=native: set "
+                            "engine.cpu_kernels=torch, or calibrate again with native")
+
+
 def small_grid(tmp_path: Path) -> Path:
     cfg = compose_config(["model=tiny", "hardware=cpu", "progress=false", "calibrate.repeats=1",
                           "calibrate.prefill_batch=[1]", "calibrate.prefill_new=[8,32]",
@@ -85,7 +97,7 @@ def small_grid(tmp_path: Path) -> Path:
 def test_calibration_records_its_threads_clock_and_grid_and_a_run_beyond_it_is_warned(tmp_path):
     path = small_grid(tmp_path / "cal")
     meta = yaml.safe_load(path.read_text())["meta"]
-    assert (meta["threads"], meta["clock"]) == (1, "cpu")
+    assert (meta["threads"], meta["clock"], meta["cpu_kernels"]) == (1, "cpu", "native")
     assert meta["grid"] == {"prefill": {"batch": [1, 1], "rows": [8, 32], "context": [0, 16]},
                             "decode": {"batch": [1, 2], "context": [8, 32]}}
     common = ["backend=sim", "model=tiny", "hardware=cpu", "cost_model=fitted",

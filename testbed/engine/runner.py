@@ -100,6 +100,7 @@ class ModelRunner:
         if cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got "
                              f"{cpu_kernels!r}")
+        self.cpu_kernels = cpu_kernels  # asked for (a calibration records it: its meta)
         native = cpu_kernels == "native" and self.device.type == "cpu"
         self.linear, self.linear_error = prepare_linears(model, "onednn" if native else "torch")
         decode_kernel, self.decode_kernel_error = None, None
