@@ -8,14 +8,17 @@ the Triton decode kernel's view) and reads each key and value row where it lies:
 sequence and KV head, the dot products of the head's query rows with each key (the scores kept,
 one float per key and row), the softmax, then the values weighted; the log-sum-exp comes out
 with the output, so cascade decoding (`testbed.engine.cascade`) merges it as it merges the
-other kernels'. fp32 only; one thread (the engine's torch thread runs it).
+other kernels'. fp32 only, head_dim a multiple of 16 up to 256; one thread (the engine's torch
+thread calls it; ``ctypes`` lets go of the interpreter's lock meanwhile).
 
 It is plain C (no torch headers: it builds in about a second), compiled with the system's C
-compiler for this CPU (``-O3 -march=native``, fast-math for the vectorized ``expf``) into
+compiler for this CPU (``-O3 -march=native``; fast-math for the vectorized ``expf``, so no
+infinity is used inside: ``-FLT_MAX`` stands for it) into
 ``$XDG_CACHE_HOME/radix-testbed/kernels`` (``~/.cache`` when unset) under a name that hashes
-its source, flags and compiler, and called through ``ctypes`` with the tensors' addresses.
-`load_kernel` returns it, or None and why (no compiler, a failed build or smoke test): the
-engine then decodes through torch's gather (``attention_error``: slower, never wrong).
+its source, flags, compiler and host, and called through ``ctypes`` with the tensors'
+addresses. `load_kernel` returns it, or None and why (no compiler, a failed build or smoke
+test): the engine then decodes through torch's gather (``decode_kernel_error``: slower, never
+wrong).
 """
 
 from __future__ import annotations
