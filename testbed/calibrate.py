@@ -87,7 +87,7 @@ def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
             "dtype": str(executor.dtype).replace("torch.", ""),
             "attention": executor.attention_name,
             "threads": torch.get_num_threads(),
-            "clock": "cpu" if executor.clock is time.process_time else "wall"}
+            "clock": "cpu" if executor.clock is time.thread_time else "wall"}
 
 
 def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel

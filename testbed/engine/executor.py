@@ -20,7 +20,7 @@ are read, outside the timed part.
 
 ``clock`` (``time.perf_counter`` by default) is what a step's times are read from (`step_clock`,
 which the serving loop also times the scheduler's work with); a study on a CPU machine that other
-jobs share may set ``time.process_time`` (this process's CPU seconds), which the other jobs' time
+jobs share may set ``time.thread_time`` (the stepping thread's CPU seconds), which the other jobs' time
 slices do not inflate (``experiments/validation/sim_vs_engine.py --clock cpu``). The steps' wall
 time is added up in ``wall_s`` either way.
 """
