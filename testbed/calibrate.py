@@ -87,10 +87,10 @@ def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
             "dtype": str(executor.dtype).replace("torch.", ""),
             "attention": executor.attention_name,
             "threads": torch.get_num_threads(),
-            "clock": "cpu" if executor.clock is time.process_time else "wall",
+            "clock": "cpu" if executor.clock is time.thread_time else "wall",
             # the CPU's kernels (engine.cpu_kernels): a fit predicts an engine running them
-            **({"cpu_kernels": executor.runner.cpu_kernels}
-               if str(executor.device) == "cpu" and hasattr(executor, "runner") else {})}
+            **({"cpu_kernels": executor.cpu_kernels}
+               if getattr(executor, "cpu_kernels", None) is not None else {})}
 
 
 def floor_check(samples: list[tuple[StepShape, float]], floor: RooflineCostModel

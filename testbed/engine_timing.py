@@ -1,19 +1,21 @@
 """How an engine run times its steps, the same in a calibration and in the run it predicts.
 
-Two run keys say it: ``threads``, torch's intra-op threads (null: 1 on the CPU, as ``testbed.serve``
-and ``experiments.validation.sim_vs_engine`` run it; torch's own default on a GPU), and ``clock``,
-what a step's duration is read from: ``wall`` (``time.perf_counter``) or ``cpu`` (this process's
-CPU seconds, ``time.process_time``: on a CPU machine shared with other jobs their time slices do
-not stretch it; needs the CPU and one thread); null: ``cpu`` where the engine runs on the CPU on
-one thread, else ``wall``. On the 2-core development machine, beside another job, SmolLM2's
-decode steps ran 5x slower with two threads than the calibration (also two threads) had
-measured them, and wall time swings by up to 2x from one minute to the next, so a cost model
-fitted under one setting predicts another's run wrongly. ``python -m testbed.calibrate``
-records both in the fitted file (``meta.threads``, ``meta.clock``), and a simulated run with
-``cost_model=fitted`` refuses, in one line, a file measured on the CPU under settings other than
-its own (the engine run it predicts uses the same keys, with the same defaults). Since issue 46
-the file also records ``meta.cpu_kernels`` (the engine's CPU kernels, 2-3x apart in decode
-speed), checked the same way against the run's ``engine.cpu_kernels``.
+Two run keys say it: ``threads``, torch's intra-op threads (null: 1 on the CPU, as
+``testbed.serve`` and ``experiments.validation.sim_vs_engine`` run it; torch's own default on a
+GPU), and ``clock``, what a step's duration is read from: ``wall`` (``time.perf_counter``) or
+``cpu`` (the CPU seconds of the thread that runs the step, ``time.thread_time``: on a CPU machine
+shared with other jobs their time slices do not stretch it, nor do the server's HTTP threads beside
+the engine's; needs the CPU and one torch thread, so that the step's work runs in the thread that
+launches it); null: ``cpu`` where the engine runs on the CPU on one thread, else ``wall``. On the
+2-core development machine, beside another job, SmolLM2's decode steps ran 5x slower with two
+threads than the calibration (also two threads) had measured them, and wall time swings by up to 2x
+from one minute to the next, so a cost model fitted under one setting predicts another's run
+wrongly. ``python -m testbed.calibrate`` records both in the fitted file (``meta.threads``,
+``meta.clock``), and a simulated run with ``cost_model=fitted`` refuses, in one line, a file
+measured on the CPU under settings other than its own (the engine run it predicts uses the same
+keys, with the same defaults). Since issue 46 the file also records ``meta.cpu_kernels`` (the
+engine's CPU kernels, 2-3x apart in decode speed), checked the same way against the run's
+``engine.cpu_kernels``.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def apply_timing(executor: Any, threads: int | None, clock: str) -> None:
         import torch
 
         torch.set_num_threads(threads)
-    executor.clock = time.process_time if clock == "cpu" else None
+    # the thread's, not the process's: a server's HTTP threads run beside the step (issue 46)
+    executor.clock = time.thread_time if clock == "cpu" else None
 
 
 def check_fit_timing(meta: Mapping[str, Any], config: Mapping[str, Any], path: Any) -> None:

@@ -173,3 +173,49 @@ def test_requests_past_max_live_are_refused():
         executor.hold.set()
     finally:
         engine.stop()
+
+
+class RecordingLoop:
+    """An event loop as the engine sees one: records each ``call_soon_threadsafe`` (the
+    updates it carries) and runs it at once."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def call_soon_threadsafe(self, fn, *args) -> None:
+        self.calls.append([(sink.rid, u.tokens, u.finish_reason) for sink, u in args[0]])
+        fn(*args)
+
+
+class Named(Client):
+    def __init__(self, rid: str) -> None:
+        super().__init__()
+        self.rid = rid
+
+
+def test_a_turns_updates_reach_an_event_loop_in_one_call_and_its_steps_are_logged():
+    scheduler = Scheduler(RadixCache(200), SchedulerConfig(name="fcfs"), eos_token_ids=(),
+                          eos_for_all=True)
+    engine = OnlineEngine(scheduler, Scripted(), max_live=8)
+    loop = RecordingLoop()
+    a, b = Named("a"), Named("b")
+    # both held before the loop starts: they share every step
+    assert engine.submit(generating_request("a", toks(*range(10)), 3), a, loop)
+    assert engine.submit(generating_request("b", toks(*range(20, 26)), 3), b, loop)
+    engine.start()
+    try:
+        assert a.done.wait(30) and b.done.wait(30)
+        assert loop.calls == [[("a", (100,), None), ("b", (100,), None)],
+                              [("a", (101,), None), ("b", (101,), None)],
+                              [("a", (102,), "length"), ("b", (102,), "length")]]
+        steps = engine.inspect(lambda e: e.steps.since(0))  # logged once the turn is done
+        assert [(s.step, s.kind, s.requests, s.new_tokens, s.context_tokens) for s in steps] \
+            == [(0, "prefill", 2, 16, 0), (1, "decode", 2, 2, 16), (2, "decode", 2, 2, 18)]
+        assert all(s.turn_s >= s.handing_s >= 0 and s.idle_s >= 0 for s in steps)
+        facts = ServerFacts("scripted", 0.0, 1.0, 16, ModelLimits(256), lambda n: True, 200)
+        with TestClient(make_app(engine, facts)) as http:
+            r = http.get("/debug/steps", params={"since": 1}).json()
+        assert r["recorded"] == 3
+        assert r["steps"] == [s.as_dict() for s in steps[1:]]
+    finally:
+        engine.stop()

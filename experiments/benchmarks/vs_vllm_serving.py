@@ -9,7 +9,9 @@ of ``--servers`` and run it separately), repeat after repeat, each workload in a
 and output tokens/s over the makespan, TTFT p50, TPOT p50 and the hit rate the server reported.
 Where the time goes: every run's steps are recovered from its token times
 (`testbed.server_steps`), and the median decode step at each batch size and the prefill
-throughput are put side by side (``steps.csv``).
+throughput are put side by side (``steps.csv``); a testbed server's runs also keep the steps as
+the server timed them (``server_steps.jsonl``, ``GET /debug/steps``), whose median decode step
+stands beside the recovered one (``own_decode_b*_ms``).
 
     python -m experiments.benchmarks.vs_vllm_serving [--vllm-url URL] [--loop 16] [--repeats 2]
         [--servers radix_lpm block_hash_vllm vllm] [--out DIR]
@@ -34,6 +36,7 @@ import pandas as pd
 
 from experiments.validation import vs_vllm
 from experiments.validation.vllm_latency import HELD_OUT, TRAIN
+from experiments.benchmarks.served_step import near, own_decode_ms, steps_recorded, steps_since
 from testbed.server_steps import read_run, recover_steps, usable
 
 matplotlib.use("Agg")
@@ -46,6 +49,7 @@ TESTBED = {
     "radix_lpm": ["cache=radix", "scheduler=lpm"],
     "block_hash_vllm": ["cache=block_hash", f"cache.block_size={BLOCK_SIZE}", "scheduler=vllm"],
 }
+SERVER_STEPS = "server_steps.jsonl"  # a testbed server's own step log of a run (/debug/steps)
 SHOWN = ["requests_per_s", "output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "hit_rate"]
 
 
@@ -67,8 +71,12 @@ def drive(served: vs_vllm.Served, words: list[str], loop: int, out: Path) -> dic
     from testbed.execute import execute
     if not (out / "summary.json").exists():  # a run already there is kept
         vs_vllm.reset_cache(served.url)
+        first = steps_recorded(served.url)
         execute(compose_config(vs_vllm.server_overrides(words, served,
                                                         [f"arrival.max_in_flight={loop}"])), out)
+        if first is not None:  # testbed.serve: the steps as it timed them
+            (out / SERVER_STEPS).write_text("".join(
+                json.dumps(s) + "\n" for s in steps_since(served.url, first)))
     s = json.loads((out / "summary.json").read_text())
     rows = vs_vllm.records(out)
     return {"requests_per_s": s["throughput_req_s"],
@@ -80,15 +88,22 @@ def drive(served: vs_vllm.Served, words: list[str], loop: int, out: Path) -> dic
 
 def step_profile(run: Path, budget: int | None) -> dict:
     """Median decode step time at batch 1, 4 and 16 (nearest batch sizes seen) and prefill
-    tokens per second of the run's recovered steps."""
+    tokens per second of the run's recovered steps; for ``testbed.serve`` also the median
+    decode step as the server timed it (``own_decode_b*_ms``, from ``server_steps.jsonl``)."""
     steps = usable(recover_steps(read_run(run), budget))
     decode = pd.DataFrame([(len(s.new), s.duration_s) for s in steps if max(s.new) == 1],
                           columns=["batch", "s"])
     prefill = [(sum(s.new), s.duration_s) for s in steps if max(s.new) > 1]
     profile = {"steps": len(steps)}
+    own = run / SERVER_STEPS
+    records = [json.loads(line) for line in own.read_text().splitlines()] \
+        if own.exists() else None
     for b in (1, 4, 16):
-        near = decode[(decode.batch - b).abs() <= max(1, b // 4)]
-        profile[f"decode_b{b}_ms"] = 1e3 * near.s.median() if len(near) else None
+        low, high = near(b)
+        seen = decode[decode.batch.between(low, high)]
+        profile[f"decode_b{b}_ms"] = 1e3 * seen.s.median() if len(seen) else None
+        if records is not None:
+            profile[f"own_decode_b{b}_ms"] = own_decode_ms(records, b)
     if prefill:
         new, secs = np.array(prefill).T
         profile["prefill_tok_per_s"] = new.sum() / secs.sum()

@@ -1,13 +1,14 @@
 """`make_app`: the OpenAI-compatible HTTP API (FastAPI) in front of an `OnlineEngine`.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
-events with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /debug/state`` (the
-scheduler and cache, read between steps: counts, locks, invariants). A request is parsed and
-checked here (`testbed.api.protocol`), then handed to the engine with a sink that moves its
-updates onto this event loop; a client that goes away (a stream cancelled by Starlette, or a
-non-streaming client found disconnected, answered 499) has its request aborted, its KV released
-at the next step boundary. Errors are OpenAI's JSON ``{"error": {...}}`` with a 4xx/5xx status,
-whatever the body (docs/design.md §3 "Serving over HTTP"); the endpoints read between steps
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
+with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /debug/state`` (the scheduler
+and cache, read between steps: counts, locks, invariants) and ``GET /debug/steps`` (the steps the
+loop ran, as it timed them: `testbed.api.step_log`). A request is parsed and checked here
+(`testbed.api.protocol`), then handed to the engine with a sink that runs in this event loop (the
+engine hands each step's updates over in one call); a client that goes away (a stream cancelled by
+Starlette, or a non-streaming client found disconnected, answered 499) has its request aborted, its
+KV released at the next step boundary. Errors are OpenAI's JSON ``{"error": {...}}`` with a 4xx/5xx
+status, whatever the body (docs/design.md §3 "Serving over HTTP"); the endpoints read between steps
 answer 503 when the loop is busy past `BETWEEN_STEPS_WAIT_S`.
 """
 
@@ -75,6 +76,12 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
     async def debug_state() -> dict[str, Any]:
         return {**await in_loop(engine_state), **answers.snapshot()}
 
+    @app.get("/debug/steps")
+    async def debug_steps(since: int = 0) -> dict[str, Any]:
+        # the log has its own lock: read at once, not between steps
+        return {"recorded": engine.steps.recorded,
+                "steps": [s.as_dict() for s in engine.steps.since(since)]}
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
         return await in_loop(empty_cache)
@@ -95,7 +102,7 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
         req = generating_request(rid, gen.prompt, gen.max_tokens, ignore_eos=gen.ignore_eos,
                                  min_tokens=gen.min_tokens, stop_token_ids=gen.stop_token_ids)
         try:
-            taken = engine.submit(req, lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+            taken = engine.submit(req, updates.put_nowait, loop)
         except EngineDead as e:
             raise ApiError(503, str(e), code="engine_dead", kind="server_error") from None
         if not taken:

@@ -1,20 +1,25 @@
 """`OnlineEngine`: the shared scheduler and the engine stepped on wall-clock time, for the server.
 
-One background thread owns the `Scheduler`, its cache and the executor; nothing else touches
-them. It loops: take the inbox (submissions, aborts, inspections) in arrival order, then one turn
-of the replica's `testbed.serving.step_cycle.StepCycle` (``now`` = seconds since the engine
-started, `time.perf_counter`): form and launch the next step, read back and apply a step's
-results (with ``scheduler.overlap`` the step before, so the device runs the new one meanwhile),
-and hand each request's new tokens and its finish to that request's ``sink`` (a callable the HTTP
-layer gives; it must not block). The cycle is the SimPy driver's (`testbed.serving.driver`): the
-step's path from either loop to the forward is the same code; here its waits happen inside the
-executor's ``result()``, on the wall clock. With nothing to do the thread sleeps on the inbox's
-condition: no busy wait. Caching and scheduling stay in the scheduler and the cache.
+One background thread owns the `Scheduler`, its cache and the executor; nothing else touches them.
+It loops: take the inbox (submissions, aborts, inspections) in arrival order, then one turn of the
+replica's `testbed.serving.step_cycle.StepCycle` (``now`` = seconds since the engine started,
+`time.perf_counter`): form and launch the next step, read back and apply a step's results (with
+``scheduler.overlap`` the step before, so the device runs the new one meanwhile), and hand each
+request's new tokens and its finish to that request's ``sink`` (a callable the HTTP layer gives; it
+must not block). A sink given with an asyncio event loop runs in that loop: the turn's updates for
+one loop go to it in one call (``call_soon_threadsafe``) once the turn is done, not one per request
+(each call writes the loop's wake-up pipe, and a woken event loop competes for the interpreter's
+lock while this thread still hands tokens on). Each turn's step is logged with what the turn cost
+(`testbed.api.step_log`, ``GET /debug/steps``). The cycle is the SimPy driver's
+(`testbed.serving.driver`): the step's path from either loop to the forward is the same code; here
+its waits happen inside the executor's ``result()``, on the wall clock. With nothing to do the
+thread sleeps on the inbox's condition: no busy wait. Caching and scheduling stay in the scheduler
+and the cache.
 
-Other threads call `submit`, `abort` and `inspect`; each only appends to the inbox. An abort
-acts at the next step boundary (`Scheduler.abort`; under overlap a step still running then has
-its token for the request dropped). Lower-tier load-backs complete at once (no
-copy engine is modelled here: the cache has already counted the loaded slots).
+Other threads call `submit`, `abort` and `inspect`; each only appends to the inbox. An abort acts
+at the next step boundary (`Scheduler.abort`; under overlap a step still running then has its token
+for the request dropped). Lower-tier load-backs complete at once (no copy engine is modelled here:
+the cache has already counted the loaded slots).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from testbed.api.step_log import ServedStep, StepLog, run_delay_s
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.step_cycle import Formed, StepCycle, Stepped
@@ -69,6 +75,7 @@ class EngineBusy(RuntimeError):
 class _Live:
     req: Req | None  # None until the loop thread submitted it
     sink: Sink
+    loop: Any = None  # the asyncio event loop the sink runs in (None: this thread)
     sent: int = 0  # output tokens handed to the sink
 
 
@@ -88,6 +95,9 @@ class OnlineEngine:
         self._stop = False
         self._t0 = time.perf_counter()
         self._inbox_read = self._t0  # when the loop last took its inbox (a step boundary)
+        self._turn_end = self._t0  # when the loop's last turn ended (`StepLog`'s idle_s)
+        self._outbox: list[tuple[_Live, Update]] = []  # updates not handed on yet (this turn's)
+        self.steps = StepLog()
         self._thread = threading.Thread(target=self._run, name="online-engine", daemon=True)
         self.cycle = StepCycle(scheduler, executor, self.now)
 
@@ -113,8 +123,9 @@ class OnlineEngine:
         """Requests submitted and not finished."""
         return len(self._live)
 
-    def submit(self, request: Request, sink: Sink) -> bool:
-        """Queue a generating request (``max_new_tokens`` set, no output); False when
+    def submit(self, request: Request, sink: Sink, loop: Any = None) -> bool:
+        """Queue a generating request (``max_new_tokens`` set, no output), its updates to
+        ``sink`` (run in the asyncio event loop ``loop`` when given); False when
         ``max_live`` requests are held already (the caller answers 429). Raises `EngineDead`
         when the loop is not running."""
         with self._wake:
@@ -124,7 +135,7 @@ class OnlineEngine:
                 return False
             if request.id in self._live:
                 raise ValueError(f"request id {request.id} is already being served")
-            self._live[request.id] = _Live(None, sink)
+            self._live[request.id] = _Live(None, sink, loop)
             self._inbox.append(("submit", request))
             self._wake.notify()
         return True
@@ -208,12 +219,15 @@ class OnlineEngine:
                     future.set_result(fn(self))
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
+        self._hand_on()
 
     def _step(self) -> bool:
-        """One turn of the step cycle, its tokens and finishes handed on; False when no step
-        formed and none is running."""
+        """One turn of the step cycle, its tokens and finishes handed on, its steps logged;
+        False when no step formed and none is running."""
         s = self.scheduler
-        formed, finished = False, []
+        start, thread_cpu, process_cpu, delay = time.perf_counter(), time.thread_time(), \
+            time.process_time(), run_delay_s()
+        formed, finished, stepped = False, [], []
         for event in self.cycle.turn():
             if isinstance(event, Formed):
                 formed |= event.batch is not None
@@ -223,10 +237,30 @@ class OnlineEngine:
             elif isinstance(event, Stepped):
                 self.counts["steps"] += 1
                 finished += event.finished
+                stepped.append(event)
+        handing = time.perf_counter()
         self._send_tokens()
         for req in finished:
             self._finished(req, self._reason(req))
+        self._hand_on()
+        end = time.perf_counter()
+        runqueue = None if delay is None else run_delay_s() - delay
+        for event in stepped:
+            self._log(event, end - start, end - handing, time.thread_time() - thread_cpu,
+                      time.process_time() - process_cpu, runqueue, start - self._turn_end)
+        self._turn_end = end
         return formed or self.cycle.in_flight
+
+    def _log(self, event: Stepped, turn_s: float, handing_s: float, thread_cpu_s: float,
+             process_cpu_s: float, runqueue_s: float | None, idle_s: float) -> None:
+        batch = event.batch
+        self.steps.add(ServedStep(
+            step=self.steps.recorded, kind=batch.kind, requests=len(batch.entries),
+            new_tokens=batch.num_new_tokens,
+            context_tokens=sum(int(e.context) for e in batch.entries),
+            start_s=event.start_s, duration_s=event.duration_s, gpu_s=event.gpu_s,
+            host_s=event.host_s, turn_s=turn_s, handing_s=handing_s, thread_cpu_s=thread_cpu_s,
+            process_cpu_s=process_cpu_s, runqueue_s=runqueue_s, idle_s=idle_s))
 
     def _send_tokens(self) -> None:
         """Each live request's output tokens not sent yet (a finished one's go with its end)."""
@@ -237,7 +271,7 @@ class OnlineEngine:
             if req is not None and not req.finished and len(req.output) > live.sent:
                 new = tuple(req.output[live.sent:])
                 live.sent = len(req.output)
-                self._emit(live.sink, Update(tokens=new))
+                self._outbox.append((live, Update(tokens=new)))
 
     def _finished(self, req: Req, reason: str) -> None:
         with self._wake:
@@ -245,10 +279,10 @@ class OnlineEngine:
         if live is None:
             return
         self.counts["finished"] += 1
-        self._emit(live.sink, Update(
+        self._outbox.append((live, Update(
             tokens=tuple(req.output[live.sent:]), finish_reason=reason,
             prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
-            cached_tokens=req.cached_tokens or 0))
+            cached_tokens=req.cached_tokens or 0)))
 
     @staticmethod
     def _reason(req: Req) -> str:
@@ -263,8 +297,9 @@ class OnlineEngine:
         inbox fail."""
         with self._wake:
             lives, self._live = list(self._live.values()), {}
-        for live in lives:
-            self._emit(live.sink, Update(finish_reason="error", error=self.error))
+        self._outbox += [(live, Update(finish_reason="error", error=self.error))
+                         for live in lives]
+        self._hand_on()
         self._fail_inspections(f"the engine loop died: {self.error}")
 
     def _fail_inspections(self, why: str) -> None:
@@ -275,12 +310,29 @@ class OnlineEngine:
             if kind == "inspect" and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(EngineDead(why))
 
-    @staticmethod
-    def _emit(sink: Sink, update: Update) -> None:
-        try:
-            sink(update)
-        except RuntimeError:  # the HTTP side's event loop is closed (shutting down)
-            pass
+    def _hand_on(self) -> None:
+        """The updates gathered so far to their sinks: those of a sink without a loop now, in
+        order; each event loop's in one call, in order."""
+        outbox, self._outbox = self._outbox, []
+        by_loop: dict[Any, list[tuple[Sink, Update]]] = {}
+        for live, update in outbox:
+            if live.loop is None:
+                try:
+                    live.sink(update)
+                except RuntimeError:  # a sink that posts to a closed event loop
+                    pass
+            else:
+                by_loop.setdefault(live.loop, []).append((live.sink, update))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the HTTP side's event loop is closed (shutting down)
+                pass
+
+
+def _deliver(items: list[tuple[Sink, Update]]) -> None:
+    for sink, update in items:
+        sink(update)
 
 
 def generating_request(request_id: str, prompt: np.ndarray, max_tokens: int, *,

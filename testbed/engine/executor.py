@@ -20,7 +20,7 @@ are read, outside the timed part.
 
 ``clock`` (``time.perf_counter`` by default) is what a step's times are read from (`step_clock`,
 which the serving loop also times the scheduler's work with); a study on a CPU machine that other
-jobs share may set ``time.process_time`` (this process's CPU seconds), which the other jobs' time
+jobs share may set ``time.thread_time`` (the stepping thread's CPU seconds), which the other jobs' time
 slices do not inflate (``experiments/validation/sim_vs_engine.py --clock cpu``). The steps' wall
 time is added up in ``wall_s`` either way.
 """
@@ -131,6 +131,12 @@ class EngineExecutor:
     def attention_name(self) -> str:
         """The attention backend's class name (what a calibration was measured with)."""
         return type(self.runner.attention).__name__
+
+    @property
+    def cpu_kernels(self) -> str | None:
+        """The CPU's linear and decode kernels asked for (`engine.cpu_kernels`); None off the
+        CPU, where they do not apply (what a calibration records)."""
+        return self.runner.cpu_kernels if self.runner.device.type == "cpu" else None
 
     @property
     def model(self):
