@@ -223,6 +223,26 @@ class PrefixCache(ABC):
             return num_tokens
         return self.pool.round_up(max(0, num_tokens - len(lease.spare)))
 
+    def truncate(self, lease: Lease, num_tokens: int) -> int:
+        """Shorten the lease's sequence to its first ``num_tokens`` slots and give the rest back
+        (a speculative step's rejected drafts: docs/design.md §4, "Speculative decoding").
+        The slots dropped are the request's own (never the cached prefix's). With a paged pool
+        the rest of the last kept page becomes ``spare`` and whole pages beyond it are freed.
+        Returns the slots freed to the pool."""
+        slots = lease.slots
+        if num_tokens >= len(slots):
+            return 0
+        if num_tokens < lease.cached:
+            raise ValueError(f"truncate to {num_tokens} tokens below the lease's cached "
+                             f"prefix of {lease.cached}")
+        if self.pool is None:
+            raise NotImplementedError(f"{self.name}: truncate needs a slot pool")
+        tail = np.concatenate([slots[num_tokens:], lease.spare])
+        keep = self.pool.round_up(num_tokens) - num_tokens  # the rest of the last kept page
+        self.pool.free(tail[keep:])
+        lease.reset(slots[:num_tokens], lease.cached, tail[:keep])
+        return len(tail) - keep
+
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence: at most

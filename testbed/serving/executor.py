@@ -74,7 +74,8 @@ def launcher(executor: Any) -> Any:
 #: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
                     "dtype", "attention", "cascade_min_saved", "cuda_graph",
-                    "cuda_graph_max_batch", "seed", "forced", "temperature", "top_p", "host_cost")
+                    "cuda_graph_max_batch", "seed", "forced", "temperature", "top_p", "host_cost",
+                    "speculative")
 EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,
                      what="an executor (execute(Batch) -> StepOutcome)")
 EXECUTORS.register("sim", "testbed.sim.executor:SimExecutor")
