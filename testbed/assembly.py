@@ -367,6 +367,10 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     speculative = SpeculativeConfig.from_mapping(config.get("speculative"))
     check_speculative(speculative, scheduler_config(config["scheduler"]), backend,
                       config.get("replicas") or 1)
+    if speculative.active and engine.temperature > 0 and engine.top_p < 1:
+        raise BadInput(f"speculative.method={speculative.method} samples by the rejection rule "
+                       f"over the whole distribution: engine.top_p must be 1 with temperature "
+                       f"> 0; got top_p={engine.top_p}")
     arrival = Arrival.from_mapping(config.get("arrival"),
                                    is_trace=config["workload"].get("name") == "trace")
     run = Assembly(

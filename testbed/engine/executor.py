@@ -40,6 +40,7 @@ from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.quality import QualityMonitor
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
+from testbed.engine.verify import verified_tokens
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.batch import StepOutcome
 from testbed.scheduler.decode_groups import default_attention
@@ -82,6 +83,8 @@ class EngineExecutor:
         timer = DeviceTimer(self.runner.device)
         timer.start()
         logits, rows = self.runner.step(batch)
+        if batch.verifies:  # speculative: verified here, on the host (testbed.engine.verify)
+            return self._launch_verification(batch, logits, timer, clock, start, wall)
         sampled = self.sampler(logits)
         forced = self._forced(batch)
         written = sampled  # what the token table holds: the replayed token where forced
@@ -102,6 +105,22 @@ class EngineExecutor:
 
     def execute(self, batch: Batch) -> StepOutcome:
         return self.launch(batch).result()
+
+    def _launch_verification(self, batch: Batch, logits: torch.Tensor, timer: DeviceTimer,
+                             clock, start: float, wall: float) -> LaunchedStep:
+        """A verification step's tokens, read back at launch: acceptance decides which rows
+        count. Its inputs come from the host (the requests' applied outputs), so nothing is
+        written to the token table."""
+        s = self.sampler
+        verified, imposed, agreed = verified_tokens(batch, logits, s.temperature, s.generator,
+                                                    self.forced)
+        self.forced_tokens += imposed
+        self.forced_agreed += agreed
+        timer.stop()
+        launch_s = max(clock() - start, 0.0)
+        self.wall_s += time.perf_counter() - wall
+        return LaunchedStep(self, batch, Readback(torch.zeros(0)), None, None, None, timer,
+                            launch_s, synchronous=True, verified=verified)
 
     def _forced(self, batch: Batch) -> np.ndarray | None:
         """The workload's token for each entry that replays one (-1 elsewhere), or None when

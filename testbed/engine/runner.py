@@ -170,6 +170,8 @@ class ModelRunner:
             transfer=self.buffers.transfer, before_gather=lambda dev: self.slots.apply(*dev[:3]))
         if groups:
             meta.cascade = CascadePlan.from_device(extra[4:], sizes)
+        if batch.verifies:  # speculative: every query's logits (testbed.engine.verify)
+            meta.last_token_index = None
         if graph is not None:
             meta.num_kv_splits = MAX_KV_SPLITS
         meta.plan = self.attention.plan(meta)
@@ -190,7 +192,7 @@ class ModelRunner:
         groups = self.groups_of(batch)
         key = None
         n = len(batch.entries)
-        if self.graphs is not None and batch.kind == "decode" \
+        if self.graphs is not None and batch.kind == "decode" and not batch.verifies \
                 and all(e.new == 1 for e in batch.entries):
             key = self.graphs.key(n, groups)
         inputs = self.prepare(batch, key, groups)
@@ -198,6 +200,8 @@ class ModelRunner:
             logits = self.graphs.run(key, inputs, n)
             if logits is not None:
                 return logits, inputs.rows(n)
+        if batch.verifies:  # one row per query (testbed.engine.verify)
+            return self.forward(inputs), inputs.rows(n)
         return self.forward(inputs)[:n], inputs.rows(n)
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -210,7 +214,8 @@ class ModelRunner:
         self.slots.store_tokens(rows, tokens)
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token, and the
+        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token (a
+        speculative verification step's: ``[T, vocab]``, every query's), and the
         entries' token-table rows (device tensors; nothing read back); the entries'
         new K/V are written into their slots.
 
