@@ -37,7 +37,7 @@ from testbed.overrides import compose_config  # noqa: F401 - composed here for s
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
-from testbed.scheduler.speculative import SpeculativeConfig, check_speculative
+from testbed.scheduler.speculative import SpeculativeConfig, check_speculative, check_tree
 from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
 from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
@@ -385,6 +385,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         max_in_flight=programs_in_flight(config, arrival),
         max_concurrency=arrival.max_concurrency, server=server, engine=engine,
         speculative=speculative)
+    check_tree(speculative, c.get("target") or c.get("name"), c.get("page_size") or 1,
+               run.attention if backend == "engine" else None, engine.temperature)
     run.check_builds()
     return run
 

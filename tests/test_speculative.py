@@ -12,7 +12,8 @@ from testbed.scheduler.ngram import ngram_draft
 from testbed.scheduler.scheduler import Scheduler
 from testbed.scheduler.speculative import SpeculativeConfig, check_speculative
 from testbed.scheduler.config import SchedulerConfig
-from testbed.sim.acceptance import Acceptance, exact_accepted
+from testbed.scheduler.spec_steps import exact_accepted
+from testbed.sim.acceptance import Acceptance
 from testbed.workloads.request import Request
 from tests.conftest import toks
 
@@ -202,3 +203,50 @@ def test_speculative_needs_sglangs_scheduler_without_overlap_on_sim_or_engine():
     with pytest.raises(BadInput, match="needs backend=sim or backend=engine"):
         check_speculative(NGRAM, SchedulerConfig(), "replay")
     check_speculative(SpeculativeConfig(), SchedulerConfig(overlap=True), "replay")  # none: any
+
+
+# ------------------------------------------------------------------ token trees (width 2)
+TREE = SpeculativeConfig(method="ngram", num_tokens=3, tree_width=2, ngram_min=1, ngram_max=3)
+TREE_PROMPT = (5, 1, 2, 9, 8, 6, 1, 2, 7, 6, 1)
+
+
+def test_ngram_branches_differ_in_their_first_token_and_the_first_is_the_chains_draft():
+    from testbed.scheduler.ngram import ngram_branches
+    context = toks(*TREE_PROMPT, 2)
+    # [6, 1, 2] at 5 -> 7, 6, 1; [1, 2] at 1 -> 9, 8, 6 ([1, 2] at 6 starts with 7 again)
+    assert [b.tolist() for b in ngram_branches(context, 3, 1, 3, 2)] == [[7, 6, 1], [9, 8, 6]]
+    assert ngram_draft(context, 3, 1, 3).tolist() == [7, 6, 1]
+
+
+def test_a_tree_keeps_the_accepted_branchs_slots_after_the_root_and_frees_the_rest():
+    cache = RadixCache(64)
+    s = Scheduler(cache, SchedulerConfig(), speculative=TREE, check_invariants=True)
+    req = s.submit(Request("r", toks(*TREE_PROMPT), toks(2, 9, 8, 4, 4, 4)), 0.0)
+    s.complete(s.next_batch(0.0), [2], 1.0)
+    batch = s.next_batch(1.0)
+    (entry,) = batch.entries
+    assert entry.draft.tolist() == [7, 6, 1, 9, 8, 6] and entry.branches == (3, 3)
+    assert (entry.context, entry.new) == (11, 7)
+    slots = entry.kv_slots().copy()
+    free = cache.pool.num_free
+    s.complete(batch, [(9, 8, 4)], 2.0)  # the second branch: 9, 8 accepted, then 4
+    assert req.output == [2, 9, 8, 4] and req.computed == 14
+    assert req.lease.slots.tolist() == [*slots[:12], slots[15], slots[16]]
+    assert cache.pool.num_free == free + 4  # the first branch's 3 and the last of the second
+    assert s.spec.stats.other_branch == 1
+    s.complete(s.next_batch(2.0), [(4,)], 3.0)  # no match: no drafts
+    s.complete(s.next_batch(3.0), [(4,)], 4.0)
+    s.check_drained()
+    assert cache.match(toks(*TREE_PROMPT, 2, 9, 8, 4, 4, 4, 0)) == 16
+    assert cache.match(toks(*TREE_PROMPT, 2, 7, 0)) == 12  # the rejected branch is not there
+
+
+def test_tree_width_needs_radix_page_1_and_torch_attention():
+    from testbed.scheduler.speculative import check_tree
+    with pytest.raises(BadInput, match="needs cache=radix with cache.page_size=1"):
+        check_tree(TREE, "block_hash", 1, None, 0.0)
+    with pytest.raises(BadInput, match="needs engine.attention=torch"):
+        check_tree(TREE, "radix", 1, "triton", 0.0)
+    with pytest.raises(BadInput, match="greedy only"):
+        check_tree(TREE, "radix", 1, "torch", 0.7)
+    check_tree(TREE, "radix", 1, "cascade_torch", 0.0)

@@ -59,15 +59,20 @@ def test_ngram_speculation_gives_plain_greedy_tokens_on_the_tiny_model(tmp_path,
     assert summary["decode_steps"] < sum(len(o) for o in plain.values())
 
 
-def test_ngram_speculation_gives_plain_greedy_tokens_under_eviction_and_retraction(tmp_path):
+@pytest.mark.parametrize("width", [1, 2])
+def test_ngram_speculation_gives_plain_greedy_tokens_under_eviction_and_retraction(tmp_path,
+                                                                                   width):
     trace = copying_trace(tmp_path / "t.jsonl")
     common = ("workload=trace", f"workload.path={trace}", "cache.capacity_tokens=130",
-              "scheduler.clip_max_new_tokens=1")
+              "scheduler.clip_max_new_tokens=1", "engine.attention=torch")
     _, plain = outputs(tmp_path, "plain", *common)
-    summary, spec = outputs(tmp_path, "spec", *common, *NGRAM)
+    summary, spec = outputs(tmp_path, "spec", *common, *NGRAM,
+                            f"speculative.tree_width={width}")
     assert spec == plain
     assert summary["preemptions"] > 0 and summary["evicted_tokens"] > 0
     assert summary["aborted_requests"] == 0 and summary["spec_accepted"] > 0
+    if width == 2:  # some steps accepted a branch the chain would not have drafted
+        assert summary["spec_other_branch"] > 0
 
 
 def test_the_simulator_and_the_engine_replaying_one_output_accept_alike(tmp_path):
@@ -113,8 +118,10 @@ COPY_TASKS = ["The quick brown fox jumps over the lazy dog near the quiet river 
               "Every morning the baker lights the oven before the town wakes up."]
 
 
+@pytest.mark.parametrize("width", [1, 2])
 def test_smollm2_ngram_speculation_equals_hf_greedy_on_copy_prompts_under_retraction(tmp_path,
-                                                                                     smollm2):
+                                                                                     smollm2,
+                                                                                     width):
     """SmolLM2-135M asked to repeat a sentence: n-gram drafts from the prompt are accepted, and
     every output equals HF ``generate``'s, while decoding outgrows a small pool (retractions,
     evictions). Skipped, saying how to fetch it, without the model in the data folder."""
@@ -128,9 +135,22 @@ def test_smollm2_ngram_speculation_equals_hf_greedy_on_copy_prompts_under_retrac
     trace = write_trace(tmp_path / "copy.jsonl", records)
     summary, out = run(tmp_path, "backend=engine", "model=smollm2_135m", "device=cpu",
                        "workload=trace", f"workload.path={trace}", *NGRAM,
+                       f"speculative.tree_width={width}",
                        f"cache.capacity_tokens={capacity}", "scheduler.clip_max_new_tokens=1",
                        "save_token_ids=true", "debug.check_invariants=true")
     assert summary["preemptions"] > 0 and summary["aborted_requests"] == 0
     assert summary["spec_accepted"] > 0  # drafts from the prompt were accepted
     for rec, got in zip(records, out):
         assert got["output_ids"] == hf_generate(hf, rec["prompt"], new), rec["id"]
+
+
+def test_sampling_with_speculation_runs_by_the_rejection_rule_and_is_seeded(tmp_path):
+    """Temperature 0.01 (the tiny random model's logits lie close: near greedy there, so some
+    drafts pass): the same seed gives the same tokens (the rejection rule draws from the
+    sampler's generator), drafts are accepted and rejected, every output runs to its length."""
+    trace = copying_trace(tmp_path / "t.jsonl", calls=2)
+    common = ("workload=trace", f"workload.path={trace}", *NGRAM, "engine.temperature=0.01")
+    first, a = outputs(tmp_path, "a", *common)
+    _, b = outputs(tmp_path, "b", *common)
+    assert a == b and all(len(o) == 24 for o in a.values())
+    assert first["spec_drafted"] > first["spec_accepted"] > 0

@@ -243,6 +243,23 @@ class PrefixCache(ABC):
         lease.reset(slots[:num_tokens], lease.cached, tail[:keep])
         return len(tail) - keep
 
+    def keep(self, lease: Lease, positions: np.ndarray) -> int:
+        """Keep only the lease's slots at ``positions`` (ascending, the cached prefix's all
+        among them), in that order, and free the others: a token tree's accepted branch moved
+        next to its root (docs/design.md §4, "Speculative decoding"). Page size 1 only: with
+        pages a token's slot is fixed by its position. Returns the slots freed."""
+        if self.pool is None or self.pool.page_size != 1:
+            raise NotImplementedError(f"{self.name}: keep needs a slot pool of page size 1")
+        slots = lease.slots
+        if len(positions) < lease.cached or (positions[: lease.cached]
+                                             != np.arange(lease.cached)).any():
+            raise ValueError("keep: the cached prefix's slots must all stay, first")
+        dropped = np.ones(len(slots), dtype=bool)
+        dropped[positions] = False
+        self.pool.free(slots[dropped])
+        lease.reset(slots[positions], lease.cached)
+        return int(dropped.sum())
+
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence: at most

@@ -37,6 +37,7 @@ from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
+from testbed.engine.verify import tree_mask, tree_positions
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
 
@@ -139,7 +140,8 @@ class ModelRunner:
                 raise ValueError(f"request {e.req.id}: {len(e.kv_slots())} KV slots for context "
                                  f"{e.context} + new {e.new}")
             ids.append(np.zeros(1, dtype=np.int64) if on_device else e.input_ids())
-            positions.append(np.arange(e.context, e.context + e.new))
+            positions.append(np.arange(e.context, e.context + e.new) if e.branches is None
+                             else tree_positions(e.context, e.branches))
         rows, writes = self.slots.update(entries)
         written = writes[2]
         if len(written) and (written.min() < 1 or written.max() > self.num_slots):
@@ -172,6 +174,9 @@ class ModelRunner:
             meta.cascade = CascadePlan.from_device(extra[4:], sizes)
         if batch.verifies:  # speculative: every query's logits (testbed.engine.verify)
             meta.last_token_index = None
+            if any(e.branches is not None for e in entries):
+                meta.query_masks = [None if e.branches is None else torch.as_tensor(
+                    tree_mask(e.context, e.branches), device=self.device) for e in entries]
         if graph is not None:
             meta.num_kv_splits = MAX_KV_SPLITS
         meta.plan = self.attention.plan(meta)

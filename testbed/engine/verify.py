@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from testbed.scheduler.batch import Batch
@@ -33,6 +34,43 @@ def greedy_accept(predicted: Sequence[int], draft: Sequence[int]) -> tuple[int, 
     while j < len(draft) and int(draft[j]) == int(predicted[j]):
         j += 1
     return tuple(int(t) for t in predicted[: j + 1])
+
+
+def tree_greedy_accept(predicted: Sequence[int], draft: Sequence[int],
+                       branches: Sequence[int]) -> tuple[int, ...]:
+    """A token tree's greedy result: each branch ``b`` (its drafts ``draft[s_b : s_b + n_b]``,
+    its queries rows ``1 + s_b ..``, all hanging from row 0, the last token) accepted as a
+    chain; the branch with the most accepted drafts wins (the first of equals). Branches
+    differ in their first draft, so at most one accepts any."""
+    best: tuple[int, ...] = (int(predicted[0]),)
+    start = 0
+    for n in branches:
+        rows = [predicted[0], *predicted[1 + start : 1 + start + n]]
+        got = greedy_accept(rows, draft[start : start + n])
+        if len(got) > len(best):
+            best = got
+        start += n
+    return best
+
+
+def tree_positions(context: int, branches: Sequence[int]) -> np.ndarray:
+    """Positions of a tree entry's queries: the last token at ``context``, each branch's
+    drafts at ``context + 1 ..``."""
+    return np.concatenate([[context], *(context + 1 + np.arange(n) for n in branches)])
+
+
+def tree_mask(context: int, branches: Sequence[int]) -> np.ndarray:
+    """``[1 + Σn, context + 1 + Σn]``: query ``i`` sees the whole prefix, the last token, and
+    the drafts of its own branch up to itself (causal within each branch, nothing across)."""
+    q = 1 + sum(branches)
+    mask = np.zeros((q, context + q), dtype=bool)
+    mask[:, : context + 1] = True
+    start = 1
+    for n in branches:
+        for i in range(n):
+            mask[start + i, context + start : context + start + i + 1] = True
+        start += n
+    return mask
 
 
 def rejection_accept(probs: torch.Tensor, draft: Sequence[int],
@@ -79,6 +117,8 @@ def verified_tokens(batch: Batch, logits: torch.Tensor, temperature: float,
             imposed += len(tokens)
             agreed += sum(t == p for t, p in zip(tokens, predicted[rows]))
             out.append(tokens)
+        elif e.branches is not None:
+            out.append(tree_greedy_accept(predicted[rows], e.draft, e.branches))
         elif probs is None:
             out.append(greedy_accept(predicted[rows], e.draft))
         else:

@@ -38,6 +38,9 @@ class BatchEntry:
     # the request's last token, then the drafts); None for every other entry. Its token in a
     # `StepOutcome` is the tuple of tokens the step verified (accepted drafts, then the bonus)
     draft: np.ndarray | None = None
+    # a token tree (``speculative.tree_width`` > 1): the lengths of its branches, which ``draft``
+    # holds one after another, each hanging from the last token (None: ``draft`` is one chain)
+    branches: tuple[int, ...] | None = None
 
     @property
     def computed(self) -> int:

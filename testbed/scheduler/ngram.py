@@ -30,3 +30,28 @@ def ngram_draft(context: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarr
             start = int(hits[0]) + n
             return np.asarray(context[start : start + k], dtype=TOKEN_DTYPE)
     return NO_DRAFT
+
+
+def ngram_branches(context: np.ndarray, k: int, min_n: int, max_n: int,
+                   width: int) -> list[np.ndarray]:
+    """At most ``width`` drafts of at most ``k`` tokens each, the branches of a token tree under
+    the request's last token: the continuations of the suffix's earlier occurrences, longest
+    suffix first and earliest occurrence first within one length (as `ngram_draft`, whose draft
+    is the first branch), kept only when their first token differs from every branch taken
+    before (branches share nothing but the root)."""
+    context = np.asarray(context)
+    size = len(context)
+    out: list[np.ndarray] = []
+    if k < 1 or size < min_n + 1:
+        return out
+    firsts: set[int] = set()
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(context[: size - 1], n)
+        for hit in np.flatnonzero((windows == context[size - n:]).all(axis=1)):
+            start = int(hit) + n
+            if int(context[start]) not in firsts:
+                firsts.add(int(context[start]))
+                out.append(np.asarray(context[start : start + k], dtype=TOKEN_DTYPE))
+                if len(out) == width:
+                    return out
+    return out

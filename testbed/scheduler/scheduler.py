@@ -451,7 +451,7 @@ class Scheduler:
             drafts = dict(zip(map(id, self.running), self.spec.drafts(self.running)))
             early = self._evict_for(self.spec.cost(self.running, list(drafts.values())))
             if self.cache.available_size < self.spec.cost(self.running, list(drafts.values())):
-                drafts = {key: d[:0] for key, d in drafts.items()}
+                drafts = {key: (d[:0], None) for key, (d, _) in drafts.items()}
         need = self._decode_cost(self.running)
         if drafts is not None:
             need = self.spec.cost(self.running, [drafts[id(r)] for r in self.running])
@@ -478,18 +478,20 @@ class Scheduler:
             req.computed += 1
         return Batch("decode", entries)
 
-    def _verify_batch(self, drafts: list[np.ndarray], early: int) -> Batch:
-        """A speculative decode step: each running request's last token and its drafts, their
-        KV slots taken now (`testbed.scheduler.spec_steps`)."""
-        early_each = self._attribute(early, [1 + len(d) for d in drafts])
+    def _verify_batch(self, drafts: list[tuple[np.ndarray, tuple[int, ...] | None]],
+                      early: int) -> Batch:
+        """A speculative decode step: each running request's last token and its drafts (a
+        chain, or a token tree's branches one after another), their KV slots taken now
+        (`testbed.scheduler.spec_steps`)."""
+        early_each = self._attribute(early, [1 + len(d) for d, _ in drafts])
         entries = []
-        for req, draft, evicted_early in zip(self.running, drafts, early_each):
+        for req, (draft, branches), evicted_early in zip(self.running, drafts, early_each):
             evicted = self.cache.extend(req.lease, 1 + len(draft))
             if evicted is None:
                 raise RuntimeError("a verification step's room vanished after it was checked")
             req.evicted_tokens += evicted + evicted_early
             entries.append(BatchEntry(req, req.computed, 1 + len(draft), produces_token=True,
-                                      draft=draft).bind())
+                                      draft=draft, branches=branches).bind())
             req.computed += 1 + len(draft)
         return Batch("decode", entries)
 
@@ -635,7 +637,7 @@ class Scheduler:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
                 continue
             if entry.draft is not None:  # a verification: its tokens, its slots cut back
-                if self.spec.apply(req, entry.context, entry.draft, token, now):
+                if self.spec.apply(req, entry, token, now):
                     self._finish(req, now)
                     finished.append(req)
                 continue

@@ -23,7 +23,7 @@ import numpy as np
 
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
-from testbed.scheduler.ngram import ngram_draft
+from testbed.scheduler.ngram import ngram_branches, ngram_draft
 
 METHODS = ("none", "ngram", "draft")
 ACCEPTANCE = ("exact", "geometric")
@@ -33,7 +33,7 @@ ACCEPTANCE = ("exact", "geometric")
 class SpeculativeConfig:
     method: str = "none"
     num_tokens: int = 4  # drafts per request per step (k)
-    tree_width: int = 1  # branches per level of the token tree (1: a chain)
+    tree_width: int = 1  # branches of the token tree under the last token (1: a chain)
     ngram_min: int = 1  # prompt lookup: the shortest suffix matched
     ngram_max: int = 3  # ... and the longest (tried first)
     acceptance: str = "exact"  # the simulator's: exact | geometric
@@ -69,9 +69,6 @@ class SpeculativeConfig:
         for key in ("num_tokens", "ngram_min", "ngram_max", "tree_width"):
             if getattr(self, key) < 1:
                 raise BadInput(f"speculative.{key} must be >= 1, got {getattr(self, key)}")
-        if self.tree_width != 1:
-            raise BadInput(f"speculative.tree_width must be 1 (a chain of drafts; token trees "
-                           f"are not built yet), got {self.tree_width}")
         if self.ngram_max < self.ngram_min:
             raise BadInput(f"speculative.ngram_max ({self.ngram_max}) must be >= "
                            f"speculative.ngram_min ({self.ngram_min})")
@@ -84,6 +81,13 @@ class SpeculativeConfig:
         if self.method == "ngram":
             lo, hi = self.ngram_min, self.ngram_max
             return lambda context, k: ngram_draft(context, k, lo, hi)
+        return None
+
+    def tree_drafter(self) -> Callable[[np.ndarray, int, int], list[np.ndarray]] | None:
+        """``branches(context, k, width)``: a token tree's branches (`ngram_branches`)."""
+        if self.method == "ngram":
+            lo, hi = self.ngram_min, self.ngram_max
+            return lambda context, k, width: ngram_branches(context, k, lo, hi, width)
         return None
 
     def summary(self) -> dict[str, Any]:
@@ -108,3 +112,22 @@ def check_speculative(config: SpeculativeConfig, scheduler: Any, backend: str,
                        f"backend=engine; got backend={backend}")
     if replicas != 1:
         raise BadInput(f"speculative.method={config.method} needs replicas=1; got {replicas}")
+
+
+def check_tree(config: SpeculativeConfig, cache: str | None, page_size: int,
+               attention: str | None, temperature: float) -> None:
+    """A token tree (``tree_width`` > 1) moves its accepted branch's slots next to the last
+    token's: a radix cache of page 1 only (block_hash and pages place a token's KV by its
+    position); the engine masks it with torch attention only; greedy only (the multi-branch
+    rejection rule is not built)."""
+    if not config.active or config.tree_width == 1:
+        return
+    what = f"speculative.tree_width={config.tree_width}"
+    if cache != "radix" or page_size != 1:
+        raise BadInput(f"{what} needs cache=radix with cache.page_size=1; got cache={cache} "
+                       f"page_size={page_size}")
+    if attention is not None and attention.endswith("triton"):
+        raise BadInput(f"{what} needs engine.attention=torch (or cascade_torch): the tree mask "
+                       f"is not in the Triton kernels; got {attention}")
+    if temperature > 0:
+        raise BadInput(f"{what} is greedy only (engine.temperature=0); got {temperature}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.scheduler.batch import BatchEntry
-from testbed.scheduler.spec_steps import exact_accepted, replayed_tokens
+from testbed.scheduler.spec_steps import branches_of, replayed_tokens
 
 
 class Acceptance:
@@ -30,7 +30,8 @@ class Acceptance:
         workload's output has them (never past its length)."""
         if self.kind == "exact":
             return replayed_tokens(entry)
+        longest = max(len(b) for b in branches_of(entry))  # a tree: along its longest branch
         accepted = 0
-        while accepted < len(entry.draft) and self.rng.random() < self.rate:
+        while accepted < longest and self.rng.random() < self.rate:
             accepted += 1
         return replayed_tokens(entry, accepted)
