@@ -83,36 +83,43 @@ def engine_study(work: Path, repeats: int) -> tuple[list[dict], dict]:
     return rows, kept
 
 
-def sim_replay(work: Path, name: str, records: list[dict], spec: list[str]) -> dict:
-    """An engine run's outputs replayed through the simulator with the fitted CPU model."""
+def sim_replay(work: Path, name: str, records: list[dict], spec: list[str],
+               fitted: list[str]) -> dict:
+    """An engine run's outputs replayed through the simulator with a fitted CPU model."""
     trace = work / f"{name}.jsonl"
     trace.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt_ids"],
                                          "output": r["output_ids"], "arrival_s": 0.0}) + "\n"
                              for r in records))
-    return run(work, name, ["backend=sim", "model=smollm2_135m", "hardware=cpu",
-                            "cost_model=fitted_smollm2_cpu", "engine.attention=torch",
+    return run(work, name, ["backend=sim", "model=smollm2_135m", "hardware=cpu", *fitted,
+                            "engine.attention=torch",
                             "workload=trace", f"workload.path={trace}",
                             "arrival.max_concurrency=1", "progress=false", "clock=cpu",
                             "threads=1", *spec])[0]
 
 
-def sim_vs_engine(work: Path, best: dict[str, tuple[dict, list[dict]]]) -> list[dict]:
-    """The copy_text runs, plain and n-gram k=4, predicted by the simulator: each figure's
-    error, and the speed-up (plain makespan / speculative makespan) each side gives."""
+def sim_vs_engine(work: Path, best: dict[str, tuple[dict, list[dict]]],
+                  fitted: Path | None = None) -> list[dict]:
+    """The copy_text runs, plain and n-gram k=4, predicted by the simulator (the shipped fit,
+    or the cost_model.yaml ``fitted``): each figure's error, and the speed-up (plain makespan
+    / speculative makespan) each side gives."""
+    group = ["cost_model=fitted", f"cost_model.path={fitted}"] if fitted \
+        else ["cost_model=fitted_smollm2_cpu"]
+    label_fit = str(fitted) if fitted else "fitted_smollm2_cpu"
     rows, makespans = [], {}
     for label, spec in (("plain", []), ("ngram k=4", SPEC["ngram k=4"])):
         engine = best[label][0]
         sim = sim_replay(work, f"sim_{label.replace(' ', '').replace('=', '')}",
-                         best[label][1], spec)
+                         best[label][1], spec, group)
         makespans[label] = (engine["makespan_s"], sim["makespan_s"])
         for key in ("makespan_s", "tpot_p50_s", "decode_steps", "spec_accepted"):
             if key in engine:
-                rows.append({"decoding": label, "figure": key, "engine": engine[key],
+                rows.append({"fit": label_fit, "decoding": label, "figure": key,
+                             "engine": engine[key],
                              "sim": sim[key], "error": sim[key] / engine[key] - 1})
     e = makespans["plain"][0] / makespans["ngram k=4"][0]
     s_ = makespans["plain"][1] / makespans["ngram k=4"][1]
-    rows.append({"decoding": "ngram k=4 / plain", "figure": "speedup", "engine": e, "sim": s_,
-                 "error": s_ / e - 1})
+    rows.append({"fit": label_fit, "decoding": "ngram k=4 / plain", "figure": "speedup",
+                 "engine": e, "sim": s_, "error": s_ / e - 1})
     return rows
 
 
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, help="run directories (default: a temporary folder)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--fitted", type=Path, help="also predict with this cost_model.yaml (a fresh "
+                    "`python -m experiments.validation.sim_vs_engine --real` fit)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         rows, kept = engine_study(work, args.repeats)
         write_csv(args.out / "engine.csv", rows)
         versus = sim_vs_engine(work, kept["copy_text"])
+        if args.fitted:
+            versus += sim_vs_engine(work, kept["copy_text"], args.fitted)
         write_csv(args.out / "sim_vs_engine.csv", versus)
         print(versus)
 
