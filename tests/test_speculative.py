@@ -250,3 +250,14 @@ def test_tree_width_needs_radix_page_1_and_torch_attention():
     with pytest.raises(BadInput, match="greedy only"):
         check_tree(TREE, "radix", 1, "torch", 0.7)
     check_tree(TREE, "radix", 1, "cascade_torch", 0.0)
+
+
+def test_the_draft_model_drafts_placeholders_the_engine_fills_and_the_simulator_needs_a_rate():
+    config = SpeculativeConfig(method="draft", num_tokens=3)
+    assert config.drafter()(toks(1, 2, 3), 3).tolist() == [-1, -1, -1]
+    with pytest.raises(BadInput, match="needs speculative.acceptance=geometric"):
+        check_speculative(config, SchedulerConfig(), "sim")
+    check_speculative(SpeculativeConfig(method="draft", acceptance="geometric"),
+                      SchedulerConfig(), "sim")
+    with pytest.raises(BadInput, match="speculative.draft_layers must be >= 1, got 0"):
+        SpeculativeConfig.from_mapping({"method": "draft", "draft_layers": 0})

@@ -3,8 +3,9 @@
 - **engine** (SmolLM2-135M-Instruct on this CPU, fp32, torch attention, one torch thread, steps
   timed by this process's CPU time; batch 1: ``arrival.max_concurrency=1``): the model
   generates (``engine.forced=false``) on ``workload=copy_text`` (repeat / quote / edit a passage)
-  and on ``workload=sharegpt`` (chat, for contrast), plain and with
-  ``speculative.method=ngram`` at ``num_tokens`` k = 2, 4, 8. Each configuration runs
+  and on ``workload=sharegpt`` (chat, for contrast), plain, with
+  ``speculative.method=ngram`` at ``num_tokens`` k = 2, 4, 8, and with the self-speculative draft
+  model (``method=draft``: the first 10 or 20 of SmolLM2's 30 layers, k = 4). Each configuration runs
   ``--repeats`` times, interleaved, the fastest kept (the machine is shared). Per run: output
   tokens per second of device time (Σ output tokens / makespan), its ratio to plain decoding,
   the acceptance rate and mean accepted length (tokens a request gains per verification step),
@@ -42,7 +43,9 @@ WORKLOADS = {"copy_text": ["workload=copy_text", "workload.num_prompts=6",
              "sharegpt": ["workload=sharegpt", "workload.num_prompts=6",
                           "workload.max_prompt_len=256", "workload.max_total_len=400"]}
 SPEC = {"plain": [], **{f"ngram k={k}": ["speculative.method=ngram", f"speculative.num_tokens={k}"]
-                        for k in (2, 4, 8)}}
+                        for k in (2, 4, 8)},
+        **{f"draft L={n} k=4": ["speculative.method=draft", f"speculative.draft_layers={n}",
+                                "speculative.num_tokens=4"] for n in (10, 20)}}
 
 
 def run(work: Path, name: str, overrides: list[str]) -> tuple[dict, list[dict]]:

@@ -8,7 +8,9 @@ simulator and the engine draft alike), takes KV slots for the drafts for the ste
 step's results apply keeps the verified tokens' slots and gives the rejected ones back.
 
 ``method``: ``none`` (plain decoding, the default), ``ngram`` (prompt lookup,
-`testbed.scheduler.ngram`), ``draft`` (a draft model: not built yet, refused in one line).
+`testbed.scheduler.ngram`), ``draft`` (the served model's first ``draft_layers`` layers as a
+self-speculative draft model, run by the engine: `testbed.engine.draft_model`; the scheduler
+takes room for ``num_tokens`` placeholder drafts a step, which the engine fills).
 ``acceptance`` is the simulator's: ``exact`` compares the drafts with the workload's output (what
 the engine accepts when it replays that output), ``geometric`` accepts each draft with
 probability ``accept_rate`` until the first rejection (a configured distribution).
@@ -23,7 +25,7 @@ import numpy as np
 
 from testbed.errors import BadInput
 from testbed.group_values import check_setting
-from testbed.scheduler.ngram import ngram_branches, ngram_draft
+from testbed.scheduler.ngram import NO_DRAFT, ngram_branches, ngram_draft
 
 METHODS = ("none", "ngram", "draft")
 ACCEPTANCE = ("exact", "geometric")
@@ -38,6 +40,7 @@ class SpeculativeConfig:
     ngram_max: int = 3  # ... and the longest (tried first)
     acceptance: str = "exact"  # the simulator's: exact | geometric
     accept_rate: float = 0.7  # geometric: each draft accepted with this probability
+    draft_layers: int = 8  # draft: the served model's first layers that draft
 
     @property
     def active(self) -> bool:
@@ -60,13 +63,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise BadInput(f"speculative.method must be one of {', '.join(METHODS)}; "
                            f"got {self.method!r}")
-        if self.method == "draft":
-            raise BadInput("speculative.method=draft (a draft model) is not built yet; "
-                           "allowed now: none, ngram")
         if self.acceptance not in ACCEPTANCE:
             raise BadInput(f"speculative.acceptance must be one of {', '.join(ACCEPTANCE)}; "
                            f"got {self.acceptance!r}")
-        for key in ("num_tokens", "ngram_min", "ngram_max", "tree_width"):
+        for key in ("num_tokens", "ngram_min", "ngram_max", "tree_width", "draft_layers"):
             if getattr(self, key) < 1:
                 raise BadInput(f"speculative.{key} must be >= 1, got {getattr(self, key)}")
         if self.ngram_max < self.ngram_min:
@@ -81,6 +81,8 @@ class SpeculativeConfig:
         if self.method == "ngram":
             lo, hi = self.ngram_min, self.ngram_max
             return lambda context, k: ngram_draft(context, k, lo, hi)
+        if self.method == "draft":  # placeholders the engine's draft model fills
+            return lambda context, k: np.full(k, -1, dtype=NO_DRAFT.dtype)
         return None
 
     def tree_drafter(self) -> Callable[[np.ndarray, int, int], list[np.ndarray]] | None:
@@ -112,6 +114,9 @@ def check_speculative(config: SpeculativeConfig, scheduler: Any, backend: str,
                        f"backend=engine; got backend={backend}")
     if replicas != 1:
         raise BadInput(f"speculative.method={config.method} needs replicas=1; got {replicas}")
+    if config.method == "draft" and backend == "sim" and config.acceptance == "exact":
+        raise BadInput("speculative.method=draft on the simulator needs "
+                       "speculative.acceptance=geometric (the simulator runs no draft model)")
 
 
 def check_tree(config: SpeculativeConfig, cache: str | None, page_size: int,
@@ -123,6 +128,9 @@ def check_tree(config: SpeculativeConfig, cache: str | None, page_size: int,
     if not config.active or config.tree_width == 1:
         return
     what = f"speculative.tree_width={config.tree_width}"
+    if config.method != "ngram":
+        raise BadInput(f"{what} needs speculative.method=ngram (the draft model drafts one "
+                       f"chain); got {config.method}")
     if cache != "radix" or page_size != 1:
         raise BadInput(f"{what} needs cache=radix with cache.page_size=1; got cache={cache} "
                        f"page_size={page_size}")
