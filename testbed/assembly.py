@@ -37,6 +37,7 @@ from testbed.overrides import compose_config  # noqa: F401 - composed here for s
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
+from testbed.scheduler.speculative import SpeculativeConfig, check_speculative, check_tree
 from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
 from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
@@ -80,6 +81,7 @@ class Assembly:
     notes: list[str] = field(default_factory=list)  # printed before the run
     server: Any = None  # backend=server: the server block, checked (`ServerSettings`)
     engine: EngineConfig = field(default_factory=EngineConfig)  # the engine block, checked
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # checked
 
     # ------------------------------------------------------------------ run settings
     def get(self, key: str, default: Any = None) -> Any:
@@ -254,7 +256,8 @@ class Assembly:
             attention=self.attention, cascade_min_saved=e.cascade_min_saved,
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
             cpu_kernels=e.cpu_kernels, seed=self.seed, forced=e.forced,
-            temperature=e.temperature, top_p=e.top_p, host_cost=self.host_cost)
+            temperature=e.temperature, top_p=e.top_p, host_cost=self.host_cost,
+            speculative=self.speculative)
         if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
             apply_timing(executor, *timing_settings(c, device))
         return executor
@@ -362,6 +365,13 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if timeline and backend == REPLAY:
         raise BadInput("timeline=true needs backend=sim or backend=engine (replay has no time)")
     server = check_server(config, backend, reuse, timeline)
+    speculative = SpeculativeConfig.from_mapping(config.get("speculative"))
+    check_speculative(speculative, scheduler_config(config["scheduler"]), backend,
+                      config.get("replicas") or 1)
+    if speculative.active and engine.temperature > 0 and engine.top_p < 1:
+        raise BadInput(f"speculative.method={speculative.method} samples by the rejection rule "
+                       f"over the whole distribution: engine.top_p must be 1 with temperature "
+                       f"> 0; got top_p={engine.top_p}")
     arrival = Arrival.from_mapping(config.get("arrival"),
                                    is_trace=config["workload"].get("name") == "trace")
     run = Assembly(
@@ -374,7 +384,10 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
         cost_model=COST_MODELS.resolve(config["cost_model"]),
         executor=executor, notes=notes, reuse=reuse, timeline=timeline, arrival=arrival,
         max_in_flight=programs_in_flight(config, arrival),
-        max_concurrency=arrival.max_concurrency, server=server, engine=engine)
+        max_concurrency=arrival.max_concurrency, server=server, engine=engine,
+        speculative=speculative)
+    check_tree(speculative, c.get("target") or c.get("name"), c.get("page_size") or 1,
+               run.attention if backend == "engine" else None, engine.temperature)
     run.check_builds()
     return run
 

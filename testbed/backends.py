@@ -149,11 +149,14 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
                               progress=run.get("progress", False), observe=True,
                               eos_token_ids=eos, reuse=run.reuse, check_prompt=check_prompt,
                               check_invariants=run.check_invariants,
-                              decode_groups=run.decode_groups())
+                              decode_groups=run.decode_groups(),
+                              speculative=run.speculative)
     s = result.stats
     extra = {**_served_by(run, capacity), "prefill_steps": s.prefill_steps,
              "decode_steps": s.decode_steps, "busy_s": s.busy_s,
              "mean_decode_batch": s.decode_tokens / s.decode_steps if s.decode_steps else None}
+    if getattr(scheduler, "spec", None) is not None:
+        extra |= scheduler.spec.stats.summary()
     if not engine:
         extra |= _sim_attention(run, executor)
     if engine:

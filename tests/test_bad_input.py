@@ -87,8 +87,8 @@ CONFIG_CASES = [
      "num_sessions, turns, system_prompt_len, min_question_len, max_question_len, "
      "min_output_len, max_output_len, think_time_s, vocab_size; did you mean num_sessions?"),
     (["workload=chat_lnog"], "compose",
-     "workload must be one of beam_search, chat, chat_long, chat_tenants, custom, few_shot, "
-     "few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, rag_text, "
+     "workload must be one of beam_search, chat, chat_long, chat_tenants, copy_text, custom, "
+     "few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, rag_text, "
      "random_tree, self_consistency, shared_prefix, sharegpt, sharegpt_chat, trace, "
      "tree_of_thought; got 'chat_lnog'; did you mean chat_long?"),
 ]

@@ -39,7 +39,7 @@ CUSTOM = {
 # the text workloads (testbed/workloads/text.py, which names the data they read) at a small size
 TEXT = {"sharegpt": ["workload.num_prompts=4"], "sharegpt_chat": ["workload.num_conversations=2"],
         "few_shot_text": ["workload.questions_per_task=2"], "rag_text": ["workload.num_requests=4"],
-        "paraphrase_text": ["workload.num_originals=2"]}
+        "paraphrase_text": ["workload.num_originals=2"], "copy_text": ["workload.num_prompts=3"]}
 
 
 def cases() -> list[tuple[str, str]]:

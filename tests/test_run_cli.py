@@ -87,7 +87,7 @@ def test_an_unknown_top_level_key_in_a_sweep_is_refused_before_any_job(tmp_path)
     assert proc.stderr == (
         "error: sed is not a setting of the config; allowed: backend, workload, cache, eviction, "
         "scheduler, model, hardware, cost_model, router, seed, replicas, arrival, server, engine, "
-        "host, device, dtype, threads, clock, attention, cascade_min_saved, forced, temperature, "
+        "host, speculative, device, dtype, threads, clock, attention, cascade_min_saved, forced, temperature, "
         "top_p, save_token_ids, timeline, progress, debug; did you mean seed?\n")
 
 
@@ -95,8 +95,8 @@ def test_a_mistyped_option_names_the_options_and_the_closest(tmp_path):
     proc = run("workload=tree_of_thougt", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == (
-        "error: workload must be one of beam_search, chat, chat_long, chat_tenants, custom, "
-        "few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, "
+        "error: workload must be one of beam_search, chat, chat_long, chat_tenants, "
+        "copy_text, custom, few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, "
         "rag_text, random_tree, self_consistency, shared_prefix, sharegpt, sharegpt_chat, "
         "trace, tree_of_thought; got 'tree_of_thougt'; did you mean tree_of_thought?\n")
 

@@ -22,6 +22,7 @@ from testbed.workloads.ideal import ideal_hit_rate
 from testbed.workloads.request import OutputRef
 from testbed.workloads.rag_text import FIRST, LAST, paraphrase_text, rag_text
 from testbed.workloads.text import few_shot_text, sharegpt, sharegpt_chat
+from testbed.workloads.copy_text import copy_text
 
 
 def needs(*names: str) -> None:
@@ -73,10 +74,14 @@ def whole(tok, s: str) -> list[int]:
     (paraphrase_text, {"docs_per_prompt": 0}, "workload.docs_per_prompt"),
     (paraphrase_text, {"corpus_docs": 0}, "workload.corpus_docs"),
     (paraphrase_text, {"max_new_tokens": 0}, "workload.max_new_tokens"),
+    (copy_text, {"tasks": "repeat,summarize"}, "workload.tasks"),
+    (copy_text, {"min_passage_len": 90, "max_passage_len": 80}, "workload.min_passage_len"),
+    (copy_text, {"max_new_tokens": 0}, "workload.max_new_tokens"),
 ])
 def test_bad_values_are_refused_in_one_line_naming_the_key(fn, kwargs, key):
     with pytest.raises(BadInput) as refused:  # checked before the tokenizer or file is read
-        fn(tokenizer="/nonexistent", path="/nonexistent", **kwargs) if fn in (sharegpt, sharegpt_chat) \
+        fn(tokenizer="/nonexistent", path="/nonexistent", **kwargs) \
+            if fn in (sharegpt, sharegpt_chat, copy_text) \
             else fn(tokenizer="/nonexistent", **kwargs)
     message = str(refused.value)
     assert key in message and "\n" not in message
@@ -280,3 +285,19 @@ def test_max_new_tokens_makes_calls_the_engine_generates_with_the_same_prompts(t
     assert all(r.generates and r.output_limit == 12 and len(r.output) == 0 for r in generated)
     assert [(r.id, r.answer) for r in generated] == [(r.id, r.answer) for r in forced]
     assert all(np.array_equal(a.prompt, b.prompt) for a, b in zip(forced, generated))
+
+
+def test_copy_text_asks_each_task_in_turn_about_a_passage_its_prompt_contains(tok):
+    needs("sharegpt_v3")
+    calls = copy_text(num_prompts=6, seed=2)
+    assert [c.id.split("/")[1] for c in calls] == ["repeat", "quote", "edit"] * 2
+    for c in calls:
+        prompt = text(tok, c.prompt)
+        passage = c.answer.strip('"') if c.category == "quote" else c.answer
+        assert passage in prompt and prompt.endswith("<|im_start|>assistant\n")
+        assert 48 // 2 <= len(whole(tok, passage)) <= 160
+        assert text(tok, c.output) == c.answer  # forced: the ideal copy
+    assert calls[1].answer.startswith('"') and calls[1].answer.endswith('"')
+    generated = copy_text(num_prompts=2, seed=2, max_new_tokens=32)
+    assert [len(c.output) for c in generated] == [0, 0]
+    assert [c.max_new_tokens for c in generated] == [32, 32]

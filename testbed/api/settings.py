@@ -52,6 +52,9 @@ def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, Serve
     config["engine"] = {**(config.get("engine") or {}), "forced": False}
     config["forced"] = None  # the old name of engine.forced: the model generates, whatever it says
     run = assemble(config)
+    if run.speculative.active:  # the online engine's loop has no verification steps yet
+        raise BadInput(f"python -m testbed.serve does not serve speculative.method="
+                       f"{run.speculative.method} yet; use speculative.method=none")
     host = block.get("host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise BadInput(f"serve.host must be a host name or address, got {host!r}")

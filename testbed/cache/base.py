@@ -223,6 +223,43 @@ class PrefixCache(ABC):
             return num_tokens
         return self.pool.round_up(max(0, num_tokens - len(lease.spare)))
 
+    def truncate(self, lease: Lease, num_tokens: int) -> int:
+        """Shorten the lease's sequence to its first ``num_tokens`` slots and give the rest back
+        (a speculative step's rejected drafts: docs/design.md §4, "Speculative decoding").
+        The slots dropped are the request's own (never the cached prefix's). With a paged pool
+        the rest of the last kept page becomes ``spare`` and whole pages beyond it are freed.
+        Returns the slots freed to the pool."""
+        slots = lease.slots
+        if num_tokens >= len(slots):
+            return 0
+        if num_tokens < lease.cached:
+            raise ValueError(f"truncate to {num_tokens} tokens below the lease's cached "
+                             f"prefix of {lease.cached}")
+        if self.pool is None:
+            raise NotImplementedError(f"{self.name}: truncate needs a slot pool")
+        tail = np.concatenate([slots[num_tokens:], lease.spare])
+        keep = self.pool.round_up(num_tokens) - num_tokens  # the rest of the last kept page
+        self.pool.free(tail[keep:])
+        lease.reset(slots[:num_tokens], lease.cached, tail[:keep])
+        return len(tail) - keep
+
+    def keep(self, lease: Lease, positions: np.ndarray) -> int:
+        """Keep only the lease's slots at ``positions`` (ascending, the cached prefix's all
+        among them), in that order, and free the others: a token tree's accepted branch moved
+        next to its root (docs/design.md §4, "Speculative decoding"). Page size 1 only: with
+        pages a token's slot is fixed by its position. Returns the slots freed."""
+        if self.pool is None or self.pool.page_size != 1:
+            raise NotImplementedError(f"{self.name}: keep needs a slot pool of page size 1")
+        slots = lease.slots
+        if len(positions) < lease.cached or (positions[: lease.cached]
+                                             != np.arange(lease.cached)).any():
+            raise ValueError("keep: the cached prefix's slots must all stay, first")
+        dropped = np.ones(len(slots), dtype=bool)
+        dropped[positions] = False
+        self.pool.free(slots[dropped])
+        lease.reset(slots[positions], lease.cached)
+        return int(dropped.sum())
+
     @abstractmethod
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         """End the lease. With ``insert`` the cache keeps ``tokens`` (the lease's sequence: at most

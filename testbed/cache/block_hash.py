@@ -162,6 +162,22 @@ class BlockHashCache(PrefixCache):
         blocks = -(-(lease.num_tokens + num_tokens) // self.block_size) - len(lease.handle.blocks)
         return blocks * self.block_size
 
+    def truncate(self, lease: Lease, num_tokens: int) -> int:
+        """Shorten the lease to ``num_tokens`` slots; the blocks past its last one go back
+        (unkeyed: only full blocks of verified tokens are ever registered, at commit or
+        release, so a block holding a rejected draft never got a key)."""
+        if num_tokens >= lease.num_tokens:
+            return 0
+        handle: _Handle = lease.handle
+        keep = -(-num_tokens // self.block_size)
+        if keep < handle.registered:
+            raise ValueError(f"truncate to {num_tokens} tokens inside registered blocks")
+        dropped = np.asarray(handle.blocks[keep:], BLOCK_DTYPE)
+        handle.blocks = handle.blocks[:keep]
+        self._give_back(dropped)
+        lease.reset(lease.slots[:num_tokens], lease.cached)
+        return len(dropped) * self.block_size
+
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle
         if insert and len(tokens) > lease.num_tokens:

@@ -187,8 +187,11 @@ class TorchAttention:
         if meta.is_decode:
             return plan_decode(self, meta)
         heads, table = self.num_kv_heads, meta.table
-        blocks = [self.query_blocks(q_len, kv_len, table.device)
-                  for q_len, kv_len in zip(meta.qo_lens.tolist(), meta.kv_lens.tolist())]
+        masks = meta.query_masks or [None] * meta.batch_size
+        blocks = [self.query_blocks(q_len, kv_len, table.device) if mask is None
+                  else [(0, q_len, kv_len, mask)]  # a token tree: its own mask, one call
+                  for q_len, kv_len, mask in zip(meta.qo_lens.tolist(), meta.kv_lens.tolist(),
+                                                 masks)]
         rows = [head_major_rows(table[row, :kv_len], heads)
                 for row, kv_len in zip(meta.rows.tolist(), meta.kv_lens.tolist())]
         return ExtendLayout(kv_rows=rows, q_splits=meta.qo_lens.tolist(), blocks=blocks)
@@ -307,6 +310,9 @@ class TritonAttention:
     def plan(self, meta: AttentionMetadata) -> Any:
         if meta.is_decode:
             return plan_decode(self, meta)
+        if meta.query_masks is not None and any(m is not None for m in meta.query_masks):
+            raise NotImplementedError("a token tree's mask is not in the Triton extend kernel; "
+                                      "use engine.attention=torch")
         meta.kv_indices = meta.kv.indices(meta.table)
         return meta.max_qo  # the extend kernel's grid, known here: no device query per layer
 

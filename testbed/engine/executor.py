@@ -40,9 +40,12 @@ from testbed.engine.loader import model_from_group, parse_dtype
 from testbed.engine.quality import QualityMonitor
 from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
+from testbed.engine.draft_model import draft
+from testbed.engine.verify import verified_tokens
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.batch import StepOutcome
 from testbed.scheduler.decode_groups import default_attention
+from testbed.errors import BadInput
 
 
 def default_device() -> str:
@@ -63,6 +66,7 @@ class EngineExecutor:
         self.forced_agreed = 0
         # approximate (KV-reusing) requests against exact recomputation: records(), summary()
         self.quality = QualityMonitor(runner.model, forced)
+        self.draft_layers = 0  # speculative.method=draft: the draft model's layers (0: none)
 
     @property
     def asynchronous(self) -> bool:
@@ -81,7 +85,11 @@ class EngineExecutor:
         start, wall = clock(), time.perf_counter()
         timer = DeviceTimer(self.runner.device)
         timer.start()
+        if batch.verifies and self.draft_layers:  # the draft model fills the placeholders
+            draft(self.runner, batch, self.draft_layers)
         logits, rows = self.runner.step(batch)
+        if batch.verifies:  # speculative: verified here, on the host (testbed.engine.verify)
+            return self._launch_verification(batch, logits, timer, clock, start, wall)
         sampled = self.sampler(logits)
         forced = self._forced(batch)
         written = sampled  # what the token table holds: the replayed token where forced
@@ -102,6 +110,22 @@ class EngineExecutor:
 
     def execute(self, batch: Batch) -> StepOutcome:
         return self.launch(batch).result()
+
+    def _launch_verification(self, batch: Batch, logits: torch.Tensor, timer: DeviceTimer,
+                             clock, start: float, wall: float) -> LaunchedStep:
+        """A verification step's tokens, read back at launch: acceptance decides which rows
+        count. Its inputs come from the host (the requests' applied outputs), so nothing is
+        written to the token table."""
+        s = self.sampler
+        verified, imposed, agreed = verified_tokens(batch, logits, s.temperature, s.generator,
+                                                    self.forced)
+        self.forced_tokens += imposed
+        self.forced_agreed += agreed
+        timer.stop()
+        launch_s = max(clock() - start, 0.0)
+        self.wall_s += time.perf_counter() - wall
+        return LaunchedStep(self, batch, Readback(torch.zeros(0)), None, None, None, timer,
+                            launch_s, synchronous=True, verified=verified)
 
     def _forced(self, batch: Batch) -> np.ndarray | None:
         """The workload's token for each entry that replays one (-1 elsewhere), or None when
@@ -189,7 +213,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
                          max_slots: int | None = None, cascade_min_saved: int = 0,
                          cuda_graph: bool = True, cuda_graph_max_batch: int = 256,
-                         cpu_kernels: str = "native") -> EngineExecutor:
+                         cpu_kernels: str = "native", speculative: Any = None) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
     of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
     CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
@@ -216,5 +240,12 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          max_slots=max_slots, cascade_min_saved=cascade_min_saved,
                          cuda_graph=cuda_graph, cuda_graph_max_batch=cuda_graph_max_batch,
                          cpu_kernels=cpu_kernels)
-    return EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
-                          forced=forced)
+    executor = EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
+                              forced=forced)
+    if speculative is not None and speculative.method == "draft":
+        layers = net.config.num_layers
+        if not 1 <= speculative.draft_layers < layers:
+            raise BadInput(f"speculative.draft_layers must be in 1..{layers - 1} (the model has "
+                           f"{layers} layers); got {speculative.draft_layers}")
+        executor.draft_layers = speculative.draft_layers
+    return executor

@@ -76,13 +76,15 @@ class LaunchedStep:
 
     def __init__(self, executor: Any, batch: Batch, sampled: Readback, forced: np.ndarray | None,
                  top: list | None, logits: torch.Tensor | None, timer: DeviceTimer,
-                 launch_s: float, synchronous: bool, capture_s: float = 0.0) -> None:
+                 launch_s: float, synchronous: bool, capture_s: float = 0.0,
+                 verified: list | None = None) -> None:
         self.executor, self.batch = executor, batch
         self.sampled, self.forced, self.top, self.logits = sampled, forced, top, logits
         self.timer = timer
         self.launch_s = launch_s  # host seconds (a synchronous device's work included)
         self.synchronous = synchronous
         self.capture_s = capture_s  # a CUDA graph captured inside the step: not its work
+        self.verified = verified  # a speculative verification's tokens, decided at launch
         self._outcome: StepOutcome | None = None
 
     def result(self) -> StepOutcome:
@@ -97,8 +99,9 @@ class LaunchedStep:
         wait_s = self.sampled.wait()
         sampled = self.sampled.array().tolist()
         gpu_s = self.timer.seconds()
-        tokens: list[int | None] = []
-        for i, (e, own) in enumerate(zip(batch.entries, sampled)):
+        tokens: list = [] if self.verified is None else self.verified
+        for i, (e, own) in enumerate(zip(batch.entries, sampled) if self.verified is None
+                                     else ()):
             if not e.makes_output:
                 tokens.append(None)
             elif self.forced is not None and self.forced[i] >= 0:  # the workload's token

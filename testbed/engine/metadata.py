@@ -93,6 +93,9 @@ class AttentionMetadata:
     plan: Any = None  # what the backend's ``plan`` precomputed for this step
     kv_indices: torch.Tensor | None = None  # every request's slots concatenated, when planned
     num_kv_splits: int | None = None  # decode split-KV chunks fixed by the caller (CUDA graphs)
+    # a speculative token tree's entries: their ``[qo_len, kv_len]`` boolean masks (which keys
+    # each query sees), None for every other entry; None: every entry plainly causal
+    query_masks: list | None = None
 
     @property
     def batch_size(self) -> int:

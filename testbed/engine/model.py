@@ -179,17 +179,20 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, attention: AttentionBackend,
-                kernels: LayerKernels = TORCH_KERNELS) -> torch.Tensor:
+                kernels: LayerKernels = TORCH_KERNELS, num_layers: int | None = None
+                ) -> torch.Tensor:
         """Logits ``[batch, vocab]`` of each request's last new token.
 
         ``input_ids``, ``positions``: ``[T]``, the step's new tokens of every request in batch
         order; ``meta`` says which KV slots each request reads and where the new K/V go;
-        ``kernels``: the fused layer steps (`testbed.engine.layer_kernels`).
+        ``kernels``: the fused layer steps (`testbed.engine.layer_kernels`). ``num_layers``:
+        only the first that many layers, then the final norm and the LM head (a self-speculative
+        draft model, `testbed.engine.draft_model`; None: all).
         """
         h = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, h.dtype)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             h, residual = layer(h, residual, cos, sin, kv_cache.k[i], kv_cache.v[i], meta,
                                 attention, kernels)
         if meta.last_token_index is not None:  # a prefill: only each request's last token

@@ -39,6 +39,7 @@ from testbed.engine.model import LlamaModel
 from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
+from testbed.engine.verify import tree_mask, tree_positions
 from testbed.engine_config import CPU_KERNELS
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import DecodeGroups
@@ -168,7 +169,8 @@ class ModelRunner:
                 raise ValueError(f"request {e.req.id}: {len(e.kv_slots())} KV slots for context "
                                  f"{e.context} + new {e.new}")
             ids.append(np.zeros(1, dtype=np.int64) if on_device else e.input_ids())
-            positions.append(np.arange(e.context, e.context + e.new))
+            positions.append(np.arange(e.context, e.context + e.new) if e.branches is None
+                             else tree_positions(e.context, e.branches))
         rows, writes = self.slots.update(entries)
         written = writes[2]
         if len(written) and (written.min() < 1 or written.max() > self.num_slots):
@@ -199,6 +201,11 @@ class ModelRunner:
             transfer=self.buffers.transfer, before_gather=lambda dev: self.slots.apply(*dev[:3]))
         if groups:
             meta.cascade = CascadePlan.from_device(extra[4:], sizes)
+        if batch.verifies:  # speculative: every query's logits (testbed.engine.verify)
+            meta.last_token_index = None
+            if any(e.branches is not None for e in entries):
+                meta.query_masks = [None if e.branches is None else torch.as_tensor(
+                    tree_mask(e.context, e.branches), device=self.device) for e in entries]
         if graph is not None:
             meta.num_kv_splits = MAX_KV_SPLITS
         meta.plan = self.attention.plan(meta)
@@ -219,7 +226,7 @@ class ModelRunner:
         groups = self.groups_of(batch)
         key = None
         n = len(batch.entries)
-        if self.graphs is not None and batch.kind == "decode" \
+        if self.graphs is not None and batch.kind == "decode" and not batch.verifies \
                 and all(e.new == 1 for e in batch.entries):
             key = self.graphs.key(n, groups)
         inputs = self.prepare(batch, key, groups)
@@ -227,6 +234,8 @@ class ModelRunner:
             logits = self.graphs.run(key, inputs, n)
             if logits is not None:
                 return logits, inputs.rows(n)
+        if batch.verifies:  # one row per query (testbed.engine.verify)
+            return self.forward(inputs), inputs.rows(n)
         return self.forward(inputs)[:n], inputs.rows(n)
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -239,7 +248,8 @@ class ModelRunner:
         self.slots.store_tokens(rows, tokens)
 
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token, and the
+        """Logits ``[len(batch.entries), vocab]`` of each entry's last new token (a
+        speculative verification step's: ``[T, vocab]``, every query's), and the
         entries' token-table rows (device tensors; nothing read back); the entries'
         new K/V are written into their slots.
 

@@ -34,6 +34,13 @@ class BatchEntry:
     # a decode: its input is the token its request's last step produced (on the engine's
     # device, where that step left it; its results may not be applied yet under overlap)
     decode: bool = False
+    # speculative decoding: the drafted tokens this step verifies (``new`` = 1 + len(draft):
+    # the request's last token, then the drafts); None for every other entry. Its token in a
+    # `StepOutcome` is the tuple of tokens the step verified (accepted drafts, then the bonus)
+    draft: np.ndarray | None = None
+    # a token tree (``speculative.tree_width`` > 1): the lengths of its branches, which ``draft``
+    # holds one after another, each hanging from the last token (None: ``draft`` is one chain)
+    branches: tuple[int, ...] | None = None
 
     @property
     def computed(self) -> int:
@@ -52,6 +59,8 @@ class BatchEntry:
         """Which output token of its request this entry produces (if it produces one): the one
         at fill position ``context + new``. Read from the entry alone, so it holds whether or
         not the results of the step before have been applied yet (overlap)."""
+        if self.draft is not None:  # a verification: the first token it produces
+            return self.context + 1 - len(self.req.prompt)
         return self.context + self.new - len(self.req.prompt)
 
     @property
@@ -66,6 +75,9 @@ class BatchEntry:
         prefill's. A decode step's input is the token its request's last step produced, which
         the engine reads on the device (`testbed.engine.slot_table`); here it is the
         request's last output, so only once that step's results are applied."""
+        if self.draft is not None:  # the last token (its KV written now), then the drafts
+            last = self.req.fill()[self.context : self.context + 1]
+            return np.concatenate([last, self.draft]).astype(last.dtype)
         if self.new == 1 and self.req.output and self.context == self.req.fill_len - 1:
             return np.asarray(self.req.output[-1:], dtype=np.int32)
         return self.req.fill()[self.context : self.context + self.new]
@@ -84,6 +96,11 @@ class Batch:
     # cascade decoding: ``(shared tokens, entry indices)`` of the requests that read a cached
     # prefix once (`testbed.scheduler.decode_groups`); None where the scheduler formed none
     decode_groups: list[tuple[int, list[int]]] | None = None
+
+    @property
+    def verifies(self) -> bool:
+        """A speculative decode step: its entries carry drafts (possibly none) to verify."""
+        return any(e.draft is not None for e in self.entries)
 
     @property
     def num_new_tokens(self) -> int:

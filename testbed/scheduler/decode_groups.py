@@ -79,8 +79,8 @@ class DecodeGroups:
         self._last: tuple[tuple, list[tuple[int, list[int]]], list[Any]] | None = None
 
     def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
-        if any(e.new != 1 for e in entries):
-            return []
+        if any(e.new != 1 or e.draft is not None for e in entries):
+            return []  # a verification step (speculative) reads each prefix per request
         leases = current_leases(entries)
         key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
         if self._last is None or self._last[0] != key:

@@ -78,6 +78,8 @@ from testbed.scheduler.preemption import reservation, to_preempt
 from testbed.scheduler.release_rules import ReleaseRules
 from testbed.scheduler.request_state import Req, ReusePlan
 from testbed.scheduler.reuse_planner import ReusePlanner
+from testbed.scheduler.spec_steps import SpecSteps
+from testbed.scheduler.speculative import SpeculativeConfig
 from testbed.workloads.request import Request
 
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
@@ -87,13 +89,16 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
                  seed: int = 0, eos_token_ids: Collection[int] = (),
                  eos_for_all: bool = False, reuse: ReuseConfig | None = None,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         """``eos_token_ids``: a generated one ends its request (SGLang's ``check_finished``), for
         requests the model generates: those with ``max_new_tokens`` and no output, or every one
         with ``eos_for_all`` (the engine generating). A replayed output ignores EOS. ``reuse``:
         the cache group's reuse keys (None, or exact prefixes only: no planner).
         ``check_invariants``: check the cache's bookkeeping against the held leases after every
-        `next_batch` and `complete` (``debug.check_invariants``; slow, for tests and the fuzzer)."""
+        `next_batch` and `complete` (``debug.check_invariants``; slow, for tests and the fuzzer).
+        ``speculative``: decode steps carry drafts to verify (`testbed.scheduler.spec_steps`;
+        None or ``method=none``: plain decoding)."""
         self.check_invariants = check_invariants
         self.decode_groups: DecodeGroups | None = None  # cascade: set by `build_scheduler`
         self.cache = cache
@@ -131,6 +136,8 @@ class Scheduler:
         self._now = 0.0  # the clock of the latest next_batch
         self._seq = 0
         self.loads = LoadBacks(cache)  # lower-tier load-backs in flight
+        self.spec = SpecSteps(speculative, cache) \
+            if speculative is not None and speculative.active else None
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request, now: float, prompt: np.ndarray | None = None) -> Req:
@@ -439,8 +446,16 @@ class Scheduler:
         if not self.running:
             self.batch_is_full = False
             return None
+        drafts, early = None, 0
+        if self.spec is not None:  # the drafts' room, if it can be had; else none this step
+            drafts = dict(zip(map(id, self.running), self.spec.drafts(self.running)))
+            early = self._evict_for(self.spec.cost(self.running, list(drafts.values())))
+            if self.cache.available_size < self.spec.cost(self.running, list(drafts.values())):
+                drafts = {key: (d[:0], None) for key, (d, _) in drafts.items()}
         need = self._decode_cost(self.running)
-        early = self._evict_for(need)  # check_decode_mem
+        if drafts is not None:
+            need = self.spec.cost(self.running, [drafts[id(r)] for r in self.running])
+        early += self._evict_for(need)  # check_decode_mem
         if self.cache.available_size < need and finishing:
             self.batch_is_full = False  # their results free KV: decode the rest next step
             return None
@@ -451,6 +466,8 @@ class Scheduler:
                                        self.min_new_token_ratio)
         if len(self.running) < initial:
             self.batch_is_full = False
+        if drafts is not None:
+            return self._verify_batch([drafts[id(r)] for r in self.running], early)
         leases = [req.lease for req in self.running]
         early = self._attribute(early, [1] * len(self.running))
         entries = []
@@ -459,6 +476,23 @@ class Scheduler:
             entries.append(BatchEntry(req, req.computed, 1, produces_token=True,
                                       decode=True).bind())
             req.computed += 1
+        return Batch("decode", entries)
+
+    def _verify_batch(self, drafts: list[tuple[np.ndarray, tuple[int, ...] | None]],
+                      early: int) -> Batch:
+        """A speculative decode step: each running request's last token and its drafts (a
+        chain, or a token tree's branches one after another), their KV slots taken now
+        (`testbed.scheduler.spec_steps`)."""
+        early_each = self._attribute(early, [1 + len(d) for d, _ in drafts])
+        entries = []
+        for req, (draft, branches), evicted_early in zip(self.running, drafts, early_each):
+            evicted = self.cache.extend(req.lease, 1 + len(draft))
+            if evicted is None:
+                raise RuntimeError("a verification step's room vanished after it was checked")
+            req.evicted_tokens += evicted + evicted_early
+            entries.append(BatchEntry(req, req.computed, 1 + len(draft), produces_token=True,
+                                      draft=draft, branches=branches).bind())
+            req.computed += 1 + len(draft)
         return Batch("decode", entries)
 
     def _finishing_in_flight(self) -> set[int]:
@@ -601,6 +635,11 @@ class Scheduler:
             if not entry.produces_token:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
+                continue
+            if entry.draft is not None:  # a verification: its tokens, its slots cut back
+                if self.spec.apply(req, entry, token, now):
+                    self._finish(req, now)
+                    finished.append(req)
                 continue
             if req.take_token(token, now):
                 self._finish(req, now)

@@ -16,6 +16,7 @@ from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.scheduler.build import build_scheduler
 from testbed.scheduler.decode_groups import DecodeGroups
+from testbed.scheduler.speculative import SpeculativeConfig
 from testbed.serving.driver import Driver, DriverResult
 from testbed.serving.executor import Executor
 from testbed.serving.observer import RunObserver
@@ -30,7 +31,8 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
           check_prompt: Callable[[Request, np.ndarray], None] | None = None,
           check_invariants: bool = False,
           max_concurrency: int | None = None,
-          decode_groups: DecodeGroups | None = None) -> tuple[Scheduler, DriverResult]:
+          decode_groups: DecodeGroups | None = None,
+          speculative: SpeculativeConfig | None = None) -> tuple[Scheduler, DriverResult]:
     """Serve ``requests`` through the shared scheduler and ``executor`` in virtual time; with
     ``observe`` the result carries a `RunObserver`'s steps and request phases.
 
@@ -42,10 +44,12 @@ def serve(requests: list[Request], cache: PrefixCache, scheduler_cfg: Mapping[st
     submitted (the engine refuses one its model cannot take: `testbed.engine.limits`).
     ``check_invariants``: the scheduler checks the cache after every step (``debug.``).
     ``max_concurrency``: calls outstanding at once (``arrival.``; None: unlimited).
-    ``decode_groups``: cascade decoding's groups, put on each formed batch (None: none)."""
+    ``decode_groups``: cascade decoding's groups, put on each formed batch (None: none).
+    ``speculative``: decode steps verify drafts (the ``speculative`` block; None: plain)."""
     scheduler = build_scheduler(cache, scheduler_cfg, seed=seed, eos_token_ids=eos_token_ids,
                                 eos_for_all=generate, reuse=reuse,
-                                check_invariants=check_invariants, decode_groups=decode_groups)
+                                check_invariants=check_invariants, decode_groups=decode_groups,
+                                speculative=speculative)
     driver = Driver(requests, scheduler, executor, max_in_flight=max_in_flight,
                     generate=rebuilds_prompts(requests, generate), progress=progress,
                     record_steps=record_steps,

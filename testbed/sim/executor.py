@@ -8,19 +8,25 @@ The seam it implements, and the registry of ``backend=``, are `testbed.serving.e
 
 from __future__ import annotations
 
+from typing import Any
+
 from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, SharedReads, cascades
 from testbed.serving.executor import Done
+from testbed.sim.acceptance import Acceptance
 from testbed.sim.cost_model import CostModel
 from testbed.sim.overlap import HostCost
 from testbed.sim.step_shape import StepShape
 
 
-def predetermined_tokens(batch: Batch) -> list[int | None]:
+def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
+                         ) -> list[int | tuple[int, ...] | None]:
     """The output token each entry produces, from the workload (None where it makes none). The
     position comes from the entry (`BatchEntry.output_index`), so a step launched before the
-    last step's results were applied (overlap) gets the right ones."""
-    return [int(e.req.request.output[e.output_index]) if e.makes_output else None
+    last step's results were applied (overlap) gets the right ones. A verification entry's are
+    the tokens ``acceptance`` verifies (`testbed.sim.acceptance`)."""
+    return [None if not e.makes_output else int(e.req.request.output[e.output_index])
+            if e.draft is None else (acceptance or Acceptance()).tokens(e)
             for e in batch.entries]
 
 
@@ -39,12 +45,20 @@ class SimExecutor:
     ``host_cost``: the host's seconds per step, priced apart (None: none); its ``concurrent``
     says whether the device runs beside the host (``asynchronous``), so that under
     ``scheduler.overlap`` the host's work hides behind the device's.
+
+    ``speculative``: the run's ``speculative`` block; its ``acceptance`` decides what a
+    verification step accepts (`testbed.sim.acceptance`), drawn from ``seed``. A verification
+    step is priced as what it is, each request's last token and drafts (q tokens) against its
+    context.
     """
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
-                 cascade_min_saved: int = 0, host_cost: HostCost | None = None) -> None:
+                 cascade_min_saved: int = 0, host_cost: HostCost | None = None,
+                 speculative: Any = None, seed: int = 0) -> None:
         self.cost_model = cost_model
         self.host_cost = host_cost or HostCost()
+        self.acceptance = Acceptance(speculative.acceptance, speculative.accept_rate, seed) \
+            if speculative is not None else Acceptance()
         self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
         self.shared_reads = SharedReads() if self.groups is None and getattr(
             cost_model, "prices_rereads", False) else None
@@ -61,7 +75,7 @@ class SimExecutor:
         ``host_cost`` (a synchronous device's launch takes both)."""
         device = self._device_time(batch)
         host = self.host_cost.host_time(batch)
-        outcome = StepOutcome(duration_s=device, tokens=predetermined_tokens(batch),
+        outcome = StepOutcome(duration_s=device, tokens=predetermined_tokens(batch, self.acceptance),
                               gpu_s=device, host_s=host)
         return Done(outcome, host if self.asynchronous else host + device)
 

@@ -22,6 +22,7 @@ from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consiste
 from testbed.workloads.request import OutputRef, Request, arrival_order
 from testbed.workloads.rag_text import paraphrase_text, rag_text
 from testbed.workloads.text import few_shot_text, sharegpt, sharegpt_chat
+from testbed.workloads.copy_text import copy_text
 from testbed.workloads.synthetic import multimodal, random_tree, shared_prefix
 from testbed.workloads.traces import TRACE_FORMATS, TraceError, load_trace, save_tokens
 
@@ -38,7 +39,7 @@ for _name, _generator in (("few_shot", few_shot), ("chat", chat),
                           # text through a tokenizer and chat template (text.py, rag_text.py)
                           ("sharegpt", sharegpt), ("sharegpt_chat", sharegpt_chat),
                           ("few_shot_text", few_shot_text), ("rag_text", rag_text),
-                          ("paraphrase_text", paraphrase_text)):
+                          ("paraphrase_text", paraphrase_text), ("copy_text", copy_text)):
     WORKLOADS.register(_name, _generator)
 
 

@@ -40,7 +40,8 @@ DEFAULT_SHAREGPT = "data:sharegpt_v3"
 NEEDS = {"sharegpt": ("smollm2_135m_instruct", "sharegpt_v3"),
          "sharegpt_chat": ("smollm2_135m_instruct", "sharegpt_v3"),
          "few_shot_text": ("smollm2_135m_instruct",), "rag_text": ("smollm2_135m_instruct",),
-         "paraphrase_text": ("smollm2_135m_instruct",)}
+         "paraphrase_text": ("smollm2_135m_instruct",),
+         "copy_text": ("smollm2_135m_instruct", "sharegpt_v3")}
 ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "system": "system"}
 
 
