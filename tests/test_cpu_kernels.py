@@ -75,6 +75,14 @@ def test_the_kernel_is_built_once_into_the_cache_folder(tmp_path, monkeypatch):
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no build leftovers
 
 
+def test_loading_the_kernel_leaves_the_processs_subnormal_floats_alone(tmp_path, monkeypatch):
+    # a -ffast-math link would turn on flush-to-zero for the whole process when it loads
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_attention.DecodeKernel(cpu_attention.build())
+    tiny = float(np.finfo(np.float64).tiny)
+    assert tiny / 4 > 0.0 and np.float32(np.finfo(np.float32).tiny) / np.float32(4) > 0
+
+
 def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
     def no_compiler():
         raise RuntimeError("no C compiler (cc, gcc or $CC) on the PATH")

@@ -18,7 +18,7 @@ stands beside the recovered one (``own_decode_b*_ms``).
 
 Both testbed servers run torch on one thread, as vLLM's CPU backend does here (its log: "Reducing
 Torch threads from 2 to 1 for serving"). Writes ``serving.csv``, ``steps.csv`` and
-``serving.png``; results: docs/results/vs_vllm.md.
+``serving.png``; results: docs/results/vs_vllm_serving.md.
 """
 
 from __future__ import annotations

@@ -127,7 +127,11 @@ int decode_attention(const float *q, const float *k, const float *v, const int64
 }
 """
 
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")
+# Linked in a second step, without -ffast-math: with it GCC (before 13) links crtfastmath.o into
+# the library, whose constructor turns on flush-to-zero for the whole process when ctypes loads it
+# (every float op in the process then loses subnormals: torch's, numpy's, the simulator's).
+LINK_FLAGS = ("-shared",)
 BUILD_TIMEOUT_S = 120
 
 
@@ -149,7 +153,7 @@ def build(directory: Path | None = None) -> Path:
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, cc, *version, platform.machine(),
+    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, *LINK_FLAGS, cc, *version, platform.machine(),
                                     platform.node()]).encode()).hexdigest()[:16]
     directory = directory or kernel_dir()
     target = directory / f"decode_attention-{key}.so"
@@ -157,12 +161,14 @@ def build(directory: Path | None = None) -> Path:
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        src, lib = Path(tmp) / "decode_attention.c", Path(tmp) / "lib.so"
+        src, obj, lib = (Path(tmp) / name for name in ("decode_attention.c", "k.o", "lib.so"))
         src.write_text(SOURCE)
-        done = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{Path(cc).name} failed: {done.stderr.strip()[:300]}")
+        for command in ([cc, *FLAGS, "-c", str(src), "-o", str(obj)],
+                        [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"{Path(cc).name} failed: {done.stderr.strip()[:300]}")
         os.replace(lib, target)
     return target
 
