@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [StepShape(tuple(int(n) for n in step.split(",")), (0,) * len(step.split(",")))
               for step in args.step]
     engine = run.build_executor(max(s.num_new for s in shapes) + 16)
-    engine.clock = time.process_time
+    engine.clock = time.thread_time
     fitted = sve.fitted_model(args.fitted)
     rng = np.random.default_rng(0)
     batches = [synthetic_batch(s, run.model_shape.vocab_size, rng) for s in shapes]

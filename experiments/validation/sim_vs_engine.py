@@ -31,7 +31,7 @@ that covers their shapes (`REAL`); 4 rounds by default, and the engine's steps c
 seconds (``--clock cpu``, below).
 
 ``--clock cpu`` (a CPU engine only) reads each engine step's duration, in the grid and in the
-served runs alike, as this process's CPU time (``time.process_time``) instead of wall time: on a
+served runs alike, as the stepping thread's CPU time (``time.thread_time``) instead of wall time: on a
 machine shared with other jobs, their time slices stretch a step's wall time by up to 2x from one
 minute to the next, which no step-time model can predict, while the CPU time the step itself
 takes moves far less (memory bandwidth and caches are still shared). With one torch thread, on an
@@ -254,7 +254,7 @@ def main() -> None:
             ap.error(f"--clock cpu times a CPU engine, not {engine.device}")
         if args.threads != 1:  # process time sums every thread's: no step duration then
             ap.error(f"--clock cpu needs --threads 1, got {args.threads}")
-        engine.clock = time.process_time
+        engine.clock = time.thread_time
     wall_over_clock = {name: [] for name in workloads}
     rng = np.random.default_rng(run.seed)
     layout = slot_layout(cal.calibrate)
