@@ -110,3 +110,20 @@ def test_unbounded_paged_pool_mints_whole_pages_after_reusing_freed_ones():
 def test_page_size_below_one_is_rejected_naming_the_config_key():
     with pytest.raises(ValueError, match="cache.page_size"):
         KVSlotPool(16, page_size=0)
+
+
+def test_freed_slots_wait_until_the_fresh_ones_run_out_then_come_back_lowest_first():
+    pool = KVSlotPool(8)
+    a = pool.alloc(6)
+    pool.free(a[[4, 0, 2]])  # freed out of order: 5, 1, 3
+    assert pool.num_free == 5 and sorted(pool.free_slots().tolist()) == [1, 3, 5, 7, 8]
+    assert pool.alloc(2).tolist() == [7, 8]  # the fresh ones first
+    assert pool.alloc(3).tolist() == [1, 3, 5]  # then every free slot, sorted
+    pool.check_ownership([a[[1, 3, 5]], np.array([1, 3, 5, 7, 8])])
+
+
+def test_an_allocation_larger_than_the_fresh_slots_runs_ascending_through_the_freed_ones():
+    pool = KVSlotPool(6, page_size=2)
+    a = pool.alloc(6)
+    pool.free(np.concatenate([a[4:6], a[0:2]]))  # pages 5-6, then 1-2
+    assert pool.alloc(4).tolist() == [1, 2, 5, 6]

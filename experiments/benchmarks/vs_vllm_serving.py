@@ -13,8 +13,8 @@ throughput are put side by side (``steps.csv``); a testbed server's runs also ke
 the server timed them (``server_steps.jsonl``, ``GET /debug/steps``), whose median decode step
 stands beside the recovered one (``own_decode_b*_ms``).
 
-    python -m experiments.benchmarks.vs_vllm_serving [--vllm-url URL] [--loop 16] [--repeats 2]
-        [--servers radix_lpm block_hash_vllm vllm] [--out DIR]
+    python -m experiments.benchmarks.vs_vllm_serving [--vllm-url URL] [--loop 16] [--repeats 3]
+        [--servers radix_lpm radix_lpm_hold block_hash_vllm vllm] [--out DIR]
 
 Both testbed servers run torch on one thread, as vLLM's CPU backend does here (its log: "Reducing
 Torch threads from 2 to 1 for serving"). Writes ``serving.csv``, ``steps.csv`` and
@@ -47,6 +47,9 @@ BLOCK_SIZE, BLOCKS = 32, 512  # vLLM's CPU attention takes multiples of 32
 CAPACITY = (BLOCKS - 1) * BLOCK_SIZE  # vLLM's pool less its null block
 TESTBED = {
     "radix_lpm": ["cache=radix", "scheduler=lpm"],
+    # beyond SGLang: a waiting request whose prefix another request of the step computes waits
+    # for the next step and hits it (SGLang's in-batch rule only sorts it last; docs/design.md §4)
+    "radix_lpm_hold": ["cache=radix", "scheduler=lpm", "scheduler.in_batch_hold=true"],
     "block_hash_vllm": ["cache=block_hash", f"cache.block_size={BLOCK_SIZE}", "scheduler=vllm"],
 }
 SERVER_STEPS = "server_steps.jsonl"  # a testbed server's own step log of a run (/debug/steps)
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", nargs="+", choices=list(WORKLOADS),
                     default=["tree_of_thought", "few_shot_text", "sharegpt_chat"])
     ap.add_argument("--loop", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`vs_vllm serve`, "
                     f"{BLOCKS} blocks of {BLOCK_SIZE}); else one is started")
     ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     for (server, name), tried in runs.items():
         best, d = max(tried, key=lambda x: x[0]["requests_per_s"])
         rows.append({"server": server, "workload": name, "repeats": len(tried), **best})
-        budget = 8192 if server == "radix_lpm" else 2048  # SGLang's chunk, vLLM's budget
+        budget = 8192 if server.startswith("radix") else 2048  # SGLang's chunk, vLLM's budget
         profiles.append({"server": server, "workload": name, **step_profile(d, budget)})
     table = pd.DataFrame(rows)
     table.to_csv(out / "serving.csv", index=False)

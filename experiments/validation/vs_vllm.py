@@ -338,7 +338,9 @@ def run_server(words: list[str], served: Served, arrival: list[str], out: Path) 
 
 
 def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
-    return [*words, *arrival, "backend=server", f"server.url={served.url}",
+    # model=: the client's ids fit the served model's vocabulary (SmolLM2's 49,152), not the
+    # default preset's 32,000 (`testbed.assembly.fit_vocabulary`)
+    return [*words, *arrival, "backend=server", "model=smollm2_135m", f"server.url={served.url}",
             f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "engine.forced=true",
             "save_token_ids=true", "progress=false"]
 
