@@ -49,7 +49,8 @@ class SimExecutor:
     ``speculative``: the run's ``speculative`` block; its ``acceptance`` decides what a
     verification step accepts (`testbed.sim.acceptance`), drawn from ``seed``. A verification
     step is priced as what it is, each request's last token and drafts (q tokens) against its
-    context.
+    context, with every query's logits (`StepShape.verify`: a fitted model's ``verify``
+    coefficients where it has them).
     """
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
@@ -90,7 +91,8 @@ class SimExecutor:
             step = reuse_shape(batch)
         else:
             reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
-            step = StepShape(new=new, context=context, shared=shared, reread=reread)
+            step = StepShape(new=new, context=context, shared=shared, reread=reread,
+                             verify=batch.verifies)
         if self.reach is not None:
             self.reach.add(step)
         if step.is_decode:
