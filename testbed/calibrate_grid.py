@@ -71,12 +71,18 @@ def verifications(cfg: Any, contexts: list[int]) -> list[StepShape]:
     contexts: a verification is a decode step that carries drafts). None where ``verify_new`` is
     null or empty (a config from before it).
 
-    A verification is not a prefill of q tokens: the engine computes the logits of every query
-    (`testbed.engine.verify`), not only each request's last, and on this project's CPU
-    SmolLM2-135M's LM head alone takes 15, 28 and 42 ms at 1, 2 and 3 rows; so the grid
-    measures the batches the engine runs (`batch_on_slots`: drafts that it verifies) and the fit
-    prices them apart (kind ``verify``). Their few rows (q × batch) are below every prefill the
-    grid measures: priced by the prefill table, a step of 5 rows cost what 16 did."""
+    A verification is not a prefill of q tokens. The engine runs it as a decode batch that
+    verifies (`testbed.engine.runner`): on the CPU with torch attention (and on Triton) the
+    extend path, each request's q queries causal among themselves against its KV, not the
+    in-place decode kernel (``engine.cpu_kernels`` serves one-query steps only), then the final
+    norm and LM head on all q rows (`testbed.engine.verify`), where a prefill computes each
+    request's last row only. On the development CPU (SmolLM2-135M, fp32, one thread, CPU time,
+    medians of 9, 2026-12-05) a verification of 2 or 3 queries cost what an extend of as many
+    tokens did, of 5 queries 2-10% more and of 9 queries 4-7% more, at 256 and 512 tokens of
+    context. So the grid measures the batches the engine runs (`batch_on_slots`: drafts that
+    it verifies) and the fit prices them apart (kind ``verify``), at their own few rows
+    (q × batch), below every prefill the grid measures: priced by the prefill table, a
+    verification of 5 rows cost what a prefill of 16 did."""
     queries = cfg.get("verify_new")
     if queries is None or (isinstance(queries, Sequence) and not isinstance(queries, str)
                            and len(queries) == 0):

@@ -281,8 +281,8 @@ def main() -> None:
         meta = {**engine_meta(engine, model, hw), "slot_layout": layout}
         cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration",
                             row_knots=knots)
-        print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
-              f"decode {cal['mape']['decode']:.1%}")
+        print("calibrated: MAPE on the grid " + ", ".join(
+            f"{kind} {e:.1%}" for kind, e in cal["mape"].items()))
         args.fitted = args.out / "calibration" / "cost_model.yaml"
     fitted = fitted_model(args.fitted.resolve())
     # the host's time per step, fitted on every round's run of HOST; a CPU engine is synchronous
