@@ -257,7 +257,7 @@ class Assembly:
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
             cpu_kernels=e.cpu_kernels, seed=self.seed, forced=e.forced,
             temperature=e.temperature, top_p=e.top_p, host_cost=self.host_cost,
-            speculative=self.speculative)
+            speculative=self.speculative, requests=requests)
         if self.backend == "engine":  # threads and step clock as a calibration's (engine_timing)
             apply_timing(executor, *timing_settings(c, device))
         return executor

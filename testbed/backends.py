@@ -164,7 +164,8 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
                   "forced": run.engine.forced, **executor.graph_summary()}
         if executor.forced_tokens:
             extra["forced_agreement"] = executor.forced_agreed / executor.forced_tokens
-    records = records_of(result.reqs, run.get("save_token_ids", False))
+    records = records_of(result.reqs, run.get("save_token_ids", False),
+                         speculative=run.speculative.active)
     if cache.lower_tiers:
         add_tier_fields(records, scheduler.tier_hits)
     if quality is not None and run.reuse.active:  # requests that reused KV, against exact

@@ -1,9 +1,11 @@
 """``python -m testbed.calibrate [overrides]``: measure engine steps, fit the simulator's cost model.
 
 Runs a grid of real engine steps on the configured ``model``/``device``/``dtype``/``attention`` —
-prefills (new tokens × cached context × batch size) and decodes (batch size × context; with
+prefills (new tokens × cached context × batch size), decodes (batch size × context; with
 ``calibrate.decode_ragged`` also batches of mixed contexts, which tell a kernel padded to the
-batch's longest KV from one that reads each request's own) — in
+batch's longest KV from one that reads each request's own) and speculative verifications
+(``calibrate.verify_new`` queries × ``verify_batch`` × the decode contexts: every query's
+logits, fitted as kind ``verify``) — in
 ``calibrate.repeats`` passes over the grid, each shape once per pass in a shuffled order (the
 median counts), fits the ``fitted`` cost model per step kind
 (non-negative least squares on relative error; each measured row count, a decode's batch size
@@ -59,7 +61,7 @@ from testbed.sim.step_shape import StepShape  # noqa: E402
 def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: Path,
          title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
-    for kind, marker in (("prefill", "o"), ("decode", "s")):
+    for kind, marker in (("prefill", "o"), ("decode", "s"), ("verify", "^")):
         rows = [(t, model.step_time(s)) for s, t in samples if s.kind == kind]
         if rows:
             measured, predicted = np.array(rows).T * 1e3
@@ -123,16 +125,18 @@ def fit_and_write(samples: list[tuple[StepShape, float]], meta: dict[str, Any],
     run_dir.mkdir(parents=True, exist_ok=True)
     save_fitted(run_dir / "cost_model.yaml", coeffs, meta)
     errors = {kind: mape([fitted.step_time(s) for s, _ in samples if s.kind == kind],
-                         [t for s, t in samples if s.kind == kind]) for kind in ("prefill", "decode")}
+                         [t for s, t in samples if s.kind == kind])
+              for kind in ("prefill", "decode", "verify") if kind in coeffs}
     result = {"meta": meta | {"date": dt.date.today().isoformat()}, "coefficients": coeffs,
               "mape": errors, "samples": [
                   {"kind": s.kind, "new": list(s.new), "context": list(s.context),
+                   **({"verify": True} if s.verify else {}),
                    "reread": s.reread, "measured_s": t, "predicted_s": fitted.step_time(s)}
                   for s, t in samples]}
     (run_dir / "calibration.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(samples, fitted, run_dir / "calibration.png",
          f"Fitted step time: {meta['model']} on {meta['device']}\n"
-         f"MAPE prefill {errors['prefill']:.1%}, decode {errors['decode']:.1%}")
+         "MAPE " + ", ".join(f"{kind} {e:.1%}" for kind, e in errors.items()))
     return result
 
 

@@ -2,7 +2,8 @@
 
 `grid` turns ``conf/calibrate.yaml``'s lists into step shapes (prefills: batch × new tokens ×
 cached context; decodes: batch × context, with ``decode_ragged`` batches of mixed contexts and
-``decode_shared`` batches sharing a prefix); `synthetic_batch` builds a batch of one shape over
+``decode_shared`` batches sharing a prefix; speculative verifications: batch × queries ×
+context, `verifications`); `synthetic_batch` builds a batch of one shape over
 fresh requests whose KV slots are laid out as ``calibrate.slot_layout`` says (`slot_order`);
 `measure` times ``calibrate.repeats`` shuffled passes over the grid after a warm-up pass and keeps
 each shape's median. `row_knots` says which row counts the fit prices on their own
@@ -27,7 +28,7 @@ from testbed.workloads.request import Request
 
 #: the ``calibrate`` lists that span the grid, and the least value each may hold
 GRID_KEYS = {"prefill_batch": 1, "prefill_new": 1, "prefill_context": 0, "decode_batch": 1,
-             "decode_context": 0}
+             "decode_context": 0, "verify_batch": 1}
 
 
 def grid_values(cfg: Any, key: str) -> list[int]:
@@ -60,7 +61,39 @@ def grid(cfg: Any) -> list[StepShape]:
     if row_table_on(cfg) and group_values.check_setting(
             "calibrate.decode_batch_fill", bool, cfg.get("decode_batch_fill", True)):
         steps += filled_decodes(grid_values(cfg, "decode_batch"), contexts)
-    return steps
+    return steps + verifications(cfg, contexts)
+
+
+def verifications(cfg: Any, contexts: list[int]) -> list[StepShape]:
+    """Speculative verification steps (`StepShape.verify`): for each ``calibrate.verify_batch``
+    and each ``calibrate.verify_new`` q (a request's last token and q − 1 drafts: k + 1 for k
+    drafts), every request verifying q tokens on top of each of ``contexts`` (the decode
+    contexts: a verification is a decode step that carries drafts). None where ``verify_new`` is
+    null or empty (a config from before it).
+
+    A verification is not a prefill of q tokens. The engine runs it as a decode batch that
+    verifies (`testbed.engine.runner`): on the CPU with torch attention (and on Triton) the
+    extend path, each request's q queries causal among themselves against its KV, not the
+    in-place decode kernel (``engine.cpu_kernels`` serves one-query steps only), then the final
+    norm and LM head on all q rows (`testbed.engine.verify`), where a prefill computes each
+    request's last row only. On the development CPU (SmolLM2-135M, fp32, one thread, CPU time,
+    medians of 9, 2026-12-05) a verification of 2 or 3 queries cost what an extend of as many
+    tokens did, of 5 queries 2-10% more and of 9 queries 4-7% more, at 256 and 512 tokens of
+    context. So the grid measures the batches the engine runs (`batch_on_slots`: drafts that
+    it verifies) and the fit prices them apart (kind ``verify``), at their own few rows
+    (q × batch), below every prefill the grid measures: priced by the prefill table, a
+    verification of 5 rows cost what a prefill of 16 did."""
+    queries = cfg.get("verify_new")
+    if queries is None or (isinstance(queries, Sequence) and not isinstance(queries, str)
+                           and len(queries) == 0):
+        return []
+    if not isinstance(queries, Sequence) or isinstance(queries, str) \
+            or any(isinstance(q, bool) or not isinstance(q, int) or q < 2 for q in queries):
+        raise BadInput(f"calibrate.verify_new must be null or a list of integers >= 2 (the last "
+                       f"token and at least one draft), got {queries!r}")
+    batches = grid_values(cfg, "verify_batch")
+    return [StepShape.verification((q,) * batch, (context,) * batch)
+            for batch in batches for q in queries for context in contexts]
 
 
 def filled_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
@@ -112,10 +145,10 @@ def ragged_decodes(batches: list[int], contexts: list[int]) -> list[StepShape]:
 
 def row_knots(cfg: Any, steps: Sequence[StepShape]) -> dict[str, list[int]]:
     """``calibrate.row_table`` (default true): per step kind, the row counts (``Σnew``: a decode's
-    batch size, a prefill's new tokens) of ``steps``, each of which the fit then prices on its
+    batch size, a prefill's new tokens, a verification's queries) of ``steps``, each of which the fit then prices on its
     own (``n<K>``, `testbed.sim.fit`); else none."""
     return {kind: sorted({s.num_new for s in steps if s.kind == kind})
-            for kind in ("decode", "prefill")} if row_table_on(cfg) else {}
+            for kind in ("decode", "prefill", "verify")} if row_table_on(cfg) else {}
 
 
 def row_table_on(cfg: Any) -> bool:
@@ -197,15 +230,19 @@ def batch_on_slots(step: StepShape, slots: Sequence[np.ndarray], vocab: int,
                    rng: np.random.Generator, cached: bool = False) -> Batch:
     """A batch of the given shape over fresh requests (random tokens) reading and writing the
     given KV slots, each request's context first, then its new tokens; ``cached``: each
-    request's context counts as its cached prefix (its lease's hit), else nothing does."""
+    request's context counts as its cached prefix (its lease's hit), else nothing does. A
+    verification step (`StepShape.verify`) is a decode batch whose requests carry
+    ``new − 1`` random drafts after their last token, verified as the scheduler's are
+    (`testbed.scheduler.spec_steps`)."""
     entries = []
     for i, (new, context, own) in enumerate(zip(step.new, step.context, slots)):
-        request = Request(f"cal{i}", rng.integers(0, vocab, new + context, dtype=np.int32),
-                          np.zeros(1, dtype=np.int32))
+        draft = rng.integers(0, vocab, new - 1, dtype=np.int32) if step.verify else None
+        prompt = rng.integers(0, vocab, context + (1 if step.verify else new), dtype=np.int32)
+        request = Request(f"cal{i}", prompt, np.zeros(1, dtype=np.int32))
         req = Req(request=request, prompt=request.prompt, submitted_s=0.0, seq=i)
         req.lease = Lease(hit=context if cached else 0, slots=np.asarray(own, dtype=np.int32))
-        entries.append(BatchEntry(req, context, new, produces_token=True))
-    return Batch("decode" if step.is_decode else "prefill", entries)
+        entries.append(BatchEntry(req, context, new, produces_token=True, draft=draft))
+    return Batch("decode" if step.is_decode or step.verify else "prefill", entries)
 
 
 def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) -> list[float]:

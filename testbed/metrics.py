@@ -68,11 +68,15 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None
     failed: bool = False  # no complete answer: left out of the latency figures
+    # speculative decoding (sim, engine): the drafts accepted at each verification step, in
+    # order; None outside a speculative run (left out of the line)
+    spec_accepted: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The requests.jsonl line: every field in order, less the token ids and tier fields
         when they are None, the quality fields when the run did not measure quality,
-        ``answer`` when the request has none and the server fields outside a server run."""
+        ``answer`` when the request has none, the server fields outside a server run and
+        ``spec_accepted`` outside a speculative one."""
         row = {name: getattr(self, name) for name in _field_names(type(self))}
         del row["quality_measured"]
         if self.prompt_ids is None:
@@ -88,6 +92,8 @@ class RequestRecord:
         if self.itl_s is None:
             for key in SERVER_FIELDS:
                 del row[key]
+        if self.spec_accepted is None:
+            del row["spec_accepted"]
         return row
 
 

@@ -372,12 +372,18 @@ def test_calibration_writes_a_usable_cost_model_and_its_report(tmp_path):
     fitted = load_fitted(tmp_path / "cost_model.yaml", floor_model=floor)
     for sample in result["samples"]:
         step = StepShape(tuple(sample["new"]), tuple(sample["context"]),
-                         reread=sample["reread"])
+                         reread=sample["reread"], verify=sample.get("verify", False))
         assert fitted.step_time(step) >= floor.floor(step)
     saved = json.loads((tmp_path / "calibration.json").read_text())
-    # 8 prefills, 4 decodes, 1 shared decode (4 requests sharing 56 of their 64 tokens), and the
-    # batches of 2 and 3 between 1 and 4 at the least context (calibrate.decode_batch_fill)
-    assert set(saved["mape"]) == {"prefill", "decode"} and len(saved["samples"]) == 15
+    # 8 prefills, 4 decodes, 1 shared decode (4 requests sharing 56 of their 64 tokens), the
+    # batches of 2 and 3 between 1 and 4 at the least context (calibrate.decode_batch_fill), and
+    # conf/calibrate.yaml's verifications: 5 query counts x 3 batch sizes x 2 decode contexts
+    assert set(saved["mape"]) == {"prefill", "decode", "verify"}
+    assert len(saved["samples"]) == 15 + 30
+    assert sorted({sum(x["new"]) for x in saved["samples"] if x["kind"] == "verify"}) == \
+        [2, 3, 4, 5, 6, 8, 9, 10, 12, 16, 18, 20, 36]
+    assert set(fitted.coeffs) == {"decode", "prefill", "verify"}
+    assert {f"n{k}" for k in (2, 3, 5, 9, 36)} <= set(fitted.coeffs["verify"])
     assert [x["reread"] for x in saved["samples"]].count(3 * 56) == 1
     assert (tmp_path / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -430,3 +436,107 @@ def test_offline_batch_makes_identical_decisions_on_the_engine_and_the_simulator
         [(s.kind, s.ids, s.new, s.context) for s in sim.steps]
     assert [r.cached_tokens for r in engine.reqs] == [r.cached_tokens for r in sim.reqs]
     assert sum(r.cached_tokens for r in sim.reqs) > 0
+
+
+# ------------------------------------------------------------------ speculative verification steps
+VERIFY_GRID = {"prefill_batch": [1, 2], "prefill_new": [16, 64], "prefill_context": [0, 100],
+               "decode_batch": [1, 2, 4], "decode_context": [64, 512], "decode_batch_fill": False,
+               "verify_new": [2, 3, 5, 9], "verify_batch": [1, 2]}
+
+
+def test_the_grid_measures_verifications_of_each_query_count_batch_and_decode_context():
+    steps = [s for s in grid(VERIFY_GRID) if s.verify]
+    assert [(s.new, s.context) for s in steps] == [
+        ((q,) * b, (c,) * b) for b in (1, 2) for q in (2, 3, 5, 9) for c in (64, 512)]
+    assert {s.kind for s in steps} == {"verify"}
+    assert row_knots(VERIFY_GRID, grid(VERIFY_GRID))["verify"] == [2, 3, 4, 5, 6, 9, 10, 18]
+    for off in (None, []):  # a config from before the key, or none asked for
+        assert not any(s.verify for s in grid(VERIFY_GRID | {"verify_new": off}))
+    with pytest.raises(BadInput, match=r"calibrate.verify_new must be null or a list of "
+                                       r"integers >= 2 .*got \[1, 3\]"):
+        grid(VERIFY_GRID | {"verify_new": [1, 3]})
+    with pytest.raises(BadInput, match=r"calibrate.verify_batch must be a non-empty list"):
+        grid({k: v for k, v in VERIFY_GRID.items() if k != "verify_batch"})
+
+
+def test_a_verification_batch_is_a_decode_batch_whose_requests_carry_drafts_after_their_last_token():
+    step = StepShape.verification((5, 3), (64, 10))
+    batch = synthetic_batch(step, vocab=256, rng=np.random.default_rng(0))
+    assert batch.kind == "decode" and batch.verifies
+    assert batch.shape() == (step.new, step.context)
+    assert [len(e.draft) for e in batch.entries] == [4, 2]
+    assert [len(e.input_ids()) for e in batch.entries] == [5, 3]
+    assert all(e.makes_output and e.output_index == 0 for e in batch.entries)
+    slots = np.concatenate([e.kv_slots() for e in batch.entries])
+    assert len(set(slots.tolist())) == len(slots) == 69 + 13
+
+
+def test_a_fit_prices_a_verification_step_from_its_own_knots_exactly():
+    """Verifications cost a row table of their own (every query's logits: here 40 ms at 2 rows,
+    44 at 3, 60 at 5, 75 at 9) plus their attention; prefills of the same rows cost otherwise.
+    The fit prices every measured step as measured, reads a verification between two measured
+    query counts linearly, and a prefill of as many rows by the prefill's table."""
+    table = {2: 0.040, 3: 0.044, 5: 0.060, 9: 0.075}
+    cfg = VERIFY_GRID | {"verify_batch": [1]}
+
+    def true_time(step: StepShape) -> float:
+        if step.kind == "verify":
+            return table[step.num_new] + 2e-6 * step.num_context + 1e-8 * step.attended_pairs
+        if step.is_decode:
+            return 0.030 + 1e-5 * step.batch + 2e-6 * step.num_context
+        return 0.010 + 1e-3 * step.num_new + 1e-7 * step.num_context
+
+    samples = [(s, true_time(s)) for s in grid(cfg)]
+    coeffs = fit_coefficients(samples, row_knots=row_knots(cfg, grid(cfg)))
+    v = coeffs["verify"]  # one batch size: its per-request d is each knot's to share
+    assert {k: round(v[f"n{k}"] + v["d"], 9) for k in table} == table
+    assert (v["a"], v["b"]) == (0.0, 0.0)
+    floor = RooflineCostModel(assemble(config()).model_shape,
+                              HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
+    fitted = FittedCostModel(coeffs, floor)
+    assert all(fitted.step_time(s) == pytest.approx(t, rel=1e-6) for s, t in samples)
+    for q, cost in ((4, (0.044 + 0.060) / 2), (7, (0.060 + 0.075) / 2)):  # between two knots
+        step = StepShape.verification((q,), (300,))  # at a context the grid did not measure
+        assert fitted.step_time(step) == pytest.approx(
+            cost + 2e-6 * 300 + 1e-8 * step.attended_pairs, rel=1e-6)
+    # a prefill of as many rows: the prefill table's, whose least knot (16 rows) prices it
+    assert fitted.step_time(StepShape((5,), (300,))) == pytest.approx(
+        true_time(StepShape((16,), (300,))), rel=1e-6)
+
+
+def test_a_fitted_file_without_verify_prices_verifications_as_its_prefills_to_the_bit(tmp_path):
+    run = assemble(config())
+    floor = RooflineCostModel(run.model_shape, run.hardware)
+    old = load_fitted(REPO / "conf" / "calibration" / "smollm2_135m_cpu.yaml", floor)
+    assert set(old.coeffs) == {"decode", "prefill"}
+    for new, context in (((5,), (300,)), ((2, 3, 9), (64, 512, 1500)), ((16, 40), (0, 9))):
+        assert old.step_time(StepShape.verification(new, context)) == \
+            old.step_time(StepShape(new, context))
+    row = dict.fromkeys("abcdefgh", 0.0)
+    coeffs = {"decode": row | {"a": 0.03}, "prefill": row | {"a": 0.05},
+              "verify": row | {"n2": 0.04, "n5": 0.07}}
+    save_fitted(tmp_path / "v.yaml", coeffs, {"model": "tiny", "device": "cpu"})
+    loaded = load_fitted(tmp_path / "v.yaml", floor)
+    assert loaded.coeffs == coeffs
+    assert loaded.predict(StepShape.verification((4,), (10,))) == pytest.approx(0.06)
+    assert loaded.predict(StepShape((4,), (10,))) == pytest.approx(0.05)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((tmp_path / "v.yaml").read_text().replace("  verify:", "  verified:"))
+    with pytest.raises(BadInput, match=r"unknown coeffs kind 'verified' \(allowed: decode, "
+                                       r"prefill, verify\)"):
+        load_fitted(bad, floor)
+
+
+def test_the_simulator_prices_a_speculative_step_with_the_fits_verify_coefficients(tmp_path):
+    """A verification batch (entries with drafts) is a ``verify`` step to the fitted model."""
+    run = assemble(config())
+    floor = RooflineCostModel(run.model_shape,
+                              HardwareSpec("fast", flops=1e18, mem_bw=1e18, memory_bytes=10**10))
+    row = dict.fromkeys("abcdefgh", 0.0)
+    fitted = FittedCostModel({"decode": row | {"a": 0.03}, "prefill": row | {"a": 0.05},
+                              "verify": row | {"a": 0.02}}, floor)
+    executor = SimExecutor(fitted)
+    verify = synthetic_batch(StepShape.verification((5,), (64,)), 256, np.random.default_rng(0))
+    prefill = synthetic_batch(StepShape((5,), (64,)), 256, np.random.default_rng(0))
+    assert executor.execute(verify).gpu_s == pytest.approx(0.02)
+    assert executor.execute(prefill).gpu_s == pytest.approx(0.05)

@@ -99,7 +99,9 @@ def test_calibration_records_its_threads_clock_and_grid_and_a_run_beyond_it_is_w
     meta = yaml.safe_load(path.read_text())["meta"]
     assert (meta["threads"], meta["clock"], meta["cpu_kernels"]) == (1, "cpu", "native")
     assert meta["grid"] == {"prefill": {"batch": [1, 1], "rows": [8, 32], "context": [0, 16]},
-                            "decode": {"batch": [1, 2], "context": [8, 32]}}
+                            "decode": {"batch": [1, 2], "context": [8, 32]},
+                            # conf/calibrate.yaml's verifications: 2-9 queries x 1, 2, 4
+                            "verify": {"batch": [1, 4], "rows": [2, 36], "context": [8, 32]}}
     common = ["backend=sim", "model=tiny", "hardware=cpu", "cost_model=fitted",
               f"cost_model.path={path}", "workload=chat", "workload.num_sessions=2",
               "workload.turns=2", "workload.vocab_size=256", "progress=false"]

@@ -3,6 +3,8 @@ verification takes and gives back, only verified tokens cached, the config block
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -182,6 +184,45 @@ def test_geometric_acceptance_is_seeded_and_bounded_by_the_drafts():
     assert Acceptance("geometric", 0.0).tokens(entry) == (7,)
 
 
+def write_requests(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_recorded_acceptance_replays_each_requests_counts_in_order_at_most_its_drafts(tmp_path):
+    cache = RadixCache(64)
+    s, req = prefilled(cache, output=(4, 5, 1, 9))  # drafts 5, 1, 2: exact accepts 2
+    entry = s.next_batch(1.0).entries[0]
+    path = write_requests(tmp_path / "requests.jsonl", [{"id": "r", "spec_accepted": [0, 1, 7]}])
+    recorded = Acceptance("recorded", path=tmp_path)  # the run directory holding it
+    assert Acceptance("exact").tokens(entry) == (5, 1, 9)
+    assert recorded.tokens(entry) == (5,)  # the run's first step accepted none
+    assert recorded.tokens(entry) == (5, 1)
+    assert recorded.tokens(entry) == (5, 1, 9)  # 7 recorded: at most the 3 drafts there are
+    with pytest.raises(BadInput, match=r"speculative.acceptance_path: request 'r' verifies more "
+                                       r"often than the 3 steps .* recorded for it"):
+        recorded.tokens(entry)
+    recorded.check_requests(["r"])
+    with pytest.raises(BadInput, match=r"speculative.acceptance_path: 1 of the workload's "
+                                       r"requests are not in .* \(first: 'q'\)"):
+        recorded.check_requests(["r", "q"])
+
+
+@pytest.mark.parametrize("rows, message", [
+    (None, "no such run directory or requests.jsonl"),
+    ([{"id": "a", "output_tokens": 3}], r"requests.jsonl:1 \(request a\) has no spec_accepted: "
+                                        r"not a run with speculative decoding"),
+    ([{"id": "a", "spec_accepted": [1, -1]}], "spec_accepted must be a list of integers >= 0"),
+    ([], "holds no requests"),
+])
+def test_recorded_acceptance_refuses_a_bad_record_naming_the_key(tmp_path, rows, message):
+    path = tmp_path / "requests.jsonl"
+    if rows is not None:
+        write_requests(path, rows)
+    with pytest.raises(BadInput, match="speculative.acceptance_path: .*" + message):
+        Acceptance("recorded", path=path)
+
+
 # ------------------------------------------------------------------ the config block
 @pytest.mark.parametrize("cfg, message", [
     ({"method": "eagle"}, "speculative.method must be one of none, ngram, draft; got 'eagle'"),
@@ -190,7 +231,9 @@ def test_geometric_acceptance_is_seeded_and_bounded_by_the_drafts():
      "speculative.ngram_max (2) must be >= speculative.ngram_min (3)"),
     ({"speed": 1}, "speculative.speed is not a setting of speculative; allowed: method,"),
     ({"method": "ngram", "acceptance": "oracle"},
-     "speculative.acceptance must be one of exact, geometric; got 'oracle'"),
+     "speculative.acceptance must be one of exact, geometric, recorded; got 'oracle'"),
+    ({"method": "ngram", "acceptance": "recorded"},
+     "speculative.acceptance=recorded needs speculative.acceptance_path"),
 ])
 def test_bad_speculative_values_are_refused_naming_the_key(cfg, message):
     with pytest.raises(BadInput, match=message.replace("(", r"\(").replace(")", r"\)")):

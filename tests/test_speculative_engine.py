@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.engine.verify import greedy_accept, rejection_accept  # noqa: E402
+from testbed.errors import BadInput  # noqa: E402
 from tests.test_engine_generate import hf_generate, run, write_trace  # noqa: E402
 from tests.test_real_model import chat_ids, smollm2  # noqa: E402,F401 - the fixture
 
@@ -94,6 +95,61 @@ def test_the_simulator_and_the_engine_replaying_one_output_accept_alike(tmp_path
     sim, _ = run(tmp_path / "sim", "backend=sim", "model=tiny", *common)
     assert {k: engine[k] for k in keys} == {k: sim[k] for k in keys}
     assert engine["forced_agreement"] == 1.0  # the model agrees with its own tokens
+
+
+def step_rows(run_dir: Path) -> list[tuple]:
+    return [(r["kind"], r["batch_size"], r["new_tokens"], r["context_tokens"])
+            for r in map(json.loads, (run_dir / "steps.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("pool", [("cache.capacity_tokens=1000",),
+                                  ("cache.capacity_tokens=130", "scheduler.clip_max_new_tokens=1")],
+                         ids=["roomy", "evicting"])
+def test_replaying_an_engine_runs_recorded_acceptance_makes_its_steps_and_accepts_exactly(
+        tmp_path, pool):
+    """The engine generating with n-gram drafts records each request's accepted drafts per
+    verification step (requests.jsonl ``spec_accepted``); the simulator replaying its outputs
+    with ``acceptance=recorded`` takes them back step by step: the same steps, the same
+    acceptances, request for request (all at t=0 on one KV pool: timing decides nothing)."""
+    trace = copying_trace(tmp_path / "t.jsonl")
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    offline = write_trace(tmp_path / "offline.jsonl", [r | {"arrival_s": 0.0} for r in records])
+    gen, recs = outputs(tmp_path, "gen", "workload=trace", f"workload.path={offline}", *NGRAM,
+                        *pool)
+    engine_dir = tmp_path / "gen" / "run"
+    engine_lines = [json.loads(line) for line in
+                    (engine_dir / "requests.jsonl").read_text().splitlines()]
+    accepted = {r["id"]: r["spec_accepted"] for r in engine_lines}
+    assert sum(map(sum, accepted.values())) == gen["spec_accepted"] > 0
+    replay = write_trace(tmp_path / "replay.jsonl", [
+        {"id": r["id"], "prompt": r["prompt_ids"], "output": r["output_ids"], "arrival_s": 0.0}
+        for r in engine_lines])
+    for path in (engine_dir, engine_dir / "requests.jsonl"):
+        sim, sim_recs = run(tmp_path / "sim", "backend=sim", "model=tiny", "workload=trace",
+                            f"workload.path={replay}", *NGRAM, *pool,
+                            "speculative.acceptance=recorded",
+                            f"speculative.acceptance_path={path}")
+        assert {r["id"]: r["spec_accepted"] for r in sim_recs} == accepted
+        assert step_rows(tmp_path / "sim" / "run") == step_rows(engine_dir)
+        keys = ("spec_drafted", "spec_accepted", "spec_verifications", "spec_freed_slots",
+                "decode_steps", "prefill_steps", "output_tokens", "preemptions")
+        assert {k: sim[k] for k in keys} == {k: gen[k] for k in keys}
+    # another run's requests, or a run without speculation: refused in one line
+    plain, _ = outputs(tmp_path, "plain", "workload=trace", f"workload.path={offline}")
+    for path, message in ((tmp_path / "plain" / "run", "has no spec_accepted"),
+                          (tmp_path / "nowhere", "no such run directory")):
+        with pytest.raises(BadInput, match="speculative.acceptance_path: .*" + message):
+            run(tmp_path / "bad", "backend=sim", "model=tiny", "workload=trace",
+                f"workload.path={replay}", *NGRAM, "speculative.acceptance=recorded",
+                f"speculative.acceptance_path={path}")
+    other = write_trace(tmp_path / "other.jsonl", [
+        {"id": "x" + r["id"], "prompt": r["prompt_ids"], "output": r["output_ids"]}
+        for r in engine_lines])
+    with pytest.raises(BadInput, match=r"speculative.acceptance_path: 6 of the workload's "
+                                       r"requests are not in .*\(first: 'xq0'\)"):
+        run(tmp_path / "bad", "backend=sim", "model=tiny", "workload=trace",
+            f"workload.path={other}", *NGRAM, "speculative.acceptance=recorded",
+            f"speculative.acceptance_path={engine_dir}")
 
 
 def test_greedy_acceptance_takes_drafts_up_to_the_first_mismatch_then_the_bonus():

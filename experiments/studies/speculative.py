@@ -12,8 +12,10 @@
   and whether every output equals plain decoding's, token for token.
 - **simulator against engine**: the plain and k=4 copy_text runs' outputs replayed as token
   traces through the simulator with the shipped fitted model (``cost_model=fitted_smollm2_cpu``,
-  as ``sim_vs_engine --real`` calibrated it; ``speculative.acceptance=exact``): makespan, TPOT
-  p50, decode steps and accepted drafts against the engine's, and the speed-up each predicts.
+  as ``sim_vs_engine --real`` calibrated it, and ``--fitted``'s; ``speculative.acceptance=recorded``:
+  the engine run's accepted drafts, step by step): makespan, TPOT p50, decode steps and accepted
+  drafts against the engine's, and the speed-up each predicts (``--only-sim-check``: these runs
+  and replays alone).
 - **caches** (simulated, Llama-2-7B on an A10G, the defaults): tree-of-thought and
   self-consistency on radix page 1 and block_hash 16, plain and n-gram k=4 with a geometric
   acceptance of 0.7 (the workloads' tokens are random: nothing to look up for real): hit rate,
@@ -22,6 +24,7 @@
 Writes ``engine.csv``, ``caches.csv`` and ``sim_vs_engine.csv`` to ``--out``.
 
     python -m experiments.studies.speculative --out docs/results/speculative
+    python -m experiments.studies.speculative --only-sim-check --fitted FIT --out DIR
 """
 
 from __future__ import annotations
@@ -61,12 +64,19 @@ def spec_fields(s: dict) -> dict:
             "freed_slots": s.get("spec_freed_slots")}
 
 
-def engine_study(work: Path, repeats: int) -> tuple[list[dict], dict]:
+#: ``--only-sim-check``: the runs the simulator is checked against, and nothing else
+SIM_CHECK = ("plain", "ngram k=4")
+
+
+def engine_study(work: Path, repeats: int, labels: tuple[str, ...] = tuple(SPEC),
+                 workloads: tuple[str, ...] = tuple(WORKLOADS)) -> tuple[list[dict], dict]:
     rows, kept = [], {}
-    for wname, wl in WORKLOADS.items():
+    for wname in workloads:
+        wl = WORKLOADS[wname]
         best: dict[str, tuple[dict, list[dict]]] = {}
         for rep in range(repeats):
-            for label, spec in SPEC.items():  # interleaved: noise hits every label alike
+            for label in labels:  # interleaved: noise hits every label alike
+                spec = SPEC[label]
                 s, recs = run(work, f"{wname}_{label.replace(' ', '').replace('=', '')}_{rep}",
                               [*ENGINE, *wl, *spec])
                 if label not in best or s["makespan_s"] < best[label][0]["makespan_s"]:
@@ -88,11 +98,18 @@ def engine_study(work: Path, repeats: int) -> tuple[list[dict], dict]:
 
 def sim_replay(work: Path, name: str, records: list[dict], spec: list[str],
                fitted: list[str]) -> dict:
-    """An engine run's outputs replayed through the simulator with a fitted CPU model."""
+    """An engine run's outputs replayed through the simulator with a fitted CPU model; with
+    speculation, its accepted drafts too, step by step (``speculative.acceptance=recorded``
+    from the run's requests.jsonl lines)."""
     trace = work / f"{name}.jsonl"
     trace.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt_ids"],
                                          "output": r["output_ids"], "arrival_s": 0.0}) + "\n"
                              for r in records))
+    if spec:
+        recorded = work / f"{name}.requests.jsonl"
+        recorded.write_text("".join(json.dumps(r) + "\n" for r in records))
+        spec = [*spec, "speculative.acceptance=recorded",
+                f"speculative.acceptance_path={recorded}"]
     return run(work, name, ["backend=sim", "model=smollm2_135m", "hardware=cpu", *fitted,
                             "engine.attention=torch",
                             "workload=trace", f"workload.path={trace}",
@@ -166,15 +183,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--fitted", type=Path, help="also predict with this cost_model.yaml (a fresh "
                     "`python -m experiments.validation.sim_vs_engine --real` fit)")
+    ap.add_argument("--only-sim-check", action="store_true", help="only the copy_text runs the "
+                    "simulator is checked against (plain and ngram k=4) and their replays: "
+                    "writes sim_vs_engine.csv and nothing else")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
-        write_csv(args.out / "caches.csv", cache_study(work))
-        if args.skip_engine:
-            return
-        rows, kept = engine_study(work, args.repeats)
-        write_csv(args.out / "engine.csv", rows)
+        if args.only_sim_check:
+            _, kept = engine_study(work, args.repeats, SIM_CHECK, ("copy_text",))
+        else:
+            write_csv(args.out / "caches.csv", cache_study(work))
+            if args.skip_engine:
+                return
+            rows, kept = engine_study(work, args.repeats)
+            write_csv(args.out / "engine.csv", rows)
         versus = sim_vs_engine(work, kept["copy_text"])
         if args.fitted:
             versus += sim_vs_engine(work, kept["copy_text"], args.fitted)

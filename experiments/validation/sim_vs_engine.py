@@ -114,7 +114,11 @@ REAL = {
              # tokens, 80% shared): re-read KV costs what the cache it sits in costs, and a
              # batch whose KV outgrows the CPU's L2 (16 x 512 with 448 shared: 2.3 MB a layer)
              # re-reads from a slower one, which one h cannot price beside these
-             "calibrate.decode_shared=true", "calibrate.decode_shared_context=[256,384]"],
+             "calibrate.decode_shared=true", "calibrate.decode_shared_context=[256,384]",
+             # speculative verification steps (k = 1, 2, 3, 4, 8 drafts a request, batches of up
+             # to 4, at the decode contexts): a copy_text run's n-gram k=4 steps, 2-5 queries
+             # with every query's logits, priced as 16-row prefills without them (+18%)
+             "calibrate.verify_new=[2,3,4,5,9]", "calibrate.verify_batch=[1,2,4]"],
     "rounds": 4,
     "warm_workloads": False,  # steps of 0.1-10 s: the warm-up grid pass is enough (a served
     #                           warm-up round would cost as much as a round)
@@ -277,8 +281,8 @@ def main() -> None:
         meta = {**engine_meta(engine, model, hw), "slot_layout": layout}
         cal = fit_and_write(median_times(steps, grid_times), meta, floor, args.out / "calibration",
                             row_knots=knots)
-        print(f"calibrated: MAPE on the grid prefill {cal['mape']['prefill']:.1%}, "
-              f"decode {cal['mape']['decode']:.1%}")
+        print("calibrated: MAPE on the grid " + ", ".join(
+            f"{kind} {e:.1%}" for kind, e in cal["mape"].items()))
         args.fitted = args.out / "calibration" / "cost_model.yaml"
     fitted = fitted_model(args.fitted.resolve())
     # the host's time per step, fitted on every round's run of HOST; a CPU engine is synchronous
@@ -309,7 +313,7 @@ def main() -> None:
               "overlap": args.overlap, "host": host.to_config(),
               "held_back": {},
               "grid": [{"new": list(s.new), "context": list(s.context), "reread": s.reread,
-                        "times_s": list(t)}
+                        **({"verify": True} if s.verify else {}), "times_s": list(t)}
                        for s, t in zip(steps, zip(*grid_times))] if grid_times else []}
     print(f"\n{'workload':<17}{'steps':>6}{'step MAPE':>10}{'makespan':>10}{'paired':>9}"
           f"{'req/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'e2e p50':>9}")

@@ -54,6 +54,9 @@ class Req:
     aborted: bool = False
     max_new_tokens: int = -1  # set from the request: its output's length, or its max_new_tokens
     stop_token_ids: frozenset[int] = frozenset()  # a generated one of these ends it (EOS)
+    #: speculative decoding: the drafts it accepted at each of its verification steps, in order
+    #: (None: it never verified); requests.jsonl ``spec_accepted``
+    spec_accepted: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.max_new_tokens = self.request.output_limit

@@ -128,6 +128,9 @@ class SpecSteps:
                 break
         s.produced += taken
         s.accepted += taken - 1
+        if req.spec_accepted is None:
+            req.spec_accepted = []
+        req.spec_accepted.append(taken - 1)  # what `testbed.sim.acceptance` replays
         s.freed_slots += len(draft) + 1 - taken
         if entry.branches is not None:  # the accepted branch's slots right after the root
             self.stats.other_branch += bool(taken > 1 and path[0] != 0)

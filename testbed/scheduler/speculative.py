@@ -13,7 +13,9 @@ self-speculative draft model, run by the engine: `testbed.engine.draft_model`; t
 takes room for ``num_tokens`` placeholder drafts a step, which the engine fills).
 ``acceptance`` is the simulator's: ``exact`` compares the drafts with the workload's output (what
 the engine accepts when it replays that output), ``geometric`` accepts each draft with
-probability ``accept_rate`` until the first rejection (a configured distribution).
+probability ``accept_rate`` until the first rejection (a configured distribution), ``recorded``
+replays the accepted counts a run recorded (``acceptance_path``: its directory or its
+``requests.jsonl``), request by request, step by step (`testbed.sim.acceptance`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from testbed.group_values import check_setting
 from testbed.scheduler.ngram import NO_DRAFT, ngram_branches, ngram_draft
 
 METHODS = ("none", "ngram", "draft")
-ACCEPTANCE = ("exact", "geometric")
+ACCEPTANCE = ("exact", "geometric", "recorded")
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,9 @@ class SpeculativeConfig:
     tree_width: int = 1  # branches of the token tree under the last token (1: a chain)
     ngram_min: int = 1  # prompt lookup: the shortest suffix matched
     ngram_max: int = 3  # ... and the longest (tried first)
-    acceptance: str = "exact"  # the simulator's: exact | geometric
+    acceptance: str = "exact"  # the simulator's: exact | geometric | recorded
     accept_rate: float = 0.7  # geometric: each draft accepted with this probability
+    acceptance_path: str | None = None  # recorded: a speculative run's directory or requests.jsonl
     draft_layers: int = 8  # draft: the served model's first layers that draft
 
     @property
@@ -72,6 +75,12 @@ class SpeculativeConfig:
         if self.ngram_max < self.ngram_min:
             raise BadInput(f"speculative.ngram_max ({self.ngram_max}) must be >= "
                            f"speculative.ngram_min ({self.ngram_min})")
+        if self.acceptance == "recorded" and not self.acceptance_path:
+            raise BadInput("speculative.acceptance=recorded needs speculative.acceptance_path (a "
+                           "speculative run's directory or its requests.jsonl)")
+        if self.acceptance_path is not None and not isinstance(self.acceptance_path, str):
+            raise BadInput(f"speculative.acceptance_path must be a path, got "
+                           f"{self.acceptance_path!r}")
         if not 0.0 <= self.accept_rate <= 1.0:
             raise BadInput(f"speculative.accept_rate must be in [0, 1], got {self.accept_rate}")
 

@@ -75,7 +75,7 @@ def launcher(executor: Any) -> Any:
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
                     "dtype", "attention", "cascade_min_saved", "cuda_graph",
                     "cuda_graph_max_batch", "cpu_kernels", "seed", "forced", "temperature", "top_p",
-                    "host_cost", "speculative")
+                    "host_cost", "speculative", "requests")
 EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,
                      what="an executor (execute(Batch) -> StepOutcome)")
 EXECUTORS.register("sim", "testbed.sim.executor:SimExecutor")

@@ -67,8 +67,10 @@ def rebuilds_prompts(requests: list[Request], generate: bool) -> bool:
     return generate or any(r.generates for r in requests)
 
 
-def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRecord]:
-    """One record per request, in submission (arrival) order."""
+def records_of(reqs: list[Req], save_token_ids: bool = False,
+               speculative: bool = False) -> list[RequestRecord]:
+    """One record per request, in submission (arrival) order; ``speculative``: with each
+    request's accepted drafts per verification step (``spec_accepted``, [] where none)."""
     return [RequestRecord(
         id=r.id, program=r.request.program, arrival_s=r.submitted_s,
         first_token_s=r.first_token_s, finish_s=r.finish_s, prompt_tokens=len(r.prompt),
@@ -78,4 +80,5 @@ def records_of(reqs: list[Req], save_token_ids: bool = False) -> list[RequestRec
         aborted=r.aborted,
         prompt_ids=r.prompt.tolist() if save_token_ids else None,
         output_ids=list(r.output) if save_token_ids else None,
+        spec_accepted=list(r.spec_accepted or ()) if speculative else None,
     ) for r in reqs]

@@ -91,8 +91,8 @@ from testbed.registry import Registry
 from testbed.sim.specs import HardwareSpec
 from testbed.sim.step_shape import StepShape, kv_move_bytes  # noqa: F401 (also importable here)
 from testbed.sim.fitted import (  # noqa: F401 (the fitted model's names, importable here too)
-    COEFFS, KINDS, OPTIONAL_COEFFS, ROW_KEY, FittedCostModel, load_fitted, row_table, row_weights,
-    save_fitted,
+    COEFFS, KINDS, OPTIONAL_COEFFS, OPTIONAL_KINDS, ROW_KEY, FittedCostModel, load_fitted,
+    row_table, row_weights, save_fitted,
 )
 
 #: Defaults of the roofline model, fitted to Vidur's A100 profile (CodeLlama-34B, TP2; above).

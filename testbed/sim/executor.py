@@ -47,18 +47,24 @@ class SimExecutor:
     ``scheduler.overlap`` the host's work hides behind the device's.
 
     ``speculative``: the run's ``speculative`` block; its ``acceptance`` decides what a
-    verification step accepts (`testbed.sim.acceptance`), drawn from ``seed``. A verification
+    verification step accepts (`testbed.sim.acceptance`), drawn from ``seed``; with
+    ``recorded``, from the run it names, whose request ids ``requests`` (the workload's, where
+    given) must all be in. A verification
     step is priced as what it is, each request's last token and drafts (q tokens) against its
-    context.
+    context, with every query's logits (`StepShape.verify`: a fitted model's ``verify``
+    coefficients where it has them).
     """
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
                  cascade_min_saved: int = 0, host_cost: HostCost | None = None,
-                 speculative: Any = None, seed: int = 0) -> None:
+                 speculative: Any = None, seed: int = 0, requests: Any = None) -> None:
         self.cost_model = cost_model
         self.host_cost = host_cost or HostCost()
-        self.acceptance = Acceptance(speculative.acceptance, speculative.accept_rate, seed) \
-            if speculative is not None else Acceptance()
+        self.acceptance = Acceptance(speculative.acceptance, speculative.accept_rate, seed,
+                                     getattr(speculative, "acceptance_path", None)) \
+            if speculative is not None and speculative.active else Acceptance()
+        if requests is not None:
+            self.acceptance.check_requests(r.id for r in requests)
         self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
         self.shared_reads = SharedReads() if self.groups is None and getattr(
             cost_model, "prices_rereads", False) else None
@@ -90,7 +96,8 @@ class SimExecutor:
             step = reuse_shape(batch)
         else:
             reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
-            step = StepShape(new=new, context=context, shared=shared, reread=reread)
+            step = StepShape(new=new, context=context, shared=shared, reread=reread,
+                             verify=batch.verifies)
         if self.reach is not None:
             self.reach.add(step)
         if step.is_decode:

@@ -1,8 +1,9 @@
 """Fitting the simulator's step-time model to measured steps.
 
 The fitted form (docs/design.md §6) is ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext
-+ f·batch·max(context) + g·few_row_passes`` per step kind (decode, prefill; ``f``'s term is 0 in a
-prefill), with non-negative coefficients: each term is a cost that can only add time.
++ f·batch·max(context) + g·few_row_passes`` per step kind (decode, prefill, and where measured
+verify: a speculative verification, `StepShape.verify`; ``f``'s term is 0 but in a decode), with
+non-negative coefficients: each term is a cost that can only add time.
 ``Σcontext`` is the cached KV a step reads (`StepShape.kv_read_context`: a cascade group's shared
 prefix once), the same term `FittedCostModel.predict` multiplies.
 The ``new·context`` term counts every query–key pair a new token attends, the causal triangle of
@@ -32,14 +33,14 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from testbed.sim.cost_model import COEFFS, KINDS, row_weights
+from testbed.sim.cost_model import COEFFS, KINDS, OPTIONAL_KINDS, row_weights
 from testbed.sim.step_shape import StepShape
 
 
 #: the terms a row table stands in for, per kind: a step's fixed and per-row costs; in a decode
 #: (one new token a request) the batch is the rows and the attended pairs are Σcontext plus the
 #: batch, which ``e`` and the table then hold, and the per-row passes are the table's to price
-TABLED = {"decode": ("a", "b", "c", "d", "g"), "prefill": ("a", "b")}
+TABLED = {"decode": ("a", "b", "c", "d", "g"), "prefill": ("a", "b"), "verify": ("a", "b")}
 
 
 def features(step: StepShape, knots: Sequence[int] = ()) -> np.ndarray:
@@ -84,14 +85,18 @@ def fit_coefficients(samples: Iterable[tuple[StepShape, float]], relative: bool 
     prefills), or on absolute time (``relative=False``: a makespan is a sum of step times).
     Coefficients named in ``exclude`` are held at 0 (a term the measured system is known not to
     have, which the data alone would confound with another). ``row_knots``: per kind, the row
-    counts to fit a cost of their own (``n<K>``) in place of the `TABLED` terms."""
+    counts to fit a cost of their own (``n<K>``) in place of the `TABLED` terms. Speculative
+    verification steps (`StepShape.verify`), where there are any, get coefficients of their own
+    (``verify``); without them the fit has none (`FittedCostModel` then prices them as
+    prefills)."""
     excluded = set(exclude)
-    knots = {kind: sorted(set((row_knots or {}).get(kind, ()))) for kind in KINDS}
+    knots = {kind: sorted(set((row_knots or {}).get(kind, ())))
+             for kind in KINDS + tuple(OPTIONAL_KINDS)}
     if any(k < 1 for ks in knots.values() for k in ks):
         raise ValueError(f"row_knots must be row counts >= 1, got {row_knots}")
     by_kind: dict[str, list[tuple[np.ndarray, float]]] = {kind: [] for kind in KINDS}
     for step, seconds in samples:
-        by_kind[step.kind].append((features(step, knots[step.kind]), seconds))
+        by_kind.setdefault(step.kind, []).append((features(step, knots[step.kind]), seconds))
     coeffs = {}
     for kind, rows in by_kind.items():
         if not rows:

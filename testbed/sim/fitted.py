@@ -1,7 +1,8 @@
 """The fitted cost model (`FittedCostModel`) and its file: coefficients measured on one device.
 
 ``a + b·Σnew + c·Σ(new·context) + d·batch + e·Σcontext + f·batch·max(context) + g·few_row_passes
-(+ (h − e)·reread)`` seconds per kind of step (decode / prefill), plus, where a fit measured them,
+(+ (h − e)·reread)`` seconds per kind of step (decode / prefill, and where a fit measured them
+speculative verification steps, ``verify``), plus, where a fit measured them,
 ``n<K>``: the own cost of a step of K rows (`row_weights` between the measured row counts); never
 below the roofline floor (`testbed.sim.cost_model.RooflineCostModel.floor`). `save_fitted` writes
 the YAML file ``python -m testbed.calibrate`` produces (coefficients and ``meta``: what they were
@@ -32,6 +33,11 @@ class FloorModel(Protocol):
 
 
 KINDS = ("decode", "prefill")
+#: kinds a file may leave out, and the kind whose coefficients then price their steps:
+#: ``verify`` (`StepShape.verify`: a speculative verification, every query's logits) came
+#: later; a file without it prices verification steps as prefills of the same shape, as
+#: every fit before it did (the same predictions, to the bit)
+OPTIONAL_KINDS = {"verify": "prefill"}
 COEFFS = ("a", "b", "c", "d", "e", "f", "g", "h")
 #: coefficients a file may leave out, and the value they then take: ``f``, ``g`` and ``h`` came
 #: later, and a file written before them was fitted without them (the same predictions, to the
@@ -96,10 +102,17 @@ class FittedCostModel:
         self.prices_rereads = any(row["h"] != row["e"] for row in self.coeffs.values())
         self.floor_model = floor_model
 
+    def kind_of(self, step: StepShape) -> str:
+        """The coefficient set that prices ``step``: its kind's, or where the fit has none
+        (``verify`` in a file before it), the kind `OPTIONAL_KINDS` names."""
+        kind = step.kind
+        return kind if kind in self.coeffs else OPTIONAL_KINDS[kind]
+
     def predict(self, step: StepShape) -> float:
         """The fitted form alone, without the floor."""
-        k = self.coeffs[step.kind]
-        knots, costs = self.tables[step.kind]
+        kind = self.kind_of(step)
+        k = self.coeffs[kind]
+        knots, costs = self.tables[kind]
         table = sum(c * w for c, w in zip(costs, row_weights(knots, step.num_new))) \
             if knots else 0.0
         return (k["a"] + k["b"] * step.num_new + k["c"] * step.attended_pairs
@@ -115,7 +128,8 @@ class FittedCostModel:
 def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
                 meta: Mapping[str, Any]) -> None:
     """Write fitted coefficients as YAML: ``meta`` (at least ``model`` and ``device``; ``date``
-    is filled in with today's if absent) and ``coeffs: {decode: {a..g}, prefill: {a..g}}``."""
+    is filled in with today's if absent) and ``coeffs: {decode: {a..g}, prefill: {a..g}}`` (and
+    ``verify: {..}`` where fitted)."""
     checked = _check_coeffs(coeffs, where=str(path))
     for key in ("model", "device"):
         if key not in meta:
@@ -129,6 +143,8 @@ def save_fitted(path: str | Path, coeffs: Mapping[str, Mapping[str, float]],
               "#     + nK for a step of K rows, sum(new), where fitted (linear between the K\n"
               "#       measured, nK*rows/K beyond the largest; the terms it stands for are 0)\n"
               "#     + (h - e)*reread (KV read again after another request read it; h = e if absent),\n"
+              "# per kind: decode (one new token a request), prefill, and verify (speculative\n"
+              "#   verification: every query's logits; absent, priced as prefill),\n"
               "# where\n"
               "# attended pairs = sum new*(context + (new+1)/2)\n")
     Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
@@ -160,7 +176,11 @@ def _check_coeffs(coeffs: Any, where: str, error: type[ValueError] = ValueError
     if not isinstance(coeffs, Mapping):
         raise error(f"{where}: coeffs must be a mapping of {', '.join(KINDS)}")
     out: dict[str, dict[str, float]] = {}
-    for kind in KINDS:
+    unknown = sorted(map(str, set(coeffs) - set(KINDS) - set(OPTIONAL_KINDS)))
+    if unknown:
+        raise error(f"{where}: unknown coeffs kind {unknown[0]!r} (allowed: "
+                    f"{', '.join(KINDS + tuple(OPTIONAL_KINDS))})")
+    for kind in KINDS + tuple(k for k in OPTIONAL_KINDS if k in coeffs):
         if kind not in coeffs:
             raise error(f"{where}: missing coeffs.{kind} (need {', '.join(KINDS)})")
         row = coeffs[kind]

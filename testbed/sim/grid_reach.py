@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from testbed.sim.fitted import OPTIONAL_KINDS
 from testbed.sim.step_shape import StepShape
 
 #: per step kind, what is measured of a step and how it is named in a warning
@@ -20,7 +21,9 @@ DIMENSIONS = {"batch": "batch sizes", "rows": "new tokens (rows)", "context": "c
 #: the calibrate key that sets each dimension's values, per kind
 GRID_KEYS = {("prefill", "batch"): "prefill_batch", ("prefill", "rows"): "prefill_new",
              ("prefill", "context"): "prefill_context", ("decode", "batch"): "decode_batch",
-             ("decode", "rows"): "decode_batch", ("decode", "context"): "decode_context"}
+             ("decode", "rows"): "decode_batch", ("decode", "context"): "decode_context",
+             ("verify", "batch"): "verify_batch", ("verify", "rows"): "verify_new",
+             ("verify", "context"): "decode_context"}
 
 
 def measures(step: StepShape) -> dict[str, int]:
@@ -55,7 +58,10 @@ class GridReach:
 
     def add(self, step: StepShape) -> None:
         self.steps += 1
-        extent = self.grid.get(step.kind)
+        kind = step.kind  # a fit without verify steps priced them as prefills: against those
+        if kind not in self.grid:
+            kind = OPTIONAL_KINDS.get(kind, kind)
+        extent = self.grid.get(kind)
         if not extent:
             return
         out = False
@@ -65,8 +71,8 @@ class GridReach:
                 lo = value
             if value < lo or value > hi:
                 out = True
-                least, most = self.beyond.get((step.kind, dim), (value, value))
-                self.beyond[(step.kind, dim)] = (min(least, value), max(most, value))
+                least, most = self.beyond.get((kind, dim), (value, value))
+                self.beyond[(kind, dim)] = (min(least, value), max(most, value))
         self.outside += out
 
     def warning(self) -> str | None:

@@ -30,6 +30,11 @@ class StepShape:
     A member then reads its own suffix, ``context + 1 - P`` tokens, and the step reads
     ``kv_read_context = Σcontext − Σ(members − 1)·P`` cached tokens instead of ``Σcontext``.
 
+    ``verify`` (speculative decoding): the step verifies drafts, and the engine computes the
+    logits of every query it runs, not only each request's last (`testbed.engine.verify`): a
+    step of more than one new token for some request is then of kind ``verify``, not
+    ``prefill`` (one with a new token a request is a decode step either way).
+
     ``reread`` (decode steps without cascade): of those, the cached tokens a request reads after
     another request of the batch read the same KV: every cached slot once per request that reads
     it after the first (`testbed.scheduler.decode_groups.SharedReads`; for one prefix of ``P``
@@ -51,6 +56,7 @@ class StepShape:
     rotated: int = 0  # tokens of reused spans: donor KV copied in, keys re-rotated
     copied: int = 0  # tokens of chunk stores: KV copied (and de-rotated) out
     reread: int = 0  # decode without cascade: cached tokens read again after another request
+    verify: bool = False  # speculative verification: every query's logits (kind ``verify``)
 
     def __post_init__(self) -> None:
         if min(self.rotated, self.copied) < 0:
@@ -100,6 +106,17 @@ class StepShape:
         """A decode step: one new token per request."""
         return cls(new=(1,) * len(contexts), context=tuple(contexts), shared=shared,
                    reread=reread)
+
+    @classmethod
+    def verification(cls, queries: tuple[int, ...] | list[int],
+                     contexts: tuple[int, ...] | list[int]) -> StepShape:
+        """A speculative verification step: request ``i``'s last token and its drafts,
+        ``queries[i]`` tokens, on top of ``contexts[i]``.
+
+        >>> StepShape.verification((5,), (300,)).kind
+        'verify'
+        """
+        return cls(new=tuple(queries), context=tuple(contexts), verify=True)
 
     @property
     def batch(self) -> int:
@@ -169,7 +186,9 @@ class StepShape:
 
     @property
     def kind(self) -> str:
-        return "decode" if self.is_decode else "prefill"
+        """``decode`` (one new token a request), ``verify`` (a speculative verification of
+        drafts: every query's logits) or ``prefill`` (the rest)."""
+        return "decode" if self.is_decode else "verify" if self.verify else "prefill"
 
 
 def kv_move_bytes(model: ModelShape, step: StepShape) -> float:
