@@ -287,3 +287,29 @@ def test_peek_counts_a_hit_and_its_blocks_in_the_free_queue_without_touching_any
     free = cache.free_blocks
     assert cache.peek(prompt) == (12, 3) and cache.peek(prompt, limit=5) == (4, 1)
     assert cache.free_blocks == free == 10 and cache.protected_size == 0
+
+
+def test_unkeyed_blocks_freed_together_go_to_the_head_the_last_block_first():
+    # vLLM's BlockPool.free_blocks: the request's blocks, last first, unhashed ones prepended to
+    # the free queue as one list (FreeKVCacheBlockQueue.prepend_n), so its last block is reused
+    # first, then the one before it
+    cache = BlockHashCache(16, block_size=4)
+    lease = cache.acquire(toks(1))
+    cache.extend(lease, 10)  # blocks 0, 1, 2
+    cache.release(lease, toks(*range(1, 11)), insert=False)
+    assert cache._free.blocks() == [2, 1, 0, 3]
+
+
+def test_rewind_keeps_the_blocks_past_the_kept_tokens_and_the_next_extend_reuses_them():
+    cache = BlockHashCache(16, block_size=4)
+    lease = cache.acquire(toks(1, 2, 3, 4, 5))
+    cache.extend(lease, 9)  # 9 tokens: blocks 0, 1, 2
+    cache.commit(lease, toks(1, 2, 3, 4, 5, 6))  # block 0 keyed
+    cache.rewind(lease, 6)
+    assert lease.num_tokens == 6 and cache.free_blocks == 1
+    assert cache.extension_cost(lease, 6) == 0
+    cache.extend(lease, 6)  # 12 tokens still fit its 3 blocks
+    assert cache.free_blocks == 1
+    with pytest.raises(ValueError):
+        cache.rewind(lease, 3)  # inside the keyed block
+    cache.check_invariants([lease])

@@ -19,6 +19,7 @@ from testbed.scheduler.vllm_config import VllmSchedulerConfig
 from testbed.sim.executor import predetermined_tokens
 from testbed.workloads.request import TOKEN_DTYPE, Request
 from testbed.workloads.traces import save_tokens
+from tests.conftest import toks
 
 
 def request(rid: str, prompt, out: int = 2, arrival_s: float = 0.0) -> Request:
@@ -278,3 +279,54 @@ def test_the_engine_runs_mixed_steps_and_generates_what_it_generates_under_sglan
     steps = [json.loads(x) for x in (tmp_path / "vllm" / "steps.jsonl").read_text().splitlines()]
     assert any(s["kind"] == "prefill" and 0 < s["admitted"] < s["batch_size"] for s in steps)
     assert outputs["vllm"] == outputs["fcfs"] and all(outputs["vllm"].values())
+
+
+# ------------------------------------------------------------------ speculative decoding
+def spec_scheduler(drafts: dict[int, list[int]], blocks: int = 4, k: int = 3) -> VllmScheduler:
+    """A ``scheduler=vllm`` with drafts: ``drafts[n]`` is what a request drafts after its n-th
+    output token (none where absent)."""
+    from testbed.scheduler.speculative import SpeculativeConfig
+    cache = BlockHashCache(blocks * 4, 4)
+    s = VllmScheduler(cache, VllmSchedulerConfig(), check_invariants=True,
+                      speculative=SpeculativeConfig(method="ngram", num_tokens=k))
+    s.spec.drafts = lambda reqs: [(np.asarray(drafts.get(len(r.output), []), TOKEN_DTYPE), None)
+                                  for r in reqs]
+    return s
+
+
+def test_drafts_take_blocks_but_only_blocks_full_of_verified_tokens_get_a_hash():
+    # prompt 1..5, output 6..13; B = 4. After output 6 it drafts 7, 8, 0 (accepts 2); after
+    # output 9 it drafts 10, 11, 12 (accepts all, and finishes with the bonus 13)
+    s = spec_scheduler({1: [7, 8, 0], 4: [10, 11, 12]})
+    cache = s.cache
+    s.submit(Request("r", toks(1, 2, 3, 4, 5), toks(*range(6, 14))), 0.0)
+    drafts, hashed, free = [], [], []
+    while s.has_work:
+        batch = s.next_batch(0.0)
+        drafts.append([(e.req.id, e.context, e.new, None if e.draft is None else e.draft.tolist())
+                       for e in batch.entries])
+        s.complete(batch, predetermined_tokens(batch), 0.0)
+        hashed.append(np.flatnonzero(cache._keyed[: cache.num_blocks]).tolist())
+        free.append(cache.free_blocks)
+    assert drafts == [[("r", 0, 5, None)], [("r", 5, 4, [7, 8, 0])], [("r", 8, 4, [10, 11, 12])]]
+    # step 1: block 1 (5, 6, 7, 8) fills with verified tokens only when its results apply; it is
+    # hashed at the next allocate_slots (step 2). Step 2's accepted drafts fill block 2
+    # (9, 10, 11, 12), but the request finishes: vLLM's _free_request hashes nothing
+    assert hashed == [[0], [0], [0, 1]]
+    # the rejected draft's block stays the request's (3 blocks held after step 1), all come back
+    # at the finish: the unhashed block 2 to the head, the hashed ones to the tail, last first
+    assert free == [2, 1, 4]
+    assert cache._free.blocks() == [2, 3, 1, 0]
+    s.check_drained()
+
+
+def test_a_budget_that_cuts_a_requests_tokens_cuts_its_drafts_first():
+    from testbed.scheduler.speculative import SpeculativeConfig
+    cache = BlockHashCache(64, 4)
+    s = VllmScheduler(cache, VllmSchedulerConfig(max_num_batched_tokens=3),
+                      check_invariants=True, speculative=SpeculativeConfig(method="ngram"))
+    s.spec.drafts = lambda reqs: [(np.asarray([7, 8, 9, 10], TOKEN_DTYPE), None) for _ in reqs]
+    s.submit(Request("r", toks(1, 2), toks(6, 7, 8, 9, 10, 11)), 0.0)
+    s.complete(s.next_batch(0.0), [6], 0.0)
+    (entry,) = s.next_batch(0.0).entries
+    assert (entry.context, entry.new, entry.draft.tolist()) == (2, 3, [7, 8])

@@ -175,26 +175,41 @@ def compare(ours: Trace, theirs: Trace) -> str | None:
     return None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def check_args(doc: str, cases: int) -> argparse.Namespace:
+    """A differential check's options (``cases`` random cases by default, 100 with --quick)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE,
                     help=f"where the wheel and its few dependencies are kept (default {DEFAULT_CACHE})")
-    ap.add_argument("--quick", action="store_true", help="100 cases instead of 300")
-    ap.add_argument("--cases", type=int, help="number of random cases (default 300; 100 quick)")
+    ap.add_argument("--quick", action="store_true", help=f"100 cases instead of {cases}")
+    ap.add_argument("--cases", type=int, help=f"number of random cases (default {cases}; 100 quick)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=5, help="disagreements to print in detail")
     args = ap.parse_args()
+    args.cases = args.cases or (100 if args.quick else cases)
+    return args
+
+
+def load_wheel(cache_dir: Path):
+    """vLLM's classes from the wheel (`vllm_wheel`), or None (said on stderr) when it cannot be
+    had."""
     try:
-        v = vllm_wheel.load(vllm_wheel.fetch(args.cache_dir.expanduser()))
+        return vllm_wheel.load(vllm_wheel.fetch(cache_dir.expanduser()))
     except Exception as e:  # no network, no wheel
-        print(f"cannot get vLLM {vllm_wheel.VERSION} into {args.cache_dir}: {e}", file=sys.stderr)
+        print(f"cannot get vLLM {vllm_wheel.VERSION} into {cache_dir}: {e}", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    args = check_args(__doc__, 300)
+    v = load_wheel(args.cache_dir)
+    if v is None:
         return 2
     print(f"vLLM {vllm_wheel.VERSION} from {v.root}: vllm/v1/core/sched/scheduler.py (Scheduler) "
           "and its KVCacheManager, BlockPool, Request imported; stand-ins: "
           "vllm.v1.structured_output (its manager accepts every token: no structured output), the "
           "VllmConfig "
           "(experiments/validation/vllm_wheel.py)\n")
-    n = args.cases or (100 if args.quick else 300)
+    n = args.cases
     rng = np.random.default_rng(args.seed)
     start = time.time()
     agree, shown = 0, 0

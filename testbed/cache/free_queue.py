@@ -100,10 +100,11 @@ class FreeBlockQueue:
         return not self._unkeyed and self._keyed_count > 0
 
     def push_unkeyed(self, blocks: list[int], head: bool = True) -> None:
-        """Blocks without a key are freed, one after the other: each to the head (reused next)
-        or to the tail of the unkeyed ones."""
+        """Blocks without a key are freed: to the head (reused next), the first given first, as
+        vLLM's ``FreeKVCacheBlockQueue.prepend_n`` puts them, or to the tail of the unkeyed
+        ones."""
         if head:
-            self._unkeyed.extendleft(blocks)
+            self._unkeyed.extendleft(reversed(blocks))
         else:
             self._unkeyed.extend(blocks)
 

@@ -75,9 +75,13 @@ class SpecStats:
 
 
 class SpecSteps:
-    def __init__(self, config: SpeculativeConfig, cache: PrefixCache) -> None:
+    def __init__(self, config: SpeculativeConfig, cache: PrefixCache,
+                 keep_blocks: bool = False) -> None:
         self.config = config
         self.cache = cache
+        # vLLM's scheduler (`testbed.scheduler.vllm`): a request keeps the blocks of its
+        # rejected drafts (``BlockHashCache.rewind``) instead of freeing them at once
+        self.keep_blocks = keep_blocks
         self.drafter = config.drafter()
         self.branches = config.tree_drafter()
         self.stats = SpecStats()
@@ -137,7 +141,9 @@ class SpecSteps:
             keep = np.concatenate([np.arange(context + 1), context + 1 + path[: taken - 1]])
             self.cache.keep(req.lease, keep.astype(np.int64))
         req.computed = context + taken
-        if not done:  # (a finished request's release frees every slot past its inserted tokens)
+        if not done and self.keep_blocks:
+            self.cache.rewind(req.lease, req.computed)
+        elif not done:  # (a finished request's release frees every slot past its inserted tokens)
             self.cache.truncate(req.lease, req.computed)
         return done
 

@@ -29,6 +29,23 @@ classes beside it.
   scheduled, every block that the request's tokens up to ``computed + new`` fill completely gets
   its chained hash: later requests, even later in the same step, hit it while the first is still
   running. Decoded tokens join as their blocks fill.
+- **Speculative decoding** (``speculative``: the scheduler's drafts, as vLLM's
+  ``spec_token_ids``). After a step in which a request produced a token (and did not finish),
+  the drafter proposes its drafts from its context (``update_draft_token_ids``); they stay the
+  request's until it is next scheduled (then they are cleared, scheduled or not) or preempted
+  (cleared). A running request with drafts wants ``fill − computed + |d|`` tokens, capped like
+  any other (``long_prefill_token_threshold``, the budget); the drafts scheduled are the first
+  ``computed + new − fill`` of them (none when the cap leaves only the last token: a plain
+  decode). ``allocate_slots`` takes blocks for all ``new`` tokens and hashes only blocks full of
+  *verified* tokens (it caches up to ``min(computed + new, request.num_tokens)``: the fill, never
+  a draft). Results: ``computed`` rolls back by the rejected drafts and the verified tokens are
+  appended one by one (a finish ends the request there); the request keeps the blocks of its
+  rejected drafts (``BlockHashCache.rewind``), which its next step fills again. A block that its
+  accepted drafts fill is hashed at the request's next ``allocate_slots``, and never if it
+  finishes first (``_free_request`` hashes nothing). vLLM's CUDA-graph padding of a waiting
+  request's one-token admission to ``1 + num_speculative_tokens`` is not modelled. Runs refuse
+  ``speculative`` with this scheduler (`check_speculative`); the drafts are checked against
+  vLLM's own scheduler by `experiments/validation/vllm_spec_blocks.py`.
 - **Results** (``update_from_output``). An entry whose tokens reach the end of its fill produces a
   token; a request that reaches ``max_new_tokens`` (or a stop token) is freed at once, in the
   step's order (``_free_request``): its hashed blocks to the free queue's tail, the unhashed last
@@ -36,13 +53,15 @@ classes beside it.
 
 Beyond vLLM: a request whose KV (``prompt + max_new − 1``) could never fit the pool is aborted at
 submission, as with the SGLang scheduler (vLLM checks only ``max_model_len``). Not modelled:
-async scheduling, speculative decoding, priorities, KV connectors, encoder inputs,
+async scheduling, priorities, KV connectors, encoder inputs,
 ``max_model_len``, the watermark (0 by default).
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 from typing import Collection
 
 from testbed.cache.base import Lease
@@ -51,6 +70,8 @@ from testbed.errors import BadInput, WorkloadRefused
 from testbed.scheduler.decode_groups import DecodeGroups, attach_groups
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
+from testbed.scheduler.spec_steps import SpecSteps
+from testbed.scheduler.speculative import SpeculativeConfig
 from testbed.scheduler.vllm_config import VllmSchedulerConfig
 from testbed.workloads.request import Request
 
@@ -58,7 +79,8 @@ from testbed.workloads.request import Request
 class VllmScheduler:
     def __init__(self, cache: BlockHashCache, config: VllmSchedulerConfig | None = None,
                  eos_token_ids: Collection[int] = (), eos_for_all: bool = False,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if not isinstance(cache, BlockHashCache):
             raise BadInput(f"scheduler=vllm needs cache=block_hash, got cache={cache.name}")
         self.cache = cache
@@ -74,6 +96,9 @@ class VllmScheduler:
         self.loading: list[Req] = []  # no lower tiers: nothing is ever loaded back
         self.tier_hits: dict = {}
         self._seq = 0
+        self.spec = SpecSteps(speculative, cache, keep_blocks=True) \
+            if speculative is not None and speculative.active else None
+        self._drafts: dict[int, np.ndarray] = {}  # id(req) -> its drafts (vLLM's spec_token_ids)
 
     # ------------------------------------------------------------------ requests in
     def submit(self, request: Request, now: float, prompt=None) -> Req:
@@ -123,7 +148,9 @@ class VllmScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            new = self._chunk(req.fill_len - req.computed, threshold, budget)
+            draft = self._drafts.pop(id(req), None)  # cleared once scheduled (or not)
+            want = req.fill_len - req.computed + (0 if draft is None else len(draft))
+            new = self._chunk(want, threshold, budget)
             while not self._allocate(req, new):
                 victim = self.running.pop()  # FCFS: the last running request
                 self._preempt(victim)
@@ -132,8 +159,11 @@ class VllmScheduler:
                     break
             if req.lease is None:  # it preempted itself: nothing more runs this step
                 break
-            decodes.append(bool(req.output) and new == 1 and req.computed == req.fill_len - 1)
-            entries.append(self._scheduled(req, new))
+            drafted = req.computed + new - req.fill_len
+            verify = draft is not None and drafted > 0
+            decodes.append(bool(req.output) and req.computed == req.fill_len - 1
+                           and (new == 1 or verify))
+            entries.append(self._scheduled(req, new, draft[:drafted] if verify else None))
             entries[-1].decode = decodes[-1]
             budget -= new
             i += 1
@@ -198,11 +228,12 @@ class VllmScheduler:
         self.cache.commit(req.lease, req.fill()[: req.computed + new])
         return True
 
-    def _scheduled(self, req: Req, new: int) -> BatchEntry:
-        """The step's entry for ``req``; its computed tokens advance now
-        (``_update_after_schedule``)."""
+    def _scheduled(self, req: Req, new: int, draft: np.ndarray | None = None) -> BatchEntry:
+        """The step's entry for ``req`` (``draft``: the drafts it verifies); its computed tokens
+        advance now (``_update_after_schedule``)."""
         context = req.computed
-        entry = BatchEntry(req, context, new, produces_token=context + new >= req.fill_len).bind()
+        entry = BatchEntry(req, context, new, produces_token=context + new >= req.fill_len,
+                           draft=draft).bind()
         req.computed += new
         return entry
 
@@ -211,6 +242,7 @@ class VllmScheduler:
         the queue."""
         self.cache.release(req.lease, req.fill(), insert=False)
         req.lease, req.computed = None, 0
+        self._drafts.pop(id(req), None)
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -224,9 +256,15 @@ class VllmScheduler:
             req = entry.req
             if req.finished or entry.gen != req.preemptions or not entry.produces_token:
                 continue
-            if req.take_token(token, now):  # check_stop: its length, or a stop token
+            if entry.draft is not None:  # computed rolls back by the rejected drafts
+                done = self.spec.apply(req, entry, token, now)
+            else:
+                done = req.take_token(token, now)  # check_stop: its length, or a stop token
+            if done:
                 self._finish(req, now)
                 finished.append(req)
+            elif self.spec is not None:  # update_draft_token_ids
+                self._drafts[id(req)] = self.spec.drafts([req])[0][0]
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]  # remove_all
@@ -236,8 +274,10 @@ class VllmScheduler:
 
     def _finish(self, req: Req, now: float) -> None:
         """``_free_request``: its blocks go back; those hashed stay cached (hashed already when
-        they filled, so nothing new is inserted here)."""
-        released = self.cache.release(req.lease, req.fill()[: req.computed], insert=True)
+        they filled, so nothing new is inserted here; with drafts, blocks that accepted drafts
+        filled in the last step stay unhashed: only ``allocate_slots`` hashes)."""
+        committed = req.computed if self.spec is None else req.lease.cached
+        released = self.cache.release(req.lease, req.fill()[:committed], insert=True)
         req.inserted = released.inserted
         req.lease = None
         req.finish_s = now
@@ -254,6 +294,7 @@ class VllmScheduler:
             self._finish(req, now)
         self.running = [r for r in self.running if r is not req]
         self.waiting = deque(r for r in self.waiting if r is not req)
+        self._drafts.pop(id(req), None)
         req.aborted = True
         req.finish_s = now
         return True
