@@ -1,6 +1,7 @@
-"""The engine's CPU kernels (issue 46): oneDNN linear layers on weights prepared once, and the
-decode attention that reads the KV pool in place (a C kernel built once); each equals what it
-replaces, and where it cannot run the engine falls back to torch's and says why."""
+"""The engine's CPU kernels (issue 46): oneDNN linear layers on weights prepared once, the decode
+and prefill attention that read the KV pool in place and the layer's elementwise steps (C
+kernels built once); each equals what it replaces, and where it cannot run the engine falls back
+to torch's and says why."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ import copy
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from experiments.benchmarks.decode_batches import decode_batch
-from testbed.engine import cpu_attention, linear
-from testbed.engine.attention import decode, make_attention
+from testbed.engine import cpu_attention, cpu_layers, linear, native_build
+from radix_kernels import reference
+from testbed.calibrate_grid import batch_on_slots
+from testbed.engine.attention import ExtendLayout, FlatExtend, decode, make_attention
 from testbed.engine.executor import EngineExecutor
+from testbed.engine.layer_kernels import TORCH_KERNELS
 from testbed.engine.loader import build_model, tiny_config
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
 from testbed.engine.runner import ModelRunner
 from testbed.engine_config import EngineConfig
 from testbed.errors import BadInput
+from testbed.sim.step_shape import StepShape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,19 +72,90 @@ def test_in_place_decode_returns_the_log_sum_exp_the_cascade_merges():
                                    rtol=1e-5)
 
 
+def test_in_place_prefill_equals_the_reference_behind_prefixes_with_gqa():
+    """Ragged requests (no prefix, a prefix, one new token, more than a tile of keys) over
+    shuffled slots; the queries are rows of a wider tensor, as the fused projection gives them."""
+    kernel, _ = cpu_attention.load_kernel()
+    g = torch.Generator().manual_seed(3)
+    kb, vb = (torch.randn(400, 2, 32, generator=g) for _ in range(2))
+    qo_lens, kv_lens = [7, 1, 20, 3], [7, 40, 37, 3]
+    wide = torch.randn(sum(qo_lens), 6 * 32 + 96, generator=g)
+    q = wide[:, :6 * 32].view(-1, 6, 32)  # 3 query heads per KV head, token stride 288
+    indices = (torch.randperm(399, generator=g)[:sum(kv_lens)] + 1).int()
+    qo_indptr, kv_indptr = (torch.tensor([0, *lens]).cumsum(0) for lens in (qo_lens, kv_lens))
+    got = kernel.extend(q, kb, vb, qo_indptr, kv_indptr, indices, 0.3)
+    want = reference.extend_attention(q.contiguous(), kb, vb, qo_indptr, kv_indptr, indices, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="fewer keys than new tokens"):
+        kernel.extend(q, kb, vb, qo_indptr, torch.tensor([0, 7, 8, 28, 30]), indices, 0.3)
+
+
+def test_prefill_plans_take_the_kernel_unless_a_token_tree_brings_its_own_mask():
+    kernel, _ = cpu_attention.load_kernel()
+    backend = make_attention("torch", 2, kernel=kernel)
+    meta = AttentionMetadata.build(np.array([3, 2]), np.array([5, 2]),
+                                   np.arange(1, 8, dtype=np.int32), "cpu")
+    assert isinstance(backend.plan(meta), FlatExtend)
+    meta.query_masks = [None, torch.tensor([[True, False], [True, True]])]
+    assert isinstance(backend.plan(meta), ExtendLayout)
+
+
+def test_native_layer_steps_equal_the_torch_references_and_store_only_their_slots():
+    native = cpu_layers.load_layer_kernels()[0]
+    assert native is not None and native.name == "native"
+    g = torch.Generator().manual_seed(4)
+    x, residual, weight = (torch.randn(*shape, generator=g) for shape in ((5, 96), (5, 96), (96,)))
+    for got, want in zip(native.add_rmsnorm(x, residual, weight, 1e-5),
+                         TORCH_KERNELS.add_rmsnorm(x, residual, weight, 1e-5)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(native.add_rmsnorm(x, None, weight, 1e-5)[1], x)
+    gate_up = torch.randn(5, 2 * 48, generator=g) * 8
+    torch.testing.assert_close(native.silu_and_mul(gate_up), TORCH_KERNELS.silu_and_mul(gate_up),
+                               atol=1e-6, rtol=1e-6)
+    heads, kv_heads, dim = 4, 2, 32
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim, generator=g)
+    angle = torch.randn(5, 1, dim // 2, generator=g)
+    cos, sin = torch.cat((angle.cos(),) * 2, -1), torch.cat((-angle.sin(), angle.sin()), -1)
+    slots = torch.tensor([9, 2, 7, 4, 1], dtype=torch.int32)
+    bufs = [torch.zeros(12, kv_heads, dim) for _ in range(4)]
+    q = native.rope_store(qkv, cos, sin, slots, bufs[0], bufs[1], heads, kv_heads)
+    want = TORCH_KERNELS.rope_store(qkv, cos, sin, slots, bufs[2], bufs[3], heads, kv_heads)
+    torch.testing.assert_close(q, want, atol=1e-6, rtol=1e-6)
+    for got, ref in zip(bufs[:2], bufs[2:]):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+        assert set(got.abs().sum((1, 2)).nonzero().flatten().tolist()) == {1, 2, 4, 7, 9}
+
+
+def test_native_kernels_give_the_torch_kernels_logits_on_prefill_steps():
+    """Four requests computing 1 to 19 new tokens, two of them behind a cached prefix."""
+    step = StepShape((5, 19, 1, 8), (0, 12, 30, 0))
+    logits = {}
+    for kernels in ("torch", "native"):
+        runner = ModelRunner(tiny_model(), 128, attention="cascade", cpu_kernels=kernels)
+        assert runner.kernels.name == kernels
+        slots = np.random.default_rng(5).permutation(np.arange(1, 128))
+        own, start = [], 0
+        for new, context in zip(step.new, step.context):
+            own.append(slots[start:start + new + context])
+            start += new + context
+        batch = batch_on_slots(step, own, 256, np.random.default_rng(6))
+        logits[kernels] = runner.run(batch)
+    torch.testing.assert_close(logits["native"], logits["torch"], atol=1e-5, rtol=1e-5)
+
+
 def test_the_kernel_is_built_once_into_the_cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = cpu_attention.build()
+    first = native_build.build()
     assert first.parent == tmp_path / "radix-testbed" / "kernels" and first.exists()
     built = first.stat().st_mtime_ns
-    assert cpu_attention.build() == first and first.stat().st_mtime_ns == built
+    assert native_build.build() == first and first.stat().st_mtime_ns == built
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no build leftovers
 
 
 def test_loading_the_kernel_leaves_the_processs_subnormal_floats_alone(tmp_path, monkeypatch):
     # a -ffast-math link would turn on flush-to-zero for the whole process when it loads
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_attention.DecodeKernel(cpu_attention.build())
+    cpu_attention.AttentionKernels(native_build.load_library())
     tiny = float(np.finfo(np.float64).tiny)
     assert tiny / 4 > 0.0 and np.float32(np.finfo(np.float32).tiny) / np.float32(4) > 0
 
@@ -87,17 +164,22 @@ def test_without_a_compiler_the_engine_gathers_and_says_why(monkeypatch):
     def no_compiler():
         raise RuntimeError("no C compiler (cc, gcc or $CC) on the PATH")
 
-    monkeypatch.setattr(cpu_attention, "compiler", no_compiler)
-    monkeypatch.setattr(cpu_attention, "kernel_dir", lambda: cpu_attention.Path("/nonexistent"))
-    cpu_attention.load_kernel.cache_clear()
+    monkeypatch.setattr(native_build, "compiler", no_compiler)
+    monkeypatch.setattr(native_build, "kernel_dir", lambda: native_build.Path("/nonexistent"))
+    caches = (cpu_attention.load_kernel, cpu_layers.load_layer_kernels, linear.panel_kernel)
+    for cache in caches:
+        cache.cache_clear()
     try:
         runner = ModelRunner(tiny_model(), 64, attention="cascade")
     finally:
-        cpu_attention.load_kernel.cache_clear()
-    assert runner.attention.kernel is None
+        for cache in caches:
+            cache.cache_clear()
+    assert runner.attention.kernel is None and runner.kernels.name == "torch"
     assert runner.decode_kernel_error == "RuntimeError: no C compiler (cc, gcc or $CC) on the PATH"
+    assert runner.kernels_error == runner.decode_kernel_error
     summary = EngineExecutor(runner).graph_summary()
     assert summary["decode_kernel_error"] == runner.decode_kernel_error
+    assert summary["layer_kernels_error"] == runner.decode_kernel_error
     assert "linear_error" not in summary  # the linear layers did not fail
 
 
@@ -142,6 +224,32 @@ def test_prepared_linears_replace_every_projection_once():
     assert set(dict(model.named_parameters())) >= {"layers.0.self_attn.qkv_proj.weight"}
 
 
+def test_the_panel_kernel_equals_torchs_linear_at_every_row_count_it_takes():
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    layer = linear.PackedLinear(w, b)
+    assert layer.panels is not None and layer.panels.shape == (3, 40, 32)
+    for rows in (*range(1, 10), 16, 17, linear.PANEL_ROWS):
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(layer.panel_forward(x), F.linear(x, w, b), atol=1e-5,
+                                   rtol=1e-5)
+        wide = torch.randn(rows, 56, generator=g)[:, 8:48]  # rows 56 floats apart
+        torch.testing.assert_close(layer(wide), F.linear(wide, w, b), atol=1e-5, rtol=1e-5)
+    no_bias = linear.PackedLinear(w, None)
+    x = torch.randn(3, 40, generator=g)
+    torch.testing.assert_close(no_bias(x), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_the_panels_follow_the_weight_and_stay_away_where_they_cannot_run():
+    assert linear.PackedLinear(torch.randn(48, 16), None).panels is None  # 48: not 32s
+    layer = linear.PackedLinear(nn.Parameter(torch.randn(64, 16), requires_grad=False), None)
+    layer.weight.mul_(2)
+    layer.repack()
+    torch.testing.assert_close(layer.panels[1, 3], layer.weight[32:, 3])
+    torch.testing.assert_close(copy.deepcopy(layer).panels, layer.panels)
+    assert layer.to(torch.float64).panels is None
+
+
 def test_linear_layers_stay_torchs_where_onednn_fails_its_smoke_test(monkeypatch):
     def fails(device, dtype):
         raise RuntimeError("mkldnn: no such kernel\nsecond line")
@@ -161,6 +269,7 @@ def test_torch_kernels_are_todays_path():
     assert (runner.linear, runner.linear_error, runner.decode_kernel_error) == ("torch", None, None)
     assert isinstance(model.layers[0].self_attn.qkv_proj, nn.Linear) and model.head is None
     assert runner.attention.kernel is None
+    assert (runner.kernels.name, runner.kernels_error) == ("torch", None)
 
 
 def test_an_unknown_cpu_kernels_value_names_the_key_and_the_choices():

@@ -13,8 +13,9 @@ Backends (``attention=``):
   the longest KV (on the CPU one fused flash-attention call that also returns the LSE; elsewhere
   two batched matmuls), prefill steps per request with fused SDPA under the lower-right mask; the
   reference and the CPU's kernels (the CPU default, ``cascade``, runs them in cascade). Given
-  the CPU's in-place kernel (`testbed.engine.cpu_attention`, ``engine.cpu_kernels=native``, fp32),
-  its decode steps read each request's slots where they lie instead of gathering them.
+  the CPU's in-place kernels (`testbed.engine.cpu_attention`, ``engine.cpu_kernels=native``,
+  fp32), its decode and prefill steps read each request's slots where they lie instead of
+  gathering them (a speculative token tree's own mask still goes through SDPA).
 - ``triton``: `radix_kernels.extend_attention` and, when every request has one new token,
   ``decode_attention``. Imported only when chosen.
 
@@ -108,6 +109,15 @@ class PaddedKV:
 
 
 @dataclass
+class FlatExtend:
+    """The CPU kernel's plan for a prefill step: every request's slots where they lie."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    indices: torch.Tensor
+
+
+@dataclass
 class ExtendLayout:
     """The torch backend's plan for a prefill (extend) step: each request on its own, unpadded."""
 
@@ -188,6 +198,8 @@ class TorchAttention:
             return plan_decode(self, meta)
         heads, table = self.num_kv_heads, meta.table
         masks = meta.query_masks or [None] * meta.batch_size
+        if self.kernel is not None and all(mask is None for mask in masks):
+            return FlatExtend(meta.qo_indptr, meta.kv_indptr, meta.kv.indices(table))
         blocks = [self.query_blocks(q_len, kv_len, table.device) if mask is None
                   else [(0, q_len, kv_len, mask)]  # a token tree: its own mask, one call
                   for q_len, kv_len, mask in zip(meta.qo_lens.tolist(), meta.kv_lens.tolist(),
@@ -264,6 +276,10 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
+        if isinstance(meta.plan, FlatExtend):
+            plan: FlatExtend = meta.plan
+            return self.kernel.extend(q, k_buf, v_buf, plan.qo_indptr, plan.kv_indptr,
+                                      plan.indices, sm_scale)
         if not isinstance(meta.plan, ExtendLayout):
             return forward_decode(self, q, k_buf, v_buf, meta, sm_scale)
         head_dim = q.shape[2]

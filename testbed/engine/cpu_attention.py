@@ -1,187 +1,59 @@
-"""Decode attention on the CPU that reads the KV pool in place: a small C kernel, built once.
+"""Attention on the CPU that reads the KV pool in place: two small C kernels, built once.
 
-The torch backend's decode copies every request's K and V out of the pool into a padded batch,
-per layer and step (`TorchAttention.decode_part`: two ``index_select``), then attends over the
-copy: at 32 requests of 448 tokens that is 21 MB written and read again per layer, about half
-of the step. This kernel walks each sequence's slots (a `FlatKV`'s ``indptr`` / ``indices``,
-the Triton decode kernel's view) and reads each key and value row where it lies: for every
-sequence and KV head, the dot products of the head's query rows with each key (the scores kept,
-one float per key and row), the softmax, then the values weighted; the log-sum-exp comes out
-with the output, so cascade decoding (`testbed.engine.cascade`) merges it as it merges the
-other kernels'. fp32 only, head_dim a multiple of 16 up to 256; one thread (the engine's torch
-thread calls it; ``ctypes`` lets go of the interpreter's lock meanwhile).
+The torch backend copies every request's K and V out of the pool (two ``index_select`` per layer
+and step) and attends over the copy: at 32 decoding requests of 448 tokens that is 21 MB written
+and read again per layer, about half of the step. The kernels (``cpu_attention.c`` beside this
+file) walk each request's slots (a `FlatKV`'s ``indptr`` / ``indices``, the Triton kernels'
+view) and read each key and value row where it lies:
 
-It is plain C (no torch headers: it builds in about a second), compiled with the system's C
-compiler for this CPU (``-O3 -march=native``; fast-math for the vectorized ``expf``, so no
-infinity is used inside: ``-FLT_MAX`` stands for it) into
-``$XDG_CACHE_HOME/radix-testbed/kernels`` (``~/.cache`` when unset) under a name that hashes
-its source, flags, compiler and host, and called through ``ctypes`` with the tensors'
-addresses. `load_kernel` returns it, or None and why (no compiler, a failed build or smoke
-test): the engine then decodes through torch's gather (``decode_kernel_error``: slower, never
-wrong).
+- ``decode_attention``: one query per request; for every sequence and KV head the dot products of
+  the head group's query rows with each key (one float per key and row kept), the softmax, then
+  the values weighted; the log-sum-exp comes out with the output, so cascade decoding
+  (`testbed.engine.cascade`) merges it as it merges the other kernels'.
+- ``extend_attention``: a prefill step's new tokens, causal from the lower right behind each
+  request's cached prefix. Per request and KV head the keys are copied once into a transposed
+  scratch (16 keys a vector), so eight query rows take 16 scores each in ``head_dim`` fused
+  multiply-adds, then an exact softmax and the values read in place: 2-3x torch's fused SDPA on
+  gathered KV at the prefill shapes of the served workloads
+  (`python -m experiments.benchmarks.cpu_engine`).
+
+Both ask for a slot's row some rows before they read it (page-1 slots of a batch interleave, and
+a long-lived pool scatters them, where the hardware prefetcher does not follow). fp32 only,
+head_dim a multiple of 16 up to 256, one thread (the engine's torch thread calls them; ``ctypes``
+lets go of the interpreter's lock meanwhile).
+
+The C is built with the layer kernels into one library (`testbed.engine.native_build`; its
+fast-math gives the vectorized ``expf``, so no infinity is used inside: ``-FLT_MAX`` stands for
+it). `load_kernel` returns the kernels, or None and why (no compiler, a failed build or smoke
+test): the engine then attends through torch's gather and SDPA (``decode_kernel_error``: slower,
+never wrong).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-SOURCE = r"""
-#include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* 16 floats, loaded and stored unaligned; the compiler maps it to the CPU's vectors */
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
-
-static inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += x[l];
-    return s;
-}
-
-/* One sequence: its keys' rows k[slot] (all kv heads, kh * nv * 16 floats, contiguous) read
-   once for every head's r query rows; then the values' rows likewise. nv (head_dim / 16) is a
-   constant where inlined, so each row is a few whole-vector operations. */
-static inline __attribute__((always_inline)) void sequence(
-        const float *q, const float *k, const float *v, const int32_t *slots, int64_t len,
-        int64_t kh, int64_t r, const int nv, float scale, float *scores, v16 *acc, float *o,
-        float *lse) {
-    const int64_t rows = kh * r, width = kh * nv;  /* query rows; vectors in a slot's row */
-    for (int64_t j = 0; j < len; j++) {
-        const v16 *kr = (const v16 *)(k + (int64_t)slots[j] * width * 16);
-        for (int64_t h = 0; h < kh; h++) {
-            for (int64_t a = 0; a < r; a++) {
-                const v16 *qa = (const v16 *)(q + (h * r + a) * nv * 16);
-                v16 dot = qa[0] * kr[h * nv];
-                for (int x = 1; x < nv; x++) dot += qa[x] * kr[h * nv + x];
-                scores[(h * r + a) * len + j] = hsum(dot) * scale;
-            }
-        }
-    }
-    for (int64_t a = 0; a < rows; a++) {
-        float *sa = scores + a * len, m = -FLT_MAX, sum = 0.0f;
-        for (int64_t j = 0; j < len; j++) m = sa[j] > m ? sa[j] : m;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < len; j++) { sa[j] = expf(sa[j] - m); sum += sa[j]; }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        #pragma omp simd
-        for (int64_t j = 0; j < len; j++) sa[j] *= inv;
-        if (lse) lse[a] = len > 0 ? m + logf(sum) : -FLT_MAX;
-    }
-    memset(acc, 0, sizeof(v16) * rows * nv);
-    for (int64_t j = 0; j < len; j++) {
-        const v16 *vr = (const v16 *)(v + (int64_t)slots[j] * width * 16);
-        for (int64_t h = 0; h < kh; h++) {
-            for (int64_t a = 0; a < r; a++) {
-                const float p = scores[(h * r + a) * len + j];
-                v16 *acc_a = acc + (h * r + a) * nv;
-                for (int x = 0; x < nv; x++) acc_a[x] += p * vr[h * nv + x];
-            }
-        }
-    }
-    memcpy(o, acc, sizeof(v16) * rows * nv);
-}
-
-/* q [n, kh, r, d], k and v [slots, kh, d], o [n, kh, r, d], lse [n, kh, r] (or NULL), all
-   fp32 and contiguous; sequence i reads slots indices[indptr[i] .. indptr[i + 1] - 1] (the
-   slot table's int32 ids; indptr int64); d a multiple of 16 up to 256.
-   Returns 0; 1 when scratch memory could not be had, 2 for a head_dim it does not take. */
-int decode_attention(const float *q, const float *k, const float *v, const int64_t *indptr,
-                     const int32_t *indices, int64_t n, int64_t kh, int64_t r, int64_t d,
-                     float scale, float *o, float *lse) {
-    if (d % 16 != 0 || d > 256) return 2;
-    const int nv = (int)(d / 16);
-    int64_t longest = 1;
-    for (int64_t i = 0; i < n; i++)
-        if (indptr[i + 1] - indptr[i] > longest) longest = indptr[i + 1] - indptr[i];
-    float *scores = malloc(sizeof(float) * (size_t)(kh * r * longest));
-    v16 *acc = malloc(sizeof(v16) * (size_t)(kh * r * nv));
-    if (!scores || !acc) { free(scores); free(acc); return 1; }
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t start = indptr[i], len = indptr[i + 1] - start;
-        const float *qi = q + i * kh * r * d;
-        float *oi = o + i * kh * r * d, *li = lse ? lse + i * kh * r : NULL;
-        switch (nv) {  /* the common head_dims with their sizes known */
-            case 4: sequence(qi, k, v, indices + start, len, kh, r, 4, scale, scores, acc, oi, li);
-                    break;
-            case 8: sequence(qi, k, v, indices + start, len, kh, r, 8, scale, scores, acc, oi, li);
-                    break;
-            default: sequence(qi, k, v, indices + start, len, kh, r, nv, scale, scores, acc, oi,
-                              li);
-        }
-    }
-    free(scores); free(acc);
-    return 0;
-}
-"""
-
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")
-# Linked in a second step, without -ffast-math: with it GCC (before 13) links crtfastmath.o into
-# the library, whose constructor turns on flush-to-zero for the whole process when ctypes loads it
-# (every float op in the process then loses subnormals: torch's, numpy's, the simulator's).
-LINK_FLAGS = ("-shared",)
-BUILD_TIMEOUT_S = 120
+from radix_kernels import reference
+from testbed.engine.native_build import load_library
 
 
-def kernel_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(cache).expanduser() / "radix-testbed" / "kernels"
+class AttentionKernels:
+    """The compiled kernels as functions of tensors: a decode part (``__call__``) and a prefill
+    step (`extend`)."""
 
-
-def compiler() -> str:
-    found = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if found is None:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) on the PATH")
-    return found
-
-
-def build(directory: Path | None = None) -> Path:
-    """The kernel's shared library, compiled once per source, flags, compiler and machine
-    (written under a temporary name, then renamed: concurrent builds do not collide)."""
-    cc = compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, *LINK_FLAGS, cc, *version, platform.machine(),
-                                    platform.node()]).encode()).hexdigest()[:16]
-    directory = directory or kernel_dir()
-    target = directory / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        src, obj, lib = (Path(tmp) / name for name in ("decode_attention.c", "k.o", "lib.so"))
-        src.write_text(SOURCE)
-        for command in ([cc, *FLAGS, "-c", str(src), "-o", str(obj)],
-                        [cc, *LINK_FLAGS, str(obj), "-o", str(lib), "-lm"]):
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                raise RuntimeError(f"{Path(cc).name} failed: {done.stderr.strip()[:300]}")
-        os.replace(lib, target)
-    return target
-
-
-class DecodeKernel:
-    """The compiled kernel as a function of tensors."""
-
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.fn = lib.decode_attention
         self.fn.restype = ctypes.c_int
         self.fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float] \
             + [ctypes.c_void_p] * 2
+        self.extend_fn = lib.extend_attention
+        self.extend_fn.restype = ctypes.c_int
+        self.extend_fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 \
+            + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_void_p]
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  indptr: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -206,10 +78,42 @@ class DecodeKernel:
                               f"{dim}"))
         return o, lse
 
+    def extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, indices: torch.Tensor,
+               sm_scale: float) -> torch.Tensor:
+        """A prefill step's attention (`radix_kernels.reference.extend_attention`'s contract):
+        ``q [T, heads, dim]`` fp32 (its tokens may be rows of a wider tensor: the fused
+        projection's), request ``i``'s new tokens ``qo_indptr[i]..`` over its slots
+        ``indices[kv_indptr[i]..]`` (int32; prefix, then the new tokens, already stored).
+        Returns ``o [T, heads, dim]``."""
+        tokens, heads, dim = q.shape
+        if q.dtype != torch.float32 or k_buf.dtype != torch.float32:
+            raise TypeError(f"extend_attention is fp32 only, got {q.dtype}")
+        if indices.dtype != torch.int32 or kv_indptr.dtype != torch.int64 \
+                or qo_indptr.dtype != torch.int64:
+            raise TypeError(f"extend_attention reads int32 slots and int64 indptrs, got "
+                            f"{indices.dtype}, {qo_indptr.dtype} and {kv_indptr.dtype}")
+        if q.stride(2) != 1 or q.stride(1) != dim:  # a token's heads must lie side by side
+            q = q.contiguous()
+        indices, qo_indptr, kv_indptr = (t.contiguous() for t in (indices, qo_indptr, kv_indptr))
+        o = torch.empty((tokens, heads, dim), dtype=torch.float32)
+        status = self.extend_fn(q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(),
+                                qo_indptr.data_ptr(), kv_indptr.data_ptr(), indices.data_ptr(),
+                                len(qo_indptr) - 1, heads, k_buf.shape[1], dim, sm_scale,
+                                o.data_ptr())
+        if status != 0:
+            raise {1: MemoryError("extend_attention: no scratch memory"),
+                   2: ValueError(f"extend_attention takes head_dim a multiple of 16 up to 256, "
+                                 f"not {dim}"),
+                   3: ValueError("extend_attention: a request has fewer keys than new tokens")
+                   }[status]
+        return o
 
-def smoke_test(kernel: DecodeKernel) -> None:
-    """Three sequences (5, 1 and 9 keys) over a shuffled pool, against softmax attention in
-    torch."""
+
+def smoke_test(kernel: AttentionKernels) -> None:
+    """Decode: three sequences (5, 1 and 9 keys) over a shuffled pool, against softmax attention
+    in torch; extend: three requests (with and without a cached prefix, 1 to 19 new tokens)
+    against `radix_kernels.reference.extend_attention`."""
     g = torch.Generator().manual_seed(0)
     kv_heads, rows, dim, slots = 2, 3, 16, 20
     k, v = (torch.randn(slots, kv_heads, dim, generator=g) for _ in range(2))
@@ -224,13 +128,22 @@ def smoke_test(kernel: DecodeKernel) -> None:
         want = torch.einsum("hrl,lhd->hrd", scores.softmax(-1), v[s])
         torch.testing.assert_close(o[i], want, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(lse[i], scores.logsumexp(-1), atol=1e-5, rtol=1e-4)
+    qo_lens, kv_lens = [3, 1, 19], [3, 6, 21]
+    heads = kv_heads * rows
+    q = torch.randn(sum(qo_lens), heads, dim, generator=g)
+    k, v = (torch.randn(64, kv_heads, dim, generator=g) for _ in range(2))
+    indices = torch.randperm(64, generator=g)[:sum(kv_lens)].int()
+    qo_indptr, kv_indptr = (torch.tensor([0, *lens]).cumsum(0) for lens in (qo_lens, kv_lens))
+    torch.testing.assert_close(kernel.extend(q, k, v, qo_indptr, kv_indptr, indices, 0.25),
+                               reference.extend_attention(q, k, v, qo_indptr, kv_indptr, indices,
+                                                          0.25), atol=1e-5, rtol=1e-4)
 
 
 @lru_cache(maxsize=None)
-def load_kernel() -> tuple[DecodeKernel | None, str | None]:
-    """The kernel, built and smoke-tested once per process, or None and why not."""
+def load_kernel() -> tuple[AttentionKernels | None, str | None]:
+    """The kernels, built and smoke-tested once per process, or None and why not."""
     try:
-        kernel = DecodeKernel(build())
+        kernel = AttentionKernels(load_library())
         smoke_test(kernel)
     except Exception as e:  # noqa: BLE001 - any failure means: torch's gather here
         return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"

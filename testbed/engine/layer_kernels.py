@@ -11,10 +11,12 @@ between the matmuls are fused (vLLM's and SGLang's layer shape):
   fused QKV projection's queries and keys, the keys and values written into the layer's KV
   buffers at ``slots``, the rotated queries returned ``[T, heads, dim]``.
 
-`TORCH_KERNELS` are their torch references (`radix_kernels.reference`: a few torch ops each, the
-CPU's); `triton_kernels()` the Triton kernels of `radix_kernels` (one launch each), which compute
-the same roundings (docs/design.md §4 "Decoder-layer kernels"). The runner picks the family
-of its attention backend (`kernels_for`): Triton with ``triton`` attention, torch otherwise.
+`TORCH_KERNELS` are their torch references (`radix_kernels.reference`: a few torch ops each);
+`triton_kernels()` the Triton kernels of `radix_kernels` (one launch each), which compute
+the same roundings (docs/design.md §4 "Decoder-layer kernels"); on the CPU in fp32 the C
+functions of `testbed.engine.cpu_layers` (one call each, ``engine.cpu_kernels=native``). The
+runner picks the family of its attention backend and device (`kernels_for`): Triton with
+``triton`` attention, the native family on the CPU where asked for, torch otherwise.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def kernels_for(attention_name: str, device: torch.device | str = "cpu",
     """The layer kernels that go with an attention backend (its ``name``), and why not the
     Triton ones where they were meant but failed a smoke test on ``device`` in ``dtype`` (a
     Triton release that cannot compile one, say): then the torch references run instead, and
-    the reason is reported (a slower engine, never a wrong one)."""
+    the reason is reported (a slower engine, never a wrong one). The CPU's native family is
+    `testbed.engine.cpu_layers.native_or_torch`'s."""
     if attention_name != "triton":
         return TORCH_KERNELS, None
     kernels = triton_kernels()

@@ -14,21 +14,59 @@ projections included: `model.py` fuses them for every device) and its LM head fo
 passes on the model's device and dtype; on CUDA, or where the smoke test fails (a torch without
 mkldnn, fp16 on a CPU without its instructions), the layers stay torch's, and the reason is
 returned (the engine's ``linear_error``: a slower engine, never a wrong one).
+
+A decode step's few rows (up to `PANEL_ROWS`, on one torch thread) go instead to a C kernel on
+a second copy of the weight packed into panels of 32 output columns (``cpu_linear.c``, built
+with the other native kernels, `testbed.engine.native_build`): at those rows the step is bound
+by reading every weight once, which oneDNN does at ~32 GB/s here and the panels at ~38, and the
+panel kernel's register tile keeps it ahead beyond (1.5x at 8 rows, 1.16x at 32, 1.07x at 64,
+thirty layers' weights streamed from memory: `python -m experiments.benchmarks.cpu_engine`). Where the library cannot be built the
+layers run oneDNN alone (the summary's ``decode_kernel_error`` says why: the same library).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ctypes
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from testbed.engine.native_build import load_library
 
 if TYPE_CHECKING:
     from testbed.engine.model import LlamaModel
 
 #: the engine's matmul implementations (``engine.cpu_kernels`` picks one on the CPU)
 LINEAR_KINDS = ("torch", "onednn")
+#: rows up to which the panel kernel runs (a decode step's); above, oneDNN's matmul (a prefill)
+PANEL_ROWS = 64
+PANEL = 32  # output columns a panel
+
+
+@lru_cache(maxsize=None)
+def panel_kernel() -> Any:
+    """The C function (``panel_linear``), or None where the native library cannot be had."""
+    try:
+        fn = load_library().panel_linear
+    except Exception:  # noqa: BLE001 - no compiler, a failed build: oneDNN alone
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` as panels ``[out / 32, in, 32]`` for the panel kernel, or None where
+    it does not apply (not fp32 on the CPU, ``out`` not a multiple of 32, no kernel)."""
+    out = weight.shape[0]
+    if (weight.dtype != torch.float32 or weight.device.type != "cpu" or out % PANEL
+            or panel_kernel() is None):
+        return None
+    return weight.detach().view(out // PANEL, PANEL, -1).transpose(1, 2).contiguous()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -49,21 +87,37 @@ class PackedLinear(nn.Module):
         self.weight = weight
         self.bias = bias
         self.packed = pack(weight)
+        self.panels = panels(weight)
 
     @classmethod
     def of(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_ROWS
+                and torch.get_num_threads() == 1):  # the panel kernel runs on one thread
+            return self.panel_forward(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def panel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"the panel kernel is fp32 only, got {x.dtype}")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        y = torch.empty((x.shape[0], self.weight.shape[0]), dtype=torch.float32)
+        bias = 0 if self.bias is None else self.bias.data_ptr()
+        panel_kernel()(x.data_ptr(), x.stride(0), x.shape[0], self.panels.data_ptr(),
+                       self.weight.shape[1], self.weight.shape[0], bias, y.data_ptr())
+        return y
 
     def repack(self) -> None:
         try:
             self.packed = pack(self.weight) if self.weight.device.type == "cpu" else None
         except RuntimeError:  # a dtype oneDNN does not take: torch's linear
             self.packed = None
+        self.panels = panels(self.weight)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - nn.Module's signature
         super()._apply(fn, recurse)
@@ -86,9 +140,13 @@ def smoke_test(device: torch.device, dtype: torch.dtype) -> None:
     if device.type != "cpu":
         raise RuntimeError(f"oneDNN packed weights are for the CPU, not {device.type}")
     g = torch.Generator().manual_seed(0)
-    w, b, x = (torch.randn(*s, generator=g).to(dtype) for s in ((24, 32), (24,), (5, 32)))
+    w, b, x = (torch.randn(*s, generator=g).to(dtype) for s in ((64, 32), (64,), (40, 32)))
     tol = 1e-4 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(PackedLinear(w, b)(x), F.linear(x, w, b), atol=tol, rtol=tol)
+    layer = PackedLinear(w, b)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=tol, rtol=tol)  # oneDNN
+    if layer.panels is not None:  # 5 rows: the panel kernel
+        torch.testing.assert_close(layer.panel_forward(x[:5]), F.linear(x[:5], w, b), atol=tol,
+                                   rtol=tol)
 
 
 def prepare_linears(model: LlamaModel, kind: str) -> tuple[str, str | None]:

@@ -30,6 +30,7 @@ from testbed.engine.attention import MAX_KV_SPLITS, AttentionBackend, make_atten
 from testbed.engine.blend import blend_prefill
 from testbed.engine.cascade import CascadePlan, split_wide
 from testbed.engine.cpu_attention import load_kernel
+from testbed.engine.cpu_layers import native_or_torch
 from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.layer_kernels import kernels_for
@@ -92,10 +93,12 @@ class ModelRunner:
         (`testbed.engine.cuda_graph`; on CUDA with a graphable attention backend, captured
         here); ``emulate_graphs``: the graph path without graphs, on any device (tests).
         ``cpu_kernels`` (`CPU_KERNELS`, the CPU only): ``native``, the linear layers on weights
-        oneDNN prepared once (`testbed.engine.linear`) and the torch backends' decode reading the
-        KV pool in place (`testbed.engine.cpu_attention`), each where it passes its smoke test
-        (else torch's, the reason in ``linear_error`` / ``decode_kernel_error``); ``torch``:
-        torch's linear and the gathered decode."""
+        oneDNN prepared once (`testbed.engine.linear`), the torch backends' decode and prefill
+        attention reading the KV pool in place (`testbed.engine.cpu_attention`) and the layer's
+        elementwise steps in C (`testbed.engine.cpu_layers`), each where it passes its smoke
+        test (else torch's, the reason in ``linear_error`` / ``decode_kernel_error`` /
+        ``kernels_error``); ``torch``: torch's linear, the gathered attention and the torch
+        layer steps."""
         self.model = model
         self.device = model.device
         if cpu_kernels not in CPU_KERNELS:
@@ -115,9 +118,13 @@ class ModelRunner:
                           if isinstance(attention, str) else attention)
         # the fused layer steps of the backend's family; the torch ones, and why, if the
         # Triton ones failed their smoke test here
-        self.kernels, self.kernels_error = kernels_for(getattr(self.attention, "name", "torch"),
-                                                       self.device, model.dtype)
-        if self.kernels_error:
+        attention_name = getattr(self.attention, "name", "torch")
+        if native and attention_name != "triton":
+            self.kernels, self.kernels_error = native_or_torch(model.dtype)
+        else:
+            self.kernels, self.kernels_error = kernels_for(attention_name, self.device,
+                                                           model.dtype)
+        if self.kernels_error and attention_name == "triton":  # the native ones': the summary
             warnings.warn(f"the Triton layer kernels failed here ({self.kernels_error}); the "
                           "engine runs their torch references instead", stacklevel=2)
         if num_slots is None:
