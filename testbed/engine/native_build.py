@@ -1,8 +1,9 @@
 """The CPU's native kernels as one shared library, compiled on first use and cached.
 
-Two C files beside this one, compiled as one unit: ``cpu_attention.c`` (attention over the KV
-pool in place, `testbed.engine.cpu_attention`) and ``cpu_layers.c`` (the decoder layer's
-elementwise steps, `testbed.engine.cpu_layers`). Plain C, no torch headers, so the build takes
+Three C files beside this one, compiled as one unit: ``cpu_attention.c`` (attention over the KV
+pool in place, `testbed.engine.cpu_attention`), ``cpu_layers.c`` (the decoder layer's
+elementwise steps, `testbed.engine.cpu_layers`) and ``cpu_linear.c`` (few-row matmuls on packed
+weight panels, `testbed.engine.linear`). Plain C, no torch headers, so the build takes
 about a second: the system's C compiler (``$CC``, else ``cc``, else ``gcc``) with ``-O3
 -march=native`` and fast-math (for the vectorized ``expf``: the kernels use no infinity inside),
 into ``$XDG_CACHE_HOME/radix-testbed/kernels`` (``~/.cache`` when unset) under a name that hashes
@@ -13,6 +14,7 @@ tensors' addresses; each family smoke-tests its functions before the engine uses
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -70,9 +72,9 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-
-
+@functools.lru_cache(maxsize=None)
 def load_library() -> ctypes.CDLL:
-    """The library, built if this host has not built these sources yet (raises if it cannot
-    be: no compiler, a failed build)."""
+    """The library, built if this host has not built these sources yet, loaded once per process
+    (a build checks the compiler's version: one subprocess, not one per kernel family). Raises if
+    it cannot be built: no compiler, a failed build; a failure is not cached."""
     return ctypes.CDLL(str(build()))
