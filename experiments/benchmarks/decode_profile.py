@@ -18,10 +18,12 @@ on a prompt of random ids, no shared prefix), side by side with the offline step
 decode step at B, what the engine thread spent in it and what it waited, and the table prints
 served / offline (the fastest repeat of each; `experiments.benchmarks.served_step`).
 
-The CPU's in-place decode kernel (``engine.cpu_kernels=native``, `testbed.engine.cpu_attention`)
-is a C function called through ``ctypes``, no torch operator: the profiler does not see it, so
-its time is in the step's but in none of the shares (run with ``engine.cpu_kernels=torch`` for
-the gathered attention's share, or see `experiments.benchmarks.cpu_engine`).
+The CPU's native kernels (``engine.cpu_kernels=native``: attention over the pool in place, the
+layer's elementwise steps, few-row matmuls on weight panels) are C functions called through
+``ctypes``, no torch operators: the profiler does not see them, so their time is in the step's
+but in none of the shares, which cover only the torch operators' time, printed beside the step
+(run with ``engine.cpu_kernels=torch`` for the torch path's shares, or see
+`experiments.benchmarks.cpu_engine` for the kernels' own times).
 
 Used in docs/results/vs_vllm_serving.md to say where the engine's decode step loses to vLLM's.
 """
@@ -92,6 +94,7 @@ def profile_decode(executor, batch: int, context: int, steps: int, vocab: int) -
             + event.self_cpu_time_total
     total = sum(groups.values())
     return {"batch": batch, "context": context, "step_ms": 1e3 * step_s,
+            "torch_ops_ms": total / 1e3 / steps,  # profiled µs over the steps
             **{g: v / total for g, v in sorted(groups.items(), key=lambda x: -x[1])}}
 
 
@@ -158,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     for b in args.batch:
         row = profile_decode(executor, b, args.context, args.steps, vocab)
         parts = "  ".join(f"{k} {v:.0%}" for k, v in row.items() if isinstance(v, float)
-                          and k != "step_ms")
-        print(f"batch {b:>3}, context {args.context}: {row['step_ms']:.1f} ms   {parts}")
+                          and k not in ("step_ms", "torch_ops_ms"))
+        print(f"batch {b:>3}, context {args.context}: {row['step_ms']:.1f} ms, torch operators "
+              f"{row['torch_ops_ms']:.1f} ms of it (profiled): {parts}")
     if args.served:
         served_vs_offline(executor, args, vocab)
 
