@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from testbed import group_values
 from testbed.cache.base import Lease
+from testbed.cache.pool import RUN_SLOTS
 from testbed.errors import BadInput
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
@@ -173,12 +174,12 @@ def server_row_knots(cfg: Any, samples: Sequence[tuple[StepShape, float]]
 
 
 #: ``calibrate.slot_layout``: where a synthetic batch's KV sits (see `slot_order`)
-SLOT_LAYOUTS = ("interleaved", "contiguous")
+SLOT_LAYOUTS = ("runs", "interleaved", "contiguous")
 
 
 def slot_layout(cfg: Any) -> str:
-    """``calibrate.slot_layout``, checked (default ``interleaved``)."""
-    layout = cfg.get("slot_layout", "interleaved")
+    """``calibrate.slot_layout``, checked (default ``runs``)."""
+    layout = cfg.get("slot_layout", "runs")
     if layout not in SLOT_LAYOUTS:
         raise BadInput(f"calibrate.slot_layout must be one of {', '.join(SLOT_LAYOUTS)}, "
                        f"got {layout!r}")
@@ -189,16 +190,17 @@ def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
     """Each request's KV slots (context first, then its new tokens), from 1 up, distinct but for
     a shared prefix.
 
-    ``contiguous``: one run of slots per request. ``interleaved``: the contexts alternate token by
-    token across the batch's requests (token t of every request holding more than t, then token
-    t+1, ...), then each request's new tokens in one run. A served decode batch holds its KV so:
-    the pool hands each step's new tokens out in turn, one slot per request, so what requests
-    decoded together sits interleaved. Reading it gathers rows a batch apart: on the 2-core
-    development CPU, SmolLM2-135M's decode steps of 4, 8 and 16 requests at 512 tokens each took
-    1%, 7% and 9% longer interleaved than contiguous (side by side, medians of 12), so a grid of
-    contiguous batches fits served steps short. A decode step with ``reread`` tokens (the grid's
-    shared batches, `grid`) has every request begin with the same ``reread / (batch − 1)`` slots,
-    one run, as one prefill wrote them; the layout applies to the rest.
+    ``contiguous``: one run of slots per request. ``runs``: the contexts alternate across the
+    batch's requests in runs of `RUN_SLOTS` tokens (tokens 0-31 of every request holding them,
+    then 32-63, ...), then each request's new tokens in one run: a served batch's KV as the pool
+    lays it out, each request's decoded tokens running on in blocks of their own
+    (`KVSlotPool.alloc_after`). ``interleaved``: the same token by token, as the pool laid a
+    batch's decoded tokens out before it kept them in runs (one slot per request per step):
+    reading rows a batch apart, SmolLM2-135M's decode steps of 4, 8 and 16 requests at 512
+    tokens each took 1%, 7% and 9% longer than contiguous on the 2-core development CPU (side by
+    side, medians of 12). A decode step with ``reread`` tokens (the grid's shared batches,
+    `grid`) has every request begin with the same ``reread / (batch − 1)`` slots, one run, as
+    one prefill wrote them; the layout applies to the rest.
     """
     shared = step.reread // (step.batch - 1) if step.reread else 0
     prefix = list(range(1, shared + 1))
@@ -208,8 +210,11 @@ def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
         ends = shared + np.cumsum(lengths)
         return [np.asarray(prefix + list(range(end - n + 1, end + 1)), dtype=np.int32)
                 for n, end in zip(lengths, ends)]
-    # the (token, request) pairs of every context, ordered by token then request
+    run = RUN_SLOTS if layout == "runs" else 1
+    # the (token, request) pairs of every context, ordered by run, then request, then token
     token, request = np.nonzero(np.arange(contexts.max(initial=0))[:, None] < contexts[None, :])
+    order = np.lexsort((token, request, token // run))
+    request = request[order]
     slots = [prefix + list(1 + shared + np.flatnonzero(request == i))
              for i in range(len(contexts))]
     start = 1 + shared + len(token)
@@ -220,7 +225,7 @@ def slot_order(step: StepShape, layout: str) -> list[np.ndarray]:
 
 
 def synthetic_batch(step: StepShape, vocab: int, rng: np.random.Generator,
-                    layout: str = "interleaved") -> Batch:
+                    layout: str = "runs") -> Batch:
     """A batch of the given shape over fresh requests holding distinct KV slots, laid out as
     ``layout`` says (`slot_order`)."""
     return batch_on_slots(step, slot_order(step, layout), vocab, rng)
@@ -263,7 +268,7 @@ def timed_pass(executor: Any, batches: list[Batch], rng: np.random.Generator) ->
 
 def measure(executor: Any, steps: list[StepShape], repeats: int, vocab: int,
             seed: int = 0, progress: bool = False,
-            layout: str = "interleaved") -> list[tuple[StepShape, float]]:
+            layout: str = "runs") -> list[tuple[StepShape, float]]:
     """The median of ``repeats`` timed passes over the steps, after one warm-up pass
     (allocator, kernels)."""
     rng = np.random.default_rng(seed)

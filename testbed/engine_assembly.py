@@ -15,6 +15,7 @@ from typing import Any
 
 from testbed.assembly import Assembly
 from testbed.cache import PrefixCache
+from testbed.serving.serve import keep_runs_for
 from testbed.workloads import Request
 
 
@@ -41,6 +42,7 @@ def build_engine_parts(run: Assembly, capacity: int | None, requests: list[Reque
         from testbed.sim.transfer import make_planner
         planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
     cache = run.build_cache(executor.num_slots, requests, planner=planner, record_transfers=True)
+    keep_runs_for(executor, cache)
     quality = executor.quality
     if cache.lower_tiers:
         from testbed.engine.host_kv import TieredEngineExecutor

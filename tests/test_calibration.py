@@ -210,6 +210,14 @@ def test_interleaved_slots_alternate_the_contexts_across_requests_then_give_each
     assert slots == [[1, 4, 6, 7, 8], [2, 9], [3, 5, 10]]
 
 
+def test_runs_alternate_the_contexts_across_requests_32_tokens_at_a_time():
+    step = StepShape(new=(1, 1), context=(40, 70))
+    a, b = (s.tolist() for s in slot_order(step, "runs"))
+    # tokens 0-31 of request 0, then of request 1, then 32-39 of 0 and 32-63 of 1, then 64-69 of 1
+    assert a == list(range(1, 33)) + list(range(65, 73)) + [111]
+    assert b == list(range(33, 65)) + list(range(73, 105)) + list(range(105, 111)) + [112]
+
+
 def test_contiguous_slots_give_each_request_one_run():
     step = StepShape(new=(2, 1, 1), context=(3, 1, 2))
     assert [s.tolist() for s in slot_order(step, "contiguous")] == \
@@ -323,10 +331,10 @@ def test_the_simulator_prices_a_decode_steps_re_read_prefix_at_h(tmp_path):
         assert a.duration_s - b.duration_s == pytest.approx(2e-5 * a.reread, abs=1e-12)
 
 
-def test_slot_layout_defaults_to_interleaved_and_names_the_choices_on_a_bad_value():
-    assert slot_layout({}) == "interleaved"
+def test_slot_layout_defaults_to_runs_and_names_the_choices_on_a_bad_value():
+    assert slot_layout({}) == "runs"
     assert slot_layout({"slot_layout": "contiguous"}) == "contiguous"
-    with pytest.raises(BadInput, match="calibrate.slot_layout must be one of interleaved, "
+    with pytest.raises(BadInput, match="calibrate.slot_layout must be one of runs, interleaved, "
                                        "contiguous, got 'random'"):
         slot_layout({"slot_layout": "random"})
 

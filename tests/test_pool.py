@@ -1,5 +1,7 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from testbed.cache.pool import KVSlotPool, OutOfSlots
 
@@ -127,3 +129,80 @@ def test_an_allocation_larger_than_the_fresh_slots_runs_ascending_through_the_fr
     a = pool.alloc(6)
     pool.free(np.concatenate([a[4:6], a[0:2]]))  # pages 5-6, then 1-2
     assert pool.alloc(4).tolist() == [1, 2, 5, 6]
+
+
+# ------------------------------------------------------------------- alloc_after (decode runs)
+def test_a_lone_sequence_decodes_into_the_slots_right_after_its_prompt():
+    pool = KVSlotPool(256)
+    prompt = pool.alloc(10)
+    assert [int(pool.alloc_after(np.array([prompt[-1] + i]))[0]) for i in range(5)] == \
+        [11, 12, 13, 14, 15]
+
+
+def test_a_batch_decodes_in_runs_of_32_from_the_top_of_the_pool_not_interleaved():
+    pool = KVSlotPool(512)
+    prompts = [pool.alloc(10) for _ in range(4)]  # back to back: 1-10, 11-20, 21-30, 31-40
+    last = np.array([p[-1] for p in prompts])
+    steps = []
+    for _ in range(33):
+        last = pool.alloc_after(last)
+        steps.append(last.tolist())
+    # the last prompt runs on into 41...; the others' next slots are taken, so each starts a
+    # block of 32 from the top down: 481-512, 449-480, 417-448
+    assert steps[0] == [481, 449, 417, 41]
+    assert steps[31] == [512, 480, 448, 72]
+    # a run that meets a taken slot starts the next free block below the last one taken
+    assert steps[32] == [385, 353, 321, 73]
+    assert pool.num_free == 512 - 40 - 4 * 33
+
+
+def test_sequences_ending_at_the_same_slot_share_no_next_slot():
+    pool = KVSlotPool(128)
+    prefix = pool.alloc(8)
+    got = pool.alloc_after(np.array([prefix[-1], prefix[-1], 0]))
+    assert got.tolist() == [9, 97, 65]  # the first runs on; the others (and one with no KV) start blocks
+
+
+def test_alloc_after_falls_back_to_the_lowest_free_slots_when_no_block_is_whole():
+    pool = KVSlotPool(64)
+    every = pool.alloc(64)
+    pool.free(every[::2])  # odd slots free: no run of 32 anywhere
+    assert pool.alloc_after(np.array([2, 64])).tolist() == [3, 1]  # 3 follows 2; 65 does not exist
+    with pytest.raises(OutOfSlots):
+        pool.alloc_after(np.zeros(31, dtype=np.int32))
+
+
+def test_alloc_after_is_plain_alloc_on_an_unbounded_pool_and_refused_on_a_paged_one():
+    with pytest.raises(ValueError, match="pages of 16"):
+        KVSlotPool(64, page_size=16).alloc_after(np.array([0]))
+    assert KVSlotPool(None).alloc_after(np.array([5, 9])).tolist() == [1, 2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "after", "free"]), st.integers(0, 40),
+                          st.integers(0, 10 ** 6)), max_size=60))
+def test_any_mix_of_alloc_alloc_after_and_free_keeps_every_slot_free_xor_held_once(ops):
+    """Against a set of the free slots: the same counts, never a slot handed out twice or one
+    that was not free, every free slot findable."""
+    pool, free, held = KVSlotPool(100), set(range(1, 101)), []
+    for op, n, seed in ops:
+        rng = np.random.default_rng(seed)
+        if op == "free" and held:
+            chunk = held.pop(int(rng.integers(len(held))))
+            pool.free(chunk)
+            free |= set(chunk.tolist())
+        elif op in ("alloc", "after"):
+            if n > len(free):
+                with pytest.raises(OutOfSlots):
+                    pool.alloc(n) if op == "alloc" else pool.alloc_after(np.zeros(n, np.int32))
+                continue
+            lasts = rng.choice(np.arange(0, 102), size=n) if op == "after" else None
+            got = pool.alloc(n) if op == "alloc" else pool.alloc_after(lasts)
+            assert len(got) == n and len(set(got.tolist())) == n and set(got.tolist()) <= free
+            free -= set(got.tolist())
+            if n:
+                held.append(got)
+        assert pool.num_free == len(free)
+        assert sorted(pool.free_slots().tolist()) == sorted(free)
+    pool.check_ownership(held)
+    assert pool.alloc(len(free)).tolist() == sorted(free)  # all of them, lowest first

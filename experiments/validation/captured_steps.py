@@ -3,7 +3,7 @@
 Runs one held-back workload of ``sim_vs_engine --real`` (default tree-of-thought) on the engine
 (SmolLM2-135M, fp32, one torch thread, CPU clock), keeps every decode batch of ``--batch``
 requests it ran (their contexts and KV slots), and re-times ``--pick`` of them, shuffled, beside
-three synthetic batches of each one's shape (`testbed.calibrate.synthetic_batch`, interleaved):
+three synthetic batches of each one's shape (`testbed.calibrate.synthetic_batch`, the grid's layout):
 
 - ``captured``: the batch as the engine ran it, its slots as the radix cache laid them out;
 - ``shared``: the same contexts with one prefix shared by every request, as long as gives the
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += [(f"captured {k}", StepShape.decode(contexts, reread=reread), batch)]
         for name, shape in ((f"shared {k}", StepShape.decode(contexts, reread=per * (len(contexts) - 1))),
                             (f"unshared {k}", StepShape.decode(contexts))):
-            rows.append((name, shape, synthetic_batch(shape, vocab, rng, "interleaved")))
+            rows.append((name, shape, synthetic_batch(shape, vocab, rng)))
     for context in args.grid_context:  # the grid's shared batches of this size, beside them
         shape = StepShape.decode((context,) * args.batch, reread=(args.batch - 1) * (context - 64))
-        rows.append((f"grid {context}", shape, synthetic_batch(shape, vocab, rng, "interleaved")))
+        rows.append((f"grid {context}", shape, synthetic_batch(shape, vocab, rng)))
     batches = [b for *_, b in rows]
     timed_pass(engine, batches, rng)  # warm-up
     times = np.median([timed_pass(engine, batches, rng) for _ in range(args.repeats)], axis=0)

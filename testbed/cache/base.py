@@ -198,11 +198,17 @@ class PrefixCache(ABC):
         """`extend` every lease by ``num_tokens`` in turn (a decode step); returns the tokens
         evicted for each. The caller has checked that the room exists. A slot-pool cache with
         enough free pages takes them all in one allocation (nothing to evict, nothing to
-        attribute); each lease uses its spare slots first, then its share of the new pages."""
+        attribute); each lease uses its spare slots first, then its share of the new pages.
+        One token each comes from `KVSlotPool.alloc_after` where the pool keeps runs (the
+        engine's: `keep_runs`), which keeps each lease's KV running on where it can."""
         if self.pool is not None:
             costs = [self.extension_cost(lease, num_tokens) for lease in leases]
             if self.pool.can_alloc(sum(costs)):
-                fresh = self.pool.alloc(sum(costs))
+                if num_tokens == 1 and self.pool.keep_runs:
+                    fresh = self.pool.alloc_after(np.array(
+                        [lease.slots[-1] if lease.num_tokens else 0 for lease in leases]))
+                else:
+                    fresh = self.pool.alloc(sum(costs))
                 at = 0
                 for lease, cost in zip(leases, costs):
                     lease.grow(num_tokens, fresh[at : at + cost])

@@ -7,16 +7,24 @@ A capacity that is not a multiple of P is rounded down to whole pages. With ``P 
 slot: a pool of capacity ``C`` hands out ids ``1..C``.
 
 The free list is one integer array of pages (each named by its first slot id) used as a stack, so
-``alloc(n)`` is a single vectorised slice whatever ``n`` is. Freed pages wait apart (``free``
-appends them to a released list) until an allocation finds the stack short; then the two are
-merged and sorted, lowest page on top, as SGLang's allocators do under ``need_sort``
+``alloc(n)`` is a single vectorised slice whatever ``n`` is. Freed pages wait apart (``free`` marks
+them released) until an allocation finds the stack short; then every free page goes back onto it,
+sorted, lowest page on top, as SGLang's allocators do under ``need_sort``
 (``merge_and_sort_free``, mem_cache/allocator/base.py in the 0.5.23 wheel). Why: the CPU's decode
 kernel reads each request's KV where its slots lie, and slots handed out in freeing order scatter
 a request over the pool as a server lives on (30 layers of decode attention, 16 requests of 448
 tokens: 12.9 ms on ascending slots, 75.7 ms on randomly placed ones; `python -m
 experiments.benchmarks.slot_order`); sorted, a request's slots run ascending through the holes.
-``capacity=None`` makes an unbounded pool that mints fresh pages when its free list runs dry (the
-replay backend's "unlimited cache").
+
+Where the executor reads the KV where it lies (the engine; ``keep_runs``), a decode step's one
+new token per request comes from ``alloc_after`` (page size 1): the slot
+after the request's last one where it is free, else the start of a free block of `RUN_SLOTS`
+taken from the top of the pool down. Handed out in turn instead, a batch's decoded tokens would
+interleave, one slot per request, which the CPU kernel reads up to 2x slower than runs; with runs,
+a radix cache's KV lies much as a block cache's pages do. Every page's state (on the stack,
+released, taken) is kept, so a page taken where it lies leaves a stale stack entry that popping
+skips. ``capacity=None`` makes an unbounded pool that mints fresh pages when its free list runs dry
+(the replay backend's "unlimited cache").
 """
 
 from __future__ import annotations
@@ -26,6 +34,14 @@ import numpy as np
 from testbed.errors import BadInput
 
 SLOT_DTYPE = np.int32
+
+#: a page's state: on the free stack, freed but not yet merged back onto it, or taken
+ON_STACK, RELEASED, TAKEN = 0, 1, 2
+
+#: `KVSlotPool.alloc_after`'s blocks: where a sequence's decoded tokens start a new run
+RUN_SLOTS = 32
+#: blocks searched below the cursor before the whole pool is
+RUN_WINDOW = 64
 
 
 class OutOfSlots(RuntimeError):
@@ -48,14 +64,24 @@ class KVSlotPool:
         # the first allocation returns 1, 2, 3, ... which keeps traces of slot ids easy to read.
         pages = self.capacity // page_size if self.capacity is not None else 1024
         self._stack = np.zeros(pages, dtype=SLOT_DTYPE)
-        self._top = 0  # free pages on the stack
-        self._released: list[np.ndarray] = []  # freed pages (first slot ids), not yet merged
+        self._top = 0  # entries on the stack, `_stale` of them pages a run took meanwhile
+        self._stale = 0
+        # Each page's state (index: page number, first slot - 1 over page_size): on the stack,
+        # released (freed, not yet merged back) or taken. A page that `alloc_after` takes where
+        # it lies leaves a stale entry on the stack, skipped when popped.
+        self._state = np.full(pages, TAKEN, dtype=np.int8)
         self._num_released = 0
         self._minted = 0  # pages ever handed out or put on the stack
+        self._run_cursor = 0  # the block below which `alloc_after` looks for a new run first
+        # decode steps take their slots from `alloc_after` (set for an executor that reads the
+        # pool where it lies: `testbed.serving.serve.keep_runs_for`); else from `alloc`
+        self.keep_runs = False
         if self.capacity is not None:
             self._stack[:] = self._firsts(pages, 0)
+            self._state[:] = ON_STACK
             self._top = pages
             self._minted = pages
+            self._run_cursor = pages // RUN_SLOTS - 1
 
     @property
     def unbounded(self) -> bool:
@@ -64,7 +90,7 @@ class KVSlotPool:
     @property
     def num_free(self) -> int:
         """Free slots on the free list, whole pages (an unbounded pool can always mint more)."""
-        return (self._top + self._num_released) * self.page_size
+        return (self._top - self._stale + self._num_released) * self.page_size
 
     @property
     def num_minted(self) -> int:
@@ -88,15 +114,108 @@ class KVSlotPool:
         if n % self.page_size:
             raise ValueError(f"alloc of {n} slots is not whole pages of {self.page_size}")
         k = n // self.page_size
-        if k > self._top and self._num_released:
+        if k > self._top - self._stale and self._num_released:
             self._merge_released()
-        if k > self._top:
+        if k > self._top - self._stale:
             if self.capacity is not None:
                 raise OutOfSlots(f"asked for {n} slots, {self.num_free} free of {self.capacity}")
-            self._mint(k - self._top)
-        firsts = self._stack[self._top - k : self._top][::-1]
-        self._top -= k
-        return self._expand(firsts)
+            self._mint(k - self._top + self._stale)
+        return self._expand(self._pop(k))
+
+    def alloc_after(self, last_slots: np.ndarray) -> np.ndarray:
+        """One free slot for each sequence whose KV ends at ``last_slots[i]`` (0: none yet), as
+        `alloc(len(last_slots))` does, but placed so each sequence's KV runs on: the slot right
+        after its last one where that is free (the first of sequences ending alike gets it);
+        else the first slot of a block of `RUN_SLOTS` free slots, taken from the top of the pool
+        down (`alloc` hands out the lowest); else, in a full pool, the first slot of one of the
+        longest runs of free slots among the lowest `RUN_WINDOW` × `RUN_SLOTS`, a run per
+        sequence. Page size 1 only (pages keep runs themselves); an unbounded pool hands out
+        `alloc`'s. Which slots a request holds changes no count (free slots, hits, evictions),
+        only where the CPU's decode kernel reads: handed out in turn, a batch's decoded tokens
+        interleave one slot per request, and rows a batch apart cost the kernel up to 1.3x
+        (`python -m experiments.benchmarks.slot_order`)."""
+        n = len(last_slots)
+        if self.page_size != 1:
+            raise ValueError(f"alloc_after hands out single slots, not pages of {self.page_size}")
+        if self.capacity is None or n == 0:
+            return self.alloc(n)
+        if n > self.num_free:
+            raise OutOfSlots(f"asked for {n} slots, {self.num_free} free of {self.capacity}")
+        # page p holds slot p + 1, so the page after slot s is page s
+        after = np.asarray(last_slots, dtype=np.int64)
+        ok = (after >= 1) & (after < self.capacity)
+        ok[ok] = self._state[after[ok]] != TAKEN
+        if n > 1 and np.count_nonzero(ok) > 1:
+            _, first = np.unique(np.where(ok, after, -1 - np.arange(n)), return_index=True)
+            once = np.zeros(n, dtype=bool)
+            once[first] = True
+            ok &= once
+        out = np.empty(n, dtype=SLOT_DTYPE)
+        self._take(after[ok])
+        out[ok] = after[ok] + 1
+        if ok.all():
+            return out
+        rest = np.flatnonzero(~ok)
+        starts = self._free_blocks(len(rest)) * RUN_SLOTS
+        self._take(starts)
+        if len(starts) < len(rest):
+            more = self._run_starts(len(rest) - len(starts))
+            self._take(more)
+            starts = np.concatenate([starts, more])
+        out[rest[: len(starts)]] = starts + 1
+        if len(starts) < len(rest):
+            out[rest[len(starts):]] = self.alloc(len(rest) - len(starts))
+        return out
+
+    def _free_blocks(self, m: int) -> np.ndarray:
+        """Up to ``m`` blocks (aligned runs of `RUN_SLOTS` pages) wholly free among the
+        `RUN_WINDOW` at and below the cursor, the highest first. The cursor moves below the last
+        one taken, or, finding too few, a window down (wrapping round to the top): a full pool is
+        searched a window a step, not all at once."""
+        blocks = self._minted // RUN_SLOTS
+        if blocks == 0:
+            return np.zeros(0, dtype=np.int64)
+        cursor = min(self._run_cursor, blocks - 1)
+        low = max(0, cursor - RUN_WINDOW + 1)
+        states = self._state[low * RUN_SLOTS : (cursor + 1) * RUN_SLOTS]
+        whole = low + np.flatnonzero((states.reshape(-1, RUN_SLOTS) != TAKEN).all(axis=1))
+        found = whole[::-1][:m]
+        below = int(found[-1]) - 1 if len(found) == m else low - 1
+        self._run_cursor = below if below >= 0 else blocks - 1
+        return found
+
+    def _run_starts(self, m: int) -> np.ndarray:
+        """The first pages of up to ``m`` runs of free pages on the stack, among its lowest
+        `RUN_WINDOW` × `RUN_SLOTS` entries, the longest runs first (the lowest of equals)."""
+        top = self._stack[max(0, self._top - RUN_WINDOW * RUN_SLOTS) : self._top][::-1] - 1
+        top = top[self._state[top] == ON_STACK]
+        if len(top) == 0:
+            return np.zeros(0, dtype=np.int64)
+        begins = np.flatnonzero(np.diff(top, prepend=-2) != 1)
+        lengths = np.diff(begins, append=len(top))
+        return top[begins[np.argsort(-lengths, kind="stable")[:m]]].astype(np.int64)
+
+    def _take(self, pages: np.ndarray) -> None:
+        """Mark free ``pages`` taken where they lie (stack entries go stale, released pages
+        leave the released count)."""
+        states = self._state[pages]
+        self._stale += int(np.count_nonzero(states == ON_STACK))
+        self._num_released -= int(np.count_nonzero(states == RELEASED))
+        self._state[pages] = TAKEN
+
+    def _pop(self, k: int) -> np.ndarray:
+        """The ``k`` top valid pages of the stack (first slot ids), skipping stale entries."""
+        out: list[np.ndarray] = []
+        while k:
+            top = self._stack[self._top - k : self._top][::-1]
+            self._top -= k
+            valid = self._state[(top - 1) // self.page_size] == ON_STACK
+            self._stale -= k - int(np.count_nonzero(valid))
+            top = top[valid]
+            self._state[(top - 1) // self.page_size] = TAKEN
+            out.append(top)
+            k -= len(top)
+        return np.concatenate(out) if out else np.zeros(0, dtype=SLOT_DTYPE)
 
     def free(self, slots: np.ndarray) -> None:
         """Return slots to the pool: whole pages (asserted), each page's slots in order. Caller
@@ -106,20 +225,27 @@ class KVSlotPool:
         if self.page_size > 1:
             self.assert_whole_pages(slots)
             slots = slots[:: self.page_size]
-        self._released.append(np.array(slots, dtype=SLOT_DTYPE))
+        self._state[(np.asarray(slots) - 1) // self.page_size] = RELEASED
         self._num_released += len(slots)
 
     def free_slots(self) -> np.ndarray:
-        """A copy of the free list, slot by slot (for invariant checks)."""
-        return self._expand(np.concatenate([self._stack[: self._top], *self._released]))
+        """The free slots, ascending (for invariant checks)."""
+        return self._expand(self._free_pages())
+
+    def _free_pages(self) -> np.ndarray:
+        """First slot ids of the free pages (on the stack or released), ascending."""
+        pages = np.flatnonzero(self._state[: self._minted] != TAKEN)
+        return (pages * self.page_size + 1).astype(SLOT_DTYPE)
 
     def _merge_released(self) -> None:
         """The released pages onto the stack, all free pages sorted, the lowest on top."""
-        merged = np.sort(np.concatenate([self._stack[: self._top], *self._released]))[::-1]
+        merged = self._free_pages()[::-1]
         self._ensure_room(len(merged))
         self._stack[: len(merged)] = merged
         self._top = len(merged)
-        self._released, self._num_released = [], 0
+        self._stale = 0
+        self._state[(merged - 1) // self.page_size] = ON_STACK
+        self._num_released = 0
 
     def check_ownership(self, owned: list[np.ndarray]) -> None:
         """Assert that every slot id in existence is free xor in exactly one of ``owned``."""
@@ -159,6 +285,11 @@ class KVSlotPool:
         self._stack[n : n + self._top] = self._stack[: self._top].copy()
         self._stack[:n] = fresh
         self._top += n
+        if self._minted + n > len(self._state):
+            grown = np.full(max(self._minted + n, 2 * len(self._state)), TAKEN, dtype=np.int8)
+            grown[: self._minted] = self._state[: self._minted]
+            self._state = grown
+        self._state[self._minted : self._minted + n] = ON_STACK
         self._minted += n
 
     def _ensure_room(self, size: int) -> None:

@@ -53,6 +53,10 @@ def default_device() -> str:
 
 
 class EngineExecutor:
+    #: attention reads each request's KV where its slots lie (no gather into a padded batch), so
+    #: the pool keeps a request's decoded tokens in runs (`testbed.serving.serve.keep_runs_for`)
+    reads_kv_in_place = True
+
     def __init__(self, runner: ModelRunner, sampler: Sampler | None = None,
                  forced: bool = False) -> None:
         self.runner = runner

@@ -35,6 +35,8 @@ class TieredEngineExecutor:
     launches the step. The copy time is part of the step's launch. Everything else is the wrapped
     executor's (``runner``, forced-token counts, ...)."""
 
+    reads_kv_in_place = True  # the wrapped engine's attention (`EngineExecutor`)
+
     def __init__(self, executor, cache: TieredRadixCache) -> None:
         if cache.transfers is None:
             raise ValueError("the engine needs a tiered cache built with record_transfers=True")
