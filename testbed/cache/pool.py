@@ -20,7 +20,9 @@ Where the executor reads the KV where it lies (the engine; ``keep_runs``), a dec
 new token per request comes from ``alloc_after`` (page size 1): the slot
 after the request's last one where it is free, else the start of a free block of `RUN_SLOTS`
 taken from the top of the pool down. Handed out in turn instead, a batch's decoded tokens would
-interleave, one slot per request, which the CPU kernel reads up to 2x slower than runs; with runs,
+interleave, one slot per request: over a served chat run's decode steps the CPU kernel took
+1.2x as long on them as on runs (1.4x at batch 1; `python -m experiments.benchmarks.slot_order
+--workload sharegpt_chat`); with runs,
 a radix cache's KV lies much as a block cache's pages do. Every page's state (on the stack,
 released, taken) is kept, so a page taken where it lies leaves a stale stack entry that popping
 skips. ``capacity=None`` makes an unbounded pool that mints fresh pages when its free list runs dry
@@ -132,8 +134,8 @@ class KVSlotPool:
         sequence. Page size 1 only (pages keep runs themselves); an unbounded pool hands out
         `alloc`'s. Which slots a request holds changes no count (free slots, hits, evictions),
         only where the CPU's decode kernel reads: handed out in turn, a batch's decoded tokens
-        interleave one slot per request, and rows a batch apart cost the kernel up to 1.3x
-        (`python -m experiments.benchmarks.slot_order`)."""
+        interleave one slot per request, and a served chat run's decode attention took 1.2x as
+        long on them (`python -m experiments.benchmarks.slot_order --workload sharegpt_chat`)."""
         n = len(last_slots)
         if self.page_size != 1:
             raise ValueError(f"alloc_after hands out single slots, not pages of {self.page_size}")
