@@ -207,3 +207,17 @@ def test_the_engines_pool_keeps_each_requests_decoded_tokens_in_runs_and_the_tok
     # request's straight on after its prompt (where the others' next slots are taken)
     assert all(len(s) == 39 for s in runs.values()) and max(jumps.values()) <= 2
     assert all(np.count_nonzero(np.diff(s) != 1) == 38 for s in in_turn.values())
+
+
+def test_the_servers_engine_keeps_runs_and_the_simulators_pool_does_not():
+    from testbed.assembly import assemble, compose_config
+    from testbed.engine_assembly import build_engine_parts
+    from testbed.serving.serve import keep_runs_for
+    from testbed.sim.executor import SimExecutor
+
+    run = assemble(compose_config(["backend=engine", "model=tiny", "hardware=cpu",
+                                   "progress=false"]))
+    assert build_engine_parts(run, 2000, []).cache.pool.keep_runs  # testbed.serve's assembly
+    cache = RadixCache(2000)
+    keep_runs_for(SimExecutor(run.build_cost_model()), cache)
+    assert not cache.pool.keep_runs
