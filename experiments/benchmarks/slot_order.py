@@ -23,8 +23,9 @@ Prints milliseconds per step's attention and each placement over ``ascending``.
 the workload runs on the simulator (radix + LPM, a pool of `vs_vllm_serving`'s size, a closed loop
 of ``--loop``) twice, with the pool handing out decode slots as it does for the engine (``runs``:
 `KVSlotPool.alloc_after`) and as it did before (``in turn``: `alloc`, what the simulator's own
-pool still does), and every decode step's slot lists are kept. Slot ids change no decision, so both runs make the same steps; each step's
-attention is timed over both placements side by side, and the sums printed by batch size.
+pool still does), and every decode step's slot lists are kept. Slot ids change no decision, so
+both runs make the same steps; each step's attention is timed over both placements side by side,
+and the sums printed by batch size.
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ SLOTS, KV_HEADS, ROWS, HEAD_DIM, LAYERS = 16352, 3, 3, 64, 30
 
 
 def placements(batch: int, context: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Each placement's slots, request after request (``batch`` of ``context``); ``runs`` and
+    ``interleaved`` as the calibration grid lays a batch out (`testbed.calibrate_grid.slot_order`)."""
     n = batch * context
-    ascending = torch.arange(1, n + 1, dtype=torch.int32)
-    runs = np.concatenate([s[:context] for s in slot_order(StepShape.decode((context,) * batch),
-                                                                "runs")])
-    interleaved = ascending.view(context, batch).t().contiguous().view(-1)
-    scattered = np.random.default_rng(seed).permutation(np.arange(1, SLOTS + 1))[:n]
-    return {"ascending": ascending, "runs": torch.from_numpy(runs.astype(np.int32)),
-            "interleaved": interleaved,
-            "scattered": torch.from_numpy(scattered.astype(np.int32))}
+    step = StepShape.decode((context,) * batch)
+    laid = {"ascending": np.arange(1, n + 1)}
+    laid |= {layout: np.concatenate([s[:context] for s in slot_order(step, layout)])
+             for layout in ("runs", "interleaved")}
+    laid["scattered"] = np.random.default_rng(seed).permutation(np.arange(1, SLOTS + 1))[:n]
+    return {name: torch.from_numpy(slots.astype(np.int32)) for name, slots in laid.items()}
 
 
 def served_steps(workload: list[str], loop: int, in_turn: bool
