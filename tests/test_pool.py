@@ -206,3 +206,38 @@ def test_any_mix_of_alloc_alloc_after_and_free_keeps_every_slot_free_xor_held_on
         assert sorted(pool.free_slots().tolist()) == sorted(free)
     pool.check_ownership(held)
     assert pool.alloc(len(free)).tolist() == sorted(free)  # all of them, lowest first
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(0, 30),
+                          st.integers(0, 10 ** 6)), max_size=60),
+       st.integers(0, 60), st.sampled_from([1, 4]))
+def test_alloc_hands_out_the_lowest_free_pages_once_the_freed_ones_are_merged(ops, keep_at, page):
+    """Against a model of the free list (a stack, lowest page on top, refilled with every free
+    page sorted when short): the exact slot ids, with or without page states (which the pool
+    starts keeping, at operation ``keep_at``, from its first `alloc_after`)."""
+    pool = KVSlotPool(100, page_size=page)
+    stack = list(range(100 // page - 1, -1, -1))  # page numbers, the top last
+    released: list[int] = []
+    held: list[np.ndarray] = []
+    for i, (op, n, seed) in enumerate(ops):
+        if i == keep_at:
+            pool._keep_states()
+        if op == "free" and held:
+            chunk = held.pop(int(np.random.default_rng(seed).integers(len(held))))
+            pool.free(chunk)
+            released += [(s - 1) // page for s in chunk[::page].tolist()]
+        elif op == "alloc":
+            if n > len(stack) and released:
+                stack, released = sorted(stack + released, reverse=True), []
+            if n > len(stack):
+                with pytest.raises(OutOfSlots):
+                    pool.alloc(n * page)
+                continue
+            want = stack[len(stack) - n :][::-1]
+            del stack[len(stack) - n :]
+            got = pool.alloc(n * page)
+            assert got.tolist() == [p * page + j + 1 for p in want for j in range(page)]
+            held.append(got)
+        assert pool.num_free == (len(stack) + len(released)) * page
+    pool.check_ownership(held)

@@ -129,33 +129,59 @@ def test_mooncake_conversation_trace_hit_rates_match_sglang(mooncake_conversatio
 def tree_state(cache: RadixCache) -> list:
     """Everything a radix cache holds that a later request or a policy could see."""
     nodes = [(n.id, n.parent.id, n.key.tolist(), n.slots.tolist(), n.last_access, n.access_count,
-              n.created, n.lock_ref, n.priority, n.category, n.start) for n in cache.nodes()]
+              n.created, n.lock_ref, n.priority, n.category, n.start, n.hits, n.history)
+             for n in cache.nodes()]
     live = sorted((priority, node) for node, priority in cache.eviction.queued().items())
     return [nodes, live, cache.pool.free_slots().tolist(), cache._clock, cache.evictable_size]
 
 
-@pytest.mark.parametrize("unit", ["node", "page"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "priority", "gdsf", "workload_aware", "oracle"])
-@pytest.mark.parametrize("capacity", [None, 600, 150])
-def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, capacity, unit):
-    # RadixCache.replay_one fuses the three calls; PrefixCache.replay_one makes them. Small
-    # vocabularies make accidental matches, splits and cached output tokens common.
+POLICIES_ONE_PASS = ("lru", "fifo", "filo", "lfu", "mru", "slru", "tlru", "size_aware", "wlfu",
+                     "priority", "gdsf", "workload_aware", "oracle")
+# (policy, release, split recency, capacity, evict unit): every policy unbounded, evicting whole
+# nodes and pages; LRU, and GDSF (whose keys drift), under both releases and recencies too
+ONE_PASS_CASES = [
+    *((policy, "0.5.23", "refresh", capacity, unit) for policy in POLICIES_ONE_PASS
+      for capacity, unit in ((None, "node"), (600, "page"), (150, "node"))),
+    *((policy, release, recency, capacity, unit) for policy in ("lru", "gdsf")
+      for release, recency in (("0.4.10", "refresh"), ("0.5.23", "keep"), ("0.4.10", "keep"))
+      for capacity, unit in ((600, "node"), (150, "page")))]
+
+
+@pytest.mark.parametrize("policy,release,recency,capacity,unit", ONE_PASS_CASES)
+@pytest.mark.parametrize("seed", [4, 5])
+def test_radix_replay_in_one_pass_equals_acquire_extend_release(policy, release, recency,
+                                                                capacity, unit, seed):
+    # RadixCache.replay_one serves a request in one walk (testbed.cache.radix_replay) or, where
+    # the policy has hooks, in every walk; PrefixCache.replay_one makes the calls. Small
+    # vocabularies make accidental matches, splits and cached output tokens common; some
+    # requests have no prompt, no output or neither; every node's every field is compared.
     from testbed.cache import PrefixCache
     from testbed.workloads.synthetic import random_tree
 
-    requests = random_tree(num_requests=300, root_len=9, segment_len=5, output_len=3, vocab_size=3,
-                           seed=4)
+    requests = random_tree(num_requests=200, root_len=9, segment_len=5, output_len=3, vocab_size=3,
+                           seed=seed)
     for i, r in enumerate(requests):
         r.priority, r.category = i % 3, f"c{i % 2}"
+        if i % 37 == 5:
+            r.output = r.output[:0]
+        if i % 53 == 7:
+            r.prompt = r.prompt[:0]
     fused, calls = (RadixCache(capacity, policy=EVICTION.build(policy, requests=requests),
-                               evict_unit=unit) for _ in range(2))
-    for r in requests:
-        who = Requester(r.id, r.priority, r.category)
+                               evict_unit=unit, sglang=release, split_recency=recency)
+                    for _ in range(2))
+    for i, r in enumerate(requests):
+        who = None if i % 11 == 3 else Requester(r.id, r.priority, r.category)
         assert fused.replay_one(r.prompt, r.output, who) == \
             PrefixCache.replay_one(calls, r.prompt, r.output, who)
         assert tree_state(fused) == tree_state(calls)
     if policy in ("lru", "lfu", "priority"):  # the others' keys drift with global state
         fused.check_invariants()
+
+
+def test_replay_walks_once_where_the_policy_has_no_hooks():
+    # the one-walk path is taken for hookless policies, every walk for hooked ones
+    assert RadixCache(10, policy=EVICTION.build("lfu"))._one_walk
+    assert not RadixCache(10, policy=EVICTION.build("workload_aware"))._one_walk
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -23,10 +23,13 @@ taken from the top of the pool down. Handed out in turn instead, a batch's decod
 interleave, one slot per request: over a served chat run's decode steps the CPU kernel took
 1.2x as long on them as on runs (1.4x at batch 1; `python -m experiments.benchmarks.slot_order
 --workload sharegpt_chat`); with runs,
-a radix cache's KV lies much as a block cache's pages do. Every page's state (on the stack,
-released, taken) is kept, so a page taken where it lies leaves a stale stack entry that popping
-skips. ``capacity=None`` makes an unbounded pool that mints fresh pages when its free list runs dry
-(the replay backend's "unlimited cache").
+a radix cache's KV lies much as a block cache's pages do. From the first `alloc_after` on, every
+page's state (on the stack, released, taken) is kept, so a page taken where it lies leaves a stale
+stack entry that popping skips. A pool that never hands out runs (the simulator's, the replay's)
+keeps no per-page state: its freed pages wait in a list, and the merge sorts them with what is
+left on the stack, so a merge costs the free pages, not the pool (the replay of a full cache
+merges once per eviction). ``capacity=None`` makes an unbounded pool that mints fresh pages when
+its free list runs dry (the replay backend's "unlimited cache").
 """
 
 from __future__ import annotations
@@ -68,11 +71,14 @@ class KVSlotPool:
         self._stack = np.zeros(pages, dtype=SLOT_DTYPE)
         self._top = 0  # entries on the stack, `_stale` of them pages a run took meanwhile
         self._stale = 0
-        # Each page's state (index: page number, first slot - 1 over page_size): on the stack,
-        # released (freed, not yet merged back) or taken. A page that `alloc_after` takes where
-        # it lies leaves a stale entry on the stack, skipped when popped.
-        self._state = np.full(pages, TAKEN, dtype=np.int8)
+        # Pages freed and not yet merged back (first slot ids, in freeing order; with page
+        # states, some may have been taken since: those are skipped by their state).
+        self._released: list[np.ndarray] = []
         self._num_released = 0
+        # Each page's state (index: page number, first slot - 1 over page_size): on the stack,
+        # released or taken; None until the first `alloc_after` (`_keep_states`). A page that
+        # `alloc_after` takes where it lies leaves a stale entry on the stack, skipped when popped.
+        self._state: np.ndarray | None = None
         self._minted = 0  # pages ever handed out or put on the stack
         self._run_cursor = 0  # the block below which `alloc_after` looks for a new run first
         # decode steps take their slots from `alloc_after` (set for an executor that reads the
@@ -80,7 +86,6 @@ class KVSlotPool:
         self.keep_runs = False
         if self.capacity is not None:
             self._stack[:] = self._firsts(pages, 0)
-            self._state[:] = ON_STACK
             self._top = pages
             self._minted = pages
             self._run_cursor = pages // RUN_SLOTS - 1
@@ -143,6 +148,7 @@ class KVSlotPool:
             return self.alloc(n)
         if n > self.num_free:
             raise OutOfSlots(f"asked for {n} slots, {self.num_free} free of {self.capacity}")
+        self._keep_states()
         # page p holds slot p + 1, so the page after slot s is page s
         after = np.asarray(last_slots, dtype=np.int64)
         ok = (after >= 1) & (after < self.capacity)
@@ -207,6 +213,10 @@ class KVSlotPool:
 
     def _pop(self, k: int) -> np.ndarray:
         """The ``k`` top valid pages of the stack (first slot ids), skipping stale entries."""
+        if self._state is None:  # no page states, no stale entries
+            top = self._stack[self._top - k : self._top][::-1].copy()
+            self._top -= k
+            return top
         out: list[np.ndarray] = []
         while k:
             top = self._stack[self._top - k : self._top][::-1]
@@ -227,17 +237,31 @@ class KVSlotPool:
         if self.page_size > 1:
             self.assert_whole_pages(slots)
             slots = slots[:: self.page_size]
-        self._state[(np.asarray(slots) - 1) // self.page_size] = RELEASED
-        self._num_released += len(slots)
+        firsts = np.array(slots, dtype=SLOT_DTYPE)  # a copy: the caller's array may change
+        self._released.append(firsts)
+        self._num_released += len(firsts)
+        if self._state is not None:
+            self._state[(firsts - 1) // self.page_size] = RELEASED
+            if len(self._released) > self._minted:  # entries of pages taken since: drop them
+                pages = np.unique(np.concatenate(self._released))
+                self._released = [pages[self._state[(pages - 1) // self.page_size] == RELEASED]]
 
     def free_slots(self) -> np.ndarray:
         """The free slots, ascending (for invariant checks)."""
         return self._expand(self._free_pages())
 
     def _free_pages(self) -> np.ndarray:
-        """First slot ids of the free pages (on the stack or released), ascending."""
-        pages = np.flatnonzero(self._state[: self._minted] != TAKEN)
-        return (pages * self.page_size + 1).astype(SLOT_DTYPE)
+        """First slot ids of the free pages (on the stack or released), ascending: the released
+        ones and the stack's, less those taken where they lay (with page states). The stack's
+        run ascends from its top and a freed node's slots mostly do too, so a stable sort (which
+        finds runs) costs about the copy (10 us, not 250, for 12,000 pages in 6 runs)."""
+        pages = np.concatenate([self._stack[: self._top][::-1], *self._released])
+        pages.sort(kind="stable")
+        if self._state is None:
+            return pages
+        if len(pages) > 1:  # a page taken from the stack, then freed, is listed twice
+            pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
+        return pages[self._state[(pages - 1) // self.page_size] != TAKEN]
 
     def _merge_released(self) -> None:
         """The released pages onto the stack, all free pages sorted, the lowest on top."""
@@ -246,8 +270,20 @@ class KVSlotPool:
         self._stack[: len(merged)] = merged
         self._top = len(merged)
         self._stale = 0
-        self._state[(merged - 1) // self.page_size] = ON_STACK
+        if self._state is not None:
+            self._state[(merged - 1) // self.page_size] = ON_STACK
+        self._released = []
         self._num_released = 0
+
+    def _keep_states(self) -> None:
+        """Start keeping every page's state (`alloc_after` takes pages where they lie): taken,
+        but for the stack's (on it) and the released ones."""
+        if self._state is not None:
+            return
+        self._state = np.full(max(self._minted, len(self._stack)), TAKEN, dtype=np.int8)
+        self._state[(self._stack[: self._top] - 1) // self.page_size] = ON_STACK
+        for firsts in self._released:
+            self._state[(firsts - 1) // self.page_size] = RELEASED
 
     def check_ownership(self, owned: list[np.ndarray]) -> None:
         """Assert that every slot id in existence is free xor in exactly one of ``owned``."""
@@ -287,11 +323,12 @@ class KVSlotPool:
         self._stack[n : n + self._top] = self._stack[: self._top].copy()
         self._stack[:n] = fresh
         self._top += n
-        if self._minted + n > len(self._state):
-            grown = np.full(max(self._minted + n, 2 * len(self._state)), TAKEN, dtype=np.int8)
-            grown[: self._minted] = self._state[: self._minted]
-            self._state = grown
-        self._state[self._minted : self._minted + n] = ON_STACK
+        if self._state is not None:
+            if self._minted + n > len(self._state):
+                grown = np.full(max(self._minted + n, 2 * len(self._state)), TAKEN, dtype=np.int8)
+                grown[: self._minted] = self._state[: self._minted]
+                self._state = grown
+            self._state[self._minted : self._minted + n] = ON_STACK
         self._minted += n
 
     def _ensure_room(self, size: int) -> None:

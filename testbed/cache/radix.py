@@ -27,6 +27,8 @@ import numpy as np
 
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import Requester
+from testbed.cache.leaf_eviction import LeafEviction
+from testbed.cache.radix_replay import prompt_requester, replay_fast, replay_walking
 from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-exported)
 from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
@@ -55,6 +57,12 @@ class RadixCache(RadixTree, PrefixCache):
         super().__init__(*args, **kwargs)
         self.sglang = sglang
         self._checkpoints = sglang != "0.4.10"  # 0.5.23's insert rule (module docstring)
+        # `replay_one` in one walk: where no hook of the policy (nor a subclass's leaf hook or
+        # eviction) may look at a node between the walks it stands for
+        self._one_walk = (type(self.eviction) is LeafEviction and self._leaf_hook is None
+                          and not self._history and self._on_hit is None
+                          and self._on_create is None and self._on_access is None
+                          and self._on_split is None)
 
     def fits(self, num_tokens: int) -> bool:
         return self.pool.capacity is None or self.pool.round_up(num_tokens) <= self.pool.capacity
@@ -112,69 +120,17 @@ class RadixCache(RadixTree, PrefixCache):
 
     def replay_one(self, prompt: np.ndarray, output: np.ndarray,
                    requester: Requester | None = None) -> tuple[int, int, bool, dict | None]:
-        """`PrefixCache.replay_one` in one pass (page size 1, no lower tiers): the calls of
-        `acquire`, `extend` and `release` with the same effects on the tree, the pool and the
-        policy, in the same order. The insert's walk passes the locked matched path again (every
-        node touched anew, as `insert` does) and goes on from its end; the new leaf takes its slots
-        straight from the allocation."""
+        """`PrefixCache.replay_one` with the same effects on the tree, the pool and the policy as
+        its calls (`acquire`, `extend`, `release`), in one walk where the policy has no hooks
+        (page size 1, no lower tiers: `testbed.cache.radix_replay`)."""
         if self.page_size != 1 or self.lower_tiers:
             return super().replay_one(prompt, output, requester)
         kb = joined_bytes(prompt, output)
         n = len(kb) // TOKEN_BYTES
-        pool = self.pool
-        if pool.capacity is not None and n > pool.capacity:
+        if self.pool.capacity is not None and n > self.pool.capacity:
             return 0, 0, False, None
-        if self._on_access is not None:
-            self._on_access(requester)
-        path: list[TreeNode] = []
-        node, at = (self._walk(kb, len(prompt) * TOKEN_BYTES, requester, True, path)
-                    if len(prompt) else (self.root, 0))
-        hit = at // TOKEN_BYTES
-        need = n - hit
-        evicted = 0
-        # The lock matters only while evicting: without eviction, locking and unlocking the path
-        # change nothing (its nodes but the last have children, so unlocking offers none of them;
-        # the last one is offered at the end of the insert's walk instead, by then unlocked).
-        locked = not pool.can_alloc(need)
-        if locked:
-            self.lock(node)
-            if pool.num_free + self._evictable < need:
-                raise RuntimeError(f"radix: no room for {n} tokens although they fit")
-            evicted = self.evict(need - pool.num_free)
-        fresh = pool.alloc(need)
-        # The insert's walk: the root and the matched path touched again, then on from its end.
-        urgent = requester.priority if requester is not None else None
-        clock = self._clock
-        clock += 1
-        self.root.last_access = clock
-        if urgent is not None and urgent < self.root.priority:
-            self.root.priority = urgent
-        for x in path:
-            clock += 1
-            x.last_access = clock
-            if urgent is not None and urgent < x.priority:
-                x.priority = urgent
-            x.hits += 1  # the insert's hit (SGLang 0.5.23's ``hit_count``)
-        self._clock = clock
-        if at < len(kb) and kb[at : at + TOKEN_BYTES] in node.children:
-            end, at = self._descend(node, kb, at, len(kb), requester, False, [], 0)
-        else:  # the usual case: nothing cached beyond the hit (`_descend` would only offer it)
-            end = node
-            self.eviction.offer(node)
-        present = at // TOKEN_BYTES
-        if present < n:
-            self._add_leaf(end, kb[at:], fresh[present - hit :], present, requester)
-        if present > hit:
-            pool.free(fresh[: present - hit])  # output tokens cached meanwhile: duplicates
-        if self._checkpoints:  # `checkpoint_walks` on the bytes at hand (page size 1)
-            if 0 < len(prompt) < n:
-                self._walk(kb, len(prompt) * TOKEN_BYTES, prompt_requester(requester), False, [],
-                           len(prompt) * TOKEN_BYTES)
-            if n:
-                self._walk(kb, len(kb), None, False, [])
-        if locked:
-            self.unlock(node)
-        return hit, evicted, True, None
+        serve = replay_fast if self._one_walk else replay_walking
+        return serve(self, kb, len(prompt), n, requester)
 
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
         if len(tokens) > lease.num_tokens:
@@ -220,10 +176,3 @@ class RadixCache(RadixTree, PrefixCache):
         (`testbed.cache.tree_checks.check_radix_tree`)."""
         check_radix_tree(self, leases)
 
-
-def prompt_requester(requester: Requester | None) -> Requester:
-    """Who re-inserts a prompt (`RadixCache.reinsert_prompt`): the request, one more urgent
-    (SGLang: ``req.priority or 0``, plus one)."""
-    if requester is None:
-        return Requester(None, -1, None)
-    return requester._replace(priority=requester.priority - 1)
