@@ -76,6 +76,16 @@ class Lease:
         """Tokens of KV this lease covers (cached prefix plus extensions)."""
         return self._n
 
+    def push(self, slot: int) -> None:
+        """`append` of one slot (a decode step's), without making an array of it."""
+        n = self._n
+        if n == len(self._buf):
+            grown = np.zeros(max(2 * n, 16), dtype=SLOT_DTYPE)
+            grown[:n] = self._buf
+            self._buf = grown
+        self._buf[n] = slot
+        self._n = n + 1
+
     def append(self, slots: np.ndarray) -> None:
         end = self._n + len(slots)
         if end > len(self._buf):
@@ -201,18 +211,27 @@ class PrefixCache(ABC):
         attribute); each lease uses its spare slots first, then its share of the new pages.
         One token each comes from `KVSlotPool.alloc_after` where the pool keeps runs (the
         engine's: `keep_runs`), which keeps each lease's KV running on where it can."""
-        if self.pool is not None:
-            costs = [self.extension_cost(lease, num_tokens) for lease in leases]
-            if self.pool.can_alloc(sum(costs)):
-                if num_tokens == 1 and self.pool.keep_runs:
-                    fresh = self.pool.alloc_after(np.array(
+        pool = self.pool
+        if pool is not None:
+            # page size 1, one token (a plain decode step): no spare slots, one slot a lease
+            single = num_tokens == 1 and pool.page_size == 1
+            costs = None if single else [self.extension_cost(lease, num_tokens)
+                                         for lease in leases]
+            total = len(leases) if single else sum(costs)
+            if pool.can_alloc(total):
+                if num_tokens == 1 and pool.keep_runs:
+                    fresh = pool.alloc_after(np.array(
                         [lease.slots[-1] if lease.num_tokens else 0 for lease in leases]))
                 else:
-                    fresh = self.pool.alloc(sum(costs))
-                at = 0
-                for lease, cost in zip(leases, costs):
-                    lease.grow(num_tokens, fresh[at : at + cost])
-                    at += cost
+                    fresh = pool.alloc(total)
+                if single:
+                    for lease, slot in zip(leases, fresh.tolist()):
+                        lease.push(slot)
+                else:
+                    at = 0
+                    for lease, cost in zip(leases, costs):
+                        lease.grow(num_tokens, fresh[at : at + cost])
+                        at += cost
                 return [0] * len(leases)
         out = []
         for lease in leases:
@@ -221,6 +240,13 @@ class PrefixCache(ABC):
                 raise RuntimeError("extend_each: the cache could not make room")
             out.append(evicted)
         return out
+
+    def step_cost(self, leases: list[Lease], num_tokens: int = 1) -> int:
+        """Σ `extension_cost` of ``num_tokens`` more for each lease (a decode step's room); at
+        page size 1 a lease holds no spare slots, so each costs ``num_tokens``."""
+        if self.pool is not None and self.pool.page_size == 1:
+            return num_tokens * len(leases)
+        return sum(self.extension_cost(lease, num_tokens) for lease in leases)
 
     def extension_cost(self, lease: Lease, num_tokens: int) -> int:
         """Capacity (in tokens) that `extend(lease, num_tokens)` takes from `available_size`: with

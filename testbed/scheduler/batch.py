@@ -22,7 +22,7 @@ from testbed.cache.reuse import KVCopy, ReusedSpan
 from testbed.scheduler.request_state import Req
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step: slots make it cheaper to make and read
 class BatchEntry:
     req: Req
     context: int  # tokens with KV before this step
@@ -54,6 +54,12 @@ class BatchEntry:
         self.slots = self.req.lease.slots
         return self
 
+    @classmethod
+    def decoding(cls, req: Req) -> "BatchEntry":
+        """A plain decode step's entry for ``req``, its slot taken: one token on top of its
+        ``computed``, bound (`bind`). (Built positionally: one per running request per step.)"""
+        return cls(req, req.computed, 1, True, req.preemptions, req.lease.slots, (), True)
+
     @property
     def output_index(self) -> int:
         """Which output token of its request this entry produces (if it produces one): the one
@@ -68,7 +74,15 @@ class BatchEntry:
         """Whether the token this entry produces is one its request can take: it ends the fill
         and the request's output is not full by then (a request decoded once more under
         overlap after its last token is in flight makes none)."""
-        return self.produces_token and 0 <= self.output_index < self.req.max_new_tokens
+        return self.output_made is not None
+
+    @property
+    def output_made(self) -> int | None:
+        """`output_index` where the entry `makes_output`, else None (one read of both)."""
+        if not self.produces_token:
+            return None
+        at = self.output_index
+        return at if 0 <= at < self.req.max_new_tokens else None
 
     def input_ids(self) -> np.ndarray:
         """Token ids fed in this step (positions context .. context+new-1), from the host: a

@@ -87,16 +87,19 @@ class Req:
         Returns whether the request is done: its output is as long as allowed, or the token is
         one of its stop tokens (EOS or its own, kept in the output) once ``min_tokens`` came
         before it (SGLang's ``check_finished``, vLLM's ``check_stop``)."""
-        stopped = False
-        if self.remaining_new_tokens > 0:
-            if token is None:
-                raise ValueError(f"request {self.id}: the executor produced no token")
-            self.output.append(int(token))
-            stopped = int(token) in self.stop_token_ids \
-                and len(self.output) > self.request.min_tokens
-            if self.first_token_s is None:
-                self.first_token_s = now
-        return stopped or self.remaining_new_tokens == 0
+        output = self.output  # (once per decoded token: no properties on this path)
+        if len(output) >= self.max_new_tokens:
+            return len(output) == self.max_new_tokens
+        if token is None:
+            raise ValueError(f"request {self.id}: the executor produced no token")
+        token = int(token)
+        output.append(token)
+        if self.first_token_s is None:
+            self.first_token_s = now
+        if self.stop_token_ids and token in self.stop_token_ids \
+                and len(output) > self.request.min_tokens:
+            return True
+        return len(output) == self.max_new_tokens
 
     def fill(self) -> np.ndarray:
         """The tokens whose KV a prefill computes: prompt plus what was generated before a

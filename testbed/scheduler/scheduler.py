@@ -272,7 +272,8 @@ class Scheduler:
                                       c.clip_max_new_tokens, c.max_prefill_tokens,
                                       c.chunked_prefill_size, self.page_size, self.rules)
         admitted: list[BatchEntry] = []
-        if self.chunked is not None:  # add_chunked_req: no KV check, as in SGLang
+        continued = self.chunked is not None  # its entry comes first, not from the queue
+        if continued:  # add_chunked_req: no KV check, as in SGLang
             req = self.chunked
             todo = req.fill_len - req.computed
             new = adder.next_chunk(todo)
@@ -316,8 +317,7 @@ class Scheduler:
             self._enqueue(victim)
         if not admitted:
             return None
-        chosen = {id(e.req) for e in admitted}
-        self.waiting = [r for r in self.waiting if id(r) not in chosen]
+        self._leave_queue([e.req for e in admitted[continued:]])
 
         news = [e.new for e in admitted]
         paged = self.page_size * len(admitted) if self.page_size > 1 else 0
@@ -339,6 +339,18 @@ class Scheduler:
         self.processed_tokens += sum(e.new for e in entries)  # run_batch: extend_num_tokens
         return Batch("prefill", entries,
                      kv_copies=self.reuse.stores(entries) if self.reuse is not None else [])
+
+    def _leave_queue(self, taken: list[Req]) -> None:
+        """The requests admitted from the waiting queue leave it. They were admitted in queue
+        order, so they are usually its head: cut it off (the queue may hold thousands under
+        overload, and this runs every prefill step); else, where a held request was skipped
+        among them, keep the rest in order."""
+        head = self.waiting[: len(taken)]
+        if len(head) == len(taken) and all(a is b for a, b in zip(head, taken)):
+            del self.waiting[: len(taken)]
+            return
+        chosen = {id(r) for r in taken}
+        self.waiting = [r for r in self.waiting if id(r) not in chosen]
 
     def _checked(self, ordering: Ordering | list[Req]) -> Ordering:
         """A user queue policy's answer as an `Ordering` (it may return a plain list), refused
@@ -468,13 +480,14 @@ class Scheduler:
             self.batch_is_full = False
         if drafts is not None:
             return self._verify_batch([drafts[id(r)] for r in self.running], early)
-        leases = [req.lease for req in self.running]
-        early = self._attribute(early, [1] * len(self.running))
-        entries = []
-        for req, evicted, evicted_early in zip(self.running, self.cache.extend_each(leases, 1), early):
-            req.evicted_tokens += evicted + evicted_early
-            entries.append(BatchEntry(req, req.computed, 1, produces_token=True,
-                                      decode=True).bind())
+        running = self.running
+        evicted = self.cache.extend_each([req.lease for req in running], 1)
+        if early or any(evicted):
+            for req, ev, ev_early in zip(running, evicted,
+                                         self._attribute(early, [1] * len(running))):
+                req.evicted_tokens += ev + ev_early
+        entries = [BatchEntry.decoding(req) for req in running]
+        for req in running:
             req.computed += 1
         return Batch("decode", entries)
 
@@ -579,7 +592,7 @@ class Scheduler:
 
     def _decode_cost(self, reqs: list[Req]) -> int:
         """KV capacity one more decode step of ``reqs`` takes."""
-        return sum(self.cache.extension_cost(r.lease, 1) for r in reqs)
+        return self.cache.step_cost([r.lease for r in reqs], 1)
 
     def _requeue(self, req: Req) -> None:
         """Free the request's KV beyond its cached prefix and append it to the queue (SGLang's
@@ -628,7 +641,7 @@ class Scheduler:
         finished = []
         for entry, token in zip(batch.entries, tokens):
             req = entry.req
-            if req.finished or entry.gen != req.preemptions:
+            if req.finish_s is not None or entry.gen != req.preemptions:
                 continue  # overlap: finished or retracted since; the token is dropped
             if self.reuse is not None and entry.context + entry.new >= req.fill_len:
                 self.reuse.release(req)  # its prefill has read the donors

@@ -25,9 +25,12 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
     position comes from the entry (`BatchEntry.output_index`), so a step launched before the
     last step's results were applied (overlap) gets the right ones. A verification entry's are
     the tokens ``acceptance`` verifies (`testbed.sim.acceptance`)."""
-    return [None if not e.makes_output else int(e.req.request.output[e.output_index])
-            if e.draft is None else (acceptance or Acceptance()).tokens(e)
-            for e in batch.entries]
+    tokens: list[int | tuple[int, ...] | None] = []
+    for e in batch.entries:
+        at = e.output_made
+        tokens.append(None if at is None else int(e.req.request.output[at]) if e.draft is None
+                      else (acceptance or Acceptance()).tokens(e))
+    return tokens
 
 
 class SimExecutor:
