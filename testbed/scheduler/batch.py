@@ -64,10 +64,9 @@ class BatchEntry:
     def output_index(self) -> int:
         """Which output token of its request this entry produces (if it produces one): the one
         at fill position ``context + new``. Read from the entry alone, so it holds whether or
-        not the results of the step before have been applied yet (overlap)."""
-        if self.draft is not None:  # a verification: the first token it produces
-            return self.context + 1 - len(self.req.prompt)
-        return self.context + self.new - len(self.req.prompt)
+        not the results of the step before have been applied yet (overlap). A verification's:
+        the first token it produces."""
+        return self.context + (1 if self.draft is not None else self.new) - len(self.req.prompt)
 
     @property
     def makes_output(self) -> bool:
@@ -81,8 +80,9 @@ class BatchEntry:
         """`output_index` where the entry `makes_output`, else None (one read of both)."""
         if not self.produces_token:
             return None
-        at = self.output_index
-        return at if 0 <= at < self.req.max_new_tokens else None
+        req = self.req  # (`output_index`, inline: read for every entry of every step)
+        at = self.context + (1 if self.draft is not None else self.new) - len(req.prompt)
+        return at if 0 <= at < req.max_new_tokens else None
 
     def input_ids(self) -> np.ndarray:
         """Token ids fed in this step (positions context .. context+new-1), from the host: a
@@ -110,6 +110,8 @@ class Batch:
     # cascade decoding: ``(shared tokens, entry indices)`` of the requests that read a cached
     # prefix once (`testbed.scheduler.decode_groups`); None where the scheduler formed none
     decode_groups: list[tuple[int, list[int]]] | None = None
+    _shape: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False,
+                                                                  compare=False)
 
     @property
     def verifies(self) -> bool:
@@ -118,11 +120,16 @@ class Batch:
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(e.new for e in self.entries)
+        return sum(self.shape()[0])
 
     def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(new tokens, context) per entry: what a cost model needs."""
-        return tuple(e.new for e in self.entries), tuple(e.context for e in self.entries)
+        """(new tokens, context) per entry: what a cost model needs. Read once: the executor,
+        the step record and the totals all ask, and a batch's entries do not change."""
+        if self._shape is None:
+            entries = self.entries
+            self._shape = (tuple([e.new for e in entries]),
+                           tuple([e.context for e in entries]))
+        return self._shape
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,9 @@ class Req:
     #: speculative decoding: the drafts it accepted at each of its verification steps, in order
     #: (None: it never verified); requests.jsonl ``spec_accepted``
     spec_accepted: list[int] | None = None
+    #: the workload's output tokens as a list, made at the first read
+    #: (`testbed.sim.executor.predetermined_tokens`, which reads one per decode step)
+    recorded_output: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.max_new_tokens = self.request.output_limit

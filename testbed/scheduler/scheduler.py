@@ -523,7 +523,7 @@ class Scheduler:
         """ScheduleBatch.filter_batch: the running batch drops its finished requests; a smaller
         batch is not full."""
         before = len(self.running)
-        self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if r.finish_s is None]  # (not finished)
         if len(self.running) < before:
             self.batch_is_full = False
 

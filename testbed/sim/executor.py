@@ -28,8 +28,15 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
     tokens: list[int | tuple[int, ...] | None] = []
     for e in batch.entries:
         at = e.output_made
-        tokens.append(None if at is None else int(e.req.request.output[at]) if e.draft is None
-                      else (acceptance or Acceptance()).tokens(e))
+        if at is None:
+            tokens.append(None)
+        elif e.draft is None:
+            recorded = e.req.recorded_output
+            if recorded is None:
+                recorded = e.req.recorded_output = e.req.request.output.tolist()
+            tokens.append(recorded[at])
+        else:
+            tokens.append((acceptance or Acceptance()).tokens(e))
     return tokens
 
 

@@ -9,7 +9,7 @@ exact prefixes the KV moved after the forward pass (``rotated``, ``copied``, pri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Any, Callable
 
 from testbed.model_shape import ModelShape
 from testbed.scheduler.decode_groups import saved_reads
@@ -17,6 +17,21 @@ from testbed.scheduler.decode_groups import saved_reads
 
 #: the fewest rows a CPU BLAS multiplies as one matrix product (`StepShape.few_row_passes`)
 GEMM_MIN_ROWS = 4
+
+
+class lazy_property:
+    """A property computed on first read and kept (`functools.cached_property` without its
+    lock, which Python 3.11 takes on every first read: a simulation reads several for each of
+    its hundred thousand steps)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ class StepShape:
         if min(self.rotated, self.copied) < 0:
             raise ValueError(f"StepShape: rotated and copied tokens must be >= 0, got "
                              f"{self.rotated}, {self.copied}")
-        new, context = tuple(int(n) for n in self.new), tuple(int(c) for c in self.context)
+        new, context = tuple(map(int, self.new)), tuple(map(int, self.context))
         if len(new) != len(context):
             raise ValueError(f"StepShape: {len(new)} new counts but {len(context)} contexts")
         if not new:
@@ -122,37 +137,37 @@ class StepShape:
     def batch(self) -> int:
         return len(self.new)
 
-    @cached_property
+    @lazy_property
     def num_new(self) -> int:
         """Σ new: tokens computed this step."""
         return sum(self.new)
 
-    @cached_property
+    @lazy_property
     def num_context(self) -> int:
         """Σ context: tokens already cached before this step."""
         return sum(self.context)
 
-    @cached_property
+    @lazy_property
     def shared_saving(self) -> int:
         """Σ (members − 1)·P over the shared groups: cached KV tokens cascade does not read."""
         return saved_reads(self.shared)
 
-    @cached_property
+    @lazy_property
     def kv_read_context(self) -> int:
         """Cached KV tokens the step reads: ``num_context`` less ``shared_saving``."""
         return self.num_context - self.shared_saving
 
-    @cached_property
+    @lazy_property
     def new_times_context(self) -> int:
         """Σ new·context: query–key pairs against the cached part."""
         return sum(n * c for n, c in zip(self.new, self.context))
 
-    @cached_property
+    @lazy_property
     def attended_pairs(self) -> float:
         """Σ new·(context + (new+1)/2): query–key pairs, the chunk's causal triangle included."""
         return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
 
-    @cached_property
+    @lazy_property
     def padded_decode_area(self) -> int:
         """The cached KV a decode kernel that pads to the longest reads, 0 for a prefill: plainly
         ``batch × max(context)`` (the engine's ``torch`` attention; ``Σcontext`` of it is real,
@@ -170,7 +185,7 @@ class StepShape:
                 suffix[m] -= p
         return self.batch * max(suffix) + len(self.shared) * max(p for p, _ in self.shared)
 
-    @cached_property
+    @lazy_property
     def few_row_passes(self) -> int:
         """``batch − 1`` when the batch has 2 or 3 requests, else 0: the extra passes over the
         weights of a CPU BLAS that multiplies fewer than `GEMM_MIN_ROWS` rows as one
@@ -179,7 +194,7 @@ class StepShape:
         decode step has ``batch`` rows, a prefill's LM head too (its last position per request)."""
         return self.batch - 1 if 1 < self.batch < GEMM_MIN_ROWS else 0
 
-    @cached_property
+    @lazy_property
     def is_decode(self) -> bool:
         """Every request computes exactly one token (a mixed step counts as prefill)."""
         return self.num_new == self.batch
