@@ -59,7 +59,9 @@ QUEUE_POLICIES = Registry("scheduler", methods=("order",), what="a queue policy"
 
 @dataclass
 class Ordering:
-    queue: list[Req]  # in the order to try (deprioritized requests last)
+    # in the order to try (deprioritized requests last); the waiting list itself, not a copy,
+    # where the order is the queue's own (FCFS: it may hold thousands, ordered every step)
+    queue: list[Req]
     deferred: set[int] = field(default_factory=set)  # id()s of the deprioritized requests
     held: bool = False  # whether the deferred sit this step out (``in_batch_hold``)
 
@@ -93,9 +95,9 @@ class QueuePolicy:
         return self.name
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
-        queue = list(waiting)
-        if self.enable_priority_scheduling:
-            queue.sort(key=lambda r: (r.request.priority, r.queued_s))
+        if not self.enable_priority_scheduling:
+            return self.refreshed(Ordering(waiting))
+        queue = sorted(waiting, key=lambda r: (r.request.priority, r.queued_s))
         return self.refreshed(Ordering(queue))
 
     def refreshed(self, ordering: Ordering) -> Ordering:
@@ -158,9 +160,9 @@ class LongestPrefixMatch(QueuePolicy):
         return self.name
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        if self.effective(len(waiting)) == "fcfs":
+            return self.refreshed(Ordering(waiting))
         queue = list(waiting)
-        if self.effective(len(queue)) == "fcfs":
-            return self.refreshed(Ordering(queue))
         # a look-up of every waiting request (recency only; see PrefixCache.match)
         hits, matched = queue_matches(self.cache, queue, self.sglang)
         deferred = self._in_batch_deferrals(queue, matched)
@@ -259,9 +261,9 @@ class HighestResponseRatio(LongestPrefixMatch):
         self._refreshes = sglang == "0.5.23" and self._refreshes  # for the FCFS fallback
 
     def order(self, waiting: list[Req], now: float = 0.0) -> Ordering:
+        if self.effective(len(waiting)) == "fcfs":
+            return self.refreshed(Ordering(waiting))
         queue = list(waiting)
-        if self.effective(len(queue)) == "fcfs":
-            return self.refreshed(Ordering(queue))
         hits, matched = queue_matches(self.cache, queue, "0.5.23")
         deferred = self._in_batch_deferrals(queue, matched)
         processed = self.processed_tokens

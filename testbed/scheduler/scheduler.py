@@ -266,7 +266,8 @@ class Scheduler:
             ordering = self.policy.order(self.waiting, now)
             if c.target is not None:  # a user's policy: check what the built-ins guarantee
                 ordering = self._checked(ordering)
-            self.waiting[:] = ordering.queue
+            if ordering.queue is not self.waiting:
+                self.waiting[:] = ordering.queue
             held = ordering.deferred if ordering.held else set()
         adder = PrefillAdder.for_step(self.cache, self.running, self.new_token_ratio,
                                       c.clip_max_new_tokens, c.max_prefill_tokens,
@@ -283,7 +284,13 @@ class Scheduler:
             self.chunked = None if last else req
 
         preempted: list[Req] = []
-        for req in list(self.waiting):
+        # The queue in order, read in place: admission stops after a few requests, and the only
+        # change to the queue meanwhile is a request leaving it to load (then the next one is in
+        # its place), so this visits what a copy would without copying thousands every step.
+        queue, at = self.waiting, 0
+        while at < len(queue):
+            req = queue[at]
+            at += 1
             if self.rules.other_stops_first and adder.budget_state() is AddResult.OTHER:
                 break  # the continued chunk used up a step budget
             if len(admitted) >= self.max_running - running_bs:
@@ -307,6 +314,7 @@ class Scheduler:
                 continue
             result = self._add_one(req, adder, admitted)
             if result == _LOADING:
+                at -= 1  # it left the queue
                 continue
             if result is not AddResult.CONTINUE:
                 if result is AddResult.NO_TOKEN:  # 0.5.23: full only if something else can run
