@@ -647,12 +647,13 @@ class Scheduler:
     def _apply(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
         """SGLang's ``process_batch_result_prefill/decode``."""
         finished = []
+        reuse, prefill = self.reuse, batch.kind == "prefill"
         for entry, token in zip(batch.entries, tokens):
             req = entry.req
             if req.finish_s is not None or entry.gen != req.preemptions:
                 continue  # overlap: finished or retracted since; the token is dropped
-            if self.reuse is not None and entry.context + entry.new >= req.fill_len:
-                self.reuse.release(req)  # its prefill has read the donors
+            if reuse is not None and entry.context + entry.new >= req.fill_len:
+                reuse.release(req)  # its prefill has read the donors
             if not entry.produces_token:
                 if not self.config.overlap:
                     self._commit_chunk(req)  # (with overlap: when the next batch forms)
@@ -665,7 +666,7 @@ class Scheduler:
             if req.take_token(token, now):
                 self._finish(req, now)
                 finished.append(req)
-            elif batch.kind == "prefill":  # cache_unfinished_req: others hit it from now on
+            elif prefill:  # cache_unfinished_req: others hit it from now on
                 self._commit(req, entry.context + entry.new)
         return finished
 

@@ -159,13 +159,16 @@ class StepShape:
 
     @lazy_property
     def new_times_context(self) -> int:
-        """Σ new·context: query–key pairs against the cached part."""
+        """Σ new·context: query–key pairs against the cached part (a decode step's: Σcontext)."""
+        if self.is_decode:
+            return self.num_context
         return sum(n * c for n, c in zip(self.new, self.context))
 
     @lazy_property
     def attended_pairs(self) -> float:
         """Σ new·(context + (new+1)/2): query–key pairs, the chunk's causal triangle included."""
-        return self.new_times_context + sum(n * (n + 1) for n in self.new) / 2
+        triangles = 2 * self.batch if self.is_decode else sum(n * (n + 1) for n in self.new)
+        return self.new_times_context + triangles / 2
 
     @lazy_property
     def padded_decode_area(self) -> int:
