@@ -43,8 +43,8 @@ from pathlib import Path
 
 from experiments import MOONCAKE_TRACE, REPO
 from experiments.benchmarks.traces import forest, mooncake_tiled
-from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, load_sglang, replay_edge,
-                                          replay_plain, replay_sglang)
+from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, as_lists, load_sglang,
+                                          replay_edge, replay_plain, replay_sglang)
 
 # Built directly, not through testbed.assembly: this benchmark times the raw data structures
 # (caches, replay, loaders, generator) on purpose, without a run config's choices around them.
@@ -134,13 +134,14 @@ def part_mooncake(args) -> int:
 # ------------------------------------------------------------------------- part: versus
 def part_versus(args) -> int:
     requests = random_tree(num_requests=VERSUS_REQUESTS, **VERSUS)
+    lists = as_lists(requests)
     capacity = TOKENS_PER_REQUEST * len(requests)
     print(f"\n== versus: random_tree(num_requests={len(requests):,}, {VERSUS}), "
           f"capacity {capacity:,} tokens; fastest of {args.rounds}")
     contenders = {
         "radix replay": lambda: records_outcome(replay(requests, RadixCache(capacity))),
         "ideal trie": lambda: ideal_hits(requests),
-        "per-edge tree": lambda: replay_edge(requests, EdgeRadix(capacity)),
+        "per-edge tree": lambda: replay_edge(lists, EdgeRadix(capacity)),
         "per-token tree": lambda: replay_plain(requests, PlainRadix(capacity)),
     }
     sgl = load_sglang()

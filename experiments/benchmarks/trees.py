@@ -9,7 +9,8 @@ output, free the duplicates, unlock) and returns the hit and the tokens evicted 
   compared token by token, eviction by a heap of all leaves rebuilt per evict call as SGLang does);
 - `EdgeRadix` + `replay_edge`: a plain per-edge Python radix tree, written for this benchmark
   as one would write it with care: edges are lists compared a whole slice at a time (``==`` in C),
-  LRU by a counter, eviction from a lazily invalidated heap of leaves, a list of free slots;
+  LRU by a counter, eviction from a lazily invalidated heap of leaves, a list of free slots; with
+  ``checkpoint``, SGLang 0.5.23's rule (the prompt inserted again, the sequence looked up);
 - `replay_sglang`: SGLang 0.4.10's own ``RadixCache`` (imported from the wheel cached by
   `experiments.validation.sglang`, see `load_sglang`) with the allocator stand-in of
   `experiments.validation.sglang_replay`.
@@ -291,12 +292,24 @@ class EdgeRadix:
         return out
 
 
-def replay_edge(requests: Iterable, tree: EdgeRadix) -> tuple[list[int], list[int]]:
-    """replay.py's loop over `EdgeRadix`; the insert walks the matched path again."""
-    hits, evicted = [], []
+def as_lists(requests: Iterable) -> list[tuple[list[int], list[int]]]:
+    """(prompt, prompt + output) of each request as lists of ints: the plain trees' input, made
+    before a timed replay (parsing is not the replay's)."""
+    out = []
     for r in requests:
         prompt = r.prompt.tolist()
-        seq = prompt + r.output.tolist()
+        out.append((prompt, prompt + r.output.tolist()))
+    return out
+
+
+def replay_edge(requests: list[tuple[list[int], list[int]]], tree: EdgeRadix,
+                checkpoint: bool = False) -> tuple[list[int], list[int]]:
+    """replay.py's loop over `EdgeRadix` on `as_lists` input; the insert walks the matched path
+    again. ``checkpoint``: SGLang 0.5.23's rule (`RadixCache.checkpoint`): after the insert, the
+    prompt is inserted again (a walk that cuts the new leaf at the prompt's end) and the whole
+    sequence looked up (a walk), as the plain tree would do it, walking from the root."""
+    hits, evicted = [], []
+    for prompt, seq in requests:
         if tree.capacity is not None and len(seq) > tree.capacity:
             hits.append(0)
             evicted.append(0)
@@ -315,6 +328,11 @@ def replay_edge(requests: Iterable, tree: EdgeRadix) -> tuple[list[int], list[in
             end.children[seq[present]] = leaf
             tree.offer(leaf)
         tree.free += fresh[: present - hit]
+        if checkpoint:
+            if 0 < len(prompt) < len(seq):
+                tree.walk(prompt)
+            if seq:
+                tree.walk(seq)
         tree.lock_path(node, -1)
         hits.append(hit)
         evicted.append(ev)

@@ -72,7 +72,12 @@ class _Clock:
 
 
 def load(root: Path) -> SimpleNamespace:
-    """Import SGLang's schedule_policy, radix_cache and global_config from ``root``."""
+    """Import SGLang's schedule_policy, radix_cache and global_config from ``root`` (another
+    release loaded before in this process, and its import hook, are put aside first)."""
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not type(f).__module__.endswith("sglang_wheel523")]
     for pkg in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.mem_cache",
                 "sglang.srt.disaggregation"):  # packages without running their __init__
         module = types.ModuleType(pkg)

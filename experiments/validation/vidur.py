@@ -274,7 +274,8 @@ def run_ours(trace: Path, scale: float, overrides: list[str], folder: Path,
     return {**figures(arrival, r["first_token_s"].to_numpy() - arrival,
                       r["finish_s"].to_numpy() - arrival, r["output_tokens"].to_numpy()),
             "preemptions": int(summary["preemptions"]), "wall_s": wall,
-            "sim_s": summary["wall_s"], "kv_capacity_tokens": summary.get("kv_capacity_tokens")}
+            "sim_s": summary["wall_s"], "loop_s": summary["timing"]["run_s"],
+            "kv_capacity_tokens": summary.get("kv_capacity_tokens")}
 
 
 # ---------------------------------------------------------------- report

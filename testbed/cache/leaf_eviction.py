@@ -65,13 +65,18 @@ class LeafEviction:
         self.evict_unit = check_evict_unit(evict_unit)
         self._root = tree.root
         self._heap: list[tuple[object, int, int, TreeNode]] = []
+        # LRU's key, read without a call (an offer per request and more); `on_evict` called
+        # only where the policy's class has one (as the tree calls its other hooks)
+        self._by_recency = type(policy).priority is EvictionPolicy.priority
+        self._hooks_evict = type(policy).on_evict is not EvictionPolicy.on_evict
 
     def offer(self, node: TreeNode) -> None:
         """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
         if node.children or node.lock_ref or node is self._root:
             return
         node.offer += 1
-        heapq.heappush(self._heap, (self.policy.priority(node), node.id, node.offer, node))
+        key = node.last_access if self._by_recency else self.policy.priority(node)
+        heapq.heappush(self._heap, (key, node.id, node.offer, node))
         if len(self._heap) > 4 * self.tree.num_nodes + 1024:
             self._rebuild_heap()
 
@@ -80,7 +85,7 @@ class LeafEviction:
         Returns tokens freed: with ``evict_unit="node"`` whole leaves (possibly more than asked),
         with ``"page"`` the asked amount rounded up to whole pages when that many are unlocked."""
         by_page = self.evict_unit == "page"
-        tree, policy = self.tree, self.policy
+        tree, policy, hooked = self.tree, self.policy, self._hooks_evict
         freed = 0
         while freed < num_tokens and self._heap:  # (a rebuild may replace the list meanwhile)
             key, _, offer, node = heapq.heappop(self._heap)
@@ -91,12 +96,14 @@ class LeafEviction:
                 if need < len(node.slots):  # part of this leaf suffices: free its tail only
                     freed += tree.trim_leaf(node, len(node.slots) - need)
                     self.offer(node)  # the same node, statistics and all: its size changed
-                    policy.on_evict(node, key)
+                    if hooked:
+                        policy.on_evict(node, key)
                     break
             freed += len(node.slots)
             tree.unlink_leaf(node)
             self.offer(node.parent)  # a parent left childless competes with its own statistics
-            policy.on_evict(node, key)
+            if hooked:
+                policy.on_evict(node, key)
         return freed
 
     def queued(self) -> dict[int, object]:

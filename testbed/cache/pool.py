@@ -116,6 +116,11 @@ class KVSlotPool:
         """Take ``n`` free slots, a multiple of ``page_size``: ``n / page_size`` whole pages, each
         page's slots ascending (ascending throughout on a fresh pool). Raises OutOfSlots if not
         available."""
+        top = self._top
+        if self.page_size == 1 and self._state is None and 0 <= n <= top:
+            # the usual case, in a few operations: slots off the stack, no stale entries to skip
+            self._top = top - n
+            return self._stack[top - n : top][::-1].copy()
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of slots: {n}")
         if n % self.page_size:
