@@ -30,7 +30,7 @@ from testbed.cache.eviction import Requester
 from testbed.cache.leaf_eviction import LeafEviction
 from testbed.cache.radix_replay import prompt_requester, replay_fast, replay_walking
 from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-exported)
-from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes
+from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
 from testbed.errors import BadInput
@@ -71,8 +71,13 @@ class RadixCache(RadixTree, PrefixCache):
     def match(self, tokens: np.ndarray, limit: int | None = None,
               requester: Requester | None = None) -> int:
         # A look-up: recency refreshed as SGLang's match_prefix does; no hit, no policy access.
-        return self.match_prefix(tokens if limit is None else tokens[:limit], requester,
-                                 lookup=True)[0]
+        key = tokens if limit is None else tokens[:limit]
+        if type(self).match_prefix is not RadixTree.match_prefix:  # a subclass's own (tiers)
+            return self.match_prefix(key, requester, lookup=True)[0]
+        # its walk, without gathering the path's slots (a queue's look-ups, every step)
+        kb = as_bytes(key)
+        end = len(kb) - len(kb) % self._kw
+        return self._walk(kb, end, None, False, [])[1] // TOKEN_BYTES if end else 0
 
     @property
     def available_size(self) -> float:

@@ -112,11 +112,16 @@ class Batch:
     decode_groups: list[tuple[int, list[int]]] | None = None
     _shape: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, repr=False,
                                                                   compare=False)
+    _verifies: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def verifies(self) -> bool:
-        """A speculative decode step: its entries carry drafts (possibly none) to verify."""
-        return any(e.draft is not None for e in self.entries)
+        """A speculative decode step: its entries carry drafts (possibly none) to verify.
+        (Read once, as `shape`: a step's entries keep their drafts.)"""
+        if self._verifies is None:
+            drafts = [e.draft for e in self.entries]
+            self._verifies = drafts.count(None) < len(drafts)
+        return self._verifies
 
     @property
     def num_new_tokens(self) -> int:

@@ -91,18 +91,19 @@ class Req:
         one of its stop tokens (EOS or its own, kept in the output) once ``min_tokens`` came
         before it (SGLang's ``check_finished``, vLLM's ``check_stop``)."""
         output = self.output  # (once per decoded token: no properties on this path)
-        if len(output) >= self.max_new_tokens:
-            return len(output) == self.max_new_tokens
+        n = len(output)
+        if n >= self.max_new_tokens:
+            return n == self.max_new_tokens
         if token is None:
             raise ValueError(f"request {self.id}: the executor produced no token")
         token = int(token)
         output.append(token)
+        n += 1
         if self.first_token_s is None:
             self.first_token_s = now
-        if self.stop_token_ids and token in self.stop_token_ids \
-                and len(output) > self.request.min_tokens:
+        if self.stop_token_ids and token in self.stop_token_ids and n > self.request.min_tokens:
             return True
-        return len(output) == self.max_new_tokens
+        return n == self.max_new_tokens
 
     def fill(self) -> np.ndarray:
         """The tokens whose KV a prefill computes: prompt plus what was generated before a

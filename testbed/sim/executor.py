@@ -102,7 +102,7 @@ class SimExecutor:
         new, context = batch.shape()
         shared = () if self.groups is None else batch.decode_groups \
             if batch.decode_groups is not None else self.groups(batch.entries)
-        if batch.kv_copies or any(e.reuse for e in batch.entries):
+        if batch.kv_copies or (batch.kind == "prefill" and any(e.reuse for e in batch.entries)):
             step = reuse_shape(batch)
         else:
             reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
