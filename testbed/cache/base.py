@@ -72,6 +72,12 @@ class Lease:
         return self._buf[: self._n]
 
     @property
+    def buffer(self) -> np.ndarray:
+        """The array `slots` is the start of: its first `num_tokens` entries never change (a
+        lease that ends or shrinks takes a new one), so holding it keeps a snapshot of them."""
+        return self._buf
+
+    @property
     def num_tokens(self) -> int:
         """Tokens of KV this lease covers (cached prefix plus extensions)."""
         return self._n

@@ -29,7 +29,10 @@ class BatchEntry:
     new: int  # tokens computed in this step
     produces_token: bool  # False for a chunk that does not reach the end of the fill
     gen: int = 0  # the request's retraction count when formed: a stale entry's token is dropped
-    slots: np.ndarray | None = None  # KV slots when formed (the lease may end before it runs)
+    # KV slots when formed (the lease may end before it runs): positions 0 .. context+new-1
+    # are `kv_slots`; a decode entry holds the lease's whole buffer (`Lease.buffer`), whose
+    # first slots never change, rather than a view cut per step
+    slots: np.ndarray | None = None
     reuse: tuple[ReusedSpan, ...] = ()  # spans inside [context, context+new): KV not computed
     # a decode: its input is the token its request's last step produced (on the engine's
     # device, where that step left it; its results may not be applied yet under overlap)
@@ -58,7 +61,7 @@ class BatchEntry:
     def decoding(cls, req: Req) -> "BatchEntry":
         """A plain decode step's entry for ``req``, its slot taken: one token on top of its
         ``computed``, bound (`bind`). (Built positionally: one per running request per step.)"""
-        return cls(req, req.computed, 1, True, req.preemptions, req.lease.slots, (), True)
+        return cls(req, req.computed, 1, True, req.preemptions, req.lease.buffer, (), True)
 
     @property
     def output_index(self) -> int:

@@ -494,7 +494,8 @@ class Scheduler:
             for req, ev, ev_early in zip(running, evicted,
                                          self._attribute(early, [1] * len(running))):
                 req.evicted_tokens += ev + ev_early
-        entries = [BatchEntry.decoding(req) for req in running]
+        decoding = BatchEntry.decoding
+        entries = [decoding(req) for req in running]
         for req in running:
             req.computed += 1
         return Batch("decode", entries)
