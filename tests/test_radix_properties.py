@@ -135,6 +135,8 @@ def test_unlimited_match_equals_longest_common_prefix_with_any_inserted_sequence
             inserted.append(seq[: len(seq) - len(seq) % page])
         else:
             assert cache.match(key) == expected
+            for limit in (None, 0, 3, len(seq) - 1, -2):  # as tokens[:limit] cuts
+                assert cache.match_bytes(key.tobytes(), limit) == cache.match(key, limit)
     cache.check_invariants()
 
 

@@ -265,3 +265,19 @@ def test_under_overlap_a_request_needing_its_last_tokens_slot_beyond_the_pool_is
     overlap = Scheduler(RadixCache(capacity=34, page_size=4), SchedulerConfig(overlap=True))
     assert not plain.submit(request, 0.0).aborted
     assert overlap.submit(request, 0.0).aborted
+
+
+def test_lpm_keeps_each_waiting_fills_bytes_until_its_output_grows():
+    # FillKeys: the same bytes object while the fill is unchanged, new ones after a retraction
+    # added outputs to the fill, and only the requests of the latest queue are kept
+    from testbed.scheduler.policy import FillKeys
+
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm"))
+    a, b = waiting(s, [1, 2, 3], [4, 5])
+    keys = FillKeys()
+    first = keys([a, b])
+    assert first == [toks(1, 2, 3).tobytes(), toks(4, 5).tobytes()]
+    assert keys([a, b])[0] is first[0]
+    a.output.append(9)
+    assert keys([a])[0] == toks(1, 2, 3, 9).tobytes()
+    assert list(keys._kept) == [id(a)]

@@ -30,7 +30,7 @@ from testbed.cache.eviction import Requester
 from testbed.cache.leaf_eviction import LeafEviction
 from testbed.cache.radix_replay import prompt_requester, replay_fast, replay_walking
 from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-exported)
-from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, joined_bytes
+from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
 from testbed.errors import BadInput
@@ -74,9 +74,19 @@ class RadixCache(RadixTree, PrefixCache):
         key = tokens if limit is None else tokens[:limit]
         if type(self).match_prefix is not RadixTree.match_prefix:  # a subclass's own (tiers)
             return self.match_prefix(key, requester, lookup=True)[0]
-        # its walk, without gathering the path's slots (a queue's look-ups, every step)
-        kb = as_bytes(key)
-        end = len(kb) - len(kb) % self._kw
+        return self.match_bytes(as_bytes(key))
+
+    def match_bytes(self, kb: bytes, limit: int | None = None) -> int:
+        """`match` of a token run given as its bytes (`testbed.cache.token_runs`: a caller that
+        looks the same run up step after step keeps them), its first ``limit`` tokens: the
+        look-up's walk, without gathering the path's slots."""
+        if type(self).match_prefix is not RadixTree.match_prefix:
+            return self.match(np.frombuffer(kb, TOKEN_DTYPE), limit)
+        end = len(kb)
+        if limit is not None:  # as ``tokens[:limit]`` cuts
+            end = min(end, (limit if limit >= 0 else max(end // TOKEN_BYTES + limit, 0))
+                      * TOKEN_BYTES)
+        end -= end % self._kw
         return self._walk(kb, end, None, False, [])[1] // TOKEN_BYTES if end else 0
 
     @property

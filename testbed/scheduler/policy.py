@@ -50,6 +50,7 @@ import numpy as np
 from testbed.cache.base import PrefixCache
 from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache, TreeNode  # noqa: F401 (re-exported)
+from testbed.cache.token_runs import as_bytes
 from testbed.registry import Registry
 from testbed.scheduler.request_state import Req
 
@@ -115,14 +116,41 @@ class QueuePolicy:
         return ordering
 
 
-def queue_matches(cache: PrefixCache, queue: list[Req], sglang: str) -> tuple[list[int], list[int]]:
+class FillKeys:
+    """Each waiting request's fill as token bytes (the radix tree's keys), kept from one
+    ordering to the next while the fill is the same, for the requests of the latest queue only:
+    LPM looks up to 128 waiting fills every step, and converting a long prompt each time (48 KB
+    for a Mooncake prompt) cost more than the walk."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[Req, int, bytes]] = {}
+
+    def __call__(self, queue: list[Req]) -> list[bytes]:
+        kept, fresh, out = self._kept, {}, []
+        for r in queue:
+            key = kept.get(id(r))
+            if key is None or key[0] is not r or key[1] != len(r.output):
+                key = (r, len(r.output), as_bytes(r.fill()))
+            fresh[id(r)] = key
+            out.append(key[2])
+        self._kept = fresh
+        return out
+
+
+def queue_matches(cache: PrefixCache, queue: list[Req], sglang: str,
+                  keys: FillKeys | None = None) -> tuple[list[int], list[int]]:
     """Each waiting request's cache look-up, as the queue's sort sees it: (the policy's key, at
     most the fill less one token; the match the in-batch check reads). SGLang 0.5.23 matches the
     whole fill (``match_kv_cache``) and caps the key (``num_matched_prefix_tokens``); 0.4.10
-    matches the fill less one token (``adjust_max_prefix_ids``), both the same then."""
+    matches the fill less one token (``adjust_max_prefix_ids``), both the same then. ``keys``:
+    the fills' bytes kept between calls, for a radix cache."""
     old = sglang == "0.4.10"
-    matched = [cache.match(r.fill(), limit=r.fill_len - 1 if old else None,
-                           requester=r.requester) for r in queue]
+    if keys is not None and isinstance(cache, RadixCache):
+        matched = [cache.match_bytes(kb, r.fill_len - 1 if old else None)
+                   for r, kb in zip(queue, keys(queue))]
+    else:
+        matched = [cache.match(r.fill(), limit=r.fill_len - 1 if old else None,
+                               requester=r.requester) for r in queue]
     for r, m in zip(queue, matched):
         r.matched = m  # match_kv_cache sets req.prefix_len (priority preemption reads it)
     if old:
@@ -153,6 +181,7 @@ class LongestPrefixMatch(QueuePolicy):
         self.deprioritize_threshold = in_batch_deprioritize_threshold
         self.in_batch_hold = in_batch_hold
         self.lpm_aging = lpm_aging
+        self.keys = FillKeys()
 
     def effective(self, num_waiting: int) -> str:
         if self.cache.name == "none" or num_waiting > self.lpm_fallback_threshold:
@@ -164,7 +193,7 @@ class LongestPrefixMatch(QueuePolicy):
             return self.refreshed(Ordering(waiting))
         queue = list(waiting)
         # a look-up of every waiting request (recency only; see PrefixCache.match)
-        hits, matched = queue_matches(self.cache, queue, self.sglang)
+        hits, matched = queue_matches(self.cache, queue, self.sglang, self.keys)
         deferred = self._in_batch_deferrals(queue, matched)
         aging = self.lpm_aging
 
