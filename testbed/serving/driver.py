@@ -316,6 +316,8 @@ class Driver:
         and dependents move on."""
         program_done, ready = self.graph.finish(call, self.env.now)
         self._outputs[call.id] = output
+        if not self._bar.disable:  # the simulated clock beside requests done, rate, time left
+            self._bar.set_postfix_str(f"clock {self.env.now:,.0f} s", refresh=False)
         self._bar.update(1)
         if call.id in self._slot_of:
             self._call_slots.release(self._slot_of.pop(call.id))
