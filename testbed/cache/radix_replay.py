@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from testbed.cache.eviction import Requester
 from testbed.cache.token_runs import TOKEN_BYTES, matched_bytes
-from testbed.cache.tree_node import TreeNode
+from testbed.cache.tree_node import TreeNode, own_children
 
 if TYPE_CHECKING:
     from testbed.cache.radix import RadixCache
@@ -120,8 +120,8 @@ def replay_fast(cache: "RadixCache", kb: bytes, p: int, n: int,
         prompt_priority = urgent - 1 if urgent is not None else -1  # `prompt_requester`
         if prompt_priority < head.priority:  # ... then the prompt walk's
             head.priority = prompt_priority
-        head.children[kb[p * TOKEN_BYTES : (p + 1) * TOKEN_BYTES]] = leaf
-        node.children[kb[at : at + TOKEN_BYTES]] = head
+        head.children = {kb[p * TOKEN_BYTES : (p + 1) * TOKEN_BYTES]: leaf}
+        own_children(node)[kb[at : at + TOKEN_BYTES]] = head
         cache.num_nodes += 2
         cache._evictable += need
         last = [head, leaf]

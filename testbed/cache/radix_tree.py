@@ -27,7 +27,7 @@ from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, matched_bytes
-from testbed.cache.tree_node import TreeNode
+from testbed.cache.tree_node import TreeNode, own_children
 from testbed.errors import BadInput
 
 #: what a walk that stops inside an edge does to the split-off tail's access time: ``refresh``
@@ -141,7 +141,7 @@ class RadixTree:
         head.hits, head.history = node.hits, node.history
         head.priority, head.category = node.priority, node.category
         node.start += at
-        head.children[node.kb[cut : cut + kw]] = node
+        head.children = {node.kb[cut : cut + kw]: node}
         node.parent.children[node.kb[:kw]] = head
         node.parent = head
         node.kb = node.kb[cut:]
@@ -270,7 +270,7 @@ class RadixTree:
             self._leaf_hook(leaf)
         if self._history:
             raise_history(leaf, start + len(slots))
-        parent.children[kb[: self._kw]] = leaf
+        own_children(parent)[kb[: self._kw]] = leaf
         self.num_nodes += 1
         self._evictable += len(slots)
         if self._on_create is not None:

@@ -7,10 +7,27 @@ scheduler's and router's walks, views) needs no part of the tree itself.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Mapping
+
 import numpy as np
 
 from testbed.cache.eviction import Requester
 from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE
+
+
+#: a leaf's children: one read-only empty mapping shared by every leaf (a dict each would be a
+#: fifth of a replayed tree's memory); the tree gives a node a dict of its own with its first
+#: child (`own_children`)
+NO_CHILDREN: Mapping[bytes, "TreeNode"] = MappingProxyType({})
+
+
+def own_children(node: "TreeNode") -> dict[bytes, "TreeNode"]:
+    """``node``'s children as a dict it owns, to add a child to (made with its first)."""
+    kids = node.children
+    if kids is NO_CHILDREN:
+        kids = node.children = {}
+    return kids
 
 
 class TreeNode:
@@ -27,7 +44,7 @@ class TreeNode:
                  clock: int, start: int = 0, requester: Requester | None = None) -> None:
         self.id = node_id
         self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
+        self.children: Mapping[bytes, TreeNode] = NO_CHILDREN  # a dict once it has any
         self.kb = kb
         self.slots = slots
         self.lock_ref = 0
