@@ -26,7 +26,7 @@ BACKENDS = {"replay": 0.4, "sim": 0.52, "engine": 0.08}
 EVICTIONS = ["lru", "fifo", "gdsf", "learned", "lfu", "mru", "oracle", "priority", "slru",
              "workload_aware"]
 SCHEDULERS = ["fcfs", "lpm", "dfs_weight", "lof", "random"]
-ROUTERS = ["round_robin", "random", "least_load", "cache_aware", "oracle"]
+ROUTERS = ["round_robin", "random", "least_load", "cache_aware", "oracle", "kv_events"]
 
 
 def _small(rng: np.random.Generator, lo: int, hi: int) -> int:
