@@ -110,12 +110,12 @@ def serve_forever(run: Assembly, settings: ServeSettings) -> None:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
     # handler it found: this one ends `run` instead of killing the process before the engine's
     # thread is joined
-    found = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    found = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     engine.start()
     try:
         print(ready_line(run, facts, settings.host, sock.getsockname()[1]), flush=True)
         server.run(sockets=[sock])
-    except _Stopped:
+    except Stopped:
         pass
     finally:
         engine.stop()
@@ -133,12 +133,14 @@ def one_cpu_thread() -> None:
     torch.set_num_threads(1)
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """A stop signal, after uvicorn's graceful shutdown."""
 
 
-def _stopped(_sig, _frame) -> None:
-    raise _Stopped
+def stop_signal(_sig, _frame) -> None:
+    """The handler uvicorn finds for SIGINT/SIGTERM and calls after its graceful shutdown:
+    it ends ``server.run`` by raising `Stopped`, so the caller's cleanup runs."""
+    raise Stopped
 
 
 # ---------------------------------------------------------------------------- tests, load test
