@@ -241,3 +241,25 @@ def test_route_settings_refuse_bad_values_in_one_line():
     assert replica_overrides(["model=tiny", "router=kv_events", "route.port=9", "replicas=3",
                               "router.cache_threshold=0.2", "cache.capacity_tokens=9"]) == \
         ["model=tiny", "cache.capacity_tokens=9"]
+
+
+@pytest.mark.parametrize("name", ["round_robin", "cache_aware"])
+def test_the_router_fronts_any_openai_server(name, tmp_path):
+    """Servers that are not testbed.serve (no epoch, no cache events): vLLM's stand-in."""
+    from tests.openai_stub import MODEL, StubServer
+
+    stubs = [StubServer().start() for _ in range(2)]
+    router = start_router([s.url for s in stubs], [f"router={name}"])
+    try:
+        rows = served_workload(router.url, tmp_path / "run", [
+            *FEW_SHOT, f"server.model={MODEL}"])
+        assert not any(r["failed"] for r in rows)
+        state = router.state()
+        assert [r["up"] for r in state["replicas"]] == [True, True]
+        assert sorted(set(state["routed"])) == [0, 1] if name == "round_robin" else \
+            state["decisions"].get("cache", 0) > 0
+        assert all(b.get("return_token_ids") for s in stubs for b in s.received)
+    finally:
+        router.stop()
+        for s in stubs:
+            s.stop()
