@@ -263,3 +263,25 @@ def test_the_router_fronts_any_openai_server(name, tmp_path):
         router.stop()
         for s in stubs:
             s.stop()
+
+
+def test_a_broken_event_stream_is_re_read_not_trusted():
+    handle = start_server([*TINY, "cache.capacity_tokens=200"])
+    router = start_router([handle.url], ["router=kv_events", "route.events_wait_s=0.1"])
+    try:
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/completions", json={
+                "prompt": list(range(1, 30 + i)), "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200
+        events = lambda: router.state()["events"]  # noqa: E731
+        wait_until(lambda: events()["seq"] == [handle.engine.events.seq])
+        resyncs = events()["resyncs"]
+        handle.engine.events.epoch = "another"  # as after a restart: the next poll gets 409
+        wait_until(lambda: events()["resyncs"] > resyncs and events()["synced"] == [True])
+        index = router.app.state.proxy.router.index
+        held = handle.engine.inspect(lambda e: sequence_set(cached_sequences(e.scheduler.cache)))
+        assert index.epoch == ["another"] and index.tree.sequences(0) == held
+        assert events()["breaks"] >= 1
+    finally:
+        router.stop()
+        handle.stop()
