@@ -205,6 +205,8 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
             out.append(f"attention={rng.choice(['cascade', 'cascade_torch'])}")
         if rng.random() < 0.2:
             out += [f"replicas={_small(rng, 2, 4)}", f"router={rng.choice(ROUTERS)}"]
+            if out[-1] == "router=kv_events" and rng.random() < 0.5:
+                out.append("router.event_delay_s=0.01")  # events reach it after a step or more
     kind = rng.choice(["auto", "offline", "poisson"])
     out.append(f"arrival.kind={kind}")
     if kind == "poisson":

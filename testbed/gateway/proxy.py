@@ -130,7 +130,7 @@ class Call:
             content = await self._read_all(resp)
             if resp.status_code >= 500:
                 if resp.status_code == 503:
-                    p.replicas.leave(self.replica, f"answered 503")
+                    p.replicas.leave(self.replica, "answered 503")
                 raise ReplicaFailed(f"HTTP {resp.status_code}: "
                                     f"{error_message(resp.status_code, content.decode())}")
             self.end(None)  # the client's error (4xx): passed on, not retried
