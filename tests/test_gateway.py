@@ -132,13 +132,9 @@ def test_kv_events_index_equals_every_replicas_tree_after_eviction(tmp_path):
         last = [httpx.get(h.url + "/debug/state").json()["kv_events_seq"] for h in handles]
         wait_until(lambda: router.state()["events"]["seq"] == last)
         index = router.app.state.proxy.router.index
-        evicted = 0
         for w, h in enumerate(handles):
             held = h.engine.inspect(lambda e: sequence_set(cached_sequences(e.scheduler.cache)))
             assert index.tree.sequences(w) == held
-            evicted += h.engine.metrics.counts["prefix_cache_queries"]
-        assert any(httpx.get(h.url + "/kv_events", params={"since": 0, "wait_s": 0})
-                   .status_code == 200 for h in handles)
         assert router.state()["decisions"].get("cache", 0) > 0
         removed = sum(e["kind"] == "removed" for h in handles for e in httpx.get(
             h.url + "/kv_events", params={"since": 0, "wait_s": 0}).json()["events"])
