@@ -185,12 +185,20 @@ class Assembly:
         return self.eviction.build(requests=requests, cost_fn=Lazy(self.recompute_cost))
 
     def build_cache(self, capacity: int | None, requests: list[Request], planner: Any = None,
-                    record_transfers: bool = False) -> PrefixCache:
+                    record_transfers: bool = False, events: Any = None) -> PrefixCache:
         """A fresh cache of ``capacity`` tokens (None: unlimited) with its own eviction policy;
-        the tiered radix cache when the group asks for lower tiers."""
+        the tiered radix cache when the group asks for lower tiers. ``events``: an
+        `testbed.cache.events.EventLog` the radix cache publishes its changes to (its policy
+        wrapped to do so; another cache is refused)."""
+        from testbed.cache.events import publishing
         from testbed.cache.tiers import make_tiered_cache
 
         policy = self.build_policy(requests)
+        if events is not None:
+            if self.cache.label != "radix" or tier_options(self.config["cache"]) is not None:
+                raise BadInput(f"cache events need cache=radix without lower tiers; got "
+                               f"cache={self.cache.label}")
+            policy = publishing(policy, events)
         tiered = make_tiered_cache(self.config["cache"], capacity, policy, planner=planner,
                                    record_transfers=record_transfers, sglang=self.sglang)
         if tiered is not None:

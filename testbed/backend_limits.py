@@ -36,6 +36,15 @@ def check_replicas(config: dict[str, Any], backend: str, reuse: ReuseConfig) -> 
         raise BadInput("cache.host_tokens / cache.disk_tokens need replicas=1")
     if reuse.active:
         raise BadInput("cache.reuse=blend / cache.match=semantic need replicas=1")
+    check_cache_events(config)
+
+
+def check_cache_events(config: dict[str, Any]) -> None:
+    """``router=kv_events`` reads the replicas' radix trees' changes: cache=radix only."""
+    cache = config["cache"].get("target") or config["cache"].get("name")
+    if (config.get("router") or {}).get("name") == "kv_events" and cache != "radix":
+        raise BadInput(f"router=kv_events needs cache=radix (the replicas publish their radix "
+                       f"tree's changes); got cache={cache}")
 
 
 def check_server(config: dict[str, Any], backend: str, reuse: ReuseConfig, timeline: bool):

@@ -217,7 +217,8 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         raise ValueError(f"replicas must be >= 1, got {run.replicas}")
     network_delay_s, transfer_s_per_token = run.cluster_delays()
     result = simulate_cluster(
-        requests, lambda: run.build_cache(capacity, requests), run.scheduler,
+        requests, lambda events=None: run.build_cache(capacity, requests, events=events),
+        run.scheduler,
         executor, run.build_router(capacity), replicas=run.replicas, seed=run.seed,
         max_in_flight=run.max_in_flight, max_concurrency=run.max_concurrency,
         network_delay_s=network_delay_s,

@@ -32,8 +32,10 @@ class EngineParts:
         return self.executor.num_slots
 
 
-def build_engine_parts(run: Assembly, capacity: int | None, requests: list[Request]
-                       ) -> EngineParts:
+def build_engine_parts(run: Assembly, capacity: int | None, requests: list[Request],
+                       events: Any = None) -> EngineParts:
+    """``events``: an `testbed.cache.events.EventLog` the radix cache publishes its changes to
+    (the HTTP server's ``GET /kv_events``)."""
     from testbed.engine.limits import ModelLimits
 
     executor = run.build_executor(capacity, requests)
@@ -41,7 +43,8 @@ def build_engine_parts(run: Assembly, capacity: int | None, requests: list[Reque
     if run.has_lower_tiers:
         from testbed.sim.transfer import make_planner
         planner = make_planner(run.config["cache"], run.model_shape, run.hardware)
-    cache = run.build_cache(executor.num_slots, requests, planner=planner, record_transfers=True)
+    cache = run.build_cache(executor.num_slots, requests, planner=planner, record_transfers=True,
+                            events=events)
     keep_runs_for(executor, cache)
     quality = executor.quality
     if cache.lower_tiers:

@@ -1,6 +1,6 @@
 """A small OpenAI-compatible server for the tests of ``backend=server`` (not a model server).
 
-It answers ``GET /v1/models`` and streamed ``POST /v1/completions`` of token ids with deterministic
+It answers ``GET /health``, ``GET /v1/models`` and streamed ``POST /v1/completions`` of token ids with deterministic
 output ids derived from the prompt, one token a chunk, each choice carrying ``token_ids`` as vLLM's
 ``return_token_ids`` does. Its ``cached_tokens`` is a brute-force longest-prefix match of the
 prompt against every prompt + output it produced before, which is exactly the ideal hit (so a
@@ -71,6 +71,10 @@ class StubServer:
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:  # as vLLM's: no epoch
+            return {}
 
         @app.post("/v1/completions")
         async def completions(request: Request):

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from testbed.cache import RadixCache
+from testbed.cache.eviction import LRU
+from testbed.cache.events import publishing
 from testbed.router import ROUTERS, Router
 from testbed.serving.cluster import cluster_records, cluster_summary, simulate_cluster
 from testbed.serving.serve import records_of, serve
@@ -24,7 +26,8 @@ def small_chat(think_time_s: float = 0.0) -> list[Request]:
 
 
 def run(requests, router, replicas=3, **kw):
-    return simulate_cluster(requests, lambda: RadixCache(CAPACITY), {"name": "lpm"},
+    return simulate_cluster(requests, lambda events=None: RadixCache(
+        CAPACITY, policy=publishing(LRU(), events)), {"name": "lpm"},
                             a10g_llama2_executor(), router, replicas=replicas, **kw)
 
 

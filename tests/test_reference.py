@@ -172,12 +172,13 @@ def test_other_entry_points(ref):
     documented = {(code(r[0])[0], code(r[1])[0]): value(code(r[2])[0])
                   for r in rows(sections(ref, "##")["Other entry points"])}
     expected = {}
-    for name in ("calibrate.yaml", "describe.yaml", "serve.yaml"):
+    for name in ("calibrate.yaml", "describe.yaml", "serve.yaml", "route.yaml"):
         keys = conf_keys(CONF / name)
         expected.update({(name, k): v for k, v in keys.items() if not k.startswith("hydra.")})
     assert documented == expected
     top = {p.name for p in CONF.glob("*.yaml")}
-    assert top == {"config.yaml", "calibrate.yaml", "describe.yaml", "serve.yaml"}, \
+    assert top == {"config.yaml", "calibrate.yaml", "describe.yaml", "serve.yaml",
+                   "route.yaml"}, \
         "a new entry point's config"
 
 

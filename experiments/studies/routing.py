@@ -85,7 +85,8 @@ def run_policy(requests, policy, args, executor, capacity, scheduler_cfg):
     run = assemble(compose_config(base_overrides(args) + router_overrides(policy)))
     router = run.build_router(capacity)
     started = time.perf_counter()
-    result = simulate_cluster(requests, lambda: run.build_cache(capacity, requests),
+    result = simulate_cluster(requests, lambda events=None: run.build_cache(
+                                  capacity, requests, events=events),
                               scheduler_cfg, executor, router, replicas=run.replicas,
                               seed=run.seed, progress=False)
     wall = time.perf_counter() - started

@@ -2,8 +2,10 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent events
 with ``stream: true``), ``GET /v1/models``, ``GET /health``, ``GET /debug/state`` (the scheduler
-and cache, read between steps: counts, locks, invariants) and ``GET /debug/steps`` (the steps the
-loop ran, as it timed them: `testbed.api.step_log`). A request is parsed and checked here
+and cache, read between steps: counts, locks, invariants), ``GET /debug/steps`` (the steps the
+loop ran, as it timed them: `testbed.api.step_log`), ``GET /metrics`` (Prometheus text:
+`testbed.api.metrics`) and the cache's events (``GET /kv_events``, ``/kv_events/snapshot``:
+`testbed.api.events_routes`). A request is parsed and checked here
 (`testbed.api.protocol`), then handed to the engine with a sink that runs in this event loop (the
 engine hands each step's updates over in one call); a client that goes away (a stream cancelled by
 Starlette, or a non-streaming client found disconnected, answered 499) has its request aborted, its
@@ -20,11 +22,12 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from testbed.api.answers import AnswerCounts, CountAnswers
+from testbed.api.events_routes import add_event_routes
 from testbed.api.online import EngineBusy, EngineDead, OnlineEngine, Update, generating_request
 from testbed.api.protocol import (ApiError, Generation, ServerFacts, choice, envelope, parse,
                                   usage)
@@ -52,7 +55,9 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
         if not engine.alive:
             return JSONResponse({"status": "error", "error": engine.error or "engine stopped"},
                                 status_code=503)
-        return JSONResponse({"status": "ok", "model": facts.model_name, "live": engine.live})
+        epoch = engine.events.epoch if engine.events is not None else None
+        return JSONResponse({"status": "ok", "model": facts.model_name, "live": engine.live,
+                             "epoch": epoch})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -75,6 +80,14 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
     @app.get("/debug/state")
     async def debug_state() -> dict[str, Any]:
         return {**await in_loop(engine_state), **answers.snapshot()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # read at once, not between steps: the loop thread keeps the figures (one lock)
+        return PlainTextResponse(engine.metrics.exposition(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    add_event_routes(app, engine.events, facts.cache_label, in_loop)
 
     @app.get("/debug/steps")
     async def debug_steps(since: int = 0) -> dict[str, Any]:
@@ -245,4 +258,6 @@ def engine_state(engine: OnlineEngine) -> dict[str, Any]:
             "leases": len(s.leases()), "protected_tokens": int(cache.protected_size),
             "evictable_tokens": int(cache.evictable_size),
             "free_tokens": None if pool is None or pool.unbounded else int(pool.num_free),
-            "preemptions": s.preemptions, "has_work": s.has_work, "invariants": invariants}
+            "preemptions": s.preemptions, "has_work": s.has_work, "invariants": invariants,
+            "counters": engine.metrics.counters(),
+            "kv_events_seq": None if engine.events is None else engine.events.seq}

@@ -16,6 +16,10 @@ its waits happen inside the executor's ``result()``, on the wall clock. With not
 thread sleeps on the inbox's condition: no busy wait. Caching and scheduling stay in the scheduler
 and the cache.
 
+The loop also keeps the server's `ServerMetrics` (``GET /metrics``: each finished request's
+counts and latencies, the queue and KV gauges after each turn) and, when the cache publishes its
+changes, their `EventLog` (``events``; ``GET /kv_events``).
+
 Other threads call `submit`, `abort` and `inspect`; each only appends to the inbox. An abort acts
 at the next step boundary (`Scheduler.abort`; under overlap a step still running then has its token
 for the request dropped). Lower-tier load-backs complete at once (no copy engine is modelled here:
@@ -34,7 +38,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from testbed.api.metrics import ServerMetrics
 from testbed.api.step_log import ServedStep, StepLog, run_delay_s
+from testbed.cache.events import EventLog
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.serving.step_cycle import Formed, StepCycle, Stepped
@@ -81,9 +87,15 @@ class _Live:
 
 class OnlineEngine:
     def __init__(self, scheduler: Scheduler, executor: Any, max_live: int,
-                 idle_wait_s: float = 0.5) -> None:
-        """``max_live``: requests held at once (waiting or running); `submit` refuses more."""
+                 idle_wait_s: float = 0.5, metrics: ServerMetrics | None = None,
+                 events: EventLog | None = None) -> None:
+        """``max_live``: requests held at once (waiting or running); `submit` refuses more.
+        ``events``: the log the cache publishes its changes to (None: it publishes none)."""
         self.scheduler = scheduler
+        self.metrics = metrics or ServerMetrics("")
+        self.events = events
+        available = scheduler.cache.available_size  # the empty pool: all of it
+        self._kv_capacity = available if 0 < available < float("inf") else None
         self.executor = executor
         self.max_live = max_live
         self.idle_wait_s = idle_wait_s
@@ -186,7 +198,9 @@ class OnlineEngine:
                     inbox, self._inbox = list(self._inbox), deque()
                     self._inbox_read = time.perf_counter()
                 self._take(inbox)
-                if self.scheduler.has_work and not self._step():
+                stepped = self.scheduler.has_work and self._step()
+                self._gauges()
+                if self.scheduler.has_work and not stepped:
                     with self._wake:  # work but no batch: wait for input rather than spin
                         if not (self._stop or self._inbox):
                             self._wake.wait(self.idle_wait_s / 50)
@@ -209,6 +223,7 @@ class OnlineEngine:
                 if live is not None and live.req is not None \
                         and self.scheduler.abort(live.req, self.now()):
                     self.counts["aborted"] += 1
+                    self.metrics.request_finished(live.req, "abort")
                     with self._wake:
                         self._live.pop(item, None)
             else:
@@ -279,10 +294,18 @@ class OnlineEngine:
         if live is None:
             return
         self.counts["finished"] += 1
+        self.metrics.request_finished(req, reason)
         self._outbox.append((live, Update(
             tokens=tuple(req.output[live.sent:]), finish_reason=reason,
             prompt_tokens=len(req.prompt), completion_tokens=len(req.output),
             cached_tokens=req.cached_tokens or 0)))
+
+    def _gauges(self) -> None:
+        """The queue and the KV pool as `ServerMetrics` shows them, after a turn."""
+        s = self.scheduler
+        usage = 0.0 if self._kv_capacity is None else \
+            max(0.0, 1.0 - s.cache.available_size / self._kv_capacity)
+        self.metrics.engine_state(sum(not r.finished for r in s.running), len(s.waiting), usage)
 
     @staticmethod
     def _reason(req: Req) -> str:

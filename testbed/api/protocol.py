@@ -43,6 +43,7 @@ class ServerFacts:
     fits: Callable[[int], bool]  # whether a request of that many KV tokens fits the pool
     kv_tokens: int  # the KV pool (for the message)
     tokenizer: Any = None  # a `transformers` tokenizer, or None (token ids only)
+    cache_label: str = "radix"  # the cache served (for messages)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from testbed.api.metrics import ServerMetrics
 from testbed.api.online import OnlineEngine
 from testbed.api.protocol import ServerFacts
 from testbed.api.settings import ServeSettings, assemble_serve
 from testbed.assembly import Assembly, compose_config
+from testbed.cache.events import EventLog
 
 CPU_KV_BYTES = 256 * 2**20
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +44,9 @@ def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, 
     capacity = run.capacity_tokens
     if capacity is None and not run.engine_device.startswith("cuda"):
         capacity = max(1, CPU_KV_BYTES // run.model_shape.kv_bytes_per_token)
-    parts = build_engine_parts(run, capacity, [])
+    # a radix cache publishes its changes (GET /kv_events: router=kv_events reads them)
+    events = EventLog() if run.cache.label == "radix" and not run.has_lower_tiers else None
+    parts = build_engine_parts(run, capacity, [], events=events)
     cache = parts.cache
     scheduler = build_scheduler(cache, run.scheduler, seed=run.seed,
                                 eos_token_ids=parts.eos_token_ids, eos_for_all=True,
@@ -57,8 +61,9 @@ def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, 
         top_p=float(run.engine.top_p), default_max_tokens=settings.default_max_tokens,
         limits=parts.limits,
         fits=lambda n: cache.fits(n - 1 + extra), kv_tokens=int(cache.available_size),
-        tokenizer=load_tokenizer(path))
-    return OnlineEngine(scheduler, parts.executor, settings.max_queue), facts
+        tokenizer=load_tokenizer(path), cache_label=run.cache.label)
+    return OnlineEngine(scheduler, parts.executor, settings.max_queue,
+                        metrics=ServerMetrics(name), events=events), facts
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -105,12 +110,12 @@ def serve_forever(run: Assembly, settings: ServeSettings) -> None:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again for the
     # handler it found: this one ends `run` instead of killing the process before the engine's
     # thread is joined
-    found = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
+    found = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     engine.start()
     try:
         print(ready_line(run, facts, settings.host, sock.getsockname()[1]), flush=True)
         server.run(sockets=[sock])
-    except _Stopped:
+    except Stopped:
         pass
     finally:
         engine.stop()
@@ -128,12 +133,14 @@ def one_cpu_thread() -> None:
     torch.set_num_threads(1)
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """A stop signal, after uvicorn's graceful shutdown."""
 
 
-def _stopped(_sig, _frame) -> None:
-    raise _Stopped
+def stop_signal(_sig, _frame) -> None:
+    """The handler uvicorn finds for SIGINT/SIGTERM and calls after its graceful shutdown:
+    it ends ``server.run`` by raising `Stopped`, so the caller's cleanup runs."""
+    raise Stopped
 
 
 # ---------------------------------------------------------------------------- tests, load test

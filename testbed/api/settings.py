@@ -55,18 +55,7 @@ def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, Serve
     if run.speculative.active:  # the online engine's loop has no verification steps yet
         raise BadInput(f"python -m testbed.serve does not serve speculative.method="
                        f"{run.speculative.method} yet; use speculative.method=none")
-    host = block.get("host", "127.0.0.1")
-    if not isinstance(host, str) or not host:
-        raise BadInput(f"serve.host must be a host name or address, got {host!r}")
-    port = group_values.integer(block, "port", "serve", minimum=0, default=8000)
-    if port > 65535:
-        raise BadInput(f"serve.port must be in 0..65535 (0: any free port), got {port}")
-    name = block.get("model_name")
-    if name is not None and (not isinstance(name, str) or not name):
-        raise BadInput(f"serve.model_name must be a non-empty string or null, got {name!r}")
-    level = block.get("log_level", "warning")
-    if level not in LOG_LEVELS:
-        raise BadInput(f"serve.log_level must be one of {', '.join(LOG_LEVELS)}; got {level!r}")
+    host, port, name, level = listening(block, "serve", 8000)
     settings = ServeSettings(
         host=host, port=port, model_name=name,
         max_queue=group_values.integer(block, "max_queue", "serve", minimum=1, default=256),
@@ -80,3 +69,23 @@ def assemble_serve(cfg: DictConfig | Mapping[str, Any]) -> tuple[Assembly, Serve
                        f"random {run.model_shape.params / 1e9:.1f}e9-parameter model on the CPU; "
                        "pick model=tiny, model=smollm2_135m or model.path=DIR")
     return run, settings
+
+
+def listening(block: Mapping[str, Any], section: str, default_port: int
+              ) -> tuple[str, int, str | None, str]:
+    """``host``, ``port``, ``model_name`` and ``log_level`` of a server's block (``serve``, the
+    router's ``route``), each refused in one line naming ``section.key``."""
+    host = block.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise BadInput(f"{section}.host must be a host name or address, got {host!r}")
+    port = group_values.integer(block, "port", section, minimum=0, default=default_port)
+    if port > 65535:
+        raise BadInput(f"{section}.port must be in 0..65535 (0: any free port), got {port}")
+    name = block.get("model_name")
+    if name is not None and (not isinstance(name, str) or not name):
+        raise BadInput(f"{section}.model_name must be a non-empty string or null, got {name!r}")
+    level = block.get("log_level", "warning")
+    if level not in LOG_LEVELS:
+        raise BadInput(f"{section}.log_level must be one of {', '.join(LOG_LEVELS)}; "
+                       f"got {level!r}")
+    return host, port, name, level

@@ -26,7 +26,7 @@ BACKENDS = {"replay": 0.4, "sim": 0.52, "engine": 0.08}
 EVICTIONS = ["lru", "fifo", "gdsf", "learned", "lfu", "mru", "oracle", "priority", "slru",
              "workload_aware"]
 SCHEDULERS = ["fcfs", "lpm", "dfs_weight", "lof", "random"]
-ROUTERS = ["round_robin", "random", "least_load", "cache_aware", "oracle"]
+ROUTERS = ["round_robin", "random", "least_load", "cache_aware", "oracle", "kv_events"]
 
 
 def _small(rng: np.random.Generator, lo: int, hi: int) -> int:
@@ -205,6 +205,8 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
             out.append(f"attention={rng.choice(['cascade', 'cascade_torch'])}")
         if rng.random() < 0.2:
             out += [f"replicas={_small(rng, 2, 4)}", f"router={rng.choice(ROUTERS)}"]
+            if out[-1] == "router=kv_events" and rng.random() < 0.5:
+                out.append("router.event_delay_s=0.01")  # events reach it after a step or more
     kind = rng.choice(["auto", "offline", "poisson"])
     out.append(f"arrival.kind={kind}")
     if kind == "poisson":

@@ -1,6 +1,10 @@
 """``backend=server``: the workload served by a live OpenAI-compatible server (``server.url``),
 its records and summary figures made as the other backends make theirs.
 
+With ``server.prompt_format=text`` each prompt is sent as its text (`TextPrompts`: the ``model``
+group's tokenizer) and recorded as the server tokenized it (``prompt_token_ids``, else our own
+encoding of that text); a server that sends no output ids has its output text encoded instead.
+
 The model is ``server.model``, else the first one ``GET /v1/models`` lists (a refused connection
 there stops the run in one line naming the URL). Each call asks for its workload output's length
 (``max_tokens``; with ``forced=true`` also ``ignore_eos`` and ``min_tokens``, so the server
@@ -61,15 +65,18 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
     settings: ServerSettings = run.server
     forced, temperature, top_p = run.engine.forced, run.engine.temperature, run.engine.top_p
     splices = [r.id for r in requests if any(isinstance(s, OutputRef) for s in r.segments or ())]
+    text = TextPrompts.of(run) if settings.prompt_format == "text" else None
     async with OpenAIClient(settings) as client:
         model = settings.model or await client.first_model()
 
         async def send(call: Request, prompt: np.ndarray):
             one_token = call.output_limit == 0 and settings.prefill_only == "one_token"
             limit = 1 if one_token else call.output_limit
-            body = completion_body(model, prompt.tolist(), limit, forced and not call.generates,
-                                   temperature, top_p)
+            body = completion_body(model, text.decode(prompt) if text else prompt.tolist(),
+                                   limit, forced and not call.generates, temperature, top_p)
             done = await client.complete(body)
+            if text is not None and not done.failed and done.output_ids is None:
+                done.output_ids = text.encode("".join(done.text))  # the server sent text only
             if one_token and not done.failed:
                 drop_output(done)
             if splices and not done.failed and done.output_ids is None:
@@ -84,6 +91,12 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
                               max_concurrency=run.max_concurrency,
                               progress=run.get("progress", False))
         sent = await driver.run()
+    if text is not None:  # the prompt as the server tokenized it (else as we would)
+        for s in sent:
+            ids = s.completion.prompt_ids
+            s.prompt = np.asarray(ids if ids is not None else text.encode(text.decode(s.prompt),
+                                                                            special=True),
+                                  dtype=TOKEN_DTYPE)
     save_ids = run.get("save_token_ids", False)
     records = [record_of(s, driver.t0, save_ids) for s in sent]
     if records and all(r.failed for r in records):  # nothing measured: not a run to summarize
@@ -91,9 +104,35 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
                               f"failed, so the run measured nothing; the first, "
                               f"{first_failure(records)}")
     extra = {"server_url": settings.url, "server_model": model, "forced": forced,
-             "temperature": temperature}
+             "temperature": temperature, "prompt_format": settings.prompt_format}
     return ServerRun(records, extra, notes_of(records, sent, forced),
                      ideal_hit_rate(as_ran(s) for s in sent))
+
+
+@dataclass
+class TextPrompts:
+    """``server.prompt_format=text``: token ids to text and back with the ``model`` group's
+    tokenizer (special tokens kept as their text, which the server's tokenizer reads back)."""
+
+    tokenizer: Any
+
+    @classmethod
+    def of(cls, run: Assembly) -> "TextPrompts":
+        from testbed.api.server import load_tokenizer
+
+        path = run.config["model"].get("path")
+        tokenizer = load_tokenizer(str(path)) if path else None
+        if tokenizer is None:
+            raise BadInput(f"server.prompt_format=text needs a model with a tokenizer "
+                           f"(model=smollm2_135m or model.path=DIR); model="
+                           f"{run.config['model'].get('name')} has none")
+        return cls(tokenizer)
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
 
 
 def drop_output(done: Completion) -> None:

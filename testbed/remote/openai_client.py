@@ -1,7 +1,8 @@
 """One OpenAI-compatible server as the testbed calls it: ``GET /v1/models`` and one streamed
 ``POST /v1/completions`` at a time, with token ids in and out.
 
-A call sends its prompt as a list of token ids, ``max_tokens``, ``stream`` with
+A call sends its prompt as a list of token ids (or, with ``server.prompt_format=text``, their
+text), ``max_tokens``, ``stream`` with
 ``stream_options.include_usage`` (the last chunk carries ``usage``), vLLM's ``return_token_ids``
 (each choice of a chunk then carries the ids it adds as ``token_ids``) and the run's
 ``temperature`` / ``top_p``; a call forced to its workload's output length also sends
@@ -43,6 +44,8 @@ class Completion:
     sent: float
     token_times: list[float] = field(default_factory=list)  # each chunk that carried tokens
     output_ids: list[int] | None = field(default_factory=list)  # None: the server sent no ids
+    text: list[str] = field(default_factory=list)  # the choice's text pieces
+    prompt_ids: list[int] | None = None  # the prompt as the server tokenized it, if it said
     chunks_with_tokens: int = 0
     usage_output_tokens: int | None = None  # usage.completion_tokens
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
@@ -65,7 +68,7 @@ class Completion:
         return self.chunks_with_tokens
 
 
-def completion_body(model: str, prompt: list[int], max_tokens: int, forced: bool,
+def completion_body(model: str, prompt: list[int] | str, max_tokens: int, forced: bool,
                     temperature: float, top_p: float) -> dict[str, Any]:
     """The JSON of one call; ``forced``: exactly ``max_tokens`` tokens, EOS ignored."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
@@ -104,9 +107,13 @@ def read_chunk(done: Completion, chunk: dict[str, Any], now: float) -> None:
         done.error = error_message(done.status, json.dumps(chunk))
         return
     carried = False
+    if isinstance(chunk.get("prompt_token_ids"), list) and done.prompt_ids is None:
+        done.prompt_ids = [int(i) for i in chunk["prompt_token_ids"]]
     for choice in chunk.get("choices") or ():
         if choice.get("index", 0) != 0:
             continue
+        if choice.get("text"):
+            done.text.append(choice["text"])
         ids = choice.get("token_ids")
         if ids:
             carried = True

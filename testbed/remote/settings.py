@@ -14,9 +14,11 @@ from testbed.errors import BadInput
 from testbed.group_values import check_setting
 
 #: the keys of the ``server`` block (conf/config.yaml)
-SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s", "prefill_only")
+SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s", "prefill_only", "prompt_format")
 #: how a prefill-only call (output length 0, a fork's shared prompt) is asked for
 PREFILL_ONLY = ("zero", "one_token")
+#: how a call's prompt is sent: its token ids, or their text (the model group's tokenizer)
+PROMPT_FORMATS = ("tokens", "text")
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,17 @@ class ServerSettings:
     ``max_tokens: 0`` (SGLang and testbed.serve compute and cache the prompt); ``one_token`` asks
     for 1 token (forced) and drops it from the record, for servers that refuse 0 (vLLM): the
     server's cache then holds the same KV, the prompt's, as the sampled token's KV is never
-    computed."""
+    computed. ``prompt_format``: ``tokens`` sends the prompt's ids; ``text`` their text, decoded
+    by the ``model`` group's tokenizer, for servers and gateways that take text only (SGLang's
+    gateway routes on text); the server's own tokenization (``prompt_token_ids``) is then what is
+    recorded."""
 
     url: str
     model: str | None = None
     timeout_s: float | None = None
     connect_timeout_s: float = 10.0
     prefill_only: str = "zero"
+    prompt_format: str = "tokens"
 
     @classmethod
     def from_mapping(cls, server: Mapping[str, Any] | None) -> "ServerSettings":
@@ -62,7 +68,11 @@ class ServerSettings:
         if prefill_only not in PREFILL_ONLY:
             raise BadInput(f"server.prefill_only must be one of {', '.join(PREFILL_ONLY)}, "
                            f"got {prefill_only!r}")
-        return cls(url, model, timeout_s, float(connect), prefill_only)
+        prompt_format = server.get("prompt_format") or "tokens"
+        if prompt_format not in PROMPT_FORMATS:
+            raise BadInput(f"server.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
+                           f"got {prompt_format!r}")
+        return cls(url, model, timeout_s, float(connect), prefill_only, prompt_format)
 
 
 def _base_url(url: Any) -> str:

@@ -16,7 +16,9 @@ from testbed.errors import BadInput
 from testbed.group_values import check_setting
 from testbed.registry import Registry
 from testbed.router.approx_tree import ApproxTree
-from testbed.router.base import LOAD_UNITS, Loads, Router, is_imbalanced, least_loaded
+from testbed.router.base import (LOAD_UNITS, Loads, NoWorker, Router, is_imbalanced,
+                                 least_loaded)
+from testbed.router.kv_events import KvEvents, KvIndex
 from testbed.router.policies import (CacheAware, LeastLoad, Oracle, RandomRouter, RoundRobin,
                                      peek_match)
 
@@ -25,11 +27,11 @@ ROUTERS = Registry("router", methods=("bind", "route", "on_complete", "info"),
                    run_keys=CLUSTER_KEYS, what="a router (testbed.router.Router)")
 for _name, _router in (("round_robin", RoundRobin), ("random", RandomRouter),
                        ("least_load", LeastLoad), ("cache_aware", CacheAware),
-                       ("oracle", Oracle)):
+                       ("oracle", Oracle), ("kv_events", KvEvents)):
     ROUTERS.register(_name, _router)
 
-__all__ = ["ApproxTree", "CLUSTER_KEYS", "CacheAware", "LOAD_UNITS", "LeastLoad", "Loads",
-           "Oracle", "ROUTERS", "RandomRouter", "RoundRobin", "Router", "cluster_delays",
+__all__ = ["ApproxTree", "CLUSTER_KEYS", "CacheAware", "KvEvents", "KvIndex", "LOAD_UNITS",
+           "LeastLoad", "Loads", "NoWorker", "Oracle", "ROUTERS", "RandomRouter", "RoundRobin", "Router", "cluster_delays",
            "is_imbalanced", "least_loaded", "peek_match"]
 
 

@@ -37,6 +37,15 @@ class _Node:
         self.workers: dict[int, int] = {}  # worker -> logical time it last touched this node
 
 
+def _below(node: _Node) -> Iterator[_Node]:
+    """Every node under ``node`` (not itself)."""
+    stack = list(node.children.values())
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(n.children.values())
+
+
 class ApproxTree:
     """Per-worker prefix sets in one radix tree, with per-worker token counts and LRU pruning.
 
@@ -152,6 +161,68 @@ class ApproxTree:
                     heapq.heappush(heap, (parent.workers[w], next(tie), parent))
         self.pruned_tokens += removed
         return removed
+
+    # ---------------------------------------------------------------- exact removals
+    def remove_below(self, tokens: np.ndarray, keep: int, worker: int,
+                     branch: bool = True) -> bool:
+        """``worker`` no longer holds what continues ``tokens[:keep]``: with ``branch`` the
+        continuations that start with ``tokens[keep]`` (a leaf of its cache evicted whole), else
+        every continuation (a leaf cut back to ``tokens[:keep]``). Those nodes lose the worker
+        (a node left to nobody is deleted); the edge ``keep`` falls inside is split first. False
+        (nothing changed) when ``worker`` does not hold ``tokens[:keep]`` and, with ``branch``,
+        one token more: the caller's picture of the worker is then out of step."""
+        need = keep + 1 if branch else keep
+        if need > len(tokens) or self.match(tokens[:need])[worker] < need:
+            return False
+        node, matched = self.root, 0
+        while matched < keep:
+            child = node.children[int(tokens[matched])]
+            k = min(len(child.key), keep - matched)
+            if k < len(child.key):
+                child = self._split(child, k)
+            matched += k
+            node = child
+        tops = [node.children[int(tokens[keep])]] if branch else list(node.children.values())
+        for top in tops:
+            self._drop(top, worker)
+        return True
+
+    def remove_worker(self, worker: int) -> None:
+        """Forget everything ``worker`` was believed to hold."""
+        for top in list(self.root.children.values()):
+            self._drop(top, worker)
+
+    def _drop(self, top: _Node, worker: int) -> None:
+        """Take ``worker`` off ``top`` and every node below it; delete nodes left to nobody."""
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            if worker not in node.workers:
+                continue  # closed upward: nobody below carries it either
+            del node.workers[worker]
+            self.size[worker] -= len(node.key)
+            if node.workers:
+                stack.extend(node.children.values())
+                continue
+            # nobody else is on it, so nobody else below it (closed upward): all of it goes
+            below = list(_below(node))
+            self.size[worker] -= sum(len(n.key) for n in below)
+            del node.parent.children[int(node.key[0])]
+            self._num_nodes -= 1 + len(below)
+
+    def sequences(self, worker: int) -> set[tuple[int, ...]]:
+        """The longest sequences ``worker`` holds (its nodes no child of which it is on), as
+        token tuples: two workers hold the same prefixes exactly when these sets are equal."""
+        out = set()
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self.root, ())]
+        while stack:
+            node, path = stack.pop()
+            below = [(c, path + tuple(int(t) for t in c.key)) for c in node.children.values()
+                     if worker in c.workers]
+            if not below and node is not self.root:
+                out.add(path)
+            stack.extend(below)
+        return out
 
     # ---------------------------------------------------------------- checks
     def _nodes(self) -> Iterator[_Node]:

@@ -11,6 +11,13 @@ its whole prompt, its cache hit being unknown until admission) plus output token
 generated (the request's output length, as a client's ``max_tokens`` would say); with
 ``load=requests`` the number of routed, unfinished requests (SGLang's router counts these).
 Requests on their way to a worker count towards its load from the moment they are routed.
+
+**Availability** (the live router, `testbed.gateway`): ``Loads.available`` marks the workers in
+rotation (None: all, as in the simulator). Every built-in policy chooses among them only (round
+robin skips the others, random draws among them, the load and cache rules compare them only);
+a policy of your own that picks one out of rotation is overridden by `Router.route` (the least
+loaded one in rotation, reason ``unavailable``). `Router.forget_worker` tells a policy that a
+worker's cache was lost (it restarted).
 """
 
 from __future__ import annotations
@@ -33,9 +40,20 @@ class Loads:
 
     tokens: Sequence[float]
     requests: Sequence[int]
+    available: Sequence[bool] | None = None  # the workers in rotation; None: every one
 
     def of(self, unit: str) -> Sequence[float]:
         return self.tokens if unit == "tokens" else self.requests
+
+    def up(self) -> list[int] | None:
+        """The workers in rotation, in order (None: every one)."""
+        if self.available is None:
+            return None
+        return [w for w, ok in enumerate(self.available) if ok]
+
+
+class NoWorker(RuntimeError):
+    """Every worker is out of rotation: nothing can be routed."""
 
 
 def least_loaded(load: Sequence[float], among: Sequence[int] | None = None) -> int:
@@ -44,10 +62,12 @@ def least_loaded(load: Sequence[float], among: Sequence[int] | None = None) -> i
     return min(candidates, key=lambda w: (load[w], w))
 
 
-def is_imbalanced(load: Sequence[float], abs_threshold: float, rel_threshold: float) -> bool:
+def is_imbalanced(load: Sequence[float], abs_threshold: float, rel_threshold: float,
+                  among: Sequence[int] | None = None) -> bool:
     """SGLang's rule: imbalanced when ``max - min > abs_threshold`` and ``max > min ×
-    rel_threshold`` (both)."""
-    hi, lo = max(load), min(load)
+    rel_threshold`` (both), over the workers ``among`` (None: all)."""
+    values = load if among is None else [load[w] for w in among]
+    hi, lo = max(values), min(values)
     return hi - lo > abs_threshold and hi > lo * rel_threshold
 
 
@@ -74,8 +94,14 @@ class Router(ABC):
         self.decisions = Counter()
 
     def route(self, tokens: np.ndarray, loads: Loads, now: float) -> int:
-        """The worker that serves a request with prompt ``tokens``."""
+        """The worker that serves a request with prompt ``tokens``, one in rotation (`NoWorker`
+        when none is)."""
+        up = loads.up()
+        if up is not None and not up:
+            raise NoWorker("no replica is in rotation")
         worker, why = self._choose(tokens, loads, now)
+        if up is not None and worker not in up:  # a policy that ignores availability
+            worker, why = least_loaded(loads.requests, up), "unavailable"
         self.decisions[why] += 1
         return worker
 
@@ -87,6 +113,10 @@ class Router(ABC):
                     now: float) -> None:
         """``worker`` finished the request routed with ``prompt`` (the same array `route` got);
         ``output`` is what it generated, None if it was aborted (never served)."""
+
+    def forget_worker(self, worker: int) -> None:
+        """``worker``'s cache was lost (it restarted, or left the rotation for good): whatever
+        the policy believes it holds is void."""
 
     def info(self) -> dict[str, Any]:
         """Router state worth reporting at the end of a run."""

@@ -31,8 +31,12 @@ class RoundRobin(Router):
         self._next = 0
 
     def _choose(self, tokens, loads, now):
-        worker = self._next
-        self._next = (self._next + 1) % self.num_workers
+        up = loads.up()
+        for _ in range(self.num_workers):  # the next one in rotation (all: the next one)
+            worker = self._next
+            self._next = (self._next + 1) % self.num_workers
+            if up is None or worker in up:
+                break
         return worker, "round_robin"
 
 
@@ -48,7 +52,10 @@ class RandomRouter(Router):
         self._rng = np.random.default_rng(self.seed)
 
     def _choose(self, tokens, loads, now):
-        return int(self._rng.integers(self.num_workers)), "random"
+        up = loads.up()
+        if up is None:
+            return int(self._rng.integers(self.num_workers)), "random"
+        return up[int(self._rng.integers(len(up)))], "random"
 
 
 def _check_load(load: str) -> None:
@@ -79,7 +86,7 @@ class LeastLoad(Router):
         self.load = load
 
     def _choose(self, tokens, loads, now):
-        return least_loaded(loads.of(self.load)), "load"
+        return least_loaded(loads.of(self.load), loads.up()), "load"
 
 
 class CacheAware(Router):
@@ -142,27 +149,32 @@ class CacheAware(Router):
         self._last_prune = 0.0
 
     def _choose(self, tokens, loads, now):
-        load = loads.of(self.load)
+        load, up = loads.of(self.load), loads.up()
+        among = range(self.num_workers) if up is None else up
         self._maybe_prune(now)
-        if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold):
-            worker, why = least_loaded(load), "balance"
+        if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold, up):
+            worker, why = least_loaded(load, up), "balance"
         else:
             lengths = self.tree.match(tokens)
-            best = max(lengths)
+            best = max(lengths[w] for w in among)
             if len(tokens) and best / len(tokens) > self.cache_threshold:
-                worker = least_loaded(load, [w for w, n in enumerate(lengths) if n == best])
+                worker = least_loaded(load, [w for w in among if lengths[w] == best])
                 why = "cache"
             elif self.fallback == "smallest_tree":
-                worker = min(range(self.num_workers), key=lambda w: (self.tree.size[w], w))
+                worker = min(among, key=lambda w: (self.tree.size[w], w))
                 why = "low_match"
             else:
-                worker, why = least_loaded(load), "low_match"
+                worker, why = least_loaded(load, up), "low_match"
         self._insert(tokens, worker)
         return worker, why
 
     def on_complete(self, worker, prompt, output, now):
         if self.update_on_complete and output is not None:
             self._insert(np.concatenate([prompt, np.asarray(output, dtype=prompt.dtype)]), worker)
+
+    def forget_worker(self, worker: int) -> None:
+        """SGLang's router drops a removed worker's tenant from its tree; so does this."""
+        self.tree.remove_worker(worker)
 
     def _insert(self, tokens: np.ndarray, worker: int) -> None:
         self.tree.insert(tokens, worker)
@@ -252,10 +264,14 @@ class Oracle(Router):
         # per worker: first token -> prompts routed there and not finished
         self._pending: list[dict[int, list[np.ndarray]]] = [{} for _ in range(num_workers)]
 
+    def held(self, tokens: np.ndarray, limit: int) -> list[int]:
+        """Every worker's cached prefix of ``tokens`` (at most ``limit``), from its real cache."""
+        return [peek_match(c, tokens, limit) for c in self.caches]
+
     def hits(self, tokens: np.ndarray) -> list[int]:
         """Every worker's hit for a prompt ``tokens`` (see the class docstring)."""
         limit = max(len(tokens) - 1, 0)
-        lengths = [peek_match(c, tokens, limit) for c in self.caches]
+        lengths = self.held(tokens, limit)
         if self.in_flight and limit:
             for w, pending in enumerate(self._pending):
                 for p in pending.get(int(tokens[0]), ()):
@@ -263,17 +279,18 @@ class Oracle(Router):
         return lengths
 
     def _choose(self, tokens, loads, now):
-        load = loads.of(self.load)
-        if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold):
-            worker, why = least_loaded(load), "balance"
+        load, up = loads.of(self.load), loads.up()
+        among = range(self.num_workers) if up is None else up
+        if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold, up):
+            worker, why = least_loaded(load, up), "balance"
         else:
             lengths = self.hits(tokens)
-            best = max(lengths)
+            best = max(lengths[w] for w in among)
             if best > 0 and best / len(tokens) > self.cache_threshold:
-                worker = least_loaded(load, [w for w, n in enumerate(lengths) if n == best])
+                worker = least_loaded(load, [w for w in among if lengths[w] == best])
                 why = "cache"
             else:
-                worker, why = least_loaded(load), "low_match"
+                worker, why = least_loaded(load, up), "low_match"
         if len(tokens):
             self._pending[worker].setdefault(int(tokens[0]), []).append(tokens)
         return worker, why

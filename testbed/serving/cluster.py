@@ -13,6 +13,10 @@ network_delay_s + transfer_s_per_token × prompt length``. Its record's ``arriva
 latencies include the trip. With one replica and no delay the run is event for event the
 single-replica driver's.
 
+A router that reads the replicas' cache events (``wants_cache_events``: ``router=kv_events``)
+gets each replica's radix cache built with an `EventLog` (``make_cache(events=log)``); every
+change is handed to the router ``router.event_delay_s`` after the step that made it.
+
 Load (see `testbed.router.base`): outstanding tokens, prompt tokens not yet prefilled (a cache
 hit counts as prefilled at admission; re-prefill after a retraction is not counted again) plus
 output tokens not yet generated; and outstanding requests. **Imbalance** is max/mean of the
@@ -24,12 +28,14 @@ N = everything on one replica.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from testbed.cache import PrefixCache
+from testbed.cache.events import CacheEvent, EventLog
 from testbed.metrics import RequestRecord, ideal_hit_rate, summarize
 from testbed.router.base import Loads, Router
 from testbed.scheduler.batch import Batch
@@ -107,6 +113,7 @@ class ClusterDriver(Driver):
         self.load_tokens = [0] * n
         self.load_requests = [0] * n
         self._route: dict[str, tuple[int, float, int]] = {}  # id -> (replica, routed_s, order)
+        self._in_transit: deque[tuple[int, CacheEvent]] = deque()  # cache events, oldest first
         self._t = 0.0  # load integrals up to this time
         self._int_load = [0.0] * n
         self._int_max = self._int_mean = self._int_ratio = self._busy_t = 0.0
@@ -158,6 +165,8 @@ class ClusterDriver(Driver):
     def run(self) -> ClusterResult:
         self._serve()
         self._integrate()
+        while self._in_transit:  # cache events still on their way when the last request ended
+            self._apply_event(*self._in_transit.popleft())
         order = sorted(self.reqs, key=lambda r: self._route[r.id][2])
         end = self.env.now
         return ClusterResult(
@@ -208,6 +217,25 @@ class ClusterDriver(Driver):
         yield self.env.timeout(delay)
         self.router.on_complete(worker, prompt, output, self.env.now)
 
+    def cache_event(self, worker: int, event: CacheEvent) -> None:
+        """A replica's cache changed: the router learns it after its ``event_delay_s``."""
+        delay = self.router.event_delay_s
+        if delay > 0:  # one delay for all: they arrive in the order sent
+            self._in_transit.append((worker, event))
+            self.env.process(self._deliver(delay))
+        else:
+            self._apply_event(worker, event)
+
+    def _deliver(self, delay: float):
+        yield self.env.timeout(delay)
+        if self._in_transit:
+            self._apply_event(*self._in_transit.popleft())
+
+    def _apply_event(self, worker: int, event: CacheEvent) -> None:
+        if not self.router.on_cache_events(worker, [event]):
+            raise RuntimeError(f"router {self.router.name}: replica {worker}'s event "
+                               f"{event.seq} is out of step")
+
 
 def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCache],
                      scheduler_cfg: Mapping[str, Any], executor: Executor, router: Router,
@@ -218,14 +246,18 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      max_concurrency: int | None = None,
                      decode_groups: Callable[[], Any] | None = None) -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
-    scheduler, seeded ``seed + i``) behind ``router``, in virtual time; with ``observe`` the
+    scheduler, seeded ``seed + i``) behind ``router``, in virtual time (a router that reads
+    cache events: ``make_cache(events=log)``, see the module docstring); with ``observe`` the
     result carries a `RunObserver`'s steps and request phases; with ``check_invariants`` every
     scheduler checks its cache after every step; ``decode_groups()``: each replica's cascade
     groups (`testbed.scheduler.decode_groups.DecodeGroups`, or None without cascade)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = scheduler_config(scheduler_cfg)
-    caches = [make_cache() for _ in range(replicas)]
+    logs = [EventLog(capacity=0) for _ in range(replicas)] \
+        if getattr(router, "wants_cache_events", False) else None
+    caches = [make_cache(events=log) for log in logs] if logs else \
+        [make_cache() for _ in range(replicas)]
     if len({id(c) for c in caches}) != replicas:
         raise ValueError("make_cache must build a new cache on every call")
     router.bind(replicas, caches)
@@ -237,6 +269,8 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                            transfer_s_per_token=transfer_s_per_token, progress=progress,
                            observer=RunObserver(schedulers) if observe else None,
                            max_concurrency=max_concurrency)
+    for i, log in enumerate(logs or ()):
+        log.listeners.append(lambda event, i=i: driver.cache_event(i, event))
     result = driver.run()
     for scheduler in schedulers if check_invariants else ():
         scheduler.check_drained()

@@ -1,0 +1,288 @@
+"""The routing study live: N ``testbed.serve`` replicas of SmolLM2 on this CPU behind every router
+policy (``python -m testbed.route``: the simulator's policy objects) and behind SGLang's own
+gateway (``smg``, installed into its own virtual environment), on the same workload, beside the
+simulator's ``replicas=N router=...`` run of the same calls.
+
+For each workload and front end, from empty caches (``POST /reset_prefix_cache`` on every
+replica): the front end starts as its own process in front of the running replicas, the
+workload is driven through it by ``backend=server`` with text prompts
+(``server.prompt_format=text``: smg takes no token ids; the same texts for every front end),
+forced output lengths, as a closed loop; then it stops. Reported per run: each replica's hit
+rate and the total, from the replicas' own counts (``/debug/state`` counters before and after),
+requests per second and TTFT p50/p99 (the client's), imbalance (max/mean of the requests each
+replica served), failed calls, and the replicas' steps as they timed them (``/debug/steps``:
+the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
+loops took and the time they waited for a core on this shared 2-core machine); and the simulator's run of the calls as they ran (the prompts
+the replicas tokenized, the outputs they returned, the workload's programs and closed loop:
+`experiments.validation.vs_vllm.as_ran_trace`) with the same policy (smg's: ``cache_aware`` at
+smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
+(conf/calibration/smollm2_135m_cpu.yaml).
+
+Workloads: ``chat``: multi-tenant chat (``workload=chat_tenants`` scaled to this CPU: 8 tenants
+with 384-token system prompts, 16 sessions of 3 turns, 6 sessions at once); ``mooncake``: the
+first requests of the Mooncake conversation trace (prompts cut to 1,024 tokens, outputs to 16,
+ids remapped into SmolLM2's vocabulary as `experiments.validation.vs_vllm` does), 4 at once.
+
+    python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
+        [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
+        [--out DIR]
+
+Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptance checks
+(docs/results/routing_live.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pandas as pd
+
+from experiments import REPO
+from experiments.benchmarks.served_step import steps_recorded, steps_since
+from experiments.validation import vs_vllm
+
+SMG_VERSION = "1.13.0"
+MODEL = "smollm2_135m"
+CAPACITY = 6144  # tokens of KV per replica: less than the workloads' distinct prefixes
+SIM = ["backend=sim", f"model={MODEL}", "hardware=cpu", "cost_model=fitted_smollm2_cpu"]
+WORKLOADS = {
+    "chat": (["workload=chat_tenants", "workload.num_tenants=8", "workload.num_sessions=16",
+              "workload.turns=3", "workload.system_prompt_len=384",
+              "workload.min_question_len=32", "workload.max_question_len=96",
+              "workload.min_output_len=16", "workload.max_output_len=32",
+              "workload.think_time_s=0.0"], ["arrival.max_in_flight=6"]),
+    "mooncake": (None, ["arrival.max_in_flight=4"]),
+}
+MOONCAKE_REQUESTS = 32
+# smg 1.13.0's cache_aware defaults (smg/router_args.py): the simulator runs its twin with these
+SMG_CACHE_AWARE = ["router=cache_aware", "router.cache_threshold=0.3",
+                   "router.balance_abs_threshold=64", "router.balance_rel_threshold=1.5"]
+# our cache_aware at smg's thresholds too: the same rules as smg's, on tokens instead of characters
+FRONT_ROUTERS = {"cache_aware_smg_thresholds": SMG_CACHE_AWARE,
+                 "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
+FRONTS = ["round_robin", "random", "least_load", "cache_aware", "cache_aware_smg_thresholds",
+          "kv_events", "smg_cache_aware"]
+
+
+# ---------------------------------------------------------------- the processes
+def smg_binary(cache: Path) -> Path:
+    """smg's launcher in its own virtual environment under ``cache``, installed once."""
+    venv = cache / "venvs" / f"smg-{SMG_VERSION}"
+    smg = venv / "bin" / "smg"
+    if smg.exists():
+        return smg
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    print(f"installing smg=={SMG_VERSION} into {venv} (once)", file=sys.stderr)
+    for cmd in ([sys.executable, "-m", "venv", str(venv)],
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                 f"smg=={SMG_VERSION}"]):
+        subprocess.run(cmd, check=True)
+    return smg
+
+
+def front_command(front: str, urls: list[str], port: int, cache: Path) -> list[str]:
+    if front.startswith("smg_"):
+        return [str(smg_binary(cache)), "launch", "--worker-urls", *urls, "--policy",
+                front.removeprefix("smg_"), "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "warn"]
+    return [sys.executable, "-m", "testbed.route", *router_of(front), f"model={MODEL}",
+            f"route.urls=[{','.join(urls)}]", f"route.port={port}"]
+
+
+def router_of(front: str) -> list[str]:
+    """The ``router`` overrides of a front end (its simulator twin's, for smg's)."""
+    return FRONT_ROUTERS.get(front, [f"router={front}"])
+
+
+@contextlib.contextmanager
+def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[str]:
+    """The router (ours or smg) in front of ``urls``, as its own process, until the block ends."""
+    from testbed.api.server import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(front_command(front, urls, port, cache), cwd=REPO, env=env,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{front} exited with {proc.returncode}; see {log}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{front} did not answer {url}/health; see {log}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        vs_vllm.stop(proc)
+
+
+def counters(urls: list[str]) -> list[dict]:
+    return [httpx.get(u + "/debug/state", timeout=60).json()["counters"] for u in urls]
+
+
+def reset(urls: list[str]) -> None:
+    for u in urls:
+        for _ in range(100):  # a request may still be ending
+            if httpx.post(u + "/reset_prefix_cache", timeout=60).json()["success"]:
+                break
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- one run
+def workload_words(name: str, out: Path) -> list[str]:
+    words, _ = WORKLOADS[name]
+    if words is not None:
+        return words
+    from testbed.data import resolve_trace
+    path, _ = resolve_trace(vs_vllm.MOONCAKE)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "mooncake_tokens.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.mooncake_trace(
+        path, requests=MOONCAKE_REQUESTS, prompt=1024, output=16)))
+    return ["workload=trace", f"workload.path={trace}", "workload.format=tokens"]
+
+
+def live(front: str, words: list[str], arrival: list[str], urls: list[str], out: Path,
+         cache: Path) -> dict:
+    from testbed.assembly import compose_config
+    from testbed.execute import execute
+
+    reset(urls)
+    before = counters(urls)
+    first = [steps_recorded(u) for u in urls]
+    with front_end(front, urls, cache, out / "front.log") as url:
+        execute(compose_config([*words, *arrival, "backend=server", f"server.url={url}",
+                                f"server.model={MODEL}", "server.prompt_format=text",
+                                f"model={MODEL}", "engine.forced=true", "save_token_ids=true",
+                                "progress=false"]), out / "client")
+        state = httpx.get(url + "/debug/state", timeout=30).json() \
+            if not front.startswith("smg_") else None
+    after = counters(urls)
+    steps = [steps_since(u, n) for u, n in zip(urls, first)]
+    s = json.loads((out / "client" / "summary.json").read_text())
+    per = [(a["prefix_cache_hits"] - b["prefix_cache_hits"],
+            a["prefix_cache_queries"] - b["prefix_cache_queries"]) for a, b in zip(after, before)]
+    served = [sum(a["request_success"].values()) - sum(b["request_success"].values())
+              for a, b in zip(after, before)]
+    row = {"hit_rate": sum(h for h, _ in per) / max(1, sum(q for _, q in per)),
+           "replica_hit_rates": " ".join(f"{h / q:.3f}" if q else "-" for h, q in per),
+           "requests_per_s": s["throughput_req_s"], "ttft_p50_s": s["ttft_p50_s"],
+           "ttft_p99_s": s["ttft_p99_s"], "imbalance": max(served) / np.mean(served),
+           "served": " ".join(map(str, served)), "failed": s.get("failed_requests", 0),
+           "client_hit_rate": s["hit_rate"],
+           # the replicas' steps as they timed them: the engine's own cost (what the fitted
+           # model predicts: CPU-clocked) against the wall time its loop took around them
+           "engine_busy_s": sum(x["gpu_s"] + x["host_s"] for st in steps for x in st),
+           "wall_busy_s": sum(x["turn_s"] for st in steps for x in st),
+           "waited_for_core_s": sum(x["runqueue_s"] or 0.0 for st in steps for x in st)}
+    if state is not None:
+        row["decisions"] = " ".join(f"{k}={v}" for k, v in state["decisions"].items())
+    return row
+
+
+def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
+              out: Path) -> dict:
+    """The simulator's run of the calls as they ran live, with the same policy."""
+    from testbed.assembly import assemble, compose_config
+    from testbed.execute import execute
+
+    rows = vs_vllm.records(out / "client")
+    requests = assemble(compose_config([*words, "backend=replay"])).requests()
+    trace = out / "as_ran.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.as_ran_trace(requests, rows)))
+    execute(compose_config([*SIM, *router_of(front), f"replicas={replicas}", "workload=trace",
+                            f"workload.path={trace}", "workload.format=tokens",
+                            f"cache.capacity_tokens={CAPACITY}", *arrival, "engine.forced=true",
+                            "progress=false"]), out / "sim")
+    s = json.loads((out / "sim" / "summary.json").read_text())
+    served = vs_vllm.records(out / "sim")["replica"].value_counts().reindex(
+        range(replicas), fill_value=0)
+    return {"sim_hit_rate": s["hit_rate"], "sim_requests_per_s": s["throughput_req_s"],
+            "sim_ttft_p50_s": s["ttft_p50_s"], "sim_imbalance": served.max() / served.mean(),
+            "sim_busy_s": s["busy_s"]}
+
+
+# ---------------------------------------------------------------- the study
+def checks(table: pd.DataFrame) -> list[str]:
+    lines = []
+    for w, t in table.groupby("workload"):
+        by = t.set_index("front")
+        if {"cache_aware", "smg_cache_aware", "kv_events"} <= set(by.index):
+            ca, smg, kv = (by.loc[f, "hit_rate"] for f in ("cache_aware", "smg_cache_aware",
+                                                             "kv_events"))
+            lines.append(f"{w}: cache_aware hit {ca:.3f} >= smg's {smg:.3f}: {ca >= smg}")
+            lines.append(f"{w}: kv_events hit {kv:.3f} >= both: {kv >= max(ca, smg)}")
+            thr = by.loc["smg_cache_aware", "requests_per_s"]
+            for f in ("cache_aware", "kv_events"):
+                lines.append(f"{w}: {f} {by.loc[f, 'requests_per_s']:.2f} req/s >= smg's "
+                             f"{thr:.2f}: {by.loc[f, 'requests_per_s'] >= thr}")
+        for f, r in by.iterrows():
+            dh = abs(r.sim_hit_rate - r.hit_rate)
+            dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
+            lines.append(f"{w}: {f}: simulator's hit rate within 0.03 ({dh:.3f}): {dh <= 0.03}; "
+                         f"throughput within 10% ({dt:.1%}): {dt <= 0.10}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.studies.routing_live",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--fronts", nargs="+", default=FRONTS)
+    ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing_live")
+    args = ap.parse_args(argv)
+    from testbed.gateway.launch import start_replicas
+
+    handles = start_replicas(args.replicas, [f"model={MODEL}", "device=cpu",
+                                             f"cache.capacity_tokens={CAPACITY}"], 600)
+    urls = [h.url for h in handles]
+    print(f"{args.replicas} replicas of {MODEL}: {' '.join(urls)}", file=sys.stderr, flush=True)
+    rows = []
+    try:
+        for w in args.workloads:
+            words = workload_words(w, args.out / w)
+            _, arrival = WORKLOADS[w]
+            for front in args.fronts:
+                out = args.out / w / front
+                started = time.perf_counter()
+                row = {"workload": w, "front": front,
+                       **live(front, words, arrival, urls, out, args.cache_dir)}
+                row |= simulated(front, words, arrival, args.replicas, out)
+                row["wall_s"] = time.perf_counter() - started
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
+    finally:
+        for h in handles:
+            h.stop()
+        if rows:
+            args.out.mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_csv(args.out / "routing_live.csv", index=False)
+    from testbed.report.markdown import markdown_table
+    table = pd.DataFrame(rows)
+    print(markdown_table(table.round(3), list(table.columns)))
+    print("\n".join(checks(table)))
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The replicas behind the live router: where each is, whether it is in rotation, what it holds
+outstanding (the `Loads` the policy sees), and the health watch that takes a replica out and lets
+it back.
+
+A replica leaves the rotation when its ``GET /health`` fails (an error status, a refused
+connection, no answer in ``health_timeout_s``) or when a request to it cannot connect or breaks
+before its first token (`Replicas.leave`, at once); the watch asks every ``health_interval_s``,
+so a killed replica is out within that (a refused connection needs no timeout). It rejoins at its
+next good answer. A replica that comes back with another ``epoch`` (``testbed.serve`` names a new
+one at every start) or that names none (another server: it may have restarted) has lost its cache:
+the policy is told to forget what it believed it held (`Router.forget_worker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from testbed.router import Loads, Router
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    up: bool = False
+    epoch: str | None = None  # its /health's (testbed.serve); None: not told
+    requests: int = 0  # routed here and not finished
+    tokens: int = 0  # their prompt + max_tokens less the output tokens streamed so far
+    routed: int = 0
+    failed: int = 0  # requests that failed here (retried elsewhere or not)
+    left: int = 0  # times it left the rotation
+    last_error: str | None = None
+    left_at: float | None = None  # time.monotonic() when it last left
+
+    def state(self) -> dict[str, Any]:
+        return {"index": self.index, "url": self.url, "up": self.up, "epoch": self.epoch,
+                "outstanding_requests": self.requests, "outstanding_tokens": self.tokens,
+                "routed": self.routed, "failed": self.failed, "left_rotation": self.left,
+                "last_error": self.last_error}
+
+
+@dataclass
+class Replicas:
+    """Every replica, in ``route.urls`` order (the policy's worker indices)."""
+
+    members: list[Replica]
+    router: Router
+    http: httpx.AsyncClient
+    health_interval_s: float
+    health_timeout_s: float
+    on_leave: list[Callable[[Replica], None]] = field(default_factory=list)
+    on_join: list[Callable[[Replica], None]] = field(default_factory=list)
+
+    def loads(self, exclude: set[int] = frozenset()) -> Loads:
+        return Loads(tuple(r.tokens for r in self.members),
+                     tuple(r.requests for r in self.members),
+                     tuple(r.up and r.index not in exclude for r in self.members))
+
+    def leave(self, replica: Replica, why: str) -> None:
+        replica.last_error = why
+        if not replica.up:
+            return
+        replica.up = False
+        replica.left += 1
+        replica.left_at = time.monotonic()
+        for hook in self.on_leave:
+            hook(replica)
+
+    def join(self, replica: Replica, epoch: str | None) -> None:
+        if replica.up:
+            return
+        if epoch is None or epoch != replica.epoch:  # a new (or unknown) cache
+            self.router.forget_worker(replica.index)
+        replica.up, replica.epoch = True, epoch
+        for hook in self.on_join:
+            hook(replica)
+
+    async def probe(self, replica: Replica) -> None:
+        """One health check: join on 200, leave otherwise."""
+        try:
+            r = await self.http.get(replica.url + "/health", timeout=self.health_timeout_s)
+        except httpx.HTTPError as e:
+            self.leave(replica, f"GET /health: {type(e).__name__}: {e}".rstrip(": "))
+            return
+        if r.status_code != 200:
+            self.leave(replica, f"GET /health answered {r.status_code}")
+            return
+        try:
+            epoch = r.json().get("epoch")
+        except (ValueError, AttributeError):
+            epoch = None
+        self.join(replica, epoch if isinstance(epoch, str) else None)
+
+    async def watch(self) -> None:
+        """Probe every replica every ``health_interval_s``, for ever (cancel to stop)."""
+        while True:
+            await asyncio.gather(*(self.probe(r) for r in self.members))
+            await asyncio.sleep(self.health_interval_s)
