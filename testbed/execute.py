@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -20,16 +20,20 @@ from testbed.rundir import write_run
 from testbed.timeline import write_timeline
 
 
-def execute(cfg: DictConfig, run_dir: str | Path,
-            notes: list[str] | None = None) -> dict[str, Any]:
+def execute(cfg: DictConfig, run_dir: str | Path, notes: list[str] | None = None,
+            loaded: Callable[[list], None] | None = None) -> dict[str, Any]:
     """Run one configuration and write its results; returns the summary. ``notes`` receives the
-    lines to print after it (requests that could never fit the KV pool, and why)."""
+    lines to print after it (requests that could never fit the KV pool, and why); ``loaded`` is
+    called with the requests once the workload is made, before they are served (a benchmark
+    separating the trace's memory from the run's)."""
     started = time.perf_counter()
     run = assemble(cfg)  # every value read and checked before anything is generated
     for note in run.notes:
         print(note, file=sys.stderr)
     loading = time.perf_counter()
     requests = run.requests()
+    if loaded is not None:
+        loaded(requests)
     running = time.perf_counter()
     result = run_backend(run, requests)
     add_answers(result.records, requests)

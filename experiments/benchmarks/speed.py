@@ -213,10 +213,20 @@ def sim_cell(overrides: list[str]) -> dict:
     import tempfile
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", overrides=[*overrides, "progress=false"])
+    trace: dict[str, float] = {}
+
+    def loaded(requests: list[Request]) -> None:  # the run's own peak counts from here
+        trace["mb"] = (_status("VmRSS") - before) / 1024
+        trace["tokens_mb"] = token_mb(requests)
+        Path("/proc/self/clear_refs").write_text("5")
+        trace["rss"] = _status("VmRSS")
+
     with tempfile.TemporaryDirectory() as out:
-        seconds, peak, _ = peak_during(lambda: execute(cfg, Path(out)))
+        before = _status("VmRSS")
+        seconds, _, _ = peak_during(lambda: execute(cfg, Path(out), loaded=loaded))
         summary = json.loads((Path(out) / "summary.json").read_text())
-    return {"seconds": seconds, "peak_mb": peak, **summary["timing"],
+    return {"seconds": seconds, "trace_loaded_mb": trace["mb"], "trace_mb": trace["tokens_mb"],
+            "peak_mb": (_status("VmHWM") - trace["rss"]) / 1024, **summary["timing"],
             "requests": summary["num_requests"], "output_tokens": summary["output_tokens"],
             "steps": summary.get("prefill_steps", 0) + summary.get("decode_steps", 0),
             "hit_rate": summary["hit_rate"]}
@@ -239,8 +249,9 @@ def part_sim(args) -> list[dict]:
         print(f"whole run {best['seconds']:.1f} s (load {best['load_s']:.1f}, simulate "
               f"{best['run_s']:.1f}, ideal {best['ideal_s']:.1f}, write {best['write_s']:.1f}); "
               f"{best['requests']:,} requests, {best['output_tokens']:,} tokens decoded in "
-              f"{best['steps']:,} steps; peak +{_mb(best['peak_mb'])}; hit rate "
-              f"{best['hit_rate']:.6f}", flush=True)
+              f"{best['steps']:,} steps; the trace's tokens {best['trace_mb']:,.0f} MB, loaded "
+              f"+{_mb(best['trace_loaded_mb'])}, the run's peak beyond it +{_mb(best['peak_mb'])};"
+              f" hit rate {best['hit_rate']:.6f}", flush=True)
     rows += vidur_rows(args)
     return rows
 
@@ -258,7 +269,7 @@ def vidur_rows(args) -> list[dict]:
     except (DataError, vidur.Fail) as e:
         print(f"skipped ({e})")
         return []
-    work = args.work / "vidur"
+    work = (args.work / "vidur").resolve()  # Vidur runs in a folder of its own
     reqs = vidur.clipped_requests(trace, args.vidur_requests)
     azure, vidur_csv = vidur.write_inputs(reqs, work / "inputs")
     predictor = vidur.DEFAULT_CACHE / "predictor-fast"  # vs_vidur's, trained once

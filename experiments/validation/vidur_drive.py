@@ -12,10 +12,14 @@ and of writing the outputs.
 """
 
 import json
+import os
 import sys
 import time
 
 started = time.perf_counter()
+# Run by its path, this file's folder comes first on sys.path, and its neighbour vidur.py (the
+# comparison) would shadow the Vidur package: look for modules elsewhere.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
 
 from vidur.config import SimulationConfig  # noqa: E402
 from vidur.simulator import Simulator  # noqa: E402

@@ -7,6 +7,7 @@ far, how much of the sequence has KV, and the times and counts that become its r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -57,9 +58,9 @@ class Req:
     #: speculative decoding: the drafts it accepted at each of its verification steps, in order
     #: (None: it never verified); requests.jsonl ``spec_accepted``
     spec_accepted: list[int] | None = None
-    #: the workload's output tokens as a list, made at the first read
+    #: the workload's output tokens as an array of the token dtype, made at the first read
     #: (`testbed.sim.executor.predetermined_tokens`, which reads one per decode step)
-    recorded_output: list[int] | None = field(default=None, repr=False)
+    recorded_output: Sequence[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.max_new_tokens = self.request.output_limit

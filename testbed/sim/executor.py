@@ -8,7 +8,10 @@ The seam it implements, and the registry of ``backend=``, are `testbed.serving.e
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
+
+import numpy as np
 
 from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, SharedReads, cascades
@@ -17,6 +20,9 @@ from testbed.sim.acceptance import Acceptance
 from testbed.sim.cost_model import CostModel
 from testbed.sim.overlap import HostCost
 from testbed.sim.step_shape import StepShape
+from testbed.workloads.request import TOKEN_DTYPE
+
+TOKEN_TYPECODE = np.dtype(TOKEN_DTYPE).char  # the array module's code for the token dtype
 
 
 def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
@@ -32,8 +38,9 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
             tokens.append(None)
         elif e.draft is None:
             recorded = e.req.recorded_output
-            if recorded is None:
-                recorded = e.req.recorded_output = e.req.request.output.tolist()
+            if recorded is None:  # 4 bytes a token, read as ints (a list would hold an object each)
+                recorded = e.req.recorded_output = array(TOKEN_TYPECODE,
+                                                         e.req.request.output.tobytes())
             tokens.append(recorded[at])
         else:
             tokens.append((acceptance or Acceptance()).tokens(e))
