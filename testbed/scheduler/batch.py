@@ -57,12 +57,6 @@ class BatchEntry:
         self.slots = self.req.lease.slots
         return self
 
-    @classmethod
-    def decoding(cls, req: Req) -> "BatchEntry":
-        """A plain decode step's entry for ``req``, its slot taken: one token on top of its
-        ``computed``, bound (`bind`). (Built positionally: one per running request per step.)"""
-        return cls(req, req.computed, 1, True, req.preemptions, req.lease.buffer, (), True)
-
     @property
     def output_index(self) -> int:
         """Which output token of its request this entry produces (if it produces one): the one

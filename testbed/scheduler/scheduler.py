@@ -494,10 +494,13 @@ class Scheduler:
             for req, ev, ev_early in zip(running, evicted,
                                          self._attribute(early, [1] * len(running))):
                 req.evicted_tokens += ev + ev_early
-        decoding = BatchEntry.decoding
-        entries = [decoding(req) for req in running]
-        for req in running:
-            req.computed += 1
+        entries = []
+        append = entries.append
+        for req in running:  # once per running request per step: positional, its slot taken
+            computed = req.computed
+            append(BatchEntry(req, computed, 1, True, req.preemptions, req.lease.buffer, (),
+                              True))
+            req.computed = computed + 1
         return Batch("decode", entries)
 
     def _verify_batch(self, drafts: list[tuple[np.ndarray, tuple[int, ...] | None]],
@@ -649,6 +652,16 @@ class Scheduler:
         """SGLang's ``process_batch_result_prefill/decode``."""
         finished = []
         reuse, prefill = self.reuse, batch.kind == "prefill"
+        if not prefill and reuse is None and not batch.verifies:
+            # A plain decode step, whose every entry makes its request's next token: the loop
+            # below without the branches that cannot apply (it runs for every decoded token).
+            for entry, token in zip(batch.entries, tokens):
+                req = entry.req
+                if req.finish_s is None and entry.gen == req.preemptions \
+                        and req.take_token(token, now):
+                    self._finish(req, now)
+                    finished.append(req)
+            return finished
         for entry, token in zip(batch.entries, tokens):
             req = entry.req
             if req.finish_s is not None or entry.gen != req.preemptions:

@@ -32,8 +32,14 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
     last step's results were applied (overlap) gets the right ones. A verification entry's are
     the tokens ``acceptance`` verifies (`testbed.sim.acceptance`)."""
     tokens: list[int | tuple[int, ...] | None] = []
+    plain_decode = batch.kind == "decode" and not batch.verifies
     for e in batch.entries:
-        at = e.output_made
+        if plain_decode:  # (`output_made`, inline: once per decoded token)
+            req = e.req
+            at = e.context + 1 - len(req.prompt)
+            at = at if 0 <= at < req.max_new_tokens else None
+        else:
+            at = e.output_made
         if at is None:
             tokens.append(None)
         elif e.draft is None:
