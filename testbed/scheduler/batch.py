@@ -15,6 +15,8 @@ partly recomputes (positions outside them are computed as usual); the batch's ``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_not
 
 import numpy as np
 
@@ -116,8 +118,7 @@ class Batch:
         """A speculative decode step: its entries carry drafts (possibly none) to verify.
         (Read once, as `shape`: a step's entries keep their drafts.)"""
         if self._verifies is None:
-            drafts = [e.draft for e in self.entries]
-            self._verifies = drafts.count(None) < len(drafts)
+            self._verifies = any(map(is_not, [e.draft for e in self.entries], repeat(None)))
         return self._verifies
 
     @property
