@@ -25,14 +25,13 @@ policy, capacity and eviction unit to the calls' own results, node by node.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from testbed.cache.eviction import Requester
 from testbed.cache.token_runs import TOKEN_BYTES, matched_bytes
 from testbed.cache.tree_node import TreeNode, own_children
+from testbed.cache.radix_tree import RadixTree
 
-if TYPE_CHECKING:
-    from testbed.cache.radix import RadixCache
+# ``cache`` below is a `testbed.cache.radix.RadixCache` (which calls these): typed as its tree,
+# since importing it here would make an import cycle.
 
 
 def prompt_requester(requester: Requester | None) -> Requester:
@@ -43,7 +42,7 @@ def prompt_requester(requester: Requester | None) -> Requester:
     return requester._replace(priority=requester.priority - 1)
 
 
-def replay_fast(cache: "RadixCache", kb: bytes, p: int, n: int,
+def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
                 requester: Requester | None) -> tuple[int, int, bool, None]:
     """Serve a request of ``n`` tokens (``kb``, its bytes), the first ``p`` its prompt, on a tree
     of page size 1 whose policy has no hooks (module docstring); the calls' result."""
@@ -170,7 +169,7 @@ def replay_fast(cache: "RadixCache", kb: bytes, p: int, n: int,
     return hit, evicted, True, None
 
 
-def apply_match(cache: "RadixCache", path: list[TreeNode], cut: bool, c0: int, c1: int,
+def apply_match(cache: RadixTree, path: list[TreeNode], cut: bool, c0: int, c1: int,
                 urgent: int | None) -> None:
     """What the match walk of `replay_fast` leaves on the nodes it passed (any cut is made):
     their ticks from ``c0 + 1`` on (the root's first; a cut's head keeps its own), one more match
@@ -190,7 +189,7 @@ def apply_match(cache: "RadixCache", path: list[TreeNode], cut: bool, c0: int, c
     cache.eviction.offer(path[-1] if path else root)
 
 
-def replay_walking(cache: "RadixCache", kb: bytes, p: int, n: int,
+def replay_walking(cache: RadixTree, kb: bytes, p: int, n: int,
                    requester: Requester | None) -> tuple[int, int, bool, None]:
     """Serve the request making every walk (a policy with hooks sees each as it happens)."""
     if cache._on_access is not None:
@@ -201,7 +200,7 @@ def replay_walking(cache: "RadixCache", kb: bytes, p: int, n: int,
     return replay_rest(cache, kb, p, n, node, at, path, requester)
 
 
-def replay_rest(cache: "RadixCache", kb: bytes, p: int, n: int, node: TreeNode, at: int,
+def replay_rest(cache: RadixTree, kb: bytes, p: int, n: int, node: TreeNode, at: int,
                 path: list[TreeNode], requester: Requester | None) -> tuple[int, int, bool, None]:
     """After the match walk (ending at ``node``, ``at`` bytes in, through ``path``): protect,
     evict, allocate, then the insert's walk and, under 0.5.23, the checkpoint's two walks."""
