@@ -6,9 +6,10 @@ sharing ``P`` tokens, the ``n`` queries of each KV head's GQA group attend that 
 as one sequence with ``n`` times the query rows (so the prefix's keys and values are read once);
 every request then attends its own suffix (positions ``P ..``; all of its KV when it is in no
 group, which is plain decode), and the two partial results merge exactly by their log-sum-exps
-(`radix_kernels.merge_states`). Both parts are the backend's ordinary `decode_part`, so the torch
-and the Triton backends cascade the same way (`testbed.engine.attention.cascade_decode`; this
-module is the plan).
+(`radix_kernels.merge_states`). The torch backend runs both parts as its ordinary `decode_part`
+and merges them (`testbed.engine.attention.cascade_decode`); the Triton backend runs both parts
+in one launch and folds the merge into the split-KV reduction, two launches a layer as plain
+decode has (`radix_kernels.cascade`). This module is the plan, which both read.
 
 Every tensor of a plan has a shape fixed by three numbers, the step's requests ``B``, its groups
 ``G`` and their widest ``W``, never by which request is where: the prefix pass runs ``G x W``
