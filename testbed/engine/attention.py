@@ -23,10 +23,10 @@ A layer's new K/V are in the buffers before its attention runs (the layer's fuse
 step, `testbed.engine.layer_kernels`).
 
 Both run a decode step as `decode_part` calls — one query group per KV head and sequence over a
-`KVRanges` of KV. Cascade decoding (`testbed.engine.cascade`) is each backend's ``decode_cascade``: the
-torch backend composes the same two primitives with ``merge`` (`cascade_decode`); the Triton
-backend runs both passes and their merge in two launches, as many as plain decode
-(`radix_kernels.cascade`).
+`KVRanges` of KV. Cascade decoding (`testbed.engine.cascade`) is each backend's
+``decode_cascade``: the torch backend composes the same two primitives with ``merge``
+(`cascade_decode`); the Triton backend runs both passes and their merge in two launches, as
+many as plain decode (`radix_kernels.cascade`).
 """
 
 from __future__ import annotations
