@@ -52,7 +52,7 @@ bench: setup
 	$(PY) -m experiments.benchmarks.cache $(ARGS)
 
 # The pure-Python packages a bare CUDA machine lacks (its torch, triton, transformers, numpy, pandas
-# are used as they are: ../shared/GPU.md), as wheels for its Python, pinned to this venv's
+# are used as they are), as wheels for its Python, pinned to this venv's
 # versions, into .whl/ (git-ignored); experiments/validation/gpu_validate.sh installs them into a
 # temporary folder there when an import fails. antlr4 4.9.3 is an sdist: its wheel is built here.
 GPU_PYTHON ?= 3.12

@@ -11,6 +11,9 @@ Triton):
 - ``extend_attention(q, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, sm_scale=None, ...)``
 - ``decode_attention(q, k_buf, v_buf, kv_indptr, kv_indices, sm_scale=None, ...)``
 - ``merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse)``
+- ``cascade_decode_attention(q, k_buf, v_buf, suffix_indptr, suffix_indices, prefix_indptr,
+  prefix_indices, gather, places, grouped, ...)`` (cascade decoding in two launches: both passes
+  in one grid, the merge in the split-KV reduction)
 - ``copy_kv_rotated(k_buf, v_buf, src, dst, shift, inv_freq)`` (KV moved to other positions,
   keys re-rotated: RoPE)
 - ``fused_add_rmsnorm(x, residual, weight, eps) -> (out, residual_out)`` (residual add and
@@ -21,7 +24,7 @@ Triton):
 
 ``radix_kernels.reference`` holds the torch references with the same signatures (torch only);
 ``triton_available()`` says whether the Triton versions can be imported here. Kernel modules:
-``store``, ``extend``, ``decode``, ``merge``, ``rope_copy``, ``norm``, ``activation``,
+``store``, ``extend``, ``decode``, ``merge``, ``cascade``, ``rope_copy``, ``norm``, ``activation``,
 ``rope_store`` (named apart from the functions so that importing a module never shadows the
 function of the same name on the package). On a GPU machine,
 ``python -m radix_kernels.gpu_check --out FILE.json`` checks model-sized shapes and times them.
@@ -33,7 +36,8 @@ import importlib
 
 from . import reference
 
-__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states", "copy_kv_rotated",
+__all__ = ["store_kv", "extend_attention", "decode_attention", "merge_states",
+           "cascade_decode_attention", "copy_kv_rotated",
            "fused_add_rmsnorm", "silu_and_mul", "rope_store_kv", "reference", "triton_available"]
 
 _LAZY = {
@@ -41,6 +45,7 @@ _LAZY = {
     "extend_attention": "extend",
     "decode_attention": "decode",
     "merge_states": "merge",
+    "cascade_decode_attention": "cascade",
     "copy_kv_rotated": "rope_copy",
     "fused_add_rmsnorm": "norm",
     "silu_and_mul": "activation",

@@ -69,3 +69,14 @@ def check_out(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype
         raise ValueError(f"{name} must be {tuple(shape)} {dtype} with unit last stride, got "
                          f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     return out
+
+
+def attention_outputs(q: torch.Tensor, out: torch.Tensor | None, return_lse: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention kernel's output (the caller's ``out``, checked, or a fresh one of q's shape
+    and dtype) and its fp32 LSE ``[tokens, heads]`` (a ``[1, 1]`` placeholder the kernel does not
+    write when ``return_lse`` is false)."""
+    out = check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    lse = torch.empty(tuple(q.shape[:2]) if return_lse else (1, 1), dtype=torch.float32,
+                      device=q.device)
+    return out, lse

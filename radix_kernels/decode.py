@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (check_attention_inputs, check_block, default_block, dot_precision,
-                    last_dim_contiguous)
+from ._paged import paged_tile, partial_result
+from ._util import (attention_outputs, check_attention_inputs, check_block, default_block,
+                    dot_precision, last_dim_contiguous)
 
 _LOG2E = 1.4426950408889634
 
@@ -61,23 +62,11 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k_t = tl.load(K + slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None],
-                      mask=n_mask[None, :], other=0.0)               # [HEAD_DIM, BLOCK_N]
-        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))   # block's first key always valid
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                    mask=n_mask[:, None], other=0.0)                 # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = paged_tile(q, K, V, slots, n_mask, kv_head, offs_d, stride_ks,
+                                   stride_kh, stride_vs, stride_vh, sm_scale_log2, m_i, l_i,
+                                   acc, DOT_PRECISION)
 
-    nonempty = l_i > 0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    part = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    part, lse = partial_result(m_i, l_i, acc)
     tl.store(MID_O + req * stride_mb + heads[:, None] * stride_mh + split * stride_ms
              + offs_d[None, :], part, mask=h_mask[:, None])
     tl.store(MID_LSE + req * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
@@ -153,13 +142,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buf.shape[1]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
-    lse = torch.empty((batch, num_heads) if return_lse else (1, 1), dtype=torch.float32,
-                      device=q.device)
+    out, lse = attention_outputs(q, out, return_lse)
     if batch == 0:
         return (out, lse) if return_lse else out
 

@@ -3,9 +3,11 @@
 The pytest grid (``tests/test_kernels.py``) covers tiny shapes in the interpreter; this covers
 what only a GPU shows: compilation of every config, model-sized shapes (head_dim 64/128, GQA 4,
 long prefixes), bf16, and speed against SDPA; the decoder layer's kernels (norm, SiLU, RoPE and
-store: `gpu_check_layer`) against their torch references, timed beside them; and a sweep of the
-prefill kernel's launch settings beside SDPA, whose best config the JSON reports
-(``extend_sweep``). Run on a CUDA machine (about a minute; ``--max-s`` bounds the sweep so the
+store: `gpu_check_layer`) against their torch references, timed beside them; the fused cascade
+decode kernel against plain decode; the prefill kernel reading the new tokens from contiguous
+tensors and through tensor descriptors; and a sweep of the prefill kernel's launch settings and
+sources beside SDPA, whose best config per source the JSON reports (``extend_sweep``,
+`gpu_check_extend`). Run on a CUDA machine (about a minute; ``--max-s`` bounds the sweep so the
 whole run ends by then)::
 
     python -m radix_kernels.gpu_check --out gpu_kernels.json
@@ -17,7 +19,6 @@ whole run ends by then)::
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -27,7 +28,9 @@ import torch
 
 from . import gpu_check_layer as layer
 from . import reference as ref
+from .cascade import cascade_decode_attention
 from .decode import decode_attention
+from .gpu_check_extend import extend_sweep
 from .extend import extend_attention
 from .merge import merge_states
 from .store import store_kv
@@ -71,11 +74,13 @@ def check_case(name, prefix, new, model, dtype, device):
     ro, rlse = ref.extend_attention(*f32, qo, kv, idx, return_lse=True)
     out["extend_err"], out["extend_lse_err"] = err(o, ro), err(lse, rlse)
     ok = within(o, ro, tol) and within(lse, rlse, tol)
+    ok &= new_tokens_contiguous(out, q, kb, vb, qo, kv, idx, prefix, new, ro, tol)
     if all(n == 1 for n in new):
         for splits in (1, 8, 32):
             d = decode_attention(q, kb, vb, kv, idx, num_kv_splits=splits)
             out[f"decode_err_splits{splits}"] = e = err(d, ro)
             ok &= within(d, ro, tol)
+        ok &= cascade_case(out, q, kb, vb, kv, idx, tol)
     # store: exact, into a fresh copy of the buffers
     kb2, vb2 = kb.clone(), vb.clone()
     kb3, vb3 = kb.clone(), vb.clone()
@@ -91,6 +96,53 @@ def check_case(name, prefix, new, model, dtype, device):
     ok &= out["store_exact"] and within(m, o, tol) and within(mlse, lse + math.log(2), 1e-5)
     out["ok"] = bool(ok)
     return out
+
+
+def new_tokens_contiguous(out, q, kb, vb, qo, kv, idx, prefix, new, ro, tol) -> bool:
+    """The extend kernel reading the new tokens' K/V from contiguous tensors, with pointer tiles
+    and with tensor descriptors (recorded as an error where this GPU or Triton has none)."""
+    at = torch.cat([idx[int(kv[i]) + p:int(kv[i + 1])] for i, p in enumerate(prefix)]).long()
+    ok = True
+    for descriptors in (False, True):
+        key = "extend_descriptors_err" if descriptors else "extend_contiguous_err"
+        try:
+            o = extend_attention(q, kb, vb, qo, kv, idx, max_new=max(new), k_new=kb[at],
+                                 v_new=vb[at], descriptors=descriptors)
+        except Exception as e:  # noqa: BLE001 - descriptors need a recent Triton
+            out[key] = f"{type(e).__name__}: {str(e)[:160]}"
+            ok &= descriptors  # the pointer tiles must work everywhere
+            continue
+        out[key] = err(o, ro)
+        ok &= within(o, ro, tol)
+    return ok
+
+
+def cascade_case(out, q, kb, vb, kv, idx, tol) -> bool:
+    """The fused cascade kernel on a decode batch whose longest half (at least two) shares the
+    first of them's KV up to the shortest of them, beside plain decode over the same slots."""
+    lens = (kv[1:] - kv[:-1]).tolist()
+    members = sorted(range(len(lens)), key=lambda i: -lens[i])[:max(2, len(lens) // 2)]
+    shared = min(lens[i] for i in members) - 1  # each keeps its own new token
+    if shared < 1:
+        out["cascade_err"] = None
+        return True
+    rows = [idx[int(kv[i]):int(kv[i + 1])] for i in range(len(lens))]
+    prefix = rows[members[0]][:shared]
+    for i in members:
+        rows[i] = torch.cat([prefix, rows[i][shared:]])
+    full = decode_attention(q, kb, vb, kv, torch.cat(rows), num_kv_splits=8)
+    suffix = [r[shared:] if i in members else r for i, r in enumerate(rows)]
+    i64 = dict(dtype=torch.int64, device=q.device)
+    places = torch.zeros(len(lens), **i64)
+    places[members] = torch.arange(len(members), **i64)
+    grouped = torch.zeros(len(lens), dtype=torch.bool, device=q.device)
+    grouped[members] = True
+    o = cascade_decode_attention(
+        q, kb, vb, torch.tensor([0] + [len(r) for r in suffix], **i64).cumsum(0),
+        torch.cat(suffix), torch.tensor([0, shared], **i64), prefix,
+        torch.tensor(members, **i64), places, grouped, suffix_splits=8, prefix_splits=32)
+    out["cascade_err"] = err(o, full)
+    return within(o, full, tol)
 
 
 def bench(fn, device, warmup=10, rep=50):
@@ -130,67 +182,6 @@ def timings(device, dtype, small):
                                                        enable_gqa=True), device)
         rows.append(row)
     return rows
-
-
-def sweep_configs(small):
-    """extend_attention's launch settings ``(block_m, block_n, num_warps, num_stages)`` to try:
-    the default first, then larger tiles first, every tile and warp count at 2 stages before any
-    at 3 (compiled for sm_90, 2 and 3 stages took the same shared memory: the KV loads are
-    gathers, which may not pipeline, so the stage count matters least)."""
-    if small:
-        return [(32, 32, 4, 2), (16, 16, 4, 2)]                # only to run the code
-    tiles = list(itertools.product((128, 64), (64, 128, 32), (8, 4)))
-    grid = [(*t, 2) for t in tiles] + [(*t, 3) for t in tiles]
-    return [(64, 64, 4, 2)] + [c for c in grid if c != (64, 64, 4, 2)]
-
-
-def extend_sweep(device, small, budget_s):
-    """Prefill 4 x 2,048 at Llama-2-7B's heads in bf16 (``small``: 4 x 32, GQA d64, fp16 in the
-    interpreter), beside SDPA: each launch setting that compiles, checked against the first's
-    output (the default's) and timed; after the first, none is tried once ``budget_s`` seconds
-    have passed (``skipped`` counts them)."""
-    t0 = time.time()
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    n = 2048 // (64 if small else 1)
-    model = MODELS[2] if small else MODELS[1]
-    q, kb, vb, qo, kv, idx = make_batch([0] * 4, [n] * 4, *model[1:], dtype, device)
-    out = {"case": f"prefill_4x{n}", "model": model[0], "dtype": str(dtype).removeprefix("torch."),
-           "budget_s": None if math.isinf(budget_s) else budget_s, "configs": [], "skipped": 0}
-    if device == "cuda":
-        b, heads, kv_heads, dim = 4, *model[1:]
-        qd = q.view(b, n, heads, dim).transpose(1, 2)
-        kd = kb[idx.long()].view(b, n, kv_heads, dim).transpose(1, 2)
-        vd = vb[idx.long()].view(b, n, kv_heads, dim).transpose(1, 2)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        out["sdpa_ms"] = 1e3 * bench(lambda: sdpa(qd, kd, vd, is_causal=True), device)
-    base = None
-    for i, (bm, bn, warps, stages) in enumerate(sweep_configs(small)):
-        if i > 0 and time.time() - t0 > budget_s:  # the default always runs
-            out["skipped"] = len(sweep_configs(small)) - i
-            break
-        cfg = {"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages}
-
-        def run():
-            return extend_attention(q, kb, vb, qo, kv, idx, max_new=n, block_m=bm, block_n=bn,
-                                    num_warps=warps, num_stages=stages)
-        try:
-            o = run()
-        except Exception as e:  # out of shared memory or registers: this config does not compile
-            out["configs"].append({**cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
-            continue
-        base = o if base is None else base
-        cfg["ok"] = within(o, base, TOL[dtype])
-        cfg["ms"] = 1e3 * bench(run, device, warmup=5, rep=25)
-        out["configs"].append(cfg)
-    timed = [c for c in out["configs"] if c.get("ok")]
-    if timed:
-        best = min(timed, key=lambda c: c["ms"])
-        out["default_ms"] = out["configs"][0].get("ms")
-        out["best"] = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "ms")}
-        if "sdpa_ms" in out:
-            out["best"]["vs_sdpa"] = best["ms"] / out["sdpa_ms"]
-    out["wall_s"] = time.time() - t0
-    return out
 
 
 def main(argv=None):
@@ -237,7 +228,8 @@ def main(argv=None):
     print(json.dumps(result["layer_timings"]), flush=True)
     if args.sweep:  # what is left of --max-s; the CPU check (--small) tries both its configs
         budget = math.inf if small else args.max_s - (time.time() - t0)
-        result["extend_sweep"] = extend_sweep(dev, small, budget)
+        result["extend_sweep"] = extend_sweep(dev, small, budget, make_batch, bench, within,
+                                              TOL, MODELS[2] if small else MODELS[1])
         print(json.dumps(result["extend_sweep"]), flush=True)
     result["all_ok"] = all(c["ok"] for c in result["checks"] + result["layer_checks"])
     result["wall_s"] = time.time() - t0

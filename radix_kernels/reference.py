@@ -134,6 +134,27 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     return o.to(o_a.dtype), m + torch.log(total)
 
 
+def cascade_decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                             suffix_indptr: torch.Tensor, suffix_indices: torch.Tensor,
+                             prefix_indptr: torch.Tensor, prefix_indices: torch.Tensor,
+                             gather: torch.Tensor, places: torch.Tensor, grouped: torch.Tensor,
+                             sm_scale: float | None = None, return_lse: bool = False, **_):
+    """Cascade decode (`radix_kernels.cascade`): each request over its suffix, each member place
+    over its group's prefix with its member's query, merged where ``grouped`` (launch settings
+    such as ``suffix_splits`` are the kernel's and ignored here)."""
+    o_s, lse_s = decode_attention(q, k_buf, v_buf, suffix_indptr, suffix_indices, sm_scale, True)
+    width = gather.numel() // (prefix_indptr.numel() - 1)
+    lens = (prefix_indptr[1:] - prefix_indptr[:-1]).repeat_interleave(width)
+    indices = torch.cat([prefix_indices[int(prefix_indptr[p // width]):
+                                        int(prefix_indptr[p // width + 1])]
+                         for p in range(gather.numel())])
+    indptr = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    o_p, lse_p = decode_attention(q.index_select(0, gather.long()), k_buf, v_buf, indptr, indices,
+                                  sm_scale, True)
+    o, lse = merge_states(o_p, lse_p, o_s, lse_s, places.long(), grouped)
+    return (o, lse) if return_lse else o
+
+
 def copy_kv_rotated(k_buf: torch.Tensor, v_buf: torch.Tensor, src: torch.Tensor,
                     dst: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> None:
     """Copy K and V of slots ``src`` to slots ``dst`` (``[n]``), keys turned by ``shift``

@@ -39,6 +39,7 @@ from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.speculative import SpeculativeConfig, check_speculative, check_tree
 from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
+from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
 from testbed.sim.cost_model import COST_MODELS
 from testbed.serving.executor import EXECUTORS
@@ -118,8 +119,24 @@ class Assembly:
     def decode_groups(self) -> DecodeGroups | None:
         """A fresh `DecodeGroups` for a scheduler when the run decodes in cascade (the engine
         plans, the simulator prices, the groups it puts on each batch); else None."""
-        return DecodeGroups(min_saved=self.cascade_min_saved) if cascades(self.attention) \
-            else None
+        if not cascades(self.attention):
+            return None
+        return DecodeGroups(min_saved=self.cascade_min_saved, rule=self.cascade_rule)
+
+    @cached_property
+    def cascade_rule(self) -> CascadeRule:
+        """Where cascade's groups form (``engine.cascade_rule``): for the model on this run's
+        device, whose grid is the engine's own device (its SMs on CUDA, none on the CPU) or the
+        simulator's hardware preset (``hardware.sm_count``; none on ``hardware=cpu``)."""
+        if self.backend == "engine":
+            from testbed.engine.cascade import device_slots
+            slots = device_slots(self.engine_device)
+        else:
+            slots = self.hardware.sm_count
+        shape = self.model_shape
+        return CascadeRule.build(self.engine.cascade_rule, slots,
+                                 num_heads=max(1, shape.num_heads // shape.tp),
+                                 kv_heads=shape.kv_heads_per_gpu)
 
     @property
     def check_invariants(self) -> bool:
@@ -262,6 +279,7 @@ class Assembly:
             cost_model=Lazy(self.build_cost_model), model=c["model"], num_slots=capacity,
             max_slots=most, mem_fraction=self.mem_fraction, device=device, dtype=e.dtype,
             attention=self.attention, cascade_min_saved=e.cascade_min_saved,
+            cascade_rule=Lazy(lambda: self.cascade_rule),
             cuda_graph=e.cuda_graph, cuda_graph_max_batch=e.cuda_graph_max_batch,
             cpu_kernels=e.cpu_kernels, seed=self.seed, forced=e.forced,
             temperature=e.temperature, top_p=e.top_p, host_cost=self.host_cost,

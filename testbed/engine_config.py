@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from testbed.errors import BadInput
+from testbed.scheduler.cascade_rule import CASCADE_RULES
 from testbed.scheduler.decode_groups import ATTENTION_BACKENDS
 
 DEVICES = ("cpu", "cuda")
@@ -32,6 +33,7 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on cpu, bf16 on cuda for 2-byte models
     attention: str | None = None  # None: the device's default kernels
     cascade_min_saved: int = 0
+    cascade_rule: str = "auto"  # which shared nodes cascade reads once (CASCADE_RULES)
     cuda_graph: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored elsewhere)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured
     cpu_kernels: str = "native"  # the CPU's linear and decode kernels (CPU_KERNELS)
@@ -85,6 +87,9 @@ class EngineConfig:
         if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
             raise BadInput(f"{named['attention']} must be one of {', '.join(ATTENTION_BACKENDS)} or "
                            f"null, got {self.attention!r}")
+        if self.cascade_rule not in CASCADE_RULES:
+            raise BadInput(f"{named['cascade_rule']} must be one of {', '.join(CASCADE_RULES)}, "
+                           f"got {self.cascade_rule!r}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise BadInput(f"{named['cpu_kernels']} must be one of {', '.join(CPU_KERNELS)}, got "
                            f"{self.cpu_kernels!r}")

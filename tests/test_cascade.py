@@ -142,19 +142,8 @@ def test_shared_reads_count_every_repeated_cached_slot_where_cascade_groups_save
     grouping saves only the 2 x 40 of q. A block-hash lease's shared blocks count the same way:
     the count reads slots, not a tree."""
     from testbed.cache import BlockHashCache
-    from testbed.scheduler.batch import BatchEntry
     from testbed.scheduler.decode_groups import SharedReads, saved_reads
-    from testbed.scheduler.request_state import Req
-    from testbed.workloads.request import Request
-
-    def entries(leases):
-        out = []
-        for i, lease in enumerate(leases):
-            req = Req(request=Request(f"r{i}", np.zeros(1, np.int32), np.zeros(1, np.int32)),
-                      prompt=np.zeros(1, np.int32), submitted_s=0.0, seq=i)
-            req.lease = lease
-            out.append(BatchEntry(req, lease.cached - 1, 1, produces_token=True))
-        return out
+    from tests.cascade_helpers import decode_entries as entries
 
     _, leases = leases_on_a_tree(a_len=10)
     reads = SharedReads()

@@ -474,8 +474,9 @@ def test_the_triton_backend_routes_to_its_layer_kernels_extend_and_decode(monkey
         return f
 
     fake = SimpleNamespace(**{n: spy(n) for n in ("extend_attention", "decode_attention",
-                                                   "merge_states", "fused_add_rmsnorm",
-                                                   "silu_and_mul", "rope_store_kv")})
+                                                   "merge_states", "cascade_decode_attention",
+                                                   "fused_add_rmsnorm", "silu_and_mul",
+                                                   "rope_store_kv")})
     monkeypatch.setitem(sys.modules, "radix_kernels", fake)
     prompts = prompts_sharing_prefixes()[:2]
     outs = {}

@@ -5,7 +5,8 @@ takes to prepare them, not by their arithmetic (docs/design.md §6). This counts
 machine, for the engine as it is:
 
 - **kernels a layer**: one decode forward of the tiny model with ``attention=triton`` (the GPU's
-  code path: Triton attention and the fused layer kernels; on a CPU under ``TRITON_INTERPRET=1``),
+  code path: Triton attention, the fused layer kernels and torch's linear layers; on a CPU under
+  ``TRITON_INTERPRET=1``),
   every operator that launches a kernel counted once while decoder layer 0 runs: torch operators
   (views, allocations and the operators inside a Triton launch left out) and Triton launches;
   the same for ``cascade_triton`` on a batch whose requests share a prefix;
@@ -14,8 +15,9 @@ machine, for the engine as it is:
   beside the runner's ``prepare`` alone (the inputs: slot table, metadata, the transfer), for
   the CPU's default attention.
 
-It uses only APIs that predate the step room (`ModelRunner`, `EngineExecutor`, `Batch`), so the
-same file run in a checkout of an earlier commit gives the "before" figures::
+It uses only APIs that predate the step room (`ModelRunner`, `EngineExecutor`, `Batch`; the
+runner's ``cpu_kernels`` since issue 46), so the same file run in a checkout of an earlier
+commit gives the "before" figures::
 
     TRITON_INTERPRET=1 python -m experiments.benchmarks.engine_step [--batch 8] [--context 200]
 """
@@ -103,7 +105,8 @@ def count_triton_launches(counter: LaunchCounter):
 
 def kernels_per_layer(model, attention: str, batch: Batch, slots: int, shared: int
                       ) -> list[str]:
-    runner = ModelRunner(model, slots, attention=attention)
+    # torch's linear layers, as on a GPU (the CPU's oneDNN ones are not seen as kernels here)
+    runner = ModelRunner(model, slots, attention=attention, cpu_kernels="torch")
     group = [(shared, list(range(len(batch.entries))))]  # the tree would group them so
     runner.decode_groups = lambda entries: group
     runner.run(batch)  # compile/warm up (and fill the slot table) outside the count

@@ -6,26 +6,28 @@ each section on its own (a failure is recorded and the next runs):
 
 - ``bandwidth``: the device-to-device copy bandwidth (a 4 GiB copy, bytes read and written over
   the best of 5), which prices the byte floor of a step: every weight and every KV token it
-  reads, read once (`byte_floor_s`);
+  reads, read once (`gpu_runs.byte_floor_s`);
 - ``kv_pool``: the KV pool sized from what the device has free once the weights are loaded;
 - ``syncs``: synchronizing calls inside the forward (CUDA's sync debug mode) over every step of
   two eager runs (``triton`` and ``cascade_triton``: prefill behind a cached prefix and decode),
   0 expected;
 - ``kernels``: CUDA kernels one eager decode step of ``--requests`` x (``--prefix`` shared +
   ``--suffix`` own) tokens launches (torch's profiler), plain and cascade, and per layer;
-- ``runs``: runs through `testbed.execute` (as ``python -m testbed.run`` runs them; each writes
-  its run directory under ``--runs-dir``): the decode step at that shape as steps.jsonl records
-  it (the median of the decode steps at the full batch: its share of the timeline, host work
+- ``tiers``: the engine's tier copies (GPU to pinned host memory and back, its own copy path)
+  beside the host link's bandwidth measured in the same run (`gpu_tiers`);
+- ``runs``: each of `gpu_runs.RUNS` through `testbed.execute` (as ``python -m testbed.run``
+  runs them; each writes its run directory under ``--runs-dir``): the 32-request decode step at
+  ``--requests`` x (``--prefix`` + ``--suffix``) and steps of 8 and 16 requests, each beside its
+  byte floor (the median decode step at the full batch: its share of the timeline, host work
   included, and its split, ``gpu_s`` by CUDA events and ``host_s`` by the clock), eager and CUDA
-  graphs, plain and cascade, and plain with ``scheduler.overlap=true`` (the serving loop
-  launches each step before reading the last one back: the host's work hidden behind the GPU's),
-  each beside its byte floor; tree-of-thought (``--problems``) radix+lpm (graphs, with overlap,
-  eager, cascade) and none+fcfs, with each run's decode steps split into GPU and host time by
-  batch size; few-shot radix+lpm and none+fcfs; the throughput ratios (on the run's timeline,
-  and on the wall clock: requests over the run's seconds).
+  graphs, plain and cascade, and plain with ``scheduler.overlap=true``; tree-of-thought
+  (``--problems``) radix+lpm (graphs, with overlap, eager, cascade with the rule and with every
+  node) and none+fcfs; chat and few-shot with 32-token answers, plain and cascade; few-shot
+  radix+lpm and none+fcfs; every run's decode steps by batch size in GPU and host time beside
+  their byte floor; the throughput ratios (on the run's timeline, and on the wall clock).
 
     python -m experiments.validation.gpu_engine --out FILE.json [--runs-dir DIR]
-        [--model llama2_7b] [--sections bandwidth kv_pool syncs kernels runs]
+        [--model llama2_7b] [--sections bandwidth kv_pool syncs kernels tiers runs]
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 import traceback
 import warnings
@@ -48,9 +49,12 @@ from testbed.engine.kv_cache import KVCache
 from testbed.engine.loader import build_model, config_from_model_group, parse_dtype
 from testbed.engine.runner import ModelRunner
 from testbed.execute import execute
-
 from testbed.serving.serve import serve
 from testbed.workloads.request import Request
+
+from experiments.validation.gpu_runs import (RUNS, Floor, Shape, decode_median, ratios,
+                                             run_overrides, shape_floor_tokens, step_split)
+from experiments.validation.gpu_tiers import tier_copies
 
 
 def copy_bandwidth(device: str, gib: int = 4, repeats: int = 5) -> float:
@@ -67,14 +71,6 @@ def copy_bandwidth(device: str, gib: int = 4, repeats: int = 5) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * gib * 2**30 / best
-
-
-def byte_floor_s(weight_bytes: int, kv_tokens: int, kv_bytes_per_token: int,
-                 bandwidth: float) -> float:
-    """A step that reads every matmul weight (the LM head's included, not the embedding table:
-    a gather of a few rows) and ``kv_tokens`` tokens of KV once, at ``bandwidth``: no decode
-    step can take less (norm weights and activations left out make it lower still)."""
-    return (weight_bytes + kv_tokens * kv_bytes_per_token) / bandwidth
 
 
 def shared_prefix_requests(n: int, prefix: int, suffix: int, new: int, vocab: int) -> list:
@@ -149,122 +145,47 @@ def kernels(model, args) -> dict:
     return out
 
 
-TOT = ["workload=tree_of_thought", "cache=radix", "scheduler=lpm", "engine.attention=triton"]
-SHAPE = ["workload=shared_prefix", "engine.cuda_graph_max_batch=32"]  # one batch size: 32
-OVERLAP = "scheduler.overlap=true"
-RUNS = {  # name -> overrides (besides the model's), the ones the acceptance reads first
-    "tot_radix": TOT,
-    "tot_none": ["workload=tree_of_thought", "cache=none", "scheduler=fcfs",
-                 "engine.attention=triton"],
-    "tot_radix_overlap": [*TOT, OVERLAP],
-    "shape_plain_graph": [*SHAPE, "engine.attention=triton"],
-    "shape_plain_graph_overlap": [*SHAPE, "engine.attention=triton", OVERLAP],
-    "shape_cascade_graph": [*SHAPE, "engine.attention=cascade_triton"],
-    "shape_plain_eager": [*SHAPE, "engine.attention=triton", "engine.cuda_graph=false"],
-    "shape_cascade_eager": [*SHAPE, "engine.attention=cascade_triton",
-                            "engine.cuda_graph=false"],
-    "fewshot_radix": ["workload=few_shot", "cache=radix", "scheduler=lpm",
-                      "engine.attention=triton"],
-    "fewshot_none": ["workload=few_shot", "cache=none", "scheduler=fcfs",
-                     "engine.attention=triton"],
-    "tot_radix_cascade": [*TOT[:3], "engine.attention=cascade_triton"],
-    "tot_radix_eager": [*TOT, "engine.cuda_graph=false"],
-}
-
-
-def step_split(run_dir: Path) -> dict:
-    """A run's decode steps by batch size: medians of each step's share of the timeline
-    (``duration_s``), its GPU time (``gpu_s``, CUDA events) and its host time (``host_s``:
-    forming, launching, reading back, applying), from steps.jsonl."""
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    out = {}
-    for low, high in ((1, 16), (17, 32), (33, 64), (65, 512)):
-        chosen = [s for s in steps if s["kind"] == "decode" and low <= s["batch_size"] <= high]
-        if chosen:
-            out[f"batch_{low}_{high}"] = {"steps": len(chosen)} | {
-                k: statistics.median(s[k] for s in chosen)
-                for k in ("duration_s", "gpu_s", "host_s")}
-    return out
-
-
-def decode_median(run_dir: Path, batch: int) -> dict:
-    """Medians over the decode steps of ``batch`` requests in steps.jsonl: the step's share of
-    the timeline, its GPU and its host time; and how many there were."""
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    chosen = [s for s in steps if s["kind"] == "decode" and s["batch_size"] == batch]
-    if not chosen:
-        return {"decode_step_s": None, "decode_steps_at_batch": 0}
-    return {"decode_step_s": statistics.median(s["duration_s"] for s in chosen),
-            "decode_gpu_s": statistics.median(s["gpu_s"] for s in chosen),
-            "decode_host_s": statistics.median(s["host_s"] for s in chosen),
-            "decode_steps_at_batch": len(chosen)}
-
-
-def runs(args, base: list[str], bandwidth: float | None, model_shape, out: dict,
-         save) -> dict:
+def runs(args, base: list[str], floor: Floor | None, out: dict, save) -> dict:
     """Each run of `RUNS` into ``out`` (``save()`` after each: a time-boxed caller keeps what
-    finished)."""
-    shape = [f"workload.prompts_per_group={args.requests}", "workload.num_groups=1",
-             f"workload.system_prompt_len={args.prefix}",
-             f"workload.question_len={args.suffix}", f"workload.output_len={args.new}"]
-    for name, overrides in RUNS.items():
+    finished): its summary's figures, its decode steps by batch size beside their byte floor
+    (`step_split`), and for the step-shape runs the median decode step beside its own."""
+    shape = Shape(args.requests, args.prefix, args.suffix, args.new, args.problems)
+    for name in RUNS:
         if args.only and name not in args.only:
             continue
-        extra = shape if name.startswith("shape") else \
-            [f"workload.num_problems={args.problems}"] if name.startswith("tot") else []
         run_dir = Path(args.runs_dir) / name
         try:
             started = time.perf_counter()
-            summary = execute(compose_config([*base, *overrides, *extra, "progress=false"]),
-                              run_dir)
+            summary = execute(compose_config([*base, *run_overrides(name, shape),
+                                              "progress=false"]), run_dir)
             keep = ("throughput_req_s", "makespan_s", "hit_rate", "decode_steps",
                     "mean_decode_batch", "graph_capture_s", "graph_memory_bytes",
                     "graph_replays", "graphs_captured", "kv_capacity_tokens", "cuda_graph",
                     "layer_kernels", "layer_kernels_error", "graph_error",
-                    "graph_capture_failures")
+                    "graph_capture_failures", "ttft_p50_s", "tpot_p50_s")
             run_s = (summary.get("timing") or {}).get("run_s")
             out[name] = {k: summary.get(k) for k in keep} | {
                 "wall_s": time.perf_counter() - started, "run_s": run_s,
                 "wall_throughput_req_s": summary.get("num_requests", 0) / run_s
                 if run_s else None}
-            if name.startswith("tot"):
-                out[name]["decode_split"] = step_split(run_dir)
-            if name.startswith("shape"):
-                out[name] |= decode_median(run_dir, args.requests)
+            steps = [json.loads(line) for line in
+                     (run_dir / "steps.jsonl").read_text().splitlines()]
+            out[name]["decode_split"] = step_split(steps, floor)
+            if name.startswith(("shape", "small")):
+                requests = int(name.rsplit("_b", 1)[1]) if name.startswith("small") \
+                    else args.requests
+                out[name] |= decode_median(steps, requests)
                 median = out[name]["decode_step_s"]
-                context = args.prefix + args.suffix + args.new // 2  # the median step's
-                kv = args.requests * context if "plain" in name else \
-                    args.prefix + args.requests * (context - args.prefix)
-                if bandwidth and median:
-                    floor = byte_floor_s(model_shape.linear_params * model_shape.dtype_bytes, kv,
-                                         model_shape.kv_bytes_per_token, bandwidth)
-                    out[name] |= {"byte_floor_s": floor, "over_floor": median / floor}
+                if floor and median:
+                    at = floor.of(shape_floor_tokens(name, shape, requests))
+                    out[name] |= {"byte_floor_s": at, "over_floor": median / at}
         except Exception as e:  # noqa: BLE001 - recorded, the next run goes on
             out[name] = {"error": f"{type(e).__name__}: {e}",
                          "traceback": traceback.format_exc()[-2000:]}
         gc.collect()
         torch.cuda.empty_cache()
         save()
-    ratio = lambda a, b: (out[a]["throughput_req_s"] / out[b]["throughput_req_s"]  # noqa: E731
-                          if out.get(a, {}).get("throughput_req_s") and
-                          out.get(b, {}).get("throughput_req_s") else None)
-    wall = lambda a, b: (out[a]["wall_throughput_req_s"] / out[b]["wall_throughput_req_s"]  # noqa: E731
-                         if out.get(a, {}).get("wall_throughput_req_s") and
-                         out.get(b, {}).get("wall_throughput_req_s") else None)
-    out["ratios"] = {
-        "tot_radix_over_none": ratio("tot_radix", "tot_none"),
-        "tot_overlap_over_plain": ratio("tot_radix_overlap", "tot_radix"),
-        "tot_overlap_over_plain_wall": wall("tot_radix_overlap", "tot_radix"),
-        "tot_radix_cascade_over_none": ratio("tot_radix_cascade", "tot_none"),
-        "tot_graph_over_eager": ratio("tot_radix", "tot_radix_eager"),
-        "fewshot_radix_over_none": ratio("fewshot_radix", "fewshot_none")}
-    plain = out.get("shape_plain_graph", {}).get("decode_step_s")
-    cascade = out.get("shape_cascade_graph", {}).get("decode_step_s")
-    if plain and cascade:
-        out["ratios"]["cascade_over_plain_step"] = cascade / plain
-    overlapped = out.get("shape_plain_graph_overlap", {}).get("decode_step_s")
-    if plain and overlapped:
-        out["ratios"]["overlap_over_plain_step"] = overlapped / plain
+    out["ratios"] = ratios(out)
     return out
 
 
@@ -284,7 +205,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=12, help="tree-of-thought problems")
     ap.add_argument("--mem-fraction", type=float, default=0.9)
     ap.add_argument("--sections", nargs="*",
-                    default=["bandwidth", "kv_pool", "syncs", "kernels", "runs"])
+                    default=["bandwidth", "kv_pool", "syncs", "kernels", "tiers", "runs"])
     ap.add_argument("--only", nargs="*", default=None, help="runs to do (default: all)")
     args = ap.parse_args()
     args.runs_dir = args.runs_dir or str(Path(args.out).parent / "runs")
@@ -310,8 +231,11 @@ def main() -> None:
 
     section("bandwidth", lambda: {"copy_bytes_per_s": copy_bandwidth(args.device)})
     bandwidth = report.get("bandwidth", {}).get("copy_bytes_per_s")
+    shape = run.model_shape
+    floor = Floor(shape.linear_params * shape.dtype_bytes, shape.kv_bytes_per_token,
+                  bandwidth) if bandwidth else None
     model = None
-    if {"kv_pool", "syncs", "kernels"} & set(args.sections):
+    if {"kv_pool", "syncs", "kernels", "tiers"} & set(args.sections):
         model = build_model(config_from_model_group(run.config["model"]), seed=0,
                             dtype=parse_dtype(args.dtype), device=args.device)
 
@@ -329,12 +253,13 @@ def main() -> None:
     section("kv_pool", kv_pool)
     section("syncs", lambda: syncs(model, run, args))
     section("kernels", lambda: kernels(model, args))
+    section("tiers", lambda: tier_copies(model, shape.kv_bytes_per_token))
     del model
     gc.collect()
     torch.cuda.empty_cache()
     report["runs"] = {}
     save = lambda: out_path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # noqa: E731
-    section("runs", lambda: runs(args, base, bandwidth, run.model_shape, report["runs"], save))
+    section("runs", lambda: runs(args, base, floor, report["runs"], save))
     print(f"wrote {out_path}")
 
 

@@ -37,7 +37,7 @@ minute to the next, which no step-time model can predict, while the CPU time the
 takes moves far less (memory bandwidth and caches are still shared). With one torch thread, on an
 idle machine, the two coincide; the report gives each workload's wall time over CPU time.
 
-    python -m experiments.validation.sim_vs_engine [--real] [--overlap] [--out DIR] \
+    python -m experiments.validation.sim_vs_engine [--real] [--overlap] [--few-shot] [--out DIR] \
         [--rounds 7] [--fitted cost_model.yaml] [overrides, e.g. model=llama2_7b hardware=h200
         device=cuda dtype=bfloat16 attention=triton]
 """
@@ -76,6 +76,10 @@ HELD_BACK = {
     "chat": ["workload=chat", "workload.num_sessions=12"],
 }
 OFFLINE = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=8"]
+#: --few-shot: few-shot held back too (its first step one batch of every question over the
+#: cached examples, then decode steps of 16-token answers)
+FEW_SHOT = ["workload=few_shot", "workload.num_tasks=4", "workload.questions_per_task=8",
+            "workload.output_len=16"]
 #: the served workload the host's time per step is fitted on, each round (held apart from the
 #: grid and from the held-back workloads): prefills over cached prefixes, decode batches of
 #: every size
@@ -226,6 +230,8 @@ def main() -> None:
                     "sides (the engine's loop launches each step before reading the last one)")
     ap.add_argument("--real", action="store_true", help="the real model (smollm2_135m) on four "
                     "held-back text workloads, with a reduced grid (REAL); 4 rounds by default")
+    ap.add_argument("--few-shot", action="store_true", help="hold back few-shot too (FEW_SHOT), "
+                    "beside tree-of-thought and chat")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run, e.g. "
                     "model=llama2_7b hardware=h200 engine.device=cuda engine.dtype=bfloat16 engine.attention=triton")
     args = ap.parse_args()
@@ -238,6 +244,8 @@ def main() -> None:
         GRID[:] = REAL["grid"]
         if args.rounds is None:
             args.rounds = REAL["rounds"]
+    if args.few_shot:
+        HELD_BACK["few_shot"] = FEW_SHOT
     args.rounds = 7 if args.rounds is None else args.rounds
     args.clock = args.clock or ("cpu" if args.real else "wall")
     EXTRA.extend((["scheduler.overlap=true"] if args.overlap else []) + args.overrides)

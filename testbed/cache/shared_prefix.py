@@ -13,7 +13,7 @@ a node either groups every request under it, or leaves them to its children's be
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from testbed.cache.base import Lease
 
@@ -23,13 +23,16 @@ def _path_end(node: Any) -> int:
     return node.start + node.size
 
 
-def shared_prefix_groups(leases: Sequence[Lease | None], min_tokens: int = 1
+def shared_prefix_groups(leases: Sequence[Lease | None], min_tokens: int = 1,
+                         pays: Callable[[int, int], bool] | None = None
                          ) -> list[tuple[int, list[int]]]:
     """Disjoint groups ``(prefix tokens, indices into leases)`` of two or more leases whose
     cached prefixes share that many tokens (the same KV slots), chosen to save the most reads.
 
     Only radix-tree leases count (their ``handle`` is a tree node ending where the lease's cached
-    slots end); None and other leases join no group. Groups share at least ``min_tokens``.
+    slots end); None and other leases join no group. Groups share at least ``min_tokens``, and
+    only at a node where ``pays(sharers, tokens)`` (None: every node): a node that does not pay
+    leaves its leases to its children.
     """
     under: dict[Any, list[int]] = {}  # node -> leases at or below it, in lease order
     for i, lease in enumerate(leases):
@@ -47,7 +50,8 @@ def shared_prefix_groups(leases: Sequence[Lease | None], min_tokens: int = 1
 
     def gain(node: Any) -> int:  # reads saved by grouping every lease under node there
         end = _path_end(node)
-        return (len(under[node]) - 1) * end if end >= min_tokens else 0
+        n = len(under[node])
+        return (n - 1) * end if end >= min_tokens and (pays is None or pays(n, end)) else 0
 
     best: dict[Any, int] = {}
     for node in sorted(under, key=_path_end, reverse=True):  # children before their parents

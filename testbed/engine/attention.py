@@ -23,8 +23,10 @@ A layer's new K/V are in the buffers before its attention runs (the layer's fuse
 step, `testbed.engine.layer_kernels`).
 
 Both run a decode step as `decode_part` calls — one query group per KV head and sequence over a
-`KVRanges` of KV — so cascade decoding (`testbed.engine.cascade`) composes the same two
-primitives, with ``merge``, for either backend.
+`KVRanges` of KV. Cascade decoding (`testbed.engine.cascade`) is each backend's
+``decode_cascade``: the torch backend composes the same two primitives with ``merge``
+(`cascade_decode`); the Triton backend runs both passes and their merge in two launches, as
+many as plain decode (`radix_kernels.cascade`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class AttentionBackend(Protocol):
         """Attention over the union of two disjoint key sets (``[n, heads, dim]``, LSEs
         ``[n, heads]``) where ``keep[i]``, side a's row of token ``i`` being ``places[i]``;
         side b as it is elsewhere: `radix_kernels.merge_states`."""
+
+    def decode_cascade(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                planned: tuple[Any, Any, Any], sm_scale: float) -> torch.Tensor:
+        """Decode attention of ``q [n, heads, dim]`` with shared prefixes read once per group
+        (``planned``: `CascadePlan.planned`'s plan and its two parts)."""
 
 
 def decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
@@ -146,7 +153,7 @@ def plan_decode(backend: AttentionBackend, meta: AttentionMetadata) -> Any:
 def forward_decode(backend: AttentionBackend, q: torch.Tensor, k_buf: torch.Tensor,
                    v_buf: torch.Tensor, meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
     if meta.cascade is not None:
-        return cascade_decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
+        return backend.decode_cascade(q, k_buf, v_buf, meta.plan, sm_scale)
     return decode(backend, q, k_buf, v_buf, meta.plan, sm_scale)
 
 
@@ -274,6 +281,10 @@ class TorchAttention:
         merged = torch.lerp(o_b.float(), o_a.float(), weight).to(o_a.dtype)
         return torch.where(keep[:, None, None], merged, o_b)
 
+    def decode_cascade(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                planned: tuple[Any, Any, Any], sm_scale: float) -> torch.Tensor:
+        return cascade_decode(self, q, k_buf, v_buf, planned, sm_scale)
+
     def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:
         if isinstance(meta.plan, FlatExtend):
@@ -299,7 +310,8 @@ class TorchAttention:
         return torch.cat(outs).to(q.dtype)
 
 
-KERNEL_FUNCTIONS = ("extend_attention", "decode_attention", "merge_states")
+KERNEL_FUNCTIONS = ("extend_attention", "decode_attention", "merge_states",
+                    "cascade_decode_attention")
 DECODE_KEYS_PER_SPLIT = 256  # triton decode: KV positions per split-KV chunk, at most 8 chunks
 MAX_KV_SPLITS = 8  # ... and a CUDA graph's decode uses all 8 (its KV lengths vary per replay)
 
@@ -352,6 +364,16 @@ class TritonAttention:
     def merge(self, o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
               lse_b: torch.Tensor, places: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return self.kernels.merge_states(o_a, lse_a, o_b, lse_b, places, keep)[0]
+
+    def decode_cascade(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                planned: tuple[Any, Any, Any], sm_scale: float) -> torch.Tensor:
+        """Both passes in one launch, their merge folded into the split-KV reduction: two
+        launches a layer, as plain decode (`radix_kernels.cascade`)."""
+        plan, suffix, prefix = planned
+        return self.kernels.cascade_decode_attention(
+            q, k_buf, v_buf, suffix.indptr, suffix.indices, prefix.indptr, prefix.indices,
+            plan.gather, plan.places, plan.grouped, sm_scale,
+            suffix_splits=suffix.num_kv_splits, prefix_splits=prefix.num_kv_splits)
 
     def forward(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                 meta: AttentionMetadata, sm_scale: float) -> torch.Tensor:

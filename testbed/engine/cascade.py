@@ -6,9 +6,10 @@ sharing ``P`` tokens, the ``n`` queries of each KV head's GQA group attend that 
 as one sequence with ``n`` times the query rows (so the prefix's keys and values are read once);
 every request then attends its own suffix (positions ``P ..``; all of its KV when it is in no
 group, which is plain decode), and the two partial results merge exactly by their log-sum-exps
-(`radix_kernels.merge_states`). Both parts are the backend's ordinary `decode_part`, so the torch
-and the Triton backends cascade the same way (`testbed.engine.attention.cascade_decode`; this
-module is the plan).
+(`radix_kernels.merge_states`). The torch backend runs both parts as its ordinary `decode_part`
+and merges them (`testbed.engine.attention.cascade_decode`); the Triton backend runs both parts
+in one launch and folds the merge into the split-KV reduction, two launches a layer as plain
+decode has (`radix_kernels.cascade`). This module is the plan, which both read.
 
 Every tensor of a plan has a shape fixed by three numbers, the step's requests ``B``, its groups
 ``G`` and their widest ``W``, never by which request is where: the prefix pass runs ``G x W``
@@ -31,16 +32,23 @@ import torch
 
 from testbed.engine.metadata import KVRanges, indptr
 from testbed.engine.slot_table import PAD_ROW
+# the prefix pass's geometry, which cascade's rule prices (`testbed.scheduler.cascade_rule`):
+# at most MAX_QUERY_ROWS query rows a program (a group's members times the GQA group; a wider
+# group is split, each part reading the prefix once: `split_wide`); the prefix in chunks of
+# KEY_TILE keys, at most MAX_PREFIX_SPLITS of them (a CUDA graph's: all of them), since one
+# group's prefix is one sequence, whose parallelism comes from the chunks
+from testbed.scheduler.cascade_rule import KEY_TILE, MAX_PREFIX_SPLITS, MAX_QUERY_ROWS
 
-#: the prefix pass's query rows per program: a group's members times the GQA group, at most
-#: this many (a wider group is split, each part reading the prefix once: `split_wide`); more
-#: rows than this would not fit a program's registers (fp32 accumulators of rows x head_dim)
-MAX_QUERY_ROWS = 64
-#: the prefix pass splits its KV into chunks of this many keys, at most MAX_PREFIX_SPLITS of them
-#: (a CUDA graph's: all of them): one group's prefix is one sequence, so its parallelism comes
-#: from the chunks (plain decode has a sequence per request)
-PREFIX_KEYS_PER_SPLIT = 64
-MAX_PREFIX_SPLITS = 32
+PREFIX_KEYS_PER_SPLIT = KEY_TILE  # the name the engine's plan uses
+
+
+def device_slots(device: str | torch.device) -> int | None:
+    """Programs ``device`` runs at once, for cascade's rule: a CUDA device's streaming
+    multiprocessors; None elsewhere (the CPU runs them in turn: no grid to fill)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_wide(groups: list[tuple[int, list[int]]], gqa_group: int

@@ -217,7 +217,8 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
                          temperature: float = 0.0, top_p: float = 1.0, mem_fraction: float = 0.9,
                          max_slots: int | None = None, cascade_min_saved: int = 0,
                          cuda_graph: bool = True, cuda_graph_max_batch: int = 256,
-                         cpu_kernels: str = "native", speculative: Any = None) -> EngineExecutor:
+                         cpu_kernels: str = "native", speculative: Any = None,
+                         cascade_rule: Any = None) -> EngineExecutor:
     """The engine for a ``model`` config group: the checkpoint at ``model.path`` or a random model
     of the group's shape (``seed``), with ``num_slots`` KV slots (the cache's capacity); None on
     CUDA: what free device memory leaves after the weights (``mem_fraction``), at most
@@ -227,7 +228,9 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     ``model.dtype_bytes`` is 2; ``attention`` `default_attention` (triton on CUDA, cascade decoding
     on torch kernels elsewhere). ``cuda_graph``: decode steps of up to ``cuda_graph_max_batch``
     requests replay CUDA graphs captured here (CUDA with Triton attention; ignored elsewhere).
-    ``cpu_kernels``: the CPU's linear and decode kernels (`ModelRunner`).
+    ``cpu_kernels``: the CPU's linear and decode kernels (`ModelRunner`). ``cascade_rule``: where
+    cascade's groups form (`testbed.scheduler.cascade_rule.CascadeRule`; None: ``auto`` on the
+    device).
     """
     device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -243,7 +246,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
                          max_slots=max_slots, cascade_min_saved=cascade_min_saved,
                          cuda_graph=cuda_graph, cuda_graph_max_batch=cuda_graph_max_batch,
-                         cpu_kernels=cpu_kernels)
+                         cpu_kernels=cpu_kernels, cascade_rule=cascade_rule)
     executor = EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                               forced=forced)
     if speculative is not None and speculative.method == "draft":

@@ -28,7 +28,7 @@ import torch
 
 from testbed.engine.attention import MAX_KV_SPLITS, AttentionBackend, make_attention
 from testbed.engine.blend import blend_prefill
-from testbed.engine.cascade import CascadePlan, split_wide
+from testbed.engine.cascade import CascadePlan, device_slots, split_wide
 from testbed.engine.cpu_attention import load_kernel
 from testbed.engine.cpu_layers import native_or_torch
 from testbed.engine.cuda_graph import DecodeGraphs, GraphKey
@@ -43,6 +43,7 @@ from testbed.engine.step_buffers import StepBuffers
 from testbed.engine.verify import tree_mask, tree_positions
 from testbed.engine_config import CPU_KERNELS
 from testbed.scheduler.batch import Batch
+from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.decode_groups import DecodeGroups
 
 
@@ -86,9 +87,12 @@ class ModelRunner:
                  attention: str | AttentionBackend = "torch", mem_fraction: float = 0.9,
                  max_slots: int | None = None, cascade_min_saved: int = 0,
                  cuda_graph: bool = False, cuda_graph_max_batch: int = 256,
-                 emulate_graphs: bool = False, cpu_kernels: str = "native") -> None:
+                 emulate_graphs: bool = False, cpu_kernels: str = "native",
+                 cascade_rule: CascadeRule | None = None) -> None:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
-        at most ``max_slots``. ``cascade_min_saved``: see `DecodeGroups`. ``cuda_graph``:
+        at most ``max_slots``. ``cascade_min_saved``, ``cascade_rule`` (None: ``auto`` on this
+        device for this model): see `DecodeGroups`, for a batch formed without its groups
+        (the scheduler's groups are the run's: `testbed.assembly`). ``cuda_graph``:
         decode steps of up to ``cuda_graph_max_batch`` requests replay CUDA graphs
         (`testbed.engine.cuda_graph`; on CUDA with a graphable attention backend, captured
         here); ``emulate_graphs``: the graph path without graphs, on any device (tests).
@@ -133,7 +137,10 @@ class ModelRunner:
         self.slots = SlotTable(self.device)
         self.buffers = StepBuffers(self.device)
         # cascade decoding: who shares a cached prefix (a batch formed without its groups)
-        self.decode_groups = DecodeGroups(min_saved=cascade_min_saved)
+        c = model.config  # where sharing a prefix pays: on this device, for this model
+        rule = cascade_rule or CascadeRule.build("auto", device_slots(self.device), c.num_heads,
+                                                 c.num_kv_heads)
+        self.decode_groups = DecodeGroups(min_saved=cascade_min_saved, rule=rule)
         self.triton_copies = getattr(self.attention, "name", "") == "triton"  # KV moves: its kernel
         self.graphs: DecodeGraphs | None = None
         self.graph_error: str | None = None  # why decode runs eagerly though graphs were asked

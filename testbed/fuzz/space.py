@@ -203,6 +203,10 @@ def draw(rng: np.random.Generator, workdir: Path, index: int) -> list[str]:
                 f"hardware={rng.choice(['cpu', 'a10g', 'h100'])}"]
         if rng.random() < 0.2:
             out.append(f"attention={rng.choice(['cascade', 'cascade_torch'])}")
+            # where groups form: the GPU presets' grid rule (the default) or every shared node,
+            # drawn from a stream of its own so that the other draws stay as they were
+            if np.random.default_rng([index, 61]).random() < 0.5:
+                out.append("engine.cascade_rule=always")
         if rng.random() < 0.2:
             out += [f"replicas={_small(rng, 2, 4)}", f"router={rng.choice(ROUTERS)}"]
             if out[-1] == "router=kv_events" and rng.random() < 0.5:

@@ -2,7 +2,8 @@
 
 The ``attention`` key names how decode attention runs. Its ``cascade*`` names turn on cascade
 decoding: in a step where every request computes one token, requests whose leases share a cached
-radix node read that prefix's KV once per group (`testbed.cache.shared_prefix` picks the groups).
+radix node read that prefix's KV once per group (`testbed.cache.shared_prefix` picks the groups,
+at the nodes where sharing pays on the device: `testbed.scheduler.cascade_rule`).
 The engine plans its kernels from these groups (`testbed.engine.cascade`) and the simulator
 prices the KV they do not read (`testbed.sim.cost_model.StepShape.shared`); both call the same
 `DecodeGroups`, so they agree by construction. Nothing here changes what is scheduled.
@@ -17,6 +18,7 @@ import numpy as np
 from testbed.cache.shared_prefix import shared_prefix_groups
 from testbed.errors import BadInput
 from testbed.scheduler.batch import BatchEntry
+from testbed.scheduler.cascade_rule import CascadeRule
 
 #: the ``attention`` key's names. ``cascade``: cascade decoding on the device's default kernels
 #: (triton on CUDA, torch elsewhere); ``cascade_torch``, ``cascade_triton``: on those
@@ -71,11 +73,19 @@ class DecodeGroups:
     than this runs as plain decode. Cascade costs a second attention pass and a merge per layer
     whatever it saves; where those cost more than the reads saved (small groups on the CPU
     engine, whose steps are bound by per-operation overhead), plain decode is faster.
+
+    ``rule`` (`CascadeRule`, from ``engine.cascade_rule``, the device and the model): a group
+    forms only at a tree node where sharing pays (`testbed.scheduler.cascade_rule.sharing_pays`);
+    the requests under a node that does not pay go to its children's groups, or read the prefix
+    in their own pass. None: every shared node (a device without a grid to fill).
     """
 
-    def __init__(self, min_tokens: int = 1, min_saved: int = 0) -> None:
+    def __init__(self, min_tokens: int = 1, min_saved: int = 0,
+                 rule: CascadeRule | None = None) -> None:
         self.min_tokens = min_tokens
         self.min_saved = min_saved  # a step saving fewer KV reads than this decodes plainly
+        self.rule = rule or CascadeRule()
+        self._pays = self.rule.pays()  # None: every node pays (nothing to call per node)
         self._last: tuple[tuple, list[tuple[int, list[int]]], list[Any]] | None = None
 
     def __call__(self, entries: list[BatchEntry]) -> list[tuple[int, list[int]]]:
@@ -85,7 +95,7 @@ class DecodeGroups:
         key = tuple((id(lease.handle), lease.cached) if lease else None for lease in leases)
         if self._last is None or self._last[0] != key:
             held = [lease.handle for lease in leases if lease]
-            groups = shared_prefix_groups(leases, self.min_tokens)
+            groups = shared_prefix_groups(leases, self.min_tokens, self._pays)
             if saved_reads(groups) < self.min_saved:
                 groups = []
             self._last = key, groups, held

@@ -73,7 +73,7 @@ def launcher(executor: Any) -> Any:
 
 #: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
-                    "dtype", "attention", "cascade_min_saved", "cuda_graph",
+                    "dtype", "attention", "cascade_min_saved", "cascade_rule", "cuda_graph",
                     "cuda_graph_max_batch", "cpu_kernels", "seed", "forced", "temperature", "top_p",
                     "host_cost", "speculative", "requests")
 EXECUTORS = Registry("backend", methods=("execute",), context_keys=EXECUTOR_CONTEXT,

@@ -80,7 +80,8 @@ class SimExecutor:
 
     def __init__(self, cost_model: CostModel, attention: str | None = None,
                  cascade_min_saved: int = 0, host_cost: HostCost | None = None,
-                 speculative: Any = None, seed: int = 0, requests: Any = None) -> None:
+                 speculative: Any = None, seed: int = 0, requests: Any = None,
+                 cascade_rule: Any = None) -> None:
         self.cost_model = cost_model
         self.host_cost = host_cost or HostCost()
         self.acceptance = Acceptance(speculative.acceptance, speculative.accept_rate, seed,
@@ -88,7 +89,8 @@ class SimExecutor:
             if speculative is not None and speculative.active else Acceptance()
         if requests is not None:
             self.acceptance.check_requests(r.id for r in requests)
-        self.groups = DecodeGroups(min_saved=cascade_min_saved) if cascades(attention) else None
+        self.groups = DecodeGroups(min_saved=cascade_min_saved, rule=cascade_rule) \
+            if cascades(attention) else None  # cascade_rule: where groups form (as the engine's)
         self.shared_reads = SharedReads() if self.groups is None and getattr(
             cost_model, "prices_rereads", False) else None
         self.decode_context = 0  # Σcontext of the decode steps priced so far

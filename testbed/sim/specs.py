@@ -28,8 +28,10 @@ from testbed.model_shape import ModelShape
 class HardwareSpec:
     """One accelerator: dense bf16 (or the run dtype's) peak FLOP/s, HBM bandwidth in bytes/s,
     device memory in bytes, the per-direction bandwidth to its tensor-parallel peers in bytes/s
-    (NVLink, or PCIe without it; None: unknown, fine at tp = 1), and the host's per-step CPU and
-    launch overhead in seconds (scheduling, input preparation, sampling, launch gaps)."""
+    (NVLink, or PCIe without it; None: unknown, fine at tp = 1), the host's per-step CPU and
+    launch overhead in seconds (scheduling, input preparation, sampling, launch gaps), and the
+    streaming multiprocessors, the programs a kernel's grid runs at once (None: no grid, a CPU;
+    cascade decoding's rule reads it: `testbed.scheduler.cascade_rule`)."""
 
     name: str
     flops: float
@@ -37,6 +39,7 @@ class HardwareSpec:
     memory_bytes: int
     interconnect_bw: float | None = None
     step_overhead_s: float = 0.0
+    sm_count: int | None = None
 
 
 def kv_capacity_tokens(model: ModelShape, hw: HardwareSpec, mem_fraction: float = 0.9) -> int:
@@ -80,7 +83,9 @@ def hardware_spec(cfg: Mapping[str, Any]) -> HardwareSpec:
                         mem_bw=group_values.positive(cfg, "mem_bw", g),
                         memory_bytes=group_values.integer(cfg, "memory_bytes", g, minimum=1),
                         interconnect_bw=group_values.positive(cfg, "interconnect_bw", g),
-                        step_overhead_s=overhead)
+                        step_overhead_s=overhead,
+                        sm_count=None if cfg.get("sm_count") is None
+                        else group_values.integer(cfg, "sm_count", g, minimum=1))
 
 
 _HARDWARE_HINTS = {
