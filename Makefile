@@ -48,8 +48,10 @@ test: setup
 	@$(MAKE) --no-print-directory test-data || echo "warning: make test-data failed (above): those files' tests read ../shared's copies, else skip"
 	$(PY) -m pytest $(ARGS)
 
+# The loop's speed beside its peers (docs/results/trace_replay.md, "Speed"), e.g.
+# make bench ARGS="--part replay --traces random_tree"
 bench: setup
-	$(PY) -m experiments.benchmarks.cache $(ARGS)
+	$(PY) -m experiments.benchmarks.speed $(ARGS)
 
 # The pure-Python packages a bare CUDA machine lacks (its torch, triton, transformers, numpy, pandas
 # are used as they are), as wheels for its Python, pinned to this venv's

@@ -6,8 +6,8 @@
 - `experiments.studies`: what prefix sharing buys, measured: eviction, tiers, routing, fairness,
   beyond exact prefixes, the quality of approximate reuse on a real model, and the RadixAttention
   headline; their figures are in docs/results/.
-- `experiments.benchmarks`: how fast the caches and the engine are (``make bench`` runs
-  `experiments.benchmarks.cache`).
+- `experiments.benchmarks`: how fast the caches, the loop and the engine are (``make bench``
+  runs `experiments.benchmarks.speed`: replay and simulation beside their peers).
 - `experiments.validation`: checks against other code: SGLang's scheduler and cache, Vidur, a
   Vidur profile, the engine against the simulator, and the GPU checks.
 
