@@ -79,6 +79,13 @@ CONFIG_CASES = [
      "cache.reuse=blend / cache.match=semantic need backend=sim or engine (replay has no "
      "prefill steps to reuse KV in)"),
     (["seed=-1"], "assemble", "seed must be >= 0, got -1"),
+    # found by the fuzzer (issue 58): refused once the workload was generated, or not at all
+    (["backend=engine", "model=tiny", "speculative.method=draft", "speculative.draft_layers=2",
+      "scheduler.overlap=false"], "assemble",
+     "speculative.draft_layers must be in 1..1 (the model has 2 layers); got 2"),
+    (["backend=engine", "model=tiny", "engine.device=cpu", "engine.attention=triton"], "assemble",
+     "engine.attention=triton runs Triton kernels, which need a CUDA device, not cpu: use torch, "
+     "cascade or cascade_torch there (or set TRITON_INTERPRET=1, Triton's interpreter, slow)"),
     (["seed=${oc.env:TESTBED_NO_SUCH_VARIABLE}"], "assemble",
      "seed: KeyError raised while resolving interpolation: \"Environment variable "
      "'TESTBED_NO_SUCH_VARIABLE' not found\""),
@@ -99,6 +106,7 @@ CONFIG_CASES = [
 def test_a_bad_config_value_is_bad_input_naming_the_key(compose, monkeypatch, overrides, stage,
                                                         message):
     monkeypatch.delenv("TESTBED_NO_SUCH_VARIABLE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as outside the test suite
     with pytest.raises(BadInput) as refused:
         small = [] if any(o.startswith("workload=") for o in overrides) else SMALL
         run = assemble(compose(*small, *overrides))
