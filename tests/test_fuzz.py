@@ -7,19 +7,10 @@ import json
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-
-from testbed.cli import CONF_DIR
 from testbed.fuzz.bad_traces import KINDS, bad_trace_path, malformed_kind, spoil
 from testbed.fuzz.checks import check_run
 from testbed.fuzz.cli import main, run_one
 from testbed.fuzz.space import write_token_trace
-
-
-@pytest.fixture
-def hydra_conf():
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        yield
 
 
 def test_a_slice_of_200_random_configs_runs_without_internal_errors_leaks_or_inconsistencies(
@@ -79,13 +70,47 @@ FOUND = {
 
 
 @pytest.mark.parametrize("name", sorted(FOUND))
-def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, hydra_conf, tmp_path):
+def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, tmp_path):
     outcome = run_one(FOUND[name].split(), None, tmp_path, repeat=True)
     assert outcome.status == "ok", outcome.problems
 
 
+# Configs the widened fuzzer (issue 58) found crashing or refused only once the workload was
+# generated, now refused in one line before it is (their refusal's start)
+REFUSED = {
+    # the draft model's layers were checked when the engine was built
+    "draft_layers": ("backend=engine model=tiny device=cpu workload=few_shot workload.num_tasks=1 "
+                     "workload.questions_per_task=2 speculative.method=draft "
+                     "speculative.draft_layers=8 scheduler.overlap=false",
+                     "speculative.draft_layers must be in 1..1 (the model has 2 layers); got 8"),
+    # Triton's kernels on a CPU without its interpreter stopped the first step
+    "triton_on_cpu": ("backend=engine model=tiny engine.device=cpu engine.attention=cascade_triton "
+                      "workload=few_shot workload.num_tasks=1",
+                      "engine.attention=cascade_triton runs Triton kernels, which need a CUDA "
+                      "device, not cpu"),
+    # a cache class without capacity_tokens ran unlimited: slot 91 of an engine pool of 33
+    "cache_without_capacity": ("backend=engine model=tiny workload=self_consistency "
+                               "workload.num_questions=2 workload.num_samples=3 "
+                               "workload.prefix_len=12 workload.question_len=15 "
+                               "workload.output_len=5 cache=custom "
+                               "cache.target=testbed.cache.BlockHashCache "
+                               "arrival.max_in_flight=1 cache.capacity_tokens=33",
+                               "cache=testbed.cache.BlockHashCache takes no capacity_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_configs_the_fuzzer_found_broken_are_refused_in_one_line_before_they_run(
+        name, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as outside the test suite
+    overrides, refusal = REFUSED[name]
+    outcome = run_one(overrides.split(), None, tmp_path, repeat=False)
+    assert (outcome.status, outcome.problems) == ("refused", [])
+    assert outcome.refusal.startswith(refusal)
+
+
 def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
-        hydra_conf, tmp_path, monkeypatch):
+        tmp_path, monkeypatch):
     import testbed.backends
 
     def broken(*args, **kwargs):
@@ -99,12 +124,12 @@ def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
                                       "workload.num_problems=1 debug.check_invariants=true")
 
 
-def test_a_refusal_is_not_a_failure(hydra_conf, tmp_path):
+def test_a_refusal_is_not_a_failure(tmp_path):
     outcome = run_one(["cache.capacity_tokens=-1"], None, tmp_path, False)
     assert outcome.status == "refused" and outcome.problems == []
 
 
-def test_the_checks_catch_inconsistent_run_files(hydra_conf, tmp_path):
+def test_the_checks_catch_inconsistent_run_files(tmp_path):
     outcome = run_one(["backend=sim", "workload.num_problems=2", "cache.capacity_tokens=2000"],
                       None, tmp_path, False)
     assert outcome.status == "ok", outcome.problems
@@ -135,7 +160,7 @@ def bad_trace(tmp_path, kind: str, seed: int = 3) -> list[str]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_of_malformed_trace_is_refused_in_one_line_naming_its_file(
-        hydra_conf, tmp_path, kind):
+        tmp_path, kind):
     backend = ["replay", "sim", "engine"][KINDS.index(kind) % 3]
     overrides = [f"backend={backend}", *bad_trace(tmp_path, kind)]
     if backend == "engine":
@@ -146,7 +171,7 @@ def test_every_kind_of_malformed_trace_is_refused_in_one_line_naming_its_file(
     assert outcome.refusal.startswith(f"{tmp_path}/bad3_{kind}.jsonl:")
 
 
-def test_a_malformed_trace_that_runs_is_a_failure(hydra_conf, tmp_path, monkeypatch):
+def test_a_malformed_trace_that_runs_is_a_failure(tmp_path, monkeypatch):
     import testbed.workloads
     import testbed.workloads.traces
 
