@@ -217,8 +217,9 @@ class Assembly:
         """Build what needs no workload, so that a bad value in any group stops the run before
         one is generated: the eviction policy and the cache (which must take its capacity as
         ``capacity_tokens``; unbounded here: nothing allocated; the lower tiers' settings), the
-        model, hardware and cost model of a backend that times steps, and the router of
-        replicas."""
+        model, hardware and cost model of a backend that times steps (and, without
+        ``cache.capacity_tokens``, the KV pool the hardware's memory leaves, except on CUDA where
+        the engine measures it), and the router of replicas."""
         policy = self.build_policy([])
         if not self.cache.takes("capacity_tokens"):  # it would be built unlimited
             raise BadInput(f"cache={self.cache.label} takes no capacity_tokens: the run gives "
@@ -227,6 +228,9 @@ class Assembly:
             self.cache.build(capacity_tokens=None, policy=policy, sglang=self.sglang)
         if self.backend not in (REPLAY, SERVER):
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
+            if self.capacity_tokens is None and not (self.backend == "engine"
+                                                     and self.engine_device.startswith("cuda")):
+                self.kv_capacity()  # the KV pool the preset's memory leaves: the model must fit
             if self.engine.attention is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
             if self.backend == "engine":

@@ -83,6 +83,9 @@ CONFIG_CASES = [
     (["backend=engine", "model=tiny", "speculative.method=draft", "speculative.draft_layers=2",
       "scheduler.overlap=false"], "assemble",
      "speculative.draft_layers must be in 1..1 (the model has 2 layers); got 2"),
+    (["model=llama3_70b", "hardware=a10g"], "assemble",
+     "model does not fit: weights 35.28 GB per GPU (llama3_70b, tp=4) > memory × mem_fraction "
+     "21.73 GB (a10g: 24.15 GB × 0.9); raise model.tp or pick a larger device"),
     (["backend=engine", "model=tiny", "engine.device=cpu", "engine.attention=triton"], "assemble",
      "engine.attention=triton runs Triton kernels, which need a CUDA device, not cpu: use torch, "
      "cascade or cascade_torch there (or set TRITON_INTERPRET=1, Triton's interpreter, slow)"),
