@@ -23,6 +23,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -204,14 +205,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or not 0.0 <= args.repeat <= 1.0:
         print("error: --runs must be >= 1 and --repeat in [0, 1]", file=sys.stderr)
         return 2
+    # stopped by SIGTERM (a timeout, kill PID): exit through the finally below, which stops the
+    # fuzzer's server, instead of leaving its process behind
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return fuzz(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def fuzz(args: argparse.Namespace) -> int:
+    """Draw, run and report ``args.runs`` configs (`main`'s arguments)."""
     rng = np.random.default_rng(args.seed)
     outcomes: list[Outcome] = []
     started = time.perf_counter()
     log = args.out.open("w") if args.out else None
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
         session = Session.start(Path(tmp), args.seed)
-        session.server.start()  # in the background: it loads while the first configs run
         try:
+            session.server.start()  # in the background: it loads while the first configs run
             bar = tqdm(range(args.runs), desc="fuzz", unit="run", disable=None)
             for i in bar:
                 outcome = run_drawn(rng, session, i, repeat_share=args.repeat)
