@@ -66,6 +66,12 @@ FOUND = {
                             "scheduler.max_running_requests=1 model=tiny hardware=h100 "
                             "arrival.kind=poisson arrival.rate=1000.0 arrival.max_in_flight=1 "
                             "cache.capacity_tokens=35",
+    # in-batch hold at a deprioritize threshold of 0 held every request (tests/test_scheduler.py)
+    "hold_threshold_0": "backend=sim workload=few_shot workload.num_tasks=1 "
+                        "workload.questions_per_task=2 workload.num_shots=1 "
+                        "workload.example_len=7 workload.question_len=4 "
+                        "scheduler.in_batch_deprioritize_threshold=0 scheduler.in_batch_hold=true "
+                        "cache.capacity_tokens=17",
 }
 
 
