@@ -158,7 +158,8 @@ def test_the_checks_catch_inconsistent_run_files(tmp_path):
 
 def test_a_servers_refusal_of_a_call_is_no_defect_but_its_error_is(tmp_path):
     """A trace's token id past the served model's vocabulary is refused by the server (HTTP 400,
-    found by the fuzzer on a mooncake trace): the call is recorded failed, the run goes on."""
+    found by the fuzzer on a mooncake trace): the call is recorded failed, the run goes on, its
+    prompt counted and its unknown hit left out of the hit rate."""
     rows = [{"id": "a", "prompt_tokens": 3, "cached_tokens": None, "failed": True,
              "status": 400, "error": "token id 1536 at position 0 is outside the model's "
                                      "vocabulary of 256 tokens"},
@@ -166,7 +167,7 @@ def test_a_servers_refusal_of_a_call_is_no_defect_but_its_error_is(tmp_path):
             {"id": "c", "prompt_tokens": 3, "cached_tokens": None, "failed": True,
              "status": 500, "error": "AssertionError"}]
     (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = {"num_requests": 3, "backend": "server", "cached_tokens": 0, "prompt_tokens": 3,
+    summary = {"num_requests": 3, "backend": "server", "cached_tokens": 0, "prompt_tokens": 9,
                "hit_rate": 0.0}
     assert check_run(tmp_path, summary) == [
         "request c: the call failed (HTTP 500): AssertionError"]

@@ -75,16 +75,16 @@ def check_run(run_dir: Path, summary: dict[str, Any]) -> list[str]:
             if r["cached_tokens"] > bound:
                 problems.append(f"request {rid}: {r['cached_tokens']} cached tokens, but no "
                                 f"other request shares more than {bound} of its prompt")
-    known = [r for r in records if r["cached_tokens"] is not None]
-    prompt = sum(r["prompt_tokens"] for r in known)
-    cached = sum(r["cached_tokens"] for r in known)
+    prompt = sum(r["prompt_tokens"] for r in records)
+    known = [r for r in records if r["cached_tokens"] is not None]  # a server may not report
+    cached, known_prompt = (sum(r[k] for r in known) for k in ("cached_tokens", "prompt_tokens"))
     if server and summary["cached_tokens"] is None:
         return problems + capacity_problems(steps, summary)
     if cached != summary["cached_tokens"] or prompt != summary["prompt_tokens"]:
         problems.append(f"summary cached/prompt {summary['cached_tokens']}/"
                         f"{summary['prompt_tokens']} != records' {cached}/{prompt}")
-    if prompt and abs(summary["hit_rate"] - cached / prompt) > EPS:
-        problems.append(f"hit_rate {summary['hit_rate']} != {cached}/{prompt}")
+    if known_prompt and abs(summary["hit_rate"] - cached / known_prompt) > EPS:
+        problems.append(f"hit_rate {summary['hit_rate']} != {cached}/{known_prompt}")
     ideal = summary.get("ideal_hit_rate")
     if summary.get("backend") == "replay" and ideal is not None \
             and summary["hit_rate"] > ideal + EPS:
