@@ -81,6 +81,29 @@ def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, tmp_path):
     assert outcome.status == "ok", outcome.problems
 
 
+# A defect the fuzzer found in a file another change owns (testbed/scheduler/scheduler.py): under
+# the overlap schedule a request's blend donors stay locked until its prefill's results are
+# applied, after its first decode step is formed; in a pool too small for both, that step cannot
+# make room and the run stops ("extend_each: the cache could not make room"). Strict: it passes,
+# and fails here, once fixed.
+OPEN = {
+    "blend_donors_locked_at_first_decode": "backend=sim workload=random_tree "
+                                           "workload.num_requests=8 workload.root_len=12 "
+                                           "workload.segment_len=4 workload.output_len=3 "
+                                           "workload.vocab_size=5 seed=5 cache.reuse=blend "
+                                           "cache.chunk_boundaries=4 scheduler.overlap=true "
+                                           "cache.capacity_tokens=26",
+}
+
+
+@pytest.mark.xfail(strict=True, reason="testbed/scheduler/scheduler.py releases blend donors "
+                                       "when a prefill's results are applied (issue 58)")
+@pytest.mark.parametrize("name", sorted(OPEN))
+def test_open_defects_the_fuzzer_found_in_code_this_change_leaves_alone(name, tmp_path):
+    outcome = run_one(OPEN[name].split(), None, tmp_path, repeat=False)
+    assert outcome.status == "ok", outcome.problems
+
+
 # Configs the widened fuzzer (issue 58) found crashing or refused only once the workload was
 # generated, now refused in one line before it is (their refusal's start)
 REFUSED = {
