@@ -164,19 +164,29 @@ def cache_overrides(rng: np.random.Generator, backend: str) -> list[str]:
                 ("write_threshold", [1, 2, 3], 0.4), ("host_eviction", EVICTIONS, 0.4),
                 ("disk_eviction", EVICTIONS, 0.4), ("host_link", ["null", "pcie4", "pcie5"], 0.3),
                 ("disk_link", ["nvme_pcie4", "nvme_pcie5"], 0.3)))
-        reuse_p = 0.3 if backend == "engine" else 0.15
+        reuse_p = 0.35 if backend == "engine" else 0.15
         if backend != "replay" and rng.random() < reuse_p:
-            out += [f"cache.reuse={choice(rng, ['prefix', 'blend', 'blend'])}",
-                    f"cache.match={choice(rng, ['exact', 'exact', 'semantic'])}",
-                    f"cache.recompute_ratio={choice(rng, [0.0, 0.15, 1.0])}",
-                    f"cache.chunk_boundaries={choice(rng, ['segments', '4'])}"]
-            out += keys_of(rng, "cache", (("similarity_threshold", [0.0, 0.5, 0.9], 0.3),))
+            out += reuse_overrides(rng, out)
     elif kind == "block_hash":
         out.append(f"cache.block_size={choice(rng, [4, 16])}")
     if kind != "radix" and rng.random() < 0.05:  # radix only: refused in one line
         out += [f"cache.reuse={choice(rng, ['prefix', 'blend'])}",
                 f"cache.match={choice(rng, ['exact', 'semantic'])}"]
     return out
+
+
+def reuse_overrides(rng: np.random.Generator, radix: list[str]) -> list[str]:
+    """Blend or semantic reuse, now and then both (refused: they are not combined); mostly on
+    pages of one token (the only page size they take: ``radix``'s page size is set to it)."""
+    mode = choice(rng, ["blend", "blend", "semantic", "both"])
+    if mode != "both" and rng.random() < 0.9:
+        radix[:] = [o for o in radix if not o.startswith("cache.page_size=")]
+        radix.append("cache.page_size=1")
+    return [f"cache.reuse={'prefix' if mode == 'semantic' else 'blend'}",
+            f"cache.match={'exact' if mode == 'blend' else 'semantic'}",
+            f"cache.recompute_ratio={choice(rng, [0.0, 0.15, 1.0])}",
+            f"cache.chunk_boundaries={choice(rng, ['segments', '4'])}",
+            *keys_of(rng, "cache", (("similarity_threshold", [0.0, 0.5, 0.9], 0.3),))]
 
 
 def eviction_overrides(rng: np.random.Generator) -> list[str]:
