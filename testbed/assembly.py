@@ -235,7 +235,8 @@ class Assembly:
                 cascades(self.attention, key="hardware.attention")
             if self.backend == "engine":
                 timing_settings(self.config, self.engine_device)
-                check_kernels_run_here(self.attention, self.engine_device)
+                check_kernels_run_here(self.attention, self.engine_device,
+                                       self.model_shape.head_dim)
             else:  # a fit measured on the CPU predicts an engine timed as it was
                 cost_model = self.build_cost_model()
                 check_fit_timing(getattr(cost_model, "meta", None) or {}, self.config,

@@ -104,6 +104,18 @@ CONFIG_CASES = [
 ]
 
 
+def test_triton_attention_on_a_head_dim_its_kernels_cannot_take_is_refused_before_loading(
+        compose, monkeypatch):
+    """Found by the fuzzer (issue 58): the engine stopped at its first step instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels run here: only the shape is wrong
+    with pytest.raises(BadInput) as refused:
+        assemble(compose(*SMALL, "backend=engine", "model=tiny", "model.num_heads=8",
+                         "model.head_dim=8", "engine.attention=cascade_triton"))
+    assert str(refused.value) == (
+        "engine.attention=cascade_triton runs Triton kernels, which need model.head_dim a power "
+        "of two >= 16 (a tl.dot dimension), got 8: use torch or cascade_torch")
+
+
 @pytest.mark.parametrize("overrides, stage, message", CONFIG_CASES,
                          ids=[" ".join(c[0]) for c in CONFIG_CASES])
 def test_a_bad_config_value_is_bad_input_naming_the_key(compose, monkeypatch, overrides, stage,
