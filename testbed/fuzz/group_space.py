@@ -136,7 +136,7 @@ def scaled(rng: np.random.Generator, group: str, option: str, p: float) -> list[
             continue
         if value is None:  # a time or a bandwidth the preset leaves to another
             new: Any = choice(rng, [1e-3, 1e9])
-        elif 0 < value <= 1 and "fraction" in key or key.endswith("mfu") or key == "mbu":
+        elif (0 < value <= 1 and "fraction" in key) or key.endswith("mfu") or key == "mbu":
             new = choice(rng, [0.5, 1.0])
         else:
             new = value * choice(rng, [0.001, 0.5, 2.0])
@@ -146,6 +146,7 @@ def scaled(rng: np.random.Generator, group: str, option: str, p: float) -> list[
 
 
 def cache_overrides(rng: np.random.Generator, backend: str) -> list[str]:
+    """A cache and its keys (its capacity is drawn later, against the workload's requests)."""
     if rng.random() < 0.03:
         return custom(rng, "cache")
     kind = choice(rng, ["radix", "radix", "radix", "block_hash", "none"])
