@@ -27,7 +27,7 @@ from testbed import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
-from testbed.engine_config import EngineConfig
+from testbed.engine_config import EngineConfig, check_kernels_run_here
 from testbed.backend_limits import REPLAY, SERVER, check_replicas, check_server
 from testbed.engine_timing import apply_timing, check_fit_timing, timing_settings
 from testbed.errors import BadInput
@@ -37,7 +37,8 @@ from testbed.overrides import compose_config  # noqa: F401 - composed here for s
 from testbed.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
-from testbed.scheduler.speculative import SpeculativeConfig, check_speculative, check_tree
+from testbed.scheduler.speculative import SpeculativeConfig, check_draft_layers, \
+    check_speculative, check_tree
 from testbed.scheduler.vllm_config import VllmSchedulerConfig, check_vllm_cache, scheduler_config
 from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
@@ -239,18 +240,28 @@ class Assembly:
 
     def check_builds(self) -> None:
         """Build what needs no workload, so that a bad value in any group stops the run before
-        one is generated: the eviction policy and the cache (unbounded: nothing allocated; the
-        lower tiers' settings), the model, hardware and cost model of a backend that times
-        steps, and the router of replicas."""
+        one is generated: the eviction policy and the cache (which must take its capacity as
+        ``capacity_tokens``; unbounded here: nothing allocated; the lower tiers' settings), the
+        model, hardware and cost model of a backend that times steps (and, without
+        ``cache.capacity_tokens``, the KV pool the hardware's memory leaves, except on CUDA where
+        the engine measures it), and the router of replicas."""
         policy = self.build_policy([])
+        if not self.cache.takes("capacity_tokens"):  # it would be built unlimited
+            raise BadInput(f"cache={self.cache.label} takes no capacity_tokens: the run gives "
+                           f"every cache its KV pool's size under that name (docs/extending.md)")
         if tier_options(self.config["cache"]) is None:  # tiers: their settings checked
             self.cache.build(capacity_tokens=None, policy=policy, sglang=self.sglang)
         if self.backend not in (REPLAY, SERVER):
             self.model_shape, self.hardware, self.mem_fraction  # noqa: B018 - parsed and checked
+            if self.capacity_tokens is None and not (self.backend == "engine"
+                                                     and self.engine_device.startswith("cuda")):
+                self.kv_capacity()  # the KV pool the preset's memory leaves: the model must fit
             if self.engine.attention is None and self.backend != "engine":
                 cascades(self.attention, key="hardware.attention")
             if self.backend == "engine":
                 timing_settings(self.config, self.engine_device)
+                check_kernels_run_here(self.attention, self.engine_device,
+                                       self.model_shape.head_dim)
             else:  # a fit measured on the CPU predicts an engine timed as it was
                 cost_model = self.build_cost_model()
                 check_fit_timing(getattr(cost_model, "meta", None) or {}, self.config,
@@ -394,6 +405,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     speculative = SpeculativeConfig.from_mapping(config.get("speculative"))
     check_speculative(speculative, scheduler_config(config["scheduler"]), backend,
                       config.get("replicas") or 1)
+    if backend == "engine":
+        check_draft_layers(speculative, config["model"].get("num_layers"))
     if speculative.active and engine.temperature > 0 and engine.top_p < 1:
         raise BadInput(f"speculative.method={speculative.method} samples by the rejection rule "
                        f"over the whole distribution: engine.top_p must be 1 with temperature "

@@ -11,6 +11,7 @@ by backend=server (what each call asks of the server).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -108,3 +109,20 @@ class EngineConfig:
                 bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
                 raise BadInput(f"{named[key]} must be a number {bound}, got {value!r}")
         return self
+
+
+def check_kernels_run_here(attention: str | None, device: str, head_dim: int) -> None:
+    """Triton's kernels (``triton``, ``cascade_triton``) run on CUDA, or on a CPU in Triton's
+    interpreter (``TRITON_INTERPRET=1`` set before the run starts: slow, for tests), on a
+    ``head_dim`` that is a power of two of at least 16 (a ``tl.dot`` dimension); anywhere else
+    the engine would stop at its first step, so the run is refused before anything loads."""
+    if attention is None or not attention.endswith("triton"):
+        return
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise BadInput(f"engine.attention={attention} runs Triton kernels, which need a CUDA "
+                       f"device, not {device}: use torch, cascade or cascade_torch there (or set "
+                       f"TRITON_INTERPRET=1, Triton's interpreter, slow)")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise BadInput(f"engine.attention={attention} runs Triton kernels, which need "
+                       f"model.head_dim a power of two >= 16 (a tl.dot dimension), got "
+                       f"{head_dim}: use torch or cascade_torch")

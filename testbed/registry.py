@@ -103,6 +103,11 @@ class Resolved:
     def key(self) -> str:
         return self.registry.family
 
+    def takes(self, name: str) -> bool:
+        """Whether the entry has a parameter ``name``: one `build` fills from its context when
+        the group leaves it unset (a ``**kwargs`` gets nothing from the context)."""
+        return name in _parameters(self.entry)[0]
+
     def build(self, **context: Any) -> Any:
         """Call the entry with the group's settings, filling the parameters it names from
         ``context`` where the group leaves them unset."""

@@ -79,6 +79,16 @@ CONFIG_CASES = [
      "cache.reuse=blend / cache.match=semantic need backend=sim or engine (replay has no "
      "prefill steps to reuse KV in)"),
     (["seed=-1"], "assemble", "seed must be >= 0, got -1"),
+    # found by the fuzzer (issue 58): refused once the workload was generated, or not at all
+    (["backend=engine", "model=tiny", "speculative.method=draft", "speculative.draft_layers=2",
+      "scheduler.overlap=false"], "assemble",
+     "speculative.draft_layers must be in 1..1 (the model has 2 layers); got 2"),
+    (["model=llama3_70b", "hardware=a10g"], "assemble",
+     "model does not fit: weights 35.28 GB per GPU (llama3_70b, tp=4) > memory × mem_fraction "
+     "21.73 GB (a10g: 24.15 GB × 0.9); raise model.tp or pick a larger device"),
+    (["backend=engine", "model=tiny", "engine.device=cpu", "engine.attention=triton"], "assemble",
+     "engine.attention=triton runs Triton kernels, which need a CUDA device, not cpu: use torch, "
+     "cascade or cascade_torch there (or set TRITON_INTERPRET=1, Triton's interpreter, slow)"),
     (["seed=${oc.env:TESTBED_NO_SUCH_VARIABLE}"], "assemble",
      "seed: KeyError raised while resolving interpolation: \"Environment variable "
      "'TESTBED_NO_SUCH_VARIABLE' not found\""),
@@ -94,11 +104,24 @@ CONFIG_CASES = [
 ]
 
 
+def test_triton_attention_on_a_head_dim_its_kernels_cannot_take_is_refused_before_loading(
+        compose, monkeypatch):
+    """Found by the fuzzer (issue 58): the engine stopped at its first step instead."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels run here: only the shape is wrong
+    with pytest.raises(BadInput) as refused:
+        assemble(compose(*SMALL, "backend=engine", "model=tiny", "model.num_heads=8",
+                         "model.head_dim=8", "engine.attention=cascade_triton"))
+    assert str(refused.value) == (
+        "engine.attention=cascade_triton runs Triton kernels, which need model.head_dim a power "
+        "of two >= 16 (a tl.dot dimension), got 8: use torch or cascade_torch")
+
+
 @pytest.mark.parametrize("overrides, stage, message", CONFIG_CASES,
                          ids=[" ".join(c[0]) for c in CONFIG_CASES])
 def test_a_bad_config_value_is_bad_input_naming_the_key(compose, monkeypatch, overrides, stage,
                                                         message):
     monkeypatch.delenv("TESTBED_NO_SUCH_VARIABLE", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as outside the test suite
     with pytest.raises(BadInput) as refused:
         small = [] if any(o.startswith("workload=") for o in overrides) else SMALL
         run = assemble(compose(*small, *overrides))

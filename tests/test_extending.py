@@ -121,6 +121,20 @@ def test_a_malformed_or_missing_class_is_refused_in_one_line(tmp_path, overrides
     assert out.stderr.strip() == message
 
 
+@pytest.mark.parametrize("backend", ["sim", "engine"])
+def test_a_cache_class_that_takes_no_capacity_tokens_is_refused_before_it_runs_unlimited(
+        compose, backend):
+    """``NoCache(capacity=...)`` names its size otherwise: built from the run it got none, and
+    an unlimited cache over the engine's pool of 33 slots handed out slot 91 (issue 58)."""
+    from testbed.assembly import assemble
+
+    with pytest.raises(ValueError, match=r"^cache=testbed.cache.NoCache takes no "
+                                         r"capacity_tokens: the run gives every cache its KV "
+                                         r"pool's size under that name \(docs/extending.md\)$"):
+        assemble(compose(f"backend={backend}", "model=tiny", "cache=custom",
+                         "cache.target=testbed.cache.NoCache", "cache.capacity_tokens=33"))
+
+
 def test_a_setting_the_user_class_does_not_take_is_refused_with_those_it_does(compose):
     from testbed.assembly import assemble
 

@@ -7,19 +7,10 @@ import json
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_dir
-
-from testbed.cli import CONF_DIR
 from testbed.fuzz.bad_traces import KINDS, bad_trace_path, malformed_kind, spoil
 from testbed.fuzz.checks import check_run
 from testbed.fuzz.cli import main, run_one
 from testbed.fuzz.space import write_token_trace
-
-
-@pytest.fixture
-def hydra_conf():
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        yield
 
 
 def test_a_slice_of_200_random_configs_runs_without_internal_errors_leaks_or_inconsistencies(
@@ -75,17 +66,65 @@ FOUND = {
                             "scheduler.max_running_requests=1 model=tiny hardware=h100 "
                             "arrival.kind=poisson arrival.rate=1000.0 arrival.max_in_flight=1 "
                             "cache.capacity_tokens=35",
+    # in-batch hold at a deprioritize threshold of 0 held every request (tests/test_scheduler.py)
+    "hold_threshold_0": "backend=sim workload=few_shot workload.num_tasks=1 "
+                        "workload.questions_per_task=2 workload.num_shots=1 "
+                        "workload.example_len=7 workload.question_len=4 "
+                        "scheduler.in_batch_deprioritize_threshold=0 scheduler.in_batch_hold=true "
+                        "cache.capacity_tokens=17",
+    # under overlap a prefill's blend donors stay locked until its results are applied; the
+    # next decode step, formed before, could not make room and stopped the run: it waits a step
+    "blend_donors_locked_at_first_decode": "backend=sim workload=random_tree "
+                                           "workload.num_requests=8 workload.root_len=12 "
+                                           "workload.segment_len=4 workload.output_len=3 "
+                                           "workload.vocab_size=5 seed=5 cache.reuse=blend "
+                                           "cache.chunk_boundaries=4 scheduler.overlap=true "
+                                           "cache.capacity_tokens=26",
 }
 
 
 @pytest.mark.parametrize("name", sorted(FOUND))
-def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, hydra_conf, tmp_path):
+def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, tmp_path):
     outcome = run_one(FOUND[name].split(), None, tmp_path, repeat=True)
     assert outcome.status == "ok", outcome.problems
 
 
+# Configs the widened fuzzer (issue 58) found crashing or refused only once the workload was
+# generated, now refused in one line before it is (their refusal's start)
+REFUSED = {
+    # the draft model's layers were checked when the engine was built
+    "draft_layers": ("backend=engine model=tiny device=cpu workload=few_shot workload.num_tasks=1 "
+                     "workload.questions_per_task=2 speculative.method=draft "
+                     "speculative.draft_layers=8 scheduler.overlap=false",
+                     "speculative.draft_layers must be in 1..1 (the model has 2 layers); got 8"),
+    # Triton's kernels on a CPU without its interpreter stopped the first step
+    "triton_on_cpu": ("backend=engine model=tiny engine.device=cpu engine.attention=cascade_triton "
+                      "workload=few_shot workload.num_tasks=1",
+                      "engine.attention=cascade_triton runs Triton kernels, which need a CUDA "
+                      "device, not cpu"),
+    # a cache class without capacity_tokens ran unlimited: slot 91 of an engine pool of 33
+    "cache_without_capacity": ("backend=engine model=tiny workload=self_consistency "
+                               "workload.num_questions=2 workload.num_samples=3 "
+                               "workload.prefix_len=12 workload.question_len=15 "
+                               "workload.output_len=5 cache=custom "
+                               "cache.target=testbed.cache.BlockHashCache "
+                               "arrival.max_in_flight=1 cache.capacity_tokens=33",
+                               "cache=testbed.cache.BlockHashCache takes no capacity_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_configs_the_fuzzer_found_broken_are_refused_in_one_line_before_they_run(
+        name, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as outside the test suite
+    overrides, refusal = REFUSED[name]
+    outcome = run_one(overrides.split(), None, tmp_path, repeat=False)
+    assert (outcome.status, outcome.problems) == ("refused", [])
+    assert outcome.refusal.startswith(refusal)
+
+
 def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
-        hydra_conf, tmp_path, monkeypatch):
+        tmp_path, monkeypatch):
     import testbed.backends
 
     def broken(*args, **kwargs):
@@ -99,12 +138,12 @@ def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
                                       "workload.num_problems=1 debug.check_invariants=true")
 
 
-def test_a_refusal_is_not_a_failure(hydra_conf, tmp_path):
+def test_a_refusal_is_not_a_failure(tmp_path):
     outcome = run_one(["cache.capacity_tokens=-1"], None, tmp_path, False)
     assert outcome.status == "refused" and outcome.problems == []
 
 
-def test_the_checks_catch_inconsistent_run_files(hydra_conf, tmp_path):
+def test_the_checks_catch_inconsistent_run_files(tmp_path):
     outcome = run_one(["backend=sim", "workload.num_problems=2", "cache.capacity_tokens=2000"],
                       None, tmp_path, False)
     assert outcome.status == "ok", outcome.problems
@@ -125,6 +164,23 @@ def test_the_checks_catch_inconsistent_run_files(hydra_conf, tmp_path):
     assert any(p.startswith("summary cached/prompt") for p in problems)
 
 
+def test_a_servers_refusal_of_a_call_is_no_defect_but_its_error_is(tmp_path):
+    """A trace's token id past the served model's vocabulary is refused by the server (HTTP 400,
+    found by the fuzzer on a mooncake trace): the call is recorded failed, the run goes on, its
+    prompt counted and its unknown hit left out of the hit rate."""
+    rows = [{"id": "a", "prompt_tokens": 3, "cached_tokens": None, "failed": True,
+             "status": 400, "error": "token id 1536 at position 0 is outside the model's "
+                                     "vocabulary of 256 tokens"},
+            {"id": "b", "prompt_tokens": 3, "cached_tokens": 0},
+            {"id": "c", "prompt_tokens": 3, "cached_tokens": None, "failed": True,
+             "status": 500, "error": "AssertionError"}]
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = {"num_requests": 3, "backend": "server", "cached_tokens": 0, "prompt_tokens": 9,
+               "hit_rate": 0.0}
+    assert check_run(tmp_path, summary) == [
+        "request c: the call failed (HTTP 500): AssertionError"]
+
+
 def bad_trace(tmp_path, kind: str, seed: int = 3) -> list[str]:
     """The overrides of a run of a spoiled trace of ``kind``."""
     path = bad_trace_path(tmp_path, seed, kind)
@@ -135,7 +191,7 @@ def bad_trace(tmp_path, kind: str, seed: int = 3) -> list[str]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_of_malformed_trace_is_refused_in_one_line_naming_its_file(
-        hydra_conf, tmp_path, kind):
+        tmp_path, kind):
     backend = ["replay", "sim", "engine"][KINDS.index(kind) % 3]
     overrides = [f"backend={backend}", *bad_trace(tmp_path, kind)]
     if backend == "engine":
@@ -146,7 +202,7 @@ def test_every_kind_of_malformed_trace_is_refused_in_one_line_naming_its_file(
     assert outcome.refusal.startswith(f"{tmp_path}/bad3_{kind}.jsonl:")
 
 
-def test_a_malformed_trace_that_runs_is_a_failure(hydra_conf, tmp_path, monkeypatch):
+def test_a_malformed_trace_that_runs_is_a_failure(tmp_path, monkeypatch):
     import testbed.workloads
     import testbed.workloads.traces
 

@@ -99,6 +99,20 @@ def test_in_batch_hold_holds_the_deprioritized_request_until_it_hits_the_shared_
     assert [(e.req.id, e.context) for e in batch.entries] == [("r1", 40)]
 
 
+def test_in_batch_hold_holds_no_request_that_shares_nothing_even_at_a_threshold_of_0():
+    """SGLang deprioritizes every request at ``in_batch_deprioritize_threshold=0``, the first
+    too, and so puts none in its tree of the prefixes the step computes: held, the whole queue
+    sat out and the run stalled (found by the fuzzer, issue 58). Nothing shares a prefix with a
+    request of that tree, so nothing is held: the step is SGLang's."""
+    s = Scheduler(RadixCache(None), SchedulerConfig(name="lpm", in_batch_hold=True,
+                                                    in_batch_deprioritize_threshold=0))
+    shared = list(range(500, 510))
+    waiting(s, [*shared, 1, 2], [*shared, 3, 4], [7, 8, 9])
+    ordering = s.policy.order(s.waiting)
+    assert ordering.held and ordering.deferred == set()
+    assert [e.req.id for e in s.next_batch().entries] == ["r0", "r1", "r2"]
+
+
 def test_dfs_weight_defers_nothing():
     s = Scheduler(RadixCache(None), SchedulerConfig(name="dfs_weight"))
     shared = list(range(500, 540))

@@ -45,7 +45,7 @@ from testbed.engine.verify import verified_tokens
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.batch import StepOutcome
 from testbed.scheduler.decode_groups import default_attention
-from testbed.errors import BadInput
+from testbed.scheduler.speculative import check_draft_layers
 
 
 def default_device() -> str:
@@ -250,9 +250,6 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     executor = EngineExecutor(runner, Sampler(temperature, top_p, seed=seed, device=device),
                               forced=forced)
     if speculative is not None and speculative.method == "draft":
-        layers = net.config.num_layers
-        if not 1 <= speculative.draft_layers < layers:
-            raise BadInput(f"speculative.draft_layers must be in 1..{layers - 1} (the model has "
-                           f"{layers} layers); got {speculative.draft_layers}")
+        check_draft_layers(speculative, net.config.num_layers)
         executor.draft_layers = speculative.draft_layers
     return executor

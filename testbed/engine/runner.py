@@ -169,6 +169,7 @@ class ModelRunner:
         c = self.model.config
         return split_wide(groups, c.num_heads // c.num_kv_heads) if groups else groups
 
+    @torch.inference_mode()
     def prepare(self, batch: Batch, graph: GraphKey | None = None,
                 groups: list[tuple[int, list[int]]] | None = None) -> StepInputs:
         """The step's flat inputs and attention metadata (built once, used by every layer);
@@ -233,7 +234,6 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache,
                           self.attention, self.kernels)
 
-    @torch.inference_mode()
     def _run_plain(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch without reused KV: a decode step through its CUDA graph when one takes it,
         else eagerly. Its logits, and its entries' rows."""
@@ -261,6 +261,7 @@ class ModelRunner:
         """The tokens a step produced, into the token table: the next decode's inputs."""
         self.slots.store_tokens(rows, tokens)
 
+    @torch.inference_mode()
     def step(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[len(batch.entries), vocab]`` of each entry's last new token (a
         speculative verification step's: ``[T, vocab]``, every query's), and the
@@ -270,7 +271,12 @@ class ModelRunner:
         A prefill entry with a non-empty ``reuse`` (spans of donor KV, `testbed.engine.blend`)
         runs as its own forward through `blend_prefill`, after the step's other entries have run
         together; then the batch's ``kv_copies`` are executed (`copy_kv`, every layer, keys
-        re-rotated by each copy's ``shift``)."""
+        re-rotated by each copy's ``shift``).
+
+        The whole step runs in inference mode, as `prepare` does for a caller of its own (the
+        draft model): the slot and token tables grow inside steps, and a tensor made in
+        inference mode cannot be written outside it, so every path that writes them — plain,
+        blended, draft — must run in the one mode (issue 58: the blended path ran outside it)."""
         reuse = [e.reuse for e in batch.entries]
         if any(reuse):
             logits = self._run_blended(batch, reuse)

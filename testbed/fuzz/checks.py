@@ -8,7 +8,12 @@ during the run (``debug.check_invariants=true``: after every step and at the end
 - replay serves requests in their listed order, so there its hit rate is at most the ideal (an
   unlimited cache in that order), and equals it with an unlimited radix cache of page 1;
 - the summary agrees with the records (sums and the hit rate), and KV in use never exceeds the
-  KV capacity in any step.
+  KV capacity in any step;
+- ``backend=server``: no call failed but by the server's refusal of it (HTTP 4xx, its one line
+  saying why: a token id past its model's vocabulary in a trace); a server error or a broken
+  stream is a defect. Its cache is the server's, which holds what earlier configs sent, so the
+  bound on hits does not apply, and a call's ``cached_tokens`` may be unknown (None: left out
+  of the sums).
 """
 
 from __future__ import annotations
@@ -48,9 +53,13 @@ def check_run(run_dir: Path, summary: dict[str, Any]) -> list[str]:
     if len(records) != summary["num_requests"]:
         problems.append(f"{len(records)} records for num_requests {summary['num_requests']}")
     sequences = [r["prompt_ids"] + r["output_ids"] for r in records if "prompt_ids" in r]
+    server = summary.get("backend") == "server"
     for i, r in enumerate(records):
         rid = r["id"]
-        if not 0 <= r["cached_tokens"] <= r["prompt_tokens"]:
+        if r.get("failed") and not 400 <= (r.get("status") or 0) < 500:
+            problems.append(f"request {rid}: the call failed (HTTP {r.get('status')}): "
+                            f"{r.get('error')}")
+        if r["cached_tokens"] is not None and not 0 <= r["cached_tokens"] <= r["prompt_tokens"]:
             problems.append(f"request {rid}: cached {r['cached_tokens']} of "
                             f"{r['prompt_tokens']} prompt tokens")
         arrival, first, finish = r.get("arrival_s"), r.get("first_token_s"), r.get("finish_s")
@@ -60,28 +69,35 @@ def check_run(run_dir: Path, summary: dict[str, Any]) -> list[str]:
             problems.append(f"request {rid}: finish {finish} before first token {first}")
         if finish is not None and arrival is not None and finish < arrival - EPS:
             problems.append(f"request {rid}: finish {finish} before arrival {arrival}")
-        if "prompt_ids" in r and r["cached_tokens"]:
+        if "prompt_ids" in r and r["cached_tokens"] and not server:
             others = sequences[:i] + sequences[i + 1:]
             bound = longest_shared_prefix(r["prompt_ids"], others)
             if r["cached_tokens"] > bound:
                 problems.append(f"request {rid}: {r['cached_tokens']} cached tokens, but no "
                                 f"other request shares more than {bound} of its prompt")
     prompt = sum(r["prompt_tokens"] for r in records)
-    cached = sum(r["cached_tokens"] for r in records)
+    known = [r for r in records if r["cached_tokens"] is not None]  # a server may not report
+    cached, known_prompt = (sum(r[k] for r in known) for k in ("cached_tokens", "prompt_tokens"))
+    if server and summary["cached_tokens"] is None:
+        return problems + capacity_problems(steps, summary)
     if cached != summary["cached_tokens"] or prompt != summary["prompt_tokens"]:
         problems.append(f"summary cached/prompt {summary['cached_tokens']}/"
                         f"{summary['prompt_tokens']} != records' {cached}/{prompt}")
-    if prompt and abs(summary["hit_rate"] - cached / prompt) > EPS:
-        problems.append(f"hit_rate {summary['hit_rate']} != {cached}/{prompt}")
+    if known_prompt and abs(summary["hit_rate"] - cached / known_prompt) > EPS:
+        problems.append(f"hit_rate {summary['hit_rate']} != {cached}/{known_prompt}")
     ideal = summary.get("ideal_hit_rate")
     if summary.get("backend") == "replay" and ideal is not None \
             and summary["hit_rate"] > ideal + EPS:
         problems.append(f"replay hit_rate {summary['hit_rate']} above ideal {ideal}")
+    return problems + capacity_problems(steps, summary)
+
+
+def capacity_problems(steps: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
     capacity = summary.get("kv_capacity_tokens")
     used = [s["kv_used_tokens"] for s in steps if s.get("kv_used_tokens") is not None]
     if capacity is not None and used and max(used) > capacity:
-        problems.append(f"KV in use {max(used)} > capacity {capacity} in a step")
-    return problems
+        return [f"KV in use {max(used)} > capacity {capacity} in a step"]
+    return []
 
 
 # summary keys that measure the machine, not the run (wall-clock timings)
@@ -110,7 +126,11 @@ def schedule_follows_the_clock(config: dict[str, Any]) -> bool:
 def comparable(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary without what legitimately differs between two runs of one config: wall-clock
     fields; on the engine its timed fields, and where its schedule follows the clock
-    (`schedule_follows_the_clock`) everything but what the workload fixes."""
+    (`schedule_follows_the_clock`) everything but what the workload fixes; of a server's run
+    only what the workload fixes (its cache holds the first run's prompts in the second)."""
+    if summary.get("backend") == "server":  # timed on the wall clock, a cache shared by runs
+        return {k: summary.get(k) for k in ("num_requests", "backend", "workload",
+                                            "prompt_tokens")}
     if summary.get("backend") == "engine":
         if schedule_follows_the_clock(summary.get("config") or {}):
             return {k: summary.get(k) for k in ("num_requests", "backend", "workload")}

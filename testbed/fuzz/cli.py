@@ -1,23 +1,31 @@
 """``python -m testbed.fuzz --runs N --seed S``: random configs run in-process, each checked.
 
-Every run composes its overrides like ``python -m testbed.run`` does, with
-``debug.check_invariants=true`` (the cache checked after every step, no lease or lock left at the
-end) and ``save_token_ids=true``, and goes through the same `testbed.execute.execute`. A run passes
-when it finishes with consistent files (`testbed.fuzz.checks`) or is refused with a one-line
-`BadInput`, before the workload is generated (the assembly step, or a generator's check of its
-own values) unless the refusal is of the workload's requests (`WorkloadRefused`); a malformed
-trace must be refused, naming its file once the config passed assembly; a share of the
-runs (``--repeat``) runs twice and must give the same summary. Every other outcome is a failure,
-printed with the command line that reproduces it.
+Every run composes its overrides as ``python -m testbed.run`` does (`compose_config`: an override
+Hydra cannot apply is refused in one line), with ``debug.check_invariants=true`` (the cache
+checked after every step, no lease or lock left at the end) and ``save_token_ids=true``, and goes
+through the same `testbed.execute.execute`. A run passes when it finishes with consistent files
+(`testbed.fuzz.checks`) or is refused with a one-line `BadInput`, before the workload is
+generated (the assembly step, or a generator's check of its own values) unless the refusal is of
+the workload's requests (`WorkloadRefused`) or the live server's of its calls
+(``backend=server``); a malformed trace must be refused, naming its file once the config passed
+assembly; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
+other outcome is a failure, printed with the command line that reproduces it (for
+``backend=server``, after the ``testbed.serve`` line that starts the fuzzer's server, and for a
+config sent through the live router, the second server's and ``testbed.route``'s lines).
+
+The files the configs read (`testbed.fuzz.fixtures`) are written into the run's temporary folder
+first; the server is started in the background then, waited for by the first ``backend=server``
+config; the router and its second server start with the first config sent to the router
+(`testbed.fuzz.server`); all stop at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -27,19 +35,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from testbed.assembly import assemble
-from testbed.cli import CONF_DIR
 from testbed.errors import BadInput, WorkloadRefused
 from testbed.fuzz.bad_traces import malformed_kind
 from testbed.fuzz.checks import check_run, comparable
-from testbed.fuzz.space import capacity_overrides, draw
+from testbed.fuzz.fixtures import Fixtures
+from testbed.fuzz.server import ROUTER_URL, URL, FuzzRouter, FuzzServer, router_config, \
+    server_config
+from testbed.fuzz.space import after_requests, draw
 from testbed.execute import execute
+from testbed.overrides import compose_config
 
-ALWAYS = ["debug.check_invariants=true", "save_token_ids=true", "progress=false"]
+ALWAYS = ["debug.check_invariants=true", "save_token_ids=true"]
 
 
 @dataclass
@@ -49,10 +59,12 @@ class Outcome:
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     refusal: str | None = None  # the one line a refused config got
+    server: str | None = None  # backend=server: the command that starts the fuzzer's server
 
     @property
     def command(self) -> str:
-        return " ".join(["python -m testbed.run", *self.overrides, *ALWAYS])
+        run = " ".join(["python -m testbed.run", *self.overrides, *ALWAYS])
+        return f"{self.server} & {run}" if self.server else run
 
 
 def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
@@ -67,13 +79,13 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
         summaries = []
         for attempt in range(2 if repeat else 1):
             if cfg is None:
-                cfg = compose("config", overrides=[*overrides, *ALWAYS])
-            run = assemble(copy.deepcopy(cfg))  # refusals of config values end here
+                cfg = compose_config([*overrides, *ALWAYS])
+            run = assemble(cfg)  # refusals of config values end here (cfg is only read)
             assembled = True
             run.requests()
             generated = True
             target = run_dir / str(attempt)
-            execute(copy.deepcopy(cfg), target, notes=[])
+            execute(cfg, target, notes=[])
             summaries.append(json.loads((target / "summary.json").read_text()))
             outcome.problems += check_run(target, summaries[-1])
         if repeat and comparable(summaries[0]) != comparable(summaries[1]):
@@ -85,7 +97,7 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
         outcome.refusal = str(e)
         if "\n" in str(e) or not str(e):
             outcome.problems.append(f"a refusal not in one line: {str(e)!r}")
-        if generated and not isinstance(e, WorkloadRefused):
+        if generated and not isinstance(e, WorkloadRefused) and not served(overrides):
             outcome.problems.append(f"a config refused after the workload was generated (its "
                                     f"check belongs in testbed.assembly): {e}")
     except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
@@ -96,6 +108,12 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
         outcome.status = "failed"
     outcome.seconds = time.perf_counter() - started
     return outcome
+
+
+def served(overrides: list[str]) -> bool:
+    """A ``backend=server`` config: the server's refusal of its calls (a sampling setting it does
+    not serve) is known only once they are sent, after the workload was generated."""
+    return "backend=server" in overrides
 
 
 def malformed_trace_problems(overrides: list[str], outcome: Outcome, assembled: bool
@@ -113,22 +131,78 @@ def malformed_trace_problems(overrides: list[str], outcome: Outcome, assembled: 
     return []
 
 
-def draw_config(rng: np.random.Generator, workdir: Path,
+@dataclass
+class Session:
+    """What every config of one fuzz run shares: its work folder, the files its configs read,
+    whether Vidur's profile is here, its server and its router (each started on first use)."""
+    workdir: Path
+    fixtures: Fixtures
+    server: FuzzServer
+    router: FuzzRouter
+    vidur: bool = False
+
+    @classmethod
+    def start(cls, workdir: Path, seed: int) -> Session:
+        from testbed.data import is_here, lookup
+
+        fixtures = Fixtures(workdir / "fixtures")
+        fixtures.write()
+        server = FuzzServer(server_config(seed, fixtures.checkpoint))
+        return cls(workdir, fixtures, server, FuzzRouter(router_config(seed), server),
+                   is_here(lookup("vidur_a100_codellama34b_tp2")))
+
+    def live(self, overrides: list[str]) -> list[str]:
+        """``overrides`` with the live server's (or router's) URL for the placeholder a draw
+        writes."""
+        live = {f"server.url={URL}": lambda: self.server, f"server.url={ROUTER_URL}":
+                lambda: self.router}
+        return [f"server.url={live[o]().url}" if o in live else o for o in overrides]
+
+    def command(self, overrides: list[str]) -> str | None:
+        """What starts the live server (and router) a ``backend=server`` config was sent to."""
+        if self.router.handle is not None and f"server.url={self.router.url}" in overrides:
+            return f"{self.server.command()} & {self.router.command()}"
+        return self.server.command() if "backend=server" in overrides else None
+
+    def stop(self) -> None:
+        self.router.stop()
+        self.server.stop()
+
+
+def draw_config(rng: np.random.Generator, session: Session,
                 index: int) -> tuple[list[str], DictConfig | None]:
-    """A config with its capacity drawn against the workload's requests: its overrides and its
-    composed config (None where composing or generating failed: `run_one` reports why)."""
-    overrides = draw(rng, workdir, index)
+    """A config with what depends on the workload's requests drawn against them (the capacity;
+    `testbed.fuzz.space.after_requests`): its overrides and its composed config (None where
+    composing or generating failed: `run_one` reports why). A ``backend=server`` config gets the
+    live server's URL (the server starts here on first use)."""
+    overrides = session.live(draw(rng, session.workdir, index, session.fixtures, session.vidur))
     try:
-        cfg = compose("config", overrides=[*overrides, *ALWAYS])
+        cfg = compose_config([*overrides, *ALWAYS])
         requests = assemble(cfg).requests()
     except Exception:  # refused or broken: let run_one find and report it
         return overrides, None
     backend = overrides[0].partition("=")[2]
-    capacity = capacity_overrides(rng, requests, backend)
-    for item in capacity:
+    more = after_requests(rng, overrides, requests, backend)
+    for item in more:
         key, _, value = item.partition("=")
         OmegaConf.update(cfg, key, None if value == "null" else int(value), merge=False)
-    return overrides + capacity, cfg
+    return overrides + more, cfg
+
+
+def run_drawn(rng: np.random.Generator, session: Session, index: int,
+              repeat_share: float) -> Outcome:
+    """Draw config ``index`` and run it (`run_one`) in its own folder, removed afterwards."""
+    try:
+        overrides, cfg = draw_config(rng, session, index)
+    except Exception as e:  # noqa: BLE001 - the fuzzer's own server did not start: a defect
+        return Outcome([], "failed", [f"internal error: the fuzzer's testbed.serve (or its "
+                                      f"router) did not start: {type(e).__name__}: {e}"],
+                       server=f"{session.server.command()} & {session.router.command()}")
+    repeat = rng.random() < repeat_share
+    outcome = run_one(overrides, cfg, session.workdir / f"run{index}", repeat=repeat)
+    outcome.server = session.command(overrides)
+    shutil.rmtree(session.workdir / f"run{index}", ignore_errors=True)
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,30 +219,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or not 0.0 <= args.repeat <= 1.0:
         print("error: --runs must be >= 1 and --repeat in [0, 1]", file=sys.stderr)
         return 2
+    # stopped by SIGTERM (a timeout, kill PID): exit through the finally below, which stops the
+    # fuzzer's server, instead of leaving its process behind
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        return fuzz(args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def fuzz(args: argparse.Namespace) -> int:
+    """Draw, run and report ``args.runs`` configs (`main`'s arguments)."""
     rng = np.random.default_rng(args.seed)
     outcomes: list[Outcome] = []
     started = time.perf_counter()
     log = args.out.open("w") if args.out else None
-    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp, \
-            initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        workdir = Path(tmp)
-        bar = tqdm(range(args.runs), desc="fuzz", unit="run", disable=None)
-        for i in bar:
-            overrides, cfg = draw_config(rng, workdir, i)
-            outcome = run_one(overrides, cfg, workdir / f"run{i}",
-                              repeat=rng.random() < args.repeat)
-            shutil.rmtree(workdir / f"run{i}", ignore_errors=True)
-            outcomes.append(outcome)
-            if args.verbose:
-                tqdm.write(f"{outcome.status}: {' '.join(overrides)}")
-            if outcome.status == "failed":
-                tqdm.write(f"FAILED #{i}: {outcome.problems[0].splitlines()[0]}\n  {outcome.command}")
-            if log is not None:
-                log.write(json.dumps({"index": i, "status": outcome.status,
-                                      "seconds": round(outcome.seconds, 4),
-                                      "overrides": overrides, "problems": outcome.problems,
-                                      "refusal": outcome.refusal}) + "\n")
-            bar.set_postfix(Counter(o.status for o in outcomes))
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        session = Session.start(Path(tmp), args.seed)
+        try:
+            session.server.start()  # in the background: it loads while the first configs run
+            bar = tqdm(range(args.runs), desc="fuzz", unit="run", disable=None)
+            for i in bar:
+                outcome = run_drawn(rng, session, i, repeat_share=args.repeat)
+                outcomes.append(outcome)
+                if args.verbose:
+                    tqdm.write(f"{outcome.status}: {' '.join(outcome.overrides)}")
+                if outcome.status == "failed":
+                    tqdm.write(f"FAILED #{i}: {outcome.problems[0].splitlines()[0]}\n"
+                               f"  {outcome.command}")
+                if log is not None:
+                    log.write(json.dumps({"index": i, "status": outcome.status,
+                                          "seconds": round(outcome.seconds, 4),
+                                          "overrides": outcome.overrides,
+                                          "problems": outcome.problems,
+                                          "refusal": outcome.refusal}) + "\n")
+                    log.flush()
+                bar.set_postfix(Counter(o.status for o in outcomes))
+        finally:
+            session.stop()
     if log is not None:
         log.close()
     return report(outcomes, time.perf_counter() - started)

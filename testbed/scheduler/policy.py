@@ -34,7 +34,10 @@ deprioritized: sorted to the end of this step's order (``_sort_by_longest_prefix
 +inf), not skipped. DFS-weight computes the same set in SGLang but never uses it, so it defers
 nothing here. ``in_batch_hold=True`` (beyond SGLang) holds deprioritized requests out of the step
 instead, so that they hit the shared prefix in the next one, which is what SGLang's code comment
-says the rule intends. ``lpm_aging`` (beyond SGLang; 0 = SGLang) adds that many tokens to a
+says the rule intends; a request that shares no token with an earlier waiting request has none to
+hit and is not held (with ``in_batch_deprioritize_threshold=0`` SGLang deprioritizes every
+request, the first too, so none shares a prefix the step computes: held, the whole queue sat out
+and the run stalled). ``lpm_aging`` (beyond SGLang; 0 = SGLang) adds that many tokens to a
 request's LPM key per second it has waited, so cache-cold requests are not starved under load.
 A policy that needs a capability the cache lacks degrades to FCFS (lpm with ``cache=none``;
 dfs_weight without a radix tree).
@@ -194,7 +197,7 @@ class LongestPrefixMatch(QueuePolicy):
         queue = list(waiting)
         # a look-up of every waiting request (recency only; see PrefixCache.match)
         hits, matched = queue_matches(self.cache, queue, self.sglang, self.keys)
-        deferred = self._in_batch_deferrals(queue, matched)
+        deferred, sharing = self._in_batch_deferrals(queue, matched)
         aging = self.lpm_aging
 
         def key(i: int) -> float:
@@ -203,13 +206,20 @@ class LongestPrefixMatch(QueuePolicy):
             return -(hits[i] + aging * (now - queue[i].submitted_s)) if aging else -hits[i]
 
         order = sorted(range(len(queue)), key=key)
-        return Ordering([queue[i] for i in order], deferred, held=self.in_batch_hold)
+        if self.in_batch_hold:  # held: only those with a prefix to hit in the next step
+            return Ordering([queue[i] for i in order], sharing, held=True)
+        return Ordering([queue[i] for i in order], deferred)
 
-    def _in_batch_deferrals(self, reqs: list[Req], matched: list[int]) -> set[int]:
+    def _in_batch_deferrals(self, reqs: list[Req], matched: list[int]
+                            ) -> tuple[set[int], set[int]]:
+        """The deprioritized requests' ids, and those of them that share at least one token
+        with a request of the tree of prefixes the step computes (with
+        ``in_batch_deprioritize_threshold=0`` every request is deprioritized, the first too, and
+        the tree stays empty: holding them would hold the whole queue)."""
         if not self.in_batch:
-            return set()
+            return set(), set()
         pending = RadixCache(capacity=None)  # prefixes earlier waiting requests will compute
-        deferred = set()
+        deferred, sharing = set(), set()
         whole = self.sglang != "0.4.10"  # 0.5.23 keeps whole fills in the tree of waiting prefixes
         for req, hit in zip(reqs, matched):
             if hit > self.check_threshold:
@@ -218,9 +228,11 @@ class LongestPrefixMatch(QueuePolicy):
             shared, _, _ = pending.match_prefix(key)
             if shared >= self.deprioritize_threshold:
                 deferred.add(id(req))
+                if shared > 0:
+                    sharing.add(id(req))
             else:
                 pending.insert(key, np.zeros(len(key), dtype=SLOT_DTYPE))
-        return deferred
+        return deferred, sharing
 
 
 @QUEUE_POLICIES.register("dfs_weight")
@@ -294,7 +306,7 @@ class HighestResponseRatio(LongestPrefixMatch):
             return self.refreshed(Ordering(waiting))
         queue = list(waiting)
         hits, matched = queue_matches(self.cache, queue, "0.5.23")
-        deferred = self._in_batch_deferrals(queue, matched)
+        deferred, _ = self._in_batch_deferrals(queue, matched)
         processed = self.processed_tokens
 
         def key(i: int) -> tuple[float, str]:

@@ -476,8 +476,10 @@ class Scheduler:
         if drafts is not None:
             need = self.spec.cost(self.running, [drafts[id(r)] for r in self.running])
         early += self._evict_for(need)  # check_decode_mem
-        if self.cache.available_size < need and finishing:
-            self.batch_is_full = False  # their results free KV: decode the rest next step
+        if self.cache.available_size < need and (finishing or self._donors_in_flight()):
+            # their results free KV (a last token; the donors a prefill in flight reads, locked
+            # until it is applied): decode the rest next step
+            self.batch_is_full = False
             return None
         if self.cache.available_size < need:
             self._retract()
@@ -530,6 +532,13 @@ class Scheduler:
         return {id(e.req) for e in self._unapplied[-1].entries
                 if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
                 and len(e.req.output) + 1 >= e.req.max_new_tokens}
+
+    def _donors_in_flight(self) -> bool:
+        """Under overlap, whether a batch in flight holds a prefill whose reuse donors stay
+        locked until its results are applied (approximate reuse only)."""
+        return self.reuse is not None and any(
+            e.req.reuse_plan is not None and e.req.reuse_plan.donors
+            for batch in self._unapplied for e in batch.entries)
 
     def _filter_finished(self) -> None:
         """ScheduleBatch.filter_batch: the running batch drops its finished requests; a smaller

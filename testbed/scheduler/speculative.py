@@ -128,6 +128,17 @@ def check_speculative(config: SpeculativeConfig, scheduler: Any, backend: str,
                        "speculative.acceptance=geometric (the simulator runs no draft model)")
 
 
+def check_draft_layers(config: SpeculativeConfig, layers: int | None) -> None:
+    """``method=draft`` drafts with the served model's first ``draft_layers`` of its ``layers``:
+    at least one, and fewer than all (refused before the workload is generated; None: the
+    model's depth is not known yet)."""
+    if config.method != "draft" or layers is None:
+        return
+    if not 1 <= config.draft_layers < layers:
+        raise BadInput(f"speculative.draft_layers must be in 1..{layers - 1} (the model has "
+                       f"{layers} layers); got {config.draft_layers}")
+
+
 def check_tree(config: SpeculativeConfig, cache: str | None, page_size: int,
                attention: str | None, temperature: float) -> None:
     """A token tree (``tree_width`` > 1) moves its accepted branch's slots next to the last

@@ -36,7 +36,8 @@ from testbed.workloads.sharegpt import load_tokenizer, read_conversations
 
 DEFAULT_TOKENIZER = "data:smollm2_135m_instruct"  # conf/model/smollm2_135m.yaml's path
 DEFAULT_SHAREGPT = "data:sharegpt_v3"
-# the data-folder entries each text workload reads by default (the fuzzer draws none of them)
+# the data-folder entries each text workload reads by default (the fuzzer gives them its own
+# tokenizer and ShareGPT file instead: testbed/fuzz/fixtures.py)
 NEEDS = {"sharegpt": ("smollm2_135m_instruct", "sharegpt_v3"),
          "sharegpt_chat": ("smollm2_135m_instruct", "sharegpt_v3"),
          "few_shot_text": ("smollm2_135m_instruct",), "rag_text": ("smollm2_135m_instruct",),
