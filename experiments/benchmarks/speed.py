@@ -17,7 +17,7 @@ Three parts (``--part``, default all of them):
   counts (SGLang's, minutes long, runs once). Peak memory: each side once more in a fresh
   process, the peak resident set during the replay above what it held when it started
   (``VmHWM`` reset through ``/proc/self/clear_refs``), beside the trace's own token arrays.
-- ``sim``: the Mooncake conversation trace simulated (`MOONCAKE_SIM`: Llama-3-8B on an H100,
+- ``sim``: the Mooncake conversation trace simulated (`experiments.benchmarks.speed_sim.MOONCAKE_SIM`: Llama-3-8B on an H100,
   radix cache, LPM) in a fresh process, its whole run and each phase (``summary.json``'s
   ``timing``), and peak memory; and Vidur's comparison (docs/results/vs_vidur.md) on the Azure
   code trace's first ``--vidur-requests``: Vidur 0.0.26's event loop (its own environment, set up
@@ -42,20 +42,18 @@ import itertools
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
-from experiments import REPO
 from experiments.benchmarks.cache import records_outcome, timed
+from experiments.benchmarks.cells import child, mb, peak_during, status, token_mb
+from experiments.benchmarks.speed_sim import part_sim, sim_cell
 from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import (EdgeRadix, as_lists, load_sglang, replay_edge,
                                           replay_sglang)
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache
-from testbed.perf import gc_paused
 from testbed.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.synthetic import random_tree
@@ -68,8 +66,6 @@ SIDES = ("ours", "plain", "sglang")
 RANDOM_TREE = dict(num_requests=20_000, root_len=32, segment_len=8, output_len=8)
 TOKENS_PER_REQUEST = 10
 MOONCAKE_CAPACITY = 3_000_000  # the README's Mooncake setting
-MOONCAKE_SIM = ["backend=sim", "model=llama3_8b", "hardware=h100", "workload=trace",
-                "workload.path=data:mooncake_conversation", "cache=radix", "scheduler=lpm"]
 SIZES = (10_000, 100_000, 1_000_000)
 CHUNK = 20_000
 SGLANG_CACHE = Path.home() / ".cache" / "radix-testbed"
@@ -77,32 +73,6 @@ SGLANG_CACHE = Path.home() / ".cache" / "radix-testbed"
 
 class Unavailable(Exception):
     """A side that cannot run here (a wheel or a trace that cannot be had): skipped, saying why."""
-
-
-# ------------------------------------------------------------------------- memory
-def _status(key: str) -> int:
-    """A ``/proc/self/status`` figure in kB (``VmRSS``, ``VmHWM``)."""
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(rf"{key}:\s+(\d+)", text).group(1))
-
-
-def peak_during(fn: Callable[[], object]) -> tuple[float, float, object]:
-    """(seconds, MB of resident memory at the peak above what was resident before, result) of
-    ``fn()``: the peak is reset first (``/proc/self/clear_refs``), so what loading left behind
-    does not count."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
-    with gc_paused():
-        t0 = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - t0
-    return seconds, (_status("VmHWM") - before) / 1024, out
-
-
-def token_mb(requests: Iterable[Request]) -> float:
-    """MB of the requests' own token arrays (prompt and output)."""
-    return sum(r.prompt.nbytes + r.output.nbytes for r in requests) / 2 ** 20
 
 
 # ------------------------------------------------------------------------- replay
@@ -197,103 +167,9 @@ def part_replay(args) -> list[dict]:
                        else "MISMATCH with ours"}
                 rows.append(row)
                 print(f"{name:<8}{seconds:>9.3f} s{row['requests_per_s']:>12,.0f} req/s"
-                      f"{row['vs_ours']:>8.2f}x ours   peak +{_mb(row['peak_mb'])} "
+                      f"{row['vs_ours']:>8.2f}x ours   peak +{mb(row['peak_mb'])} "
                       f"(trace {trace_mb:,.0f} MB)   {row['check']}", flush=True)
     return rows
-
-
-# ------------------------------------------------------------------------- sim
-def sim_cell(overrides: list[str]) -> dict:
-    """One simulation in this (fresh) process: its phases' seconds and peak memory."""
-    from hydra import compose, initialize_config_dir
-
-    from testbed.cli import CONF_DIR
-    from testbed.execute import execute
-
-    import tempfile
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose("config", overrides=[*overrides, "progress=false"])
-    trace: dict[str, float] = {}
-
-    def loaded(requests: list[Request]) -> None:  # the run's own peak counts from here
-        trace["mb"] = (_status("VmRSS") - before) / 1024
-        trace["tokens_mb"] = token_mb(requests)
-        Path("/proc/self/clear_refs").write_text("5")
-        trace["rss"] = _status("VmRSS")
-
-    with tempfile.TemporaryDirectory() as out:
-        before = _status("VmRSS")
-        seconds, _, _ = peak_during(lambda: execute(cfg, Path(out), loaded=loaded))
-        summary = json.loads((Path(out) / "summary.json").read_text())
-    return {"seconds": seconds, "trace_loaded_mb": trace["mb"], "trace_mb": trace["tokens_mb"],
-            "peak_mb": (_status("VmHWM") - trace["rss"]) / 1024, **summary["timing"],
-            "requests": summary["num_requests"], "output_tokens": summary["output_tokens"],
-            "steps": summary.get("prefill_steps", 0) + summary.get("decode_steps", 0),
-            "hit_rate": summary["hit_rate"]}
-
-
-def part_sim(args) -> list[dict]:
-    rows = []
-    print(f"\n== simulation: {' '.join(MOONCAKE_SIM)}; fastest of {args.rounds}", flush=True)
-    best = None
-    for _ in range(args.rounds):
-        cell = child(["--cell", "sim", *MOONCAKE_SIM], args.budget)
-        if "error" in cell:
-            print(f"skipped ({cell['error']})")
-            break
-        if best is None or cell["seconds"] < best["seconds"]:
-            best = cell
-    if best is not None:
-        rows.append({"part": "sim", "trace": "mooncake", "side": "ours", **best,
-                     "requests_per_s": best["requests"] / best["seconds"]})
-        print(f"whole run {best['seconds']:.1f} s (load {best['load_s']:.1f}, simulate "
-              f"{best['run_s']:.1f}, ideal {best['ideal_s']:.1f}, write {best['write_s']:.1f}); "
-              f"{best['requests']:,} requests, {best['output_tokens']:,} tokens decoded in "
-              f"{best['steps']:,} steps; the trace's tokens {best['trace_mb']:,.0f} MB, loaded "
-              f"+{_mb(best['trace_loaded_mb'])}, the run's peak beyond it +{_mb(best['peak_mb'])};"
-              f" hit rate {best['hit_rate']:.6f}", flush=True)
-    rows += vidur_rows(args)
-    return rows
-
-
-def vidur_rows(args) -> list[dict]:
-    """Vidur's event loop beside ours on the same clipped requests (vs_vidur.md's setup)."""
-    from testbed.data.fetch import DataError, resolve_folder, resolve_trace
-    from experiments.validation import vidur
-    print(f"\n== simulation: Vidur 0.0.26 beside ours, the first {args.vidur_requests:,} requests "
-          "of the Azure 2023 code trace (CodeLlama-34B, TP2 A100s, cache=none fcfs)", flush=True)
-    try:
-        trace, _ = resolve_trace("data:azure_code_2023")
-        profile = resolve_folder("data:vidur_a100_codellama34b_tp2", "cost_model.profile_dir")
-        python = vidur.vidur_python(vidur.DEFAULT_CACHE)
-    except (DataError, vidur.Fail) as e:
-        print(f"skipped ({e})")
-        return []
-    work = (args.work / "vidur").resolve()  # Vidur runs in a folder of its own
-    reqs = vidur.clipped_requests(trace, args.vidur_requests)
-    azure, vidur_csv = vidur.write_inputs(reqs, work / "inputs")
-    predictor = vidur.DEFAULT_CACHE / "predictor-fast"  # vs_vidur's, trained once
-    repos = vidur.offline_hub(profile, predictor)
-    flags = vidur.vidur_flags(vidur_csv, 1.0, repos, predictor, work / "vidur_run", "fast")
-    theirs = ours = None
-    for _ in range(args.rounds):
-        v = vidur.run_vidur(python, flags, work / "vidur_run", reqs)
-        o = vidur.run_ours(azure, 1.0, vidur.cost_model_overrides("roofline", profile),
-                           work / "ours", reqs)
-        theirs = v if theirs is None or v["sim_s"] < theirs["sim_s"] else theirs
-        ours = o if ours is None or o["loop_s"] < ours["loop_s"] else ours
-    n = len(reqs)
-    print(f"Vidur: event loop {theirs['sim_s']:.2f} s ({n / theirs['sim_s']:,.0f} req/s), set-up "
-          f"{theirs['setup_s']:.1f} s, whole process {theirs['wall_s']:.1f} s")
-    print(f"ours:  simulation loop {ours['loop_s']:.2f} s ({n / ours['loop_s']:,.0f} req/s), "
-          f"whole process {ours['wall_s']:.1f} s; loop {theirs['sim_s'] / ours['loop_s']:.2f}x "
-          "Vidur's speed", flush=True)
-    return [{"part": "sim", "trace": "azure_code", "side": "vidur", "requests": n,
-             "seconds": theirs["sim_s"], "requests_per_s": n / theirs["sim_s"],
-             "setup_s": theirs["setup_s"], "whole_s": theirs["wall_s"]},
-            {"part": "sim", "trace": "azure_code", "side": "ours", "requests": n,
-             "seconds": ours["loop_s"], "requests_per_s": n / ours["loop_s"],
-             "whole_s": ours["wall_s"], "vs_vidur": ours["loop_s"] / theirs["sim_s"]}]
 
 
 # ------------------------------------------------------------------------- scaling
@@ -311,7 +187,7 @@ def scaling_cell(kind: str, n: int, name: str) -> dict:
     records, seconds, trace_mb = [], 0.0, 0.0
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = status("VmRSS")
     while True:
         part = list(itertools.islice(requests, CHUNK))
         if not part:
@@ -323,7 +199,7 @@ def scaling_cell(kind: str, n: int, name: str) -> dict:
         seconds += t
         records.append(out if name == "ours" else None)
         del part, lists
-    return {"seconds": seconds, "peak_mb": (_status("VmHWM") - before) / 1024,
+    return {"seconds": seconds, "peak_mb": (status("VmHWM") - before) / 1024,
             "trace_mb": trace_mb}
 
 
@@ -342,29 +218,12 @@ def part_scaling(args) -> list[dict]:
                 rows.append({"part": "scaling", "trace": kind, "side": name, "requests": n,
                              "rules": "0.5.23", **cell, "requests_per_s": n / cell["seconds"]})
                 print(f"{kind:<12}{name:<6}{n:>10,}{cell['seconds']:>9.2f} s"
-                      f"{cell['seconds'] / n * 1e6:>8.1f} us/req   peak +{_mb(cell['peak_mb'])}"
+                      f"{cell['seconds'] / n * 1e6:>8.1f} us/req   peak +{mb(cell['peak_mb'])}"
                       f" (requests' tokens {cell['trace_mb']:,.0f} MB)", flush=True)
     return rows
 
 
 # ------------------------------------------------------------------------- main
-def _mb(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:,.0f} MB"
-
-
-def child(cell: list[str], budget: float) -> dict:
-    """A ``--cell`` in a fresh process: its JSON line, or ``{"error": why}``."""
-    cmd = [sys.executable, "-m", "experiments.benchmarks.speed", *cell]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=budget, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {budget:.0f} s (stopped)"}
-    if done.returncode:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        return {"error": lines[-1] if lines else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def run_cell(argv: list[str]) -> int:
     kind, rest = argv[0], argv[1:]
     try:
