@@ -56,6 +56,14 @@ driver reports the copy done (`load_done`).
 Beyond exact prefixes (``cache.reuse=blend``, ``cache.match=semantic``), a `ReusePlanner`
 (`testbed.scheduler.reuse_planner`) plans each admission's reused spans, gives prefill entries
 theirs, adds a step's chunk stores to its batch, and keeps approximate KV out of the exact tree.
+
+The class is in rooms, a module each, that `Scheduler` inherits: this module holds its state
+(``__init__``), requests in (`submit`, `abort`, load-backs done) and the forming of a step (`form`,
+`next_batch`); `testbed.scheduler.results` applies a step's results. The rooms are mixins, not
+objects of their own, because each reads and writes the same state (the queue, the running batch,
+the chunked request, ``new_token_ratio``): one `Scheduler` keeps the API the serving loop, the
+engine and the tests use, and a method found in a room costs no call more than one defined here
+(the loop's calls per token are counted: tests/test_loop_speed_guard.py).
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from testbed.scheduler.policy import Ordering
 from testbed.scheduler.preemption import reservation, to_preempt
 from testbed.scheduler.release_rules import ReleaseRules
 from testbed.scheduler.request_state import Req, ReusePlan
+from testbed.scheduler.results import Results
 from testbed.scheduler.reuse_planner import ReusePlanner
 from testbed.scheduler.spec_steps import SpecSteps
 from testbed.scheduler.speculative import SpeculativeConfig
@@ -85,7 +94,7 @@ from testbed.workloads.request import Request
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
 
 
-class Scheduler:
+class Scheduler(Results):
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
                  seed: int = 0, eos_token_ids: Collection[int] = (),
                  eos_for_all: bool = False, reuse: ReuseConfig | None = None,
@@ -635,93 +644,6 @@ class Scheduler:
         """_add_request_to_queue: it enters the queue anew (HRRN's and priority's marks)."""
         req.queued_s, req.queued_tokens = self._now, self.processed_tokens
         self.waiting.append(req)
-
-    # ------------------------------------------------------------------ results in
-    def complete(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
-        """Report a step's outcome (the token each entry produced, or None); returns the requests
-        that finished in it. With ``overlap``, when no batch has formed since ``batch`` (the
-        results-first order), the outcome is kept until the next batch forms (`next_batch`),
-        and the finished requests come from `take_finished` then; when one has (the serving
-        loop's order), it is applied now."""
-        if self.config.overlap and batch is self._newest:
-            self._pending = (batch, list(tokens))
-            finished = []
-        else:
-            finished = self._applied(batch, tokens, now)
-        if self.check_invariants:
-            self.cache.check_invariants(self.leases())
-        return finished
-
-    def _applied(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
-        """Apply a step's results; it is no longer in flight."""
-        self._unapplied = [b for b in self._unapplied if b is not batch]
-        return self._apply(batch, tokens, now)
-
-    def _apply(self, batch: Batch, tokens: list[int | None], now: float) -> list[Req]:
-        """SGLang's ``process_batch_result_prefill/decode``."""
-        finished = []
-        reuse, prefill = self.reuse, batch.kind == "prefill"
-        if not prefill and reuse is None and not batch.verifies:
-            # A plain decode step, whose every entry makes its request's next token: the loop
-            # below without the branches that cannot apply (it runs for every decoded token).
-            for entry, token in zip(batch.entries, tokens):
-                req = entry.req
-                if req.finish_s is None and entry.gen == req.preemptions \
-                        and req.take_token(token, now):
-                    self._finish(req, now)
-                    finished.append(req)
-            return finished
-        for entry, token in zip(batch.entries, tokens):
-            req = entry.req
-            if req.finish_s is not None or entry.gen != req.preemptions:
-                continue  # overlap: finished or retracted since; the token is dropped
-            if reuse is not None and entry.context + entry.new >= req.fill_len:
-                reuse.release(req)  # its prefill has read the donors
-            if not entry.produces_token:
-                if not self.config.overlap:
-                    self._commit_chunk(req)  # (with overlap: when the next batch forms)
-                continue
-            if entry.draft is not None:  # a verification: its tokens, its slots cut back
-                if self.spec.apply(req, entry, token, now):
-                    self._finish(req, now)
-                    finished.append(req)
-                continue
-            if req.take_token(token, now):
-                self._finish(req, now)
-                finished.append(req)
-            elif prefill:  # cache_unfinished_req: others hit it from now on
-                self._commit(req, entry.context + entry.new)
-        return finished
-
-    def _commit_chunk(self, req: Req) -> None:
-        self._commit(req, req.computed)
-
-    def _exact(self, req: Req, n: int) -> int:
-        """Of the fill's first ``n`` tokens, those the exact tree may take (all without reuse)."""
-        return n if self.reuse is None else self.reuse.exact_len(req, n)
-
-    def _commit(self, req: Req, n: int) -> None:
-        tokens = req.fill()[: self._exact(req, n)]
-        self.cache.commit(req.lease, tokens)
-        if self.reuse is not None:
-            self.reuse.inserted(req, tokens)
-
-    def _finish(self, req: Req, now: float) -> None:
-        """cache_finished_req: every token with KV (all but the last output; the whole prompt of a
-        prefill-only call) enters the cache; a slot taken for a step still in flight (overlap) is
-        freed."""
-        self._release_inserting(req, req.fill_len - 1 if req.output else req.fill_len)
-        req.finish_s = now
-
-    def _release_inserting(self, req: Req, n: int) -> None:
-        """The fill's first ``n`` tokens (those with KV) enter the cache, and the lease ends."""
-        with_kv = self._exact(req, n)
-        released = self.cache.release(req.lease, req.fill()[:with_kv], insert=True)
-        if self.reuse is not None:
-            self.reuse.release(req)
-            self.reuse.inserted(req, req.fill()[:with_kv])
-        req.inserted = released.inserted
-        req.lease = None
 
     # ------------------------------------------------------------------ aborts
     def abort(self, req: Req, now: float) -> bool:
