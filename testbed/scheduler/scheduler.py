@@ -59,7 +59,8 @@ theirs, adds a step's chunk stores to its batch, and keeps approximate KV out of
 
 The class is in rooms, a module each, that `Scheduler` inherits: this module holds its state
 (``__init__``), requests in (`submit`, `abort`, load-backs done) and the forming of a step (`form`,
-`next_batch`); `testbed.scheduler.retraction` retracts and evicts when a step does not fit,
+`next_batch`); `testbed.scheduler.decode_step` forms a decode or verification step,
+`testbed.scheduler.retraction` retracts and evicts when a step does not fit,
 `testbed.scheduler.results` applies a step's results. The rooms are mixins, not
 objects of their own, because each reads and writes the same state (the queue, the running batch,
 the chunked request, ``new_token_ratio``): one `Scheduler` keeps the API the serving loop, the
@@ -79,6 +80,7 @@ from testbed.cache.reuse import ReuseConfig
 from testbed.errors import BadInput
 from testbed.scheduler.adder import AddResult, PrefillAdder
 from testbed.scheduler.decode_groups import DecodeGroups, attach_groups
+from testbed.scheduler.decode_step import DecodeSteps
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.loadback import LoadBacks
@@ -96,7 +98,7 @@ from testbed.workloads.request import Request
 _LOADING = "loading"  # `_add_one`: the request left the queue to have its prefix loaded back
 
 
-class Scheduler(Retraction, Results):
+class Scheduler(DecodeSteps, Retraction, Results):
     def __init__(self, cache: PrefixCache, config: SchedulerConfig | None = None,
                  seed: int = 0, eos_token_ids: Collection[int] = (),
                  eos_for_all: bool = False, reuse: ReuseConfig | None = None,
@@ -465,99 +467,6 @@ class Scheduler(Retraction, Results):
         submitted after it): a load-back only delayed it."""
         at = next((i for i, r in enumerate(self.waiting) if r.seq > req.seq), len(self.waiting))
         self.waiting.insert(at, req)
-
-    def _decode_batch(self) -> Batch | None:
-        """SGLang's ``update_running_batch``: filter out the finished, retract if the step does
-        not fit, then one token each."""
-        initial = len(self.running)
-        self._filter_finished()
-        finishing = self._finishing_in_flight()
-        if finishing:  # their last token is in flight: no step more for them
-            self.running = [r for r in self.running if id(r) not in finishing]
-        if not self.running:
-            self.batch_is_full = False
-            return None
-        drafts, early = None, 0
-        if self.spec is not None:  # the drafts' room, if it can be had; else none this step
-            drafts = dict(zip(map(id, self.running), self.spec.drafts(self.running)))
-            early = self._evict_for(self.spec.cost(self.running, list(drafts.values())))
-            if self.cache.available_size < self.spec.cost(self.running, list(drafts.values())):
-                drafts = {key: (d[:0], None) for key, (d, _) in drafts.items()}
-        need = self._decode_cost(self.running)
-        if drafts is not None:
-            need = self.spec.cost(self.running, [drafts[id(r)] for r in self.running])
-        early += self._evict_for(need)  # check_decode_mem
-        if self.cache.available_size < need and (finishing or self._donors_in_flight()):
-            # their results free KV (a last token; the donors a prefill in flight reads, locked
-            # until it is applied): decode the rest next step
-            self.batch_is_full = False
-            return None
-        if self.cache.available_size < need:
-            self._retract()
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
-                                       self.min_new_token_ratio)
-        if len(self.running) < initial:
-            self.batch_is_full = False
-        if drafts is not None:
-            return self._verify_batch([drafts[id(r)] for r in self.running], early)
-        running = self.running
-        evicted = self.cache.extend_each([req.lease for req in running], 1)
-        if early or any(evicted):
-            for req, ev, ev_early in zip(running, evicted,
-                                         self._attribute(early, [1] * len(running))):
-                req.evicted_tokens += ev + ev_early
-        entries = []
-        append = entries.append
-        for req in running:  # once per running request per step: positional, its slot taken
-            computed = req.computed
-            append(BatchEntry(req, computed, 1, True, req.preemptions, req.lease.buffer, (),
-                              True))
-            req.computed = computed + 1
-        return Batch("decode", entries)
-
-    def _verify_batch(self, drafts: list[tuple[np.ndarray, tuple[int, ...] | None]],
-                      early: int) -> Batch:
-        """A speculative decode step: each running request's last token and its drafts (a
-        chain, or a token tree's branches one after another), their KV slots taken now
-        (`testbed.scheduler.spec_steps`)."""
-        early_each = self._attribute(early, [1 + len(d) for d, _ in drafts])
-        entries = []
-        for req, (draft, branches), evicted_early in zip(self.running, drafts, early_each):
-            evicted = self.cache.extend(req.lease, 1 + len(draft))
-            if evicted is None:
-                raise RuntimeError("a verification step's room vanished after it was checked")
-            req.evicted_tokens += evicted + evicted_early
-            entries.append(BatchEntry(req, req.computed, 1 + len(draft), produces_token=True,
-                                      draft=draft, branches=branches).bind())
-            req.computed += 1 + len(draft)
-        return Batch("decode", entries)
-
-    def _finishing_in_flight(self) -> set[int]:
-        """Under overlap, 0.5.23's ``event_loop_overlap`` (``enable_skip_finishing_decode``;
-        ``update_running_batch`` -> ``_reqs_finishing_inflight``): the running requests whose
-        token still in flight is their last by length (``next_output_finishes_by_length``).
-        0.4.10 decodes them one step more and drops that token."""
-        if not (self.rules.skip_finishing_decode and self._unapplied):
-            return set()
-        return {id(e.req) for e in self._unapplied[-1].entries
-                if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
-                and len(e.req.output) + 1 >= e.req.max_new_tokens}
-
-    def _donors_in_flight(self) -> bool:
-        """Under overlap, whether a batch in flight holds a prefill whose reuse donors stay
-        locked until its results are applied (approximate reuse only)."""
-        return self.reuse is not None and any(
-            e.req.reuse_plan is not None and e.req.reuse_plan.donors
-            for batch in self._unapplied for e in batch.entries)
-
-    def _filter_finished(self) -> None:
-        """ScheduleBatch.filter_batch: the running batch drops its finished requests; a smaller
-        batch is not full."""
-        before = len(self.running)
-        self.running = [r for r in self.running if r.finish_s is None]  # (not finished)
-        if len(self.running) < before:
-            self.batch_is_full = False
 
     # ------------------------------------------------------------------ aborts
     def abort(self, req: Req, now: float) -> bool:
