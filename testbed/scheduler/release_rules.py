@@ -4,6 +4,12 @@ Each flag names the 0.5.23 function whose rule it switches on; with all of them 
 scheduler follows 0.4.10 rule for rule (docs/design.md §4, "SGLang releases"; one hand-made step
 test per flag in tests/test_sglang523_steps.py). The queue policies' own differences (the
 look-up of the whole fill, the waiting-prefix refresh) are in `testbed.scheduler.policy`.
+
+Where each flag is read: the admission checks and chunk sizes in `testbed.scheduler.adder`;
+``full_needs_work`` and ``other_stops_first`` in `testbed.scheduler.admission`;
+``skip_finishing_decode`` in `testbed.scheduler.decode_step`; ``evict_shortfall`` and
+``retract_until_step_fits`` in `testbed.scheduler.retraction`; ``filter_finished_first`` in
+`testbed.scheduler.scheduler` (the step's forming).
 """
 
 from __future__ import annotations
