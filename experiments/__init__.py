@@ -12,15 +12,17 @@
   Vidur profile, the engine against the simulator, and the GPU checks.
 
 Reusable code lives in `testbed`; these modules print, plot and write results. `REPO` is the
-repository root; `MOONCAKE_TRACE` the Mooncake conversation trace where this project's development
-machine keeps it (beside the repository; ``data:mooncake_conversation`` fetches it anywhere).
+repository root; `MOONCAKE_TRACE` where the data folder keeps the Mooncake conversation trace
+(``python -m testbed.data fetch mooncake_conversation`` puts it there; until then it is missing).
 `save_figure` writes a matplotlib figure, making its folder.
 """
 
 from pathlib import Path
 
+from testbed.data import local_path, lookup
+
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+MOONCAKE_TRACE = local_path(lookup("mooncake_conversation"))
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> None:
