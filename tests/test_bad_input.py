@@ -101,6 +101,12 @@ CONFIG_CASES = [
      "few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, rag_text, "
      "random_tree, self_consistency, shared_prefix, sharegpt, sharegpt_chat, trace, "
      "tree_of_thought; got 'chat_lnog'; did you mean chat_long?"),
+    (["engine.cpu_kv_cache_gib=0"], "assemble",
+     "engine.cpu_kv_cache_gib must be a number > 0 (GiB of KV a server's pool holds on a CPU), "
+     "got 0"),
+    (["engine.cpu_kv_cache_gib=lots"], "assemble",
+     "engine.cpu_kv_cache_gib must be a number > 0 (GiB of KV a server's pool holds on a CPU), "
+     "got 'lots'"),
     (["cache.size=100"], "compose",  # spelled nearest page_size, meant as the pool's size
      "cache.size is not a setting of cache=radix; allowed: name, capacity_tokens, page_size, "
      "evict_unit, split_recency, host_tokens, disk_tokens, write_policy, write_threshold, "
