@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 import numpy as np
 
-from experiments import MOONCAKE_TRACE, save_figure
+from experiments import MOONCAKE_TRACE, entry, save_figure
 from testbed.assembly import assemble, compose_config
 from testbed.replay import replay
 
@@ -119,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

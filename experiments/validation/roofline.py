@@ -89,7 +89,9 @@ def main(profile_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from experiments import entry
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profile_dir", nargs="?", type=Path, default=DEFAULT_PROFILE,
                     help="a Vidur profile folder (default: %(default)s)")
-    main(ap.parse_args().profile_dir)
+    entry(main, ap.parse_args().profile_dir)

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments import REPO
+from experiments import REPO, entry
 from testbed.data import local_path, lookup
 
 VIDUR = "vidur==0.0.26"
@@ -399,4 +399,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -31,6 +31,7 @@ from testbed.api.protocol import ServerFacts
 from testbed.api.settings import ServeSettings, assemble_serve
 from testbed.assembly import Assembly, compose_config
 from testbed.cache.events import EventLog
+from testbed.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -244,8 +245,12 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:
         except httpx.TransportError:
             pass
         if handle._proc is not None and handle._proc.poll() is not None:
+            output = handle._proc.stdout.read()
+            last = output.strip().splitlines()[-1] if output.strip() else ""
+            if handle._proc.returncode == 2 and last.startswith("error: "):  # refused its config
+                raise BadInput(f"testbed.serve: {last[len('error: '):]}")
             raise RuntimeError(f"testbed.serve exited {handle._proc.returncode}: "
-                               f"{handle._proc.stdout.read()[-2000:]}")
+                               f"{output[-2000:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{handle.url}/health did not answer 200 within {timeout_s} s")
         time.sleep(0.05)  # between polls: a refused connection returns at once
