@@ -197,6 +197,12 @@ def strip_code(text: str) -> str:
     return re.sub(r"`[^`\n]*`", "", text)
 
 
+def test_the_readme_is_read_in_five_minutes():
+    """At most 200 lines (issue 60): what it is, the two commands, the tour, the headline and the
+    index; provenance (hosts, commits, dates, skips) lives on the pages it describes."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
 # the development machine's folder beside the checkout: only tests/ and .ci/ may look there
 SHARED = re.compile(r"\.\./shared|/work/shared|parents?\b[^\n]*\"shared\"|\bshared/(vidur|traces)")
 TEXT = {".md", ".py", ".sh", ".yaml", ".toml", ".cfg", ".txt"}
