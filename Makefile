@@ -30,7 +30,7 @@ $(VENV)/.installed-real: $(VENV)/.installed
 
 # The public traces and Vidur's profile that some tests read (from GitHub, each pinned by SHA-256)
 # into the data folder; a second run hashes them and downloads nothing. Where GitHub cannot be
-# reached those tests read ../shared's copies if there are any, else skip saying how to fetch them.
+# reached those tests skip, each saying how to fetch its file.
 TEST_DATA := mooncake_conversation mooncake_synthetic azure_conv_2023 azure_code_2023 \
 	vidur_a100_codellama34b_tp2
 
@@ -45,7 +45,7 @@ run: setup
 # skip, saying why (.ci/run is strict about PyPI).
 test: setup
 	@$(MAKE) --no-print-directory real || echo "warning: make real failed (above): the real-model tests will skip"
-	@$(MAKE) --no-print-directory test-data || echo "warning: make test-data failed (above): those files' tests read ../shared's copies, else skip"
+	@$(MAKE) --no-print-directory test-data || echo "warning: make test-data failed (above): the tests of those files may skip"
 	$(PY) -m pytest $(ARGS)
 
 # The loop's speed beside its peers (docs/results/trace_replay.md, "Speed"), e.g.
@@ -57,6 +57,7 @@ bench: setup
 # are used as they are), as wheels for its Python, pinned to this venv's
 # versions, into .whl/ (git-ignored); experiments/validation/gpu_validate.sh installs them into a
 # temporary folder there when an import fails. antlr4 4.9.3 is an sdist: its wheel is built here.
+# What such a machine has and lacks: docs/results/engine_gpu.md, "Running on a bare CUDA machine".
 GPU_PYTHON ?= 3.12
 GPU_WHEELS := hydra-core omegaconf hydra-joblib-launcher simpy fastapi starlette pydantic \
 	pydantic-core annotated-types typing-inspection annotated-doc uvicorn click h11

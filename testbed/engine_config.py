@@ -38,6 +38,7 @@ class EngineConfig:
     cuda_graph: bool = True  # decode steps replay CUDA graphs (CUDA only; ignored elsewhere)
     cuda_graph_max_batch: int = 256  # the largest decode batch captured
     cpu_kernels: str = "native"  # the CPU's linear and decode kernels (CPU_KERNELS)
+    cpu_kv_cache_gib: float = 2.0  # a server's KV pool on a CPU without cache.capacity_tokens
     forced: bool = True  # replay the workload's output tokens (False: the model generates)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -68,7 +69,8 @@ class EngineConfig:
                 raise BadInput(f"{key}={alias!r} and engine.{key}={set_here!r} disagree ({key} is "
                                f"the old name of engine.{key}): set one")
             values[key], named[key] = alias, key
-        for key in ("cascade_min_saved", "cuda_graph_max_batch", "temperature", "top_p"):
+        for key in ("cascade_min_saved", "cuda_graph_max_batch", "temperature", "top_p",
+                    "cpu_kv_cache_gib"):
             if values[key] is None:
                 values[key] = getattr(default, key)
         return cls(**values).checked(named)
@@ -99,6 +101,11 @@ class EngineConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise BadInput(f"{named[key]} must be an integer >= {least}{unit}, got {value!r}")
+        value = self.cpu_kv_cache_gib
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                or value == float("inf"):
+            raise BadInput(f"{named['cpu_kv_cache_gib']} must be a number > 0 (GiB of KV a "
+                           f"server's pool holds on a CPU), got {value!r}")
         for key in ("cuda_graph", "forced"):
             if not isinstance(getattr(self, key), bool):
                 raise BadInput(f"{named[key]} must be true or false, got {getattr(self, key)!r}")

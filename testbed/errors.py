@@ -11,7 +11,9 @@ prompt, a token id outside the model's vocabulary, a prompt longer than its cont
 wait across programs, a trace file's content): every other refusal comes from config values and
 is raised by `testbed.assembly.assemble`, before anything is generated (the fuzzer checks it).
 
-A message that refuses a name says what is allowed and, with `did_you_mean`, the closest one.
+A message that refuses a name says what is allowed and, with `did_you_mean`, the closest one:
+first the name a word usually means (`INTENTS`: ``size`` is a cache's ``capacity_tokens``, not the
+``page_size`` it is spelled nearest to), else the nearest spelling.
 """
 
 from __future__ import annotations
@@ -33,7 +35,19 @@ def failure_kind(error: BaseException) -> str:
     return "bad_input" if isinstance(error, BadInput) else "internal"
 
 
+# words users type for a name spelled far from them (or nearer another name), checked before
+# spelling: the first of a word's names that is allowed where it was typed
+INTENTS: dict[str, tuple[str, ...]] = {
+    word: ("capacity_tokens",)
+    for word in ("size", "cache_size", "pool_size", "kv_size", "tokens", "kv_tokens",
+                 "memory")}
+
+
 def did_you_mean(word: str, allowed: Iterable[str]) -> str:
-    """``"; did you mean X?"`` for the allowed name closest to ``word``, or "" for none close."""
-    close = difflib.get_close_matches(word, list(allowed), n=1, cutoff=0.6)
+    """``"; did you mean X?"`` for the allowed name ``word`` most likely means (`INTENTS`, else
+    the closest spelling), or "" for none close."""
+    allowed = list(allowed)
+    meant = [name for name in INTENTS.get(word.lower().replace("-", "_"), ())
+             if name in allowed]
+    close = meant or difflib.get_close_matches(word, allowed, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else ""

@@ -9,7 +9,7 @@ import pytest
 
 from testbed.assembly import assemble
 from testbed.cache.radix import RadixCache
-from testbed.errors import BadInput, failure_kind
+from testbed.errors import BadInput, did_you_mean, failure_kind
 from testbed.workloads.traces import load_trace
 
 SMALL = ["workload=chat", "workload.num_sessions=2", "workload.turns=2"]  # unless one is named
@@ -101,7 +101,30 @@ CONFIG_CASES = [
      "few_shot, few_shot_text, mixed, multimodal, paraphrase, paraphrase_text, rag, rag_text, "
      "random_tree, self_consistency, shared_prefix, sharegpt, sharegpt_chat, trace, "
      "tree_of_thought; got 'chat_lnog'; did you mean chat_long?"),
+    (["engine.cpu_kv_cache_gib=0"], "assemble",
+     "engine.cpu_kv_cache_gib must be a number > 0 (GiB of KV a server's pool holds on a CPU), "
+     "got 0"),
+    (["engine.cpu_kv_cache_gib=lots"], "assemble",
+     "engine.cpu_kv_cache_gib must be a number > 0 (GiB of KV a server's pool holds on a CPU), "
+     "got 'lots'"),
+    (["cache.size=100"], "compose",  # spelled nearest page_size, meant as the pool's size
+     "cache.size is not a setting of cache=radix; allowed: name, capacity_tokens, page_size, "
+     "evict_unit, split_recency, host_tokens, disk_tokens, write_policy, write_threshold, "
+     "host_eviction, disk_eviction, load_back, host_link, disk_link, reuse, recompute_ratio, "
+     "chunk_boundaries, match, similarity_threshold; did you mean capacity_tokens?"),
 ]
+
+
+def test_a_word_for_a_key_suggests_the_key_it_means_where_that_key_is_allowed():
+    """`INTENTS` first (issue 60: ``size`` suggested ``page_size``), else the nearest spelling."""
+    cache = ["capacity_tokens", "page_size", "evict_unit"]
+    assert did_you_mean("size", cache) == "; did you mean capacity_tokens?"
+    assert did_you_mean("Cache-Size", cache) == "; did you mean capacity_tokens?"
+    assert did_you_mean("page", cache) == "; did you mean page_size?"
+    assert did_you_mean("memory", ["name", "memory_bytes", "mem_fraction"]) == \
+        "; did you mean memory_bytes?"  # no capacity_tokens here: spelling decides
+    assert did_you_mean("size", ["name", "page_size"]) == "; did you mean page_size?"
+    assert did_you_mean("zzz", cache) == ""
 
 
 def test_triton_attention_on_a_head_dim_its_kernels_cannot_take_is_refused_before_loading(

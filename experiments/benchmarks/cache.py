@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import MOONCAKE_TRACE, REPO
+from experiments import MOONCAKE_TRACE, REPO, entry
 from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, as_lists, load_sglang,
                                           replay_edge, replay_plain, replay_sglang)
@@ -297,4 +297,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -151,4 +151,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments import entry
+    entry(main)

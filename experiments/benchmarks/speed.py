@@ -289,4 +289,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments import entry
+    entry(main)

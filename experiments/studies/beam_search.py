@@ -233,4 +233,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from experiments import entry
+    entry(main)

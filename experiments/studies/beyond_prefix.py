@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from experiments import REPO  # noqa: E402
+from experiments import REPO, entry  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache.similarity import MinHashIndex  # noqa: E402
 from testbed.engine.quality import exact_logits  # noqa: E402
@@ -267,4 +267,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

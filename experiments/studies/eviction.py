@@ -39,7 +39,7 @@ import pandas as pd  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from experiments import REPO  # noqa: E402
+from experiments import REPO, entry  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.cli import CONF_DIR  # noqa: E402
 from testbed.data.fetch import lookup  # noqa: E402
@@ -257,4 +257,4 @@ def report(df: pd.DataFrame, capacity: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

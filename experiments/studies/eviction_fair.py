@@ -32,13 +32,12 @@ Writes ``eviction_fair.csv`` (one row per workload, capacity, release, policy an
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from experiments import REPO
+from experiments import REPO, entry
 from experiments.studies.eviction_fair_report import plot, write_report
 from testbed.assembly import assemble, compose_config
 from testbed.backends import run_backend
@@ -182,4 +181,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

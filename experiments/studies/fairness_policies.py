@@ -18,7 +18,7 @@ import argparse
 import time
 from pathlib import Path
 
-from experiments import save_figure
+from experiments import entry, save_figure
 from testbed.fairness import hot_cold_requests, open_loop_requests, run_aging, run_policy
 
 POLICIES = [("fcfs", 0.0), ("lpm", 0.0), ("lpm", 1024.0), ("hrrn", 0.0)]
@@ -82,4 +82,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from experiments import REPO  # noqa: E402
+from experiments import REPO, entry  # noqa: E402
 from experiments.studies.beyond_prefix import MODES, Mode, family_color, donor_shares  # noqa: E402
 from testbed.assembly import compose_config  # noqa: E402
 from testbed.execute import execute  # noqa: E402
@@ -235,4 +235,4 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -39,7 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
+from experiments import MOONCAKE_TRACE, REPO, entry  # noqa: E402
 from testbed.assembly import assemble, compose_config  # noqa: E402
 from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
 from testbed.router import ROUTERS  # noqa: E402
@@ -249,4 +249,4 @@ def plot(df: pd.DataFrame, path: Path, replicas: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -48,7 +48,7 @@ import httpx
 import numpy as np
 import pandas as pd
 
-from experiments import REPO
+from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
 from experiments.validation import vs_vllm
 
@@ -285,4 +285,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    sys.exit(main())
+    entry(main)

@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
+from experiments import MOONCAKE_TRACE, REPO, entry  # noqa: E402
 from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
 from testbed.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
 from testbed.replay import replay  # noqa: E402
@@ -168,4 +168,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -10,8 +10,7 @@ next-prompt estimate set to the workload's median new tokens per request (what a
 leaves uncached), at cache capacities that are shares of the tokens the workload caches in all.
 
 Workloads: the Mooncake conversation trace (``data:mooncake_conversation`` from the data folder,
-``python -m testbed.data``; else ``../shared/traces/mooncake_conversation_trace.jsonl`` when that
-exists, said so; else skipped, said so) and multi-turn ShareGPT (``workload=sharegpt_chat``, 400
+``python -m testbed.data fetch mooncake_conversation``; else skipped, said so) and multi-turn ShareGPT (``workload=sharegpt_chat``, 400
 conversations; needs the ShareGPT file and tokenizer in the data folder).
 
     python -m experiments.studies.tlru [--thresholds 256 1024 4096] [--shares 0.05 0.1 0.2]
@@ -25,22 +24,17 @@ import time
 from pathlib import Path
 import numpy as np
 
-from experiments import MOONCAKE_TRACE, save_figure
+from experiments import MOONCAKE_TRACE, entry, save_figure
 from testbed.assembly import assemble, compose_config
-from testbed.data.fetch import local_path, lookup
 from testbed.replay import replay
 
 def mooncake_overrides() -> list[str] | None:
-    """The conversation trace as workload overrides: from the data folder, or ../shared."""
-    if local_path(lookup("mooncake_conversation")).exists():
+    """The conversation trace as workload overrides, when the data folder has it."""
+    if MOONCAKE_TRACE.exists():
         return ["workload=trace", "workload.path=data:mooncake_conversation",
                 "workload.format=mooncake"]
-    if MOONCAKE_TRACE.exists():
-        print(f"mooncake: not in the data folder (python -m testbed.data fetches it); using "
-              f"{MOONCAKE_TRACE}")
-        return ["workload=trace", f"workload.path={MOONCAKE_TRACE}", "workload.format=mooncake"]
-    print("mooncake: skipped (not in the data folder, no ../shared/traces copy; "
-          "python -m testbed.data fetches it)")
+    print("mooncake: skipped (not in the data folder; python -m testbed.data fetch "
+          "mooncake_conversation)")
     return None
 
 
@@ -125,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

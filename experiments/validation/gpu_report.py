@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.validation.gpu_runs import acceptance
+from testbed.errors import BadInput
 
 SOURCES = ("gpu_engine.json", "kernels.json", "sim_vs_engine/sim_vs_engine.json")
 SHAPES = ("shape_plain_eager", "shape_plain_graph", "shape_plain_graph_overlap",
@@ -76,7 +77,11 @@ def lines(doc: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    work = Path((argv if argv is not None else sys.argv[1:])[0])
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        raise BadInput(f"python -m experiments.validation.gpu_report WORK: WORK is the folder "
+                       f"gpu_validate.sh wrote (outputs/gpu_validate); got {' '.join(args)!r}")
+    work = Path(args[0])
     doc = build(work)
     print("\n".join(lines(doc)))
     (work / "gpu_validate.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
@@ -85,4 +90,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from experiments import entry
+    entry(main)

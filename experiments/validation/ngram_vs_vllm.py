@@ -17,12 +17,17 @@ import argparse
 
 import numpy as np
 
+from testbed.errors import BadInput
 from testbed.scheduler.ngram import ngram_draft
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm.v1.spec_decode.ngram_proposer import \
-        _find_longest_matched_ngram_and_propose_tokens as vllm_draft
+    try:
+        from vllm.v1.spec_decode.ngram_proposer import \
+            _find_longest_matched_ngram_and_propose_tokens as vllm_draft
+    except ImportError as e:
+        raise BadInput(f"vLLM's drafter does not import here ({e}): run this with the Python of "
+                       "the venv experiments.validation.vs_vllm installs (module docstring)") from None
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=20000)
@@ -47,4 +52,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from experiments import entry
+    entry(main)

@@ -38,14 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import REPO
 from testbed.assembly import assemble, compose_config
+from testbed.data import local_path, lookup
 from testbed.sim import cost_model
 from testbed.sim.roofline_fit import (ALLREDUCE_TOKENS, attention_efficiency, fit_allreduce,
                                       fit_mfu_mbu, grid_steps, loaded_steps, ratios)
 from testbed.sim.vidur_cost import NCCL_LAUNCH_S
 
-DEFAULT_PROFILE = REPO.parent / "shared" / "vidur" / "a100_codellama34b_tp2"
+DEFAULT_PROFILE = local_path(lookup("vidur_a100_codellama34b_tp2"))  # the data folder's
 
 
 def main(profile_dir: Path) -> None:
@@ -89,7 +89,9 @@ def main(profile_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from experiments import entry
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profile_dir", nargs="?", type=Path, default=DEFAULT_PROFILE,
                     help="a Vidur profile folder (default: %(default)s)")
-    main(ap.parse_args().profile_dir)
+    entry(main, ap.parse_args().profile_dir)

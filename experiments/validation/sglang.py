@@ -29,7 +29,7 @@ SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy
     ``evict`` and ``cache_finished_req`` and the eviction rule of
     ``ScheduleBatch._evict_tree_cache_if_needed`` (a numpy stand-in for the paged allocator), for P
     in 1, 4, 16 and unlimited, evicting and tight capacities, on small ``random_tree``, ``chat``
-    and ``few_shot`` workloads, random token runs and, when ``../shared/traces`` holds it, the
+    and ``few_shot`` workloads, random token runs and, when the data folder holds it, the
     first 2,000 requests of the Mooncake conversation trace. Compared per request: hit and tokens
     evicted; and the tokens left in the tree. Three of SGLang's rules are not replay.py's (the
     match leaves the prompt's last token out; the last output token is never cached; eviction
@@ -224,4 +224,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments import entry
+    entry(main)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import MOONCAKE_TRACE
+from experiments import MOONCAKE_TRACE, entry
 from experiments.validation import sglang_replay, sglang_wheel, sglang_wheel523
 from experiments.validation.sglang_replay523 import serve_sglang523
 from testbed.cache import EVICTION, RadixCache, Requester
@@ -156,4 +156,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -49,7 +49,7 @@ import json
 import time
 from pathlib import Path
 
-from experiments import REPO
+from experiments import REPO, entry
 
 import numpy as np
 import pandas as pd
@@ -377,4 +377,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    entry(main)

@@ -45,13 +45,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments import REPO
+from experiments import REPO, entry
+from testbed.data import local_path, lookup
 
 VIDUR = "vidur==0.0.26"
 PROFILE_FILES = {"compute": ("mlp", "attention"), "network": ("all_reduce", "send_recv")}
-SHARED = Path("/work/shared")  # this project's development machine; never required
-DEFAULT_PROFILE = SHARED / "vidur" / "a100_codellama34b_tp2"
-DEFAULT_TRACE = SHARED / "traces" / "azure_llm_inference_2023_conv.csv"
+# the data folder's copies, where `python -m testbed.data fetch NAME` put them; else none
+DEFAULT_PROFILE = local_path(lookup("vidur_a100_codellama34b_tp2"))
+DEFAULT_TRACE = local_path(lookup("azure_conv_2023"))
 DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / "vidur-0.0.26"
 MAX_TOKENS = 4096  # prompt + output: what Vidur's profile and predictor cover
 BATCH_CAP = 128
@@ -353,10 +354,12 @@ def main() -> int:
     try:
         if args.profile_dir is None:
             raise Fail("no Vidur profile found: pass --profile-dir DIR (Vidur's A100 "
-                       "CodeLlama-34B TP2 mlp, attention, all_reduce, send_recv CSVs)")
+                       "CodeLlama-34B TP2 mlp, attention, all_reduce, send_recv CSVs) or run "
+                       "python -m testbed.data fetch vidur_a100_codellama34b_tp2")
         if args.trace is None or not args.trace.is_file():
             raise Fail(f"no Azure trace {'found' if args.trace is None else f'at {args.trace}'}: "
-                       "pass --trace FILE (azure_llm_inference_2023_conv.csv)")
+                       "pass --trace FILE (azure_llm_inference_2023_conv.csv) or run "
+                       "python -m testbed.data fetch azure_conv_2023")
         if n < 1 or any(s <= 0 for s in scales):
             raise Fail("--requests and every --scales entry must be > 0")
         cache = args.cache_dir.expanduser()
@@ -396,4 +399,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -45,7 +45,7 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from experiments import REPO
+from experiments import REPO, entry
 from experiments.validation import vs_vllm
 from testbed.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
@@ -251,4 +251,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -242,4 +242,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments import entry
+    entry(main)

@@ -38,7 +38,6 @@ vLLM cannot be had.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,4 +264,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from experiments import entry
+    entry(main)

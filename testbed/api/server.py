@@ -4,11 +4,12 @@ bound here (the ready line is printed once it listens); `start_server` starts on
 the load test (in this process, in a thread, or as ``python -m testbed.serve``), on a free
 loopback port, and returns once ``/health`` answers.
 
-On a CPU the server's process runs torch on one thread (`one_cpu_thread`). KV pool:
-``cache.capacity_tokens`` when given; else on CUDA what free memory leaves after the
-weights (the engine's rule), and on a CPU ``CPU_KV_BYTES`` (256 MiB) of KV: a server has no
-workload to cap the pool by, and the hardware preset's memory (an A10G's 24 GB by default) is not
-the host's.
+On a CPU the server's process runs torch on one thread (`one_cpu_thread`). KV pool
+(`kv_pool`, stated in one line at start-up): ``cache.capacity_tokens`` when given; else on CUDA
+what free memory leaves after the weights (the engine's rule), and on a CPU
+``engine.cpu_kv_cache_gib`` GiB of KV (2 by default, as vLLM's ``VLLM_CPU_KVCACHE_SPACE``): a
+server has no workload to cap the pool by, and the hardware preset's memory (an A10G's 24 GB by
+default) is not the host's.
 """
 
 from __future__ import annotations
@@ -30,9 +31,27 @@ from testbed.api.protocol import ServerFacts
 from testbed.api.settings import ServeSettings, assemble_serve
 from testbed.assembly import Assembly, compose_config
 from testbed.cache.events import EventLog
+from testbed.errors import BadInput
 
-CPU_KV_BYTES = 256 * 2**20
 REPO = Path(__file__).resolve().parents[2]
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def kv_pool(run: Assembly) -> tuple[int | None, str]:
+    """The server's KV pool in tokens (None: sized from free CUDA memory once the weights load)
+    and how it was sized, for the start-up line."""
+    if run.capacity_tokens is not None:
+        return run.capacity_tokens, f"cache.capacity_tokens={run.capacity_tokens}"
+    if run.engine_device.startswith("cuda"):
+        return None, (f"what free {run.engine_device} memory leaves after the weights "
+                      f"(hardware.mem_fraction={run.mem_fraction})")
+    gib = run.engine.cpu_kv_cache_gib
+    dtype = run.engine.dtype or "float32"  # the engine's dtype on a CPU
+    shape = run.model_shape
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+    tokens = max(1, int(gib * 2**30) // per_token)
+    return tokens, (f"{gib:g} GiB (engine.cpu_kv_cache_gib={gib:g}) / {per_token:,} bytes a "
+                    f"token ({shape.name} KV in {dtype})")
 
 
 def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, ServerFacts]:
@@ -41,9 +60,7 @@ def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, 
     from testbed.engine_assembly import build_engine_parts
     from testbed.scheduler.build import build_scheduler
 
-    capacity = run.capacity_tokens
-    if capacity is None and not run.engine_device.startswith("cuda"):
-        capacity = max(1, CPU_KV_BYTES // run.model_shape.kv_bytes_per_token)
+    capacity, _ = kv_pool(run)
     # a radix cache publishes its changes (GET /kv_events: router=kv_events reads them)
     events = EventLog() if run.cache.label == "radix" and not run.has_lower_tiers else None
     parts = build_engine_parts(run, capacity, [], events=events)
@@ -113,6 +130,7 @@ def serve_forever(run: Assembly, settings: ServeSettings) -> None:
     found = {sig: signal.signal(sig, stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     engine.start()
     try:
+        print(f"kv pool: {facts.kv_tokens:,} tokens, {kv_pool(run)[1]}", flush=True)
         print(ready_line(run, facts, settings.host, sock.getsockname()[1]), flush=True)
         server.run(sockets=[sock])
     except Stopped:
@@ -227,8 +245,12 @@ def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:
         except httpx.TransportError:
             pass
         if handle._proc is not None and handle._proc.poll() is not None:
+            output = handle._proc.stdout.read()
+            last = output.strip().splitlines()[-1] if output.strip() else ""
+            if handle._proc.returncode == 2 and last.startswith("error: "):  # refused its config
+                raise BadInput(f"testbed.serve: {last[len('error: '):]}")
             raise RuntimeError(f"testbed.serve exited {handle._proc.returncode}: "
-                               f"{handle._proc.stdout.read()[-2000:]}")
+                               f"{output[-2000:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{handle.url}/health did not answer 200 within {timeout_s} s")
         time.sleep(0.05)  # between polls: a refused connection returns at once

@@ -321,7 +321,9 @@ def describe_fetch(trace: Entry, got: Fetched) -> str:
         return (f"{trace.name}: {verb} {got.path} ({how} from {trace.filename} of {trace.spec}, "
                 f"sha256 {got.sha256}, verified)")
     if got.verified:
-        return f"{trace.name}: {verb} {got.path} (sha256 {got.sha256}, verified)"
+        shipped = getattr(trace, "shipped", "")
+        return (f"{trace.name}: {verb} {got.path} (sha256 {got.sha256}, verified"
+                + (f" as {trace.spec} ships it; {shipped})" if shipped else ")"))
     return (f"{trace.name}: {verb} {got.path} (sha256 {got.sha256}, UNVERIFIED: the registry "
             "pins no hash for it)")
 

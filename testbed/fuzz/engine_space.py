@@ -29,6 +29,7 @@ ENGINE_KEYS: Table = (
     ("cuda_graph", ["true", "false"], 0.15),
     ("cuda_graph_max_batch", [1, 8, 256], 0.15),
     ("cpu_kernels", ["native", "torch"], 0.5),
+    ("cpu_kv_cache_gib", [2, 0.01, 0, -1, "lots"], 0.1),  # a server's pool; <= 0: refused
     ("forced", ["true", "false"], 0.3),
     ("temperature", [0.0, 0.0, 0.7], 0.2),
     ("top_p", [1.0, 1.0, 0.5], 0.15))

@@ -46,7 +46,10 @@ def server_config(seed: int, checkpoint: Path | None = None) -> list[str]:
             f"scheduler={choice(rng, ['lpm', 'fcfs', 'dfs_weight'])}",
             f"scheduler.overlap={choice(rng, ['true', 'false'])}",
             f"engine.cpu_kernels={choice(rng, ['native', 'torch'])}",
-            f"engine.attention={choice(rng, ['torch', 'cascade'])}"]
+            f"engine.attention={choice(rng, ['torch', 'cascade'])}",
+            # without cache.capacity_tokens: the pool in GiB (2 GiB is 4M of the tiny model's
+            # tokens, zeroed at start-up: the default's path, at a size the machine can spare)
+            f"engine.cpu_kv_cache_gib={choice(rng, [0.25, 0.01, 0.001])}"]
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 import sys
 
+from testbed.cli import one_line_usage
 from testbed.report import main
 
-sys.exit(main())
+with one_line_usage():
+    sys.exit(main())

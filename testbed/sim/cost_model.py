@@ -40,8 +40,9 @@ key re-rotated (read and written), each ``copied`` token (a chunk store) copied 
 reuse both are 0 and every price is as before, to the bit.
 
 Checked against measurements: Vidur's A100 operator timings (CodeLlama-34B at TP2, GPU kernel time
-only, ``shared/vidur``); ``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes
-these figures (measured time / roofline floor, per layer and per rank):
+only, ``data:vidur_a100_codellama34b_tp2``);
+``tests/test_cost_model.py::test_roofline_against_vidur_a100`` recomputes these figures
+(measured time / roofline floor, per layer and per rank):
 
 - matmuls (q, k, v, o, gate/up, down) at 1–64 tokens, memory-bound: 1.28–1.38 (72–78 % of HBM
   bandwidth); at 512–4096 tokens, compute-bound: 1.29–1.64, median 1.39 (~72 % of peak FLOP/s);

@@ -1,9 +1,9 @@
 """Monotone tables from noisy measurements: fitting them once, and reading them fast.
 
 A simulator needs step times that never drop when a step does more work, but measured kernel times
-are not monotone in their shape: in Vidur's A100 profile (``shared/vidur``) 132 of 259 token counts
-of a layer's operators are slower than some larger count (by up to 7 %), and all-reduces flip
-between a ~10 µs floor and ~60 µs stalls from one message size to the next.
+are not monotone in their shape: in Vidur's A100 profile (``data:vidur_a100_codellama34b_tp2``)
+132 of 259 token counts of a layer's operators are slower than some larger count (by up to 7 %),
+and all-reduces flip between a ~10 µs floor and ~60 µs stalls from one message size to the next.
 
 `increasing` is isotonic regression (`scipy.optimize.isotonic_regression`): the non-decreasing
 sequence closest to the measurements in least squares. It equals them wherever they are already in

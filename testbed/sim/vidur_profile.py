@@ -17,8 +17,9 @@ milliseconds, one row per profiled shape with ``time_stats.<op>.{min,max,mean,me
 `load_vidur_profile` keeps the rows of the model and TP degree asked for, and takes for each shape
 the median column, the median over duplicate rows (Vidur's own predictor trains on the medians).
 It refuses, in one line, a directory that does not hold that shape, and names the file and column
-of anything missing or malformed. The profile is data the user supplies (``shared/vidur`` holds
-one: A100, CodeLlama-34B, TP2); nothing here needs it to exist.
+of anything missing or malformed. The profile is data the user supplies (``python -m testbed.data
+fetch vidur_a100_codellama34b_tp2`` brings one: A100, CodeLlama-34B, TP2); nothing here needs it
+to exist.
 """
 
 from __future__ import annotations

@@ -202,5 +202,14 @@ def _conversations(path: Path) -> Iterator[tuple[int, int, object]]:
 
 
 def _note_cut(path: Path, complete: int, line: int) -> None:
-    print(f"note: {path} is cut off (the list does not end; line {line}): read the "
+    """One line on stderr: where the list was cut, why when it is a registered file shipped
+    that way (``data:sharegpt_v3``), and how many conversations are read."""
+    from testbed.data.registry import PACKAGE_FILES
+
+    why = "a download cut short, or a file published so"
+    for entry in PACKAGE_FILES.values():
+        if entry.format and entry.filename == path.name and path.stat().st_size == entry.size:
+            why = (f"data:{entry.name} is shipped so by {entry.spec}, its sha256 verified, "
+                   "not a broken download: the package holds only the file's start")
+    print(f"note: {path} is cut off (the list does not end; line {line}: {why}): read the "
           f"{complete:,} complete conversations before the cut", file=sys.stderr)
