@@ -6,7 +6,7 @@ The cause of "learned and LRU-K fall back to LRU under 0.5.23", node by node:
 - 0.5.23's checkpoint cuts every finished request's leaf at its prompt's end by an insert walk.
   SGLang's own node keeps its statistics across the cut (the new head copies ``hit_count`` and
   ``priority``; checked field by field against the wheel: ``experiments/validation/
-  sglang_checkpoint_fields.py``), and so does ours. But a policy that keeps history by entry id
+  sglang/checkpoint_fields.py``), and so does ours. But a policy that keeps history by entry id
   heard nothing of the cut: the head, the prompt a continued conversation re-reads, was a new id
   with no history, and the history stayed with the output tail, which nobody reads again. The
   tree now tells policies of every cut (`EvictionPolicy.on_split`).
@@ -143,13 +143,14 @@ WHEEL = Path.home() / ".cache" / "radix-testbed" / "sglang-0.5.23" / "src"
 
 @pytest.mark.parametrize("strategy", ["lru", "lfu", "slru", "size_aware"])
 def test_every_node_field_agrees_with_sglang_0_5_23s_own_tree_after_each_checkpoint(strategy):
-    """Where the wheel has been fetched (python -m experiments.validation.sglang_checkpoint_fields
+    """Where the wheel has been fetched (python -m experiments.validation.sglang.checkpoint_fields
     fetches it): one random case, every request's hit and evictions and, after each, every node's
     hit count, priority, creation order and access order as 0.5.23's RadixCache keeps them."""
     if not (WHEEL / "sglang" / "srt" / "mem_cache" / "radix_cache.py").exists():
         pytest.skip(f"SGLang 0.5.23's wheel is not unpacked at {WHEEL}")
-    from experiments.validation import sglang_checkpoint_fields as fields
-    from experiments.validation import sglang_replay, sglang_wheel523
+    from experiments.validation.sglang import checkpoint_fields as fields
+    from experiments.validation.sglang import placeholders as sglang_wheel523
+    from experiments.validation.sglang import replay as sglang_replay
 
     sgl = sglang_wheel523.load(WHEEL)
     runs = sglang_replay.random_runs(5)

@@ -94,14 +94,14 @@ def load_trace(name: str) -> tuple[list[Request], int]:
 def sglang_of(release: str):
     """SGLang's modules of ``release`` from its unpacked wheel (fetched into the cache folder the
     first time), or Unavailable."""
-    from experiments.validation import sglang_wheel
+    from experiments.validation.sglang import wheel as sglang_wheel
     try:
         root = sglang_wheel.fetch(SGLANG_CACHE / f"sglang-{release}", release)
     except Exception as e:  # noqa: BLE001 (no network, no wheel: say why)
         raise Unavailable(f"SGLang {release}'s wheel: {type(e).__name__}: {e}") from None
     if release == "0.4.10":
         return load_sglang(root.parent)
-    from experiments.validation import sglang_wheel523
+    from experiments.validation.sglang import placeholders as sglang_wheel523
     return sglang_wheel523.load(root)
 
 
@@ -117,7 +117,7 @@ def side(name: str, release: str, requests: list[Request], capacity: int
     sgl = sglang_of(release)
     if release == "0.4.10":
         return lambda: replay_sglang(sgl, requests, capacity)
-    from experiments.validation.sglang_replay523 import serve_sglang523
+    from experiments.validation.sglang.tree_serving import serve_sglang523
     return lambda: tuple(serve_sglang523(sgl, requests, 1, capacity, rules=())[:2])
 
 

@@ -347,7 +347,7 @@ def load_sglang(cache_dir: Path = SGLANG_CACHE):
     root = cache_dir / "src"
     if not (root / "sglang/srt/mem_cache/radix_cache.py").exists():
         return None
-    from experiments.validation.sglang_wheel import load
+    from experiments.validation.sglang.wheel import load
 
     return load(root)
 
@@ -358,7 +358,7 @@ def replay_sglang(sgl, requests: Iterable, capacity: int) -> tuple[list[int], li
     ``insert`` of prompt + output, the duplicates freed, ``dec_lock_ref``. Tokens evicted are read
     off ``evictable_size``."""
     import torch
-    from experiments.validation.sglang_replay import PagedSlots
+    from experiments.validation.sglang.replay import PagedSlots
 
     alloc = PagedSlots(capacity, 1)
     tree = sgl.radix.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=alloc,

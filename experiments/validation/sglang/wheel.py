@@ -77,7 +77,7 @@ def load(root: Path) -> SimpleNamespace:
     for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
         del sys.modules[name]
     sys.meta_path[:] = [f for f in sys.meta_path
-                        if not type(f).__module__.endswith("sglang_wheel523")]
+                        if not type(f).__module__.endswith(".placeholders")]
     for pkg in ("sglang", "sglang.srt", "sglang.srt.managers", "sglang.srt.mem_cache",
                 "sglang.srt.disaggregation"):  # packages without running their __init__
         module = types.ModuleType(pkg)

@@ -21,10 +21,14 @@ import random
 import sys
 import time
 
-from experiments.validation import (sglang_batches, sglang_eviction, sglang_queue523,
-                                    sglang_replay523, sglang_wheel, sglang_wheel523)
-from experiments.validation.sglang_mirror523 import SglangLoop523
-from experiments.validation.sglang_req523 import SglReq523
+from experiments.validation.sglang import batches as sglang_batches
+from experiments.validation.sglang import eviction as sglang_eviction
+from experiments.validation.sglang import placeholders as sglang_wheel523
+from experiments.validation.sglang import queues as sglang_queue523
+from experiments.validation.sglang import tree_serving as sglang_replay523
+from experiments.validation.sglang import wheel as sglang_wheel
+from experiments.validation.sglang.loop523 import SglangLoop523
+from experiments.validation.sglang.stand_ins import SglReq523
 from testbed.workloads import generate
 
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from experiments.validation.sglang_cases import assembled, random_instance
+from experiments.validation.sglang.cases import assembled, random_instance
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import TOKEN_DTYPE, Request
 

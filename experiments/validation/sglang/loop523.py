@@ -25,8 +25,8 @@ from types import SimpleNamespace
 
 import torch
 
-from experiments.validation.sglang_mirror import SglangLoop
-from experiments.validation.sglang_req523 import ReqRows, SglReq523, slot_allocator
+from experiments.validation.sglang.loop import SglangLoop
+from experiments.validation.sglang.stand_ins import ReqRows, SglReq523, slot_allocator
 
 
 class SglBatch523:

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from experiments.validation.sglang_wheel import SglReq
+from experiments.validation.sglang.wheel import SglReq
 
 
 class FreeSlots:

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from experiments import MOONCAKE_TRACE
-from experiments.validation import sglang_replay
-from experiments.validation.sglang_replay import PagedSlots, sglang_runs
-from experiments.validation.sglang_req523 import KvRecord
+from experiments.validation.sglang import replay as sglang_replay
+from experiments.validation.sglang.replay import PagedSlots, sglang_runs
+from experiments.validation.sglang.stand_ins import KvRecord
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads.request import Request
@@ -289,7 +289,8 @@ if __name__ == "__main__":  # the whole-trace figures of docs/results/sglang_fid
     import sys
     from pathlib import Path
 
-    from experiments.validation import sglang_wheel, sglang_wheel523
+    from experiments.validation.sglang import placeholders as sglang_wheel523
+    from experiments.validation.sglang import wheel as sglang_wheel
 
     if not MOONCAKE_TRACE.exists():
         sys.exit(f"no Mooncake conversation trace at {MOONCAKE_TRACE}")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from experiments.validation import sglang_wheel
-from experiments.validation.sglang_cases import assembled
-from experiments.validation.sglang_mirror import SglangLoop
-from experiments.validation.sglang_wheel import SglReq
+from experiments.validation.sglang import wheel as sglang_wheel
+from experiments.validation.sglang.cases import assembled
+from experiments.validation.sglang.loop import SglangLoop
+from experiments.validation.sglang.wheel import SglReq
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads import generate
 from testbed.workloads.request import Request

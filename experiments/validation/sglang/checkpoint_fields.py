@@ -34,8 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from experiments import MOONCAKE_TRACE, entry
-from experiments.validation import sglang_replay, sglang_wheel, sglang_wheel523
-from experiments.validation.sglang_replay523 import serve_sglang523
+from experiments.validation.sglang import placeholders as sglang_wheel523
+from experiments.validation.sglang import replay as sglang_replay
+from experiments.validation.sglang import wheel as sglang_wheel
+from experiments.validation.sglang.tree_serving import serve_sglang523
 from testbed.cache import EVICTION, RadixCache, Requester
 from testbed.workloads.request import Request
 

@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 from types import SimpleNamespace
 
-from experiments.validation.sglang_wheel import _Clock
+from experiments.validation.sglang.wheel import _Clock
 
 REAL = {
     "sglang.srt.environ", "sglang.srt.managers.schedule_policy",

@@ -59,10 +59,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.validation import sglang_eviction, sglang_replay, sglang_wheel
-from experiments.validation.sglang_batches import SGL_NAME, check_batches, print_batches
-from experiments.validation.sglang_cases import assembled, random_instance
-from experiments.validation.sglang_wheel import SglReq
+from experiments.validation.sglang import eviction as sglang_eviction
+from experiments.validation.sglang import replay as sglang_replay
+from experiments.validation.sglang import wheel as sglang_wheel
+from experiments.validation.sglang.batches import SGL_NAME, check_batches, print_batches
+from experiments.validation.sglang.cases import assembled, random_instance
+from experiments.validation.sglang.wheel import SglReq
 from testbed.scheduler.request_state import Req
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
@@ -164,7 +166,7 @@ def main() -> int:
     args = ap.parse_args()
     args.cache_dir = (args.cache_dir or CACHE_ROOT / f"sglang-{args.sglang}").expanduser()
     if args.sglang == "0.5.23":
-        from experiments.validation import sglang_check523
+        from experiments.validation.sglang import check523 as sglang_check523
         return sglang_check523.main(args)
     try:
         sgl = sglang_wheel.load(sglang_wheel.fetch(args.cache_dir))

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from experiments.validation import sglang_wheel
+from experiments.validation.sglang import wheel as sglang_wheel
 from testbed.assembly import Assembly, assemble, compose_config, plain
 
 

@@ -79,7 +79,7 @@ def their_cache(sgl, strategy: str, config: dict):
         eviction_policy=strategy, eviction_policy_config=config or None)
     cache = sgl.radix.RadixCache(params)
     if strategy == "tlru":
-        from experiments.validation.sglang_wheel523 import tlru_bookkeeping
+        from experiments.validation.sglang.placeholders import tlru_bookkeeping
         tlru_bookkeeping(sgl, cache)
     return cache
 
