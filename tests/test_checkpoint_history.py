@@ -149,11 +149,11 @@ def test_every_node_field_agrees_with_sglang_0_5_23s_own_tree_after_each_checkpo
     if not (WHEEL / "sglang" / "srt" / "mem_cache" / "radix_cache.py").exists():
         pytest.skip(f"SGLang 0.5.23's wheel is not unpacked at {WHEEL}")
     from experiments.validation.sglang import checkpoint_fields as fields
-    from experiments.validation.sglang import placeholders as sglang_wheel523
-    from experiments.validation.sglang import replay as sglang_replay
+    from experiments.validation.sglang import replay, wheel
 
-    sgl = sglang_wheel523.load(WHEEL)
-    runs = sglang_replay.random_runs(5)
-    counts = fields.check_case(sgl, runs, sglang_replay.capacities(runs)["evict"], strategy)
+    sgl = wheel.load(WHEEL, fields.RELEASE)
+    runs = replay.random_runs(5)
+    counts = fields.check_case(sgl, runs, replay.capacities(runs, fields.RELEASE)["evict"],
+                               strategy)
     assert counts["agree"] == counts["requests"] == 100
     assert all(counts[f] == counts["snapshots"] == 100 for f in fields.FIELDS)

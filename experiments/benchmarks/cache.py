@@ -161,7 +161,7 @@ def part_versus(args) -> int:
               f"{seconds / ours:>9.2f}x  {verdict}")
     if sgl is None:
         print("SGLang RadixCache: skipped (no sglang 0.4.10 wheel in ~/.cache/radix-testbed; "
-              "`python -m experiments.validation.sglang --sglang 0.4.10 --quick` fetches it)")
+              "`python -m experiments.validation.sglang --release 0.4.10 --quick` fetches it)")
     return status
 
 

@@ -11,7 +11,7 @@ Three parts (``--part``, default all of them):
   tree written for the benchmark (`experiments.benchmarks.trees.EdgeRadix`: a dict of children,
   LRU leaf eviction, ~120 lines, with 0.5.23's rule walking the prompt and the sequence again as
   SGLang does); ``sglang``, SGLang's own ``RadixCache`` of the same release from its wheel
-  (`experiments.validation.sglang_wheel.fetch` unpacks it once; skipped with a note when it
+  (`experiments.validation.sglang.wheel.fetch` unpacks it once; skipped with a note when it
   cannot be had). Each side gets the requests in its own form, made before its clock starts
   (parsing is nobody's loop); sides alternate within a round, the fastest of ``--rounds``
   counts (SGLang's, minutes long, runs once). Peak memory: each side once more in a fresh
@@ -51,8 +51,7 @@ from experiments.benchmarks.cache import records_outcome, timed
 from experiments.benchmarks.cells import child, mb, peak_during, status, token_mb
 from experiments.benchmarks.speed_sim import part_sim, sim_cell
 from experiments.benchmarks.traces import forest, mooncake_tiled
-from experiments.benchmarks.trees import (EdgeRadix, as_lists, load_sglang, replay_edge,
-                                          replay_sglang)
+from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge, replay_sglang
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache
 from testbed.replay import replay
 from testbed.workloads.request import Request
@@ -94,15 +93,12 @@ def load_trace(name: str) -> tuple[list[Request], int]:
 def sglang_of(release: str):
     """SGLang's modules of ``release`` from its unpacked wheel (fetched into the cache folder the
     first time), or Unavailable."""
-    from experiments.validation.sglang import wheel as sglang_wheel
+    from experiments.validation.sglang import wheel
     try:
-        root = sglang_wheel.fetch(SGLANG_CACHE / f"sglang-{release}", release)
+        root = wheel.fetch(SGLANG_CACHE / f"sglang-{release}", release)
     except Exception as e:  # noqa: BLE001 (no network, no wheel: say why)
         raise Unavailable(f"SGLang {release}'s wheel: {type(e).__name__}: {e}") from None
-    if release == "0.4.10":
-        return load_sglang(root.parent)
-    from experiments.validation.sglang import placeholders as sglang_wheel523
-    return sglang_wheel523.load(root)
+    return wheel.load(root, release)
 
 
 def side(name: str, release: str, requests: list[Request], capacity: int
@@ -117,8 +113,8 @@ def side(name: str, release: str, requests: list[Request], capacity: int
     sgl = sglang_of(release)
     if release == "0.4.10":
         return lambda: replay_sglang(sgl, requests, capacity)
-    from experiments.validation.sglang.tree_serving import serve_sglang523
-    return lambda: tuple(serve_sglang523(sgl, requests, 1, capacity, rules=())[:2])
+    from experiments.validation.sglang.tree_serving import serve
+    return lambda: tuple(serve(sgl, requests, 1, capacity, rules=())[:2])
 
 
 def replay_cell(trace: str, release: str, name: str) -> dict:

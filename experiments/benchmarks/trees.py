@@ -13,7 +13,7 @@ output, free the duplicates, unlock) and returns the hit and the tokens evicted 
   ``checkpoint``, SGLang 0.5.23's rule (the prompt inserted again, the sequence looked up);
 - `replay_sglang`: SGLang 0.4.10's own ``RadixCache`` (imported from the wheel cached by
   `experiments.validation.sglang`, see `load_sglang`) with the allocator stand-in of
-  `experiments.validation.sglang_replay`.
+  `experiments.validation.sglang.tree_serving`.
 """
 
 from __future__ import annotations
@@ -341,15 +341,16 @@ def replay_edge(requests: list[tuple[list[int], list[int]]], tree: EdgeRadix,
 
 # ------------------------------------------------------------------------- SGLang's own
 def load_sglang(cache_dir: Path = SGLANG_CACHE):
-    """SGLang 0.4.10's modules from the unpacked wheel in ``cache_dir`` (`sglang_wheel.load`),
-    or None when it is not there (`python -m experiments.validation.sglang --sglang 0.4.10
-    --quick` fetches it; the benchmark never downloads)."""
+    """SGLang 0.4.10's modules from the unpacked wheel in ``cache_dir``
+    (`experiments.validation.sglang.wheel.load`), or None when it is not there (`python -m
+    experiments.validation.sglang --release 0.4.10 --quick` fetches it; the benchmark never
+    downloads)."""
     root = cache_dir / "src"
     if not (root / "sglang/srt/mem_cache/radix_cache.py").exists():
         return None
     from experiments.validation.sglang.wheel import load
 
-    return load(root)
+    return load(root, "0.4.10")
 
 
 def replay_sglang(sgl, requests: Iterable, capacity: int) -> tuple[list[int], list[int]]:
@@ -358,7 +359,7 @@ def replay_sglang(sgl, requests: Iterable, capacity: int) -> tuple[list[int], li
     ``insert`` of prompt + output, the duplicates freed, ``dec_lock_ref``. Tokens evicted are read
     off ``evictable_size``."""
     import torch
-    from experiments.validation.sglang.replay import PagedSlots
+    from experiments.validation.sglang.tree_serving import PagedSlots
 
     alloc = PagedSlots(capacity, 1)
     tree = sgl.radix.RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=alloc,

@@ -1,9 +1,8 @@
 """The validations: our code against other code, and the checks that need a GPU.
 
-- `sglang`: our scheduler and replay against SGLang 0.4.10's own scheduling code and RadixCache.
-- `sglang_wheel`: SGLang 0.4.10's modules, fetched from its wheel and loaded with stand-ins.
-- `sglang_mirror`: SGLang's non-overlap event loop, as `sglang` drives it.
-- `sglang_replay`: part (c) of `sglang`, our paged replay against SGLang's RadixCache.
+- `sglang` (a package): our scheduler, replay and eviction against SGLang's own scheduling code
+  and RadixCache, one harness for its releases (``python -m experiments.validation.sglang
+  --release 0.5.23|0.4.10``).
 - `vllm_scheduler`: ``scheduler=vllm`` against vLLM 0.32's own ``Scheduler`` and ``KVCacheManager``.
 - `vllm_wheel`: vLLM 0.32's scheduler modules, fetched from its wheel and loaded with stand-ins.
 - `vs_vllm`: a live vLLM 0.32 (CPU, its own venv) driven by ``backend=server``: its cached

@@ -1,18 +1,23 @@
 """Whole offline batches step by step, (b) of the SGLang check: the small workloads and settings
-of the grid, our scheduler's steps for one case (`run_ours`), SGLang's through a loop that
-re-implements its event loop around its own classes (`run_sglang`; 0.4.10's `sglang_mirror`, or
-0.5.23's through ``loop_cls``), and the comparison over the grid (`check_batches`). Shared by
-`experiments.validation.sglang` (0.4.10) and `sglang_check523` (0.5.23).
+of the grid, our scheduler's steps for one case (`run_ours`, ``scheduler.sglang`` the release's),
+SGLang's through the release's loop around its own classes (`run_sglang`, `release_loops.LOOPS`),
+the comparison over the grid (`check_batches`) and over random cases (`random_batches`).
+
+Requests are submitted at once, dependencies ignored, outputs forced (each request produces its
+predetermined tokens and stops after the last). Compared per case: each request's cache hit at
+its first admission, and the list of (kind, request ids) per step; retractions are counted.
+Capacities keep every request under SGLang's ``max_req_len`` so that its ``max_new_tokens``
+clipping never applies.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
-from experiments.validation.sglang import wheel as sglang_wheel
 from experiments.validation.sglang.cases import assembled
-from experiments.validation.sglang.loop import SglangLoop
-from experiments.validation.sglang.wheel import SglReq
+from experiments.validation.sglang.release_loops import LOOPS
+from experiments.validation.sglang.stand_ins import REQS
 from testbed.scheduler.scheduler import Scheduler
 from testbed.workloads import generate
 from testbed.workloads.request import Request
@@ -37,6 +42,8 @@ CONFIGS = [("ample", 64, None, 16384), ("ample", 4, 64, 16384), ("ample", 16, 81
            ("evict", 16, None, 16384), ("evict", 8, 64, 256), ("tight", 64, None, 16384),
            ("tight", 8, 64, 16384), ("tight", 16, 256, 512)]
 QUICK_CONFIGS = [CONFIGS[0], CONFIGS[4], CONFIGS[5]]
+# Policies the full grid runs besides LPM and DFS-weight (0.4.10 has no HRRN).
+FULL_POLICIES = {"0.4.10": ("fcfs",), "0.5.23": ("fcfs", "hrrn")}
 
 
 # ---------------------------------------------------------------- (b) whole batches
@@ -53,9 +60,10 @@ def capacities(requests: list[Request]) -> dict[str, int]:
             "tight": max(longest + 16, total // 8)}
 
 
-def run_ours(requests, policy, cap, max_running, chunk, max_prefill,
-             release: str = sglang_wheel.VERSION):
-    run = assembled(policy, cap, release, max_running_requests=max_running,
+def run_ours(requests, policy, cap, max_running, chunk, max_prefill, release: str):
+    """One case through our `Scheduler` with ``scheduler.sglang=release``: its steps, each
+    request's first-admission hit, the preemptions and whether work was left."""
+    run = assembled(policy, release, cap, max_running_requests=max_running,
                     max_prefill_tokens=max_prefill, chunked_prefill_size=chunk)
     sched = Scheduler(run.build_cache(cap, requests), run.scheduler)
     reqs = [sched.submit(r, 0.0) for r in requests]
@@ -72,17 +80,16 @@ def run_ours(requests, policy, cap, max_running, chunk, max_prefill,
     return steps, {r.id: r.cached_tokens for r in reqs}, sched.preemptions, sched.has_work
 
 
-def run_sglang(sgl, requests, policy, cap, max_running, chunk, max_prefill,
-               loop_cls=SglangLoop, req_cls=SglReq):
-    """One case through SGLang's loop (``loop_cls``, with requests ``req_cls``): its steps, each
-    request's first-admission hit, the retractions and whether it stalled for good."""
+def run_sglang(sgl, requests, policy, cap, max_running, chunk, max_prefill):
+    """One case through the loaded release's loop: its steps, each request's first-admission hit,
+    the retractions and whether it stalled for good."""
     max_req_len = cap - 1  # TpModelWorker: min(context_len - 1, max_total_num_tokens - 1)
     for r in requests:  # handle_generate_request would abort it or clip its max_new_tokens
         if len(r.prompt) >= max_req_len - 5 or len(r.prompt) + len(r.output) + 1 > max_req_len:
             raise ValueError(f"{r.id} does not fit SGLang's max_req_len {max_req_len}")
     width = max(len(r.prompt) + len(r.output) for r in requests) + 2
-    loop = loop_cls(sgl, SGL_NAME[policy], cap, max_running, max_prefill, chunk, width)
-    reqs = [req_cls(r.id, r.prompt.tolist(), r.output.tolist()) for r in requests]
+    loop = LOOPS[sgl.version](sgl, SGL_NAME[policy], cap, max_running, max_prefill, chunk, width)
+    reqs = [REQS[sgl.version](r.id, r.prompt.tolist(), r.output.tolist()) for r in requests]
     loop.waiting.extend(reqs)
     loop.run()
     return loop.steps, {r.rid: r.first_hit for r in reqs}, loop.retractions, loop.stuck
@@ -99,28 +106,25 @@ def describe(steps: list, i: int) -> str:
     return f"{steps[i][0]} {' '.join(sorted(steps[i][1]))}" if i < len(steps) else "(ended)"
 
 
-def check_batches(sgl, quick: bool, show: int, release: str = sglang_wheel.VERSION,
-                  run_theirs=None, full_policies: tuple[str, ...] = ("fcfs",)) -> list[dict]:
-    """(b) over the grid: our scheduler with ``scheduler.sglang=release`` against
-    ``run_theirs`` (default `run_sglang`, 0.4.10's loop); LPM and DFS-weight, and
-    ``full_policies`` too unless ``quick``."""
-    run_theirs = run_theirs or run_sglang
+def check_batches(sgl, quick: bool, show: int) -> list[dict]:
+    """(b) over the grid: our scheduler against the loaded release's loop; LPM and DFS-weight,
+    and `FULL_POLICIES` too unless ``quick``."""
     rows = []
     for name in WORKLOADS:
         requests = workload(name)
         caps = capacities(requests)
-        for policy in ("lpm", "dfs_weight") + (() if quick else full_policies):
+        for policy in ("lpm", "dfs_weight") + (() if quick else FULL_POLICIES[sgl.version]):
             for level, max_running, chunk, max_prefill in (QUICK_CONFIGS if quick else CONFIGS):
                 args = (requests, policy, caps[level], max_running, chunk, max_prefill)
                 row = {"case": f"{name}/{policy}/{level}={caps[level]}/run={max_running}/"
                                f"chunk={chunk}/pf={max_prefill}", "reqs": len(requests)}
                 try:
-                    ours = run_ours(*args, release=release)
+                    ours = run_ours(*args, release=sgl.version)
                 except Exception as e:  # a report, not a test: say what failed and go on
                     ours = None
                     row["error"] = f"ours: {type(e).__name__}: {e}"
                 try:
-                    theirs = run_theirs(sgl, *args)
+                    theirs = run_sglang(sgl, *args)
                 except Exception as e:
                     theirs = None
                     row["error"] = f"SGLang: {type(e).__name__}: {e}"
@@ -154,3 +158,27 @@ def print_batches(rows: list[dict]) -> None:
         print(f"{r['case']:<{width}}  {r['reqs']:>4}  {r['hits']:>5}  {'%d/%d' % r['prefill']:>11}"
               f"  {'%d/%d' % r['decode']:>10}  {'%d/%d' % r['retract']:>11}  {steps}"
               f"{stuck if any(r['stuck']) else ''}")
+
+
+def random_batches(sgl, cases: int, seed: int, show: int) -> tuple[int, int]:
+    """(b) on random offline cases: a grid workload drawn with a random seed, a random policy,
+    capacity (from the longest request + 16 to all of them + 64), running limit, chunk size and
+    prefill budget. Returns (identical, cases); prints the first ``show`` differences."""
+    rng = random.Random(seed)
+    policies = ["lpm", "dfs_weight", *FULL_POLICIES[sgl.version]]
+    same = 0
+    for _ in range(cases):
+        name = rng.choice(list(WORKLOADS))
+        requests = generate({"name": name, **WORKLOADS[name]}, seed=rng.randrange(1000))
+        lengths = [len(r.prompt) + len(r.output) for r in requests]
+        args = (requests, rng.choice(policies),
+                rng.randint(max(lengths) + 16, sum(lengths) + 64), rng.choice([2, 4, 8, 16, 64]),
+                rng.choice([None, 16, 32, 64, 256, 8192]), rng.choice([64, 128, 512, 16384]))
+        ours, theirs = run_ours(*args, release=sgl.version), run_sglang(sgl, *args)
+        i = first_difference(ours[0], theirs[0])
+        same += i is None
+        if i is not None and show > 0:
+            show -= 1
+            print(f"  {name} {args[1:]}: step {i}\n    ours   {describe(ours[0], i)}\n"
+                  f"    SGLang {describe(theirs[0], i)}")
+    return same, cases

@@ -1,5 +1,5 @@
-"""What the differential checks against SGLang (`experiments.validation.sglang`, and
-`sglang_queue523` for 0.5.23) share: our side's run config and the random trees and queues."""
+"""What the differential checks against SGLang share: our side's run config for a release
+(`assembled`) and the random trees and queues of (a) (`random_instance`)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from experiments.validation.sglang import wheel as sglang_wheel
 from testbed.assembly import Assembly, assemble, compose_config, plain
 
 
 @lru_cache(maxsize=None)
-def run_config(policy: str, release: str = sglang_wheel.VERSION) -> dict:
+def run_config(policy: str, release: str) -> dict:
     """The run config of our side: a radix cache (page size 1, LRU), ``scheduler=policy`` with
     the rules of SGLang ``release``."""
     return plain(compose_config(["cache=radix", "cache.page_size=1", "eviction=lru",
                                  f"scheduler={policy}", f"scheduler.sglang={release}"]))
 
 
-def assembled(policy: str, capacity: int | None = None, release: str = sglang_wheel.VERSION,
-              **scheduler) -> Assembly:
+def assembled(policy: str, release: str, capacity: int | None = None, **scheduler) -> Assembly:
     """`run_config` with a cache capacity and scheduler settings set, assembled (composed once
     per policy: 120 cases would otherwise spend seconds composing)."""
     config = copy.deepcopy(run_config(policy, release))

@@ -1,8 +1,8 @@
 """Node by node after SGLang 0.5.23's checkpoint insert: our radix tree against 0.5.23's own
 RadixCache, every statistic an eviction policy can read (issue 48).
 
-Both trees are fed replay.py's calls one request at a time (`sglang_replay523.serve_sglang523`
-with none of `RULES523`: the whole prompt matched, the shortfall evicted, prompt + output released
+Both trees are fed replay.py's calls one request at a time (`tree_serving.serve` with
+none of its rules: the whole prompt matched, the shortfall evicted, prompt + output released
 through ``release_kv_cache(checkpoint=True)``, i.e. ``RadixCache.checkpoint``: the insert, the
 prompt's insert that cuts the new leaf at the prompt's end, the look-up of the whole key). After
 every request the two trees must hold the same nodes (tokens before each, its tokens) and, node by
@@ -16,11 +16,11 @@ Strategies: ``lru``, ``lfu``, ``slru`` (0.5.23's own), and ``size_aware`` agains
 with SGLang PR 30300's hits-per-token rule as its strategy (`HitsPerToken`, written here from the
 PR's description: the wheel ships neither it nor PR 23781's WLFU, whose key reads the clock's
 values, seconds there and ticks here, so no differential check can pair it). Cases: random token
-runs (`sglang_replay.random_runs`) at an evicting and a tight capacity; the Mooncake conversation
+runs (`replay.random_runs`) at an evicting and a tight capacity; the Mooncake conversation
 trace's first requests at 300K tokens; with ``--whole``, the whole trace at 3M (hits and evictions
 of every request, the fields at the end).
 
-    python -m experiments.validation.sglang_checkpoint_fields [--quick] [--whole]
+    python -m experiments.validation.sglang.checkpoint_fields [--quick] [--whole]
 """
 
 from __future__ import annotations
@@ -29,18 +29,16 @@ import argparse
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 
 from experiments import MOONCAKE_TRACE, entry
-from experiments.validation.sglang import placeholders as sglang_wheel523
-from experiments.validation.sglang import replay as sglang_replay
-from experiments.validation.sglang import wheel as sglang_wheel
-from experiments.validation.sglang.tree_serving import serve_sglang523
+from experiments.validation.sglang import replay, wheel
+from experiments.validation.sglang.tree_serving import key_tokens, serve
 from testbed.cache import EVICTION, RadixCache, Requester
 from testbed.workloads.request import Request
 
+RELEASE = "0.5.23"  # the release whose checkpoint insert is checked
 STRATEGIES = ("lru", "lfu", "slru", "size_aware")
 FIELDS = ("nodes", "hits", "priority", "created", "last_access")
 
@@ -58,7 +56,7 @@ def their_nodes(tree) -> dict[tuple, tuple]:
     out, stack = {}, [(child, 0) for child in tree.root_node.children.values()]
     while stack:
         node, start = stack.pop()
-        tokens = sglang_replay.key_tokens(node.key).astype(np.int64).tobytes()
+        tokens = key_tokens(node.key).astype(np.int64).tobytes()
         out[start, tokens] = (node.hit_count, node.priority, node.creation_time,
                               node.last_access_time)
         stack.extend((child, start + len(node.key)) for child in node.children.values())
@@ -98,10 +96,10 @@ def check_case(sgl, requests: list[Request], capacity: int | None, strategy: str
         if step[0] % every == 0 or step[0] == len(requests):
             snapshots.append(their_nodes(tree))
 
-    hits, evicted, _, _ = serve_sglang523(
+    hits, evicted, _, _ = serve(
         sgl, requests, 1, capacity, rules=(), eviction="lru" if strategy == "size_aware"
         else strategy, strategy=HitsPerToken() if strategy == "size_aware" else None, after=after)
-    cache = RadixCache(capacity, policy=EVICTION.build(strategy), sglang="0.5.23")
+    cache = RadixCache(capacity, policy=EVICTION.build(strategy), sglang=RELEASE)
     counts: Counter = Counter()
     mine = iter(snapshots)
     for i, r in enumerate(requests, 1):
@@ -117,10 +115,10 @@ def cases(quick: bool, whole: bool) -> list[tuple[str, list[Request], int | None
     """(name, requests, capacity, snapshot every) of the check."""
     out = []
     for seed in range(2 if quick else 8):
-        runs = sglang_replay.random_runs(seed)
-        caps = sglang_replay.capacities(runs)
+        runs = replay.random_runs(seed)
+        caps = replay.capacities(runs, RELEASE)
         out += [(f"random runs {seed}, {level}", runs, caps[level], 1) for level in ("evict", "tight")]
-    head = sglang_replay.mooncake(300 if quick else 1500)
+    head = replay.mooncake(300 if quick else 1500)
     if head is not None:
         out.append((f"Mooncake conversation, first {len(head)}, 300K", head, 300_000, 1))
     if whole and MOONCAKE_TRACE.exists():
@@ -137,8 +135,7 @@ def main() -> int:
     ap.add_argument("--strategies", type=lambda s: s.split(","), default=list(STRATEGIES))
     args = ap.parse_args()
     try:
-        sgl = sglang_wheel523.load(sglang_wheel.fetch(
-            Path.home() / ".cache" / "radix-testbed" / "sglang-0.5.23", "0.5.23"))
+        sgl = wheel.load(wheel.fetch(wheel.wheel_dir(RELEASE), RELEASE), RELEASE)
     except Exception as e:  # noqa: BLE001 (no wheel: say why)
         print(f"cannot get SGLang 0.5.23: {e}", file=sys.stderr)
         return 2

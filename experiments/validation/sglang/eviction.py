@@ -11,8 +11,11 @@ one leaf) and the sequences of evicted nodes (their whole paths) must be equal.
 
 Correspondences: our priorities are lower-is-more-urgent, 0.5.23's ``PriorityStrategy`` evicts
 lower values first, so each insert carries minus our priority there; T-LRU draws its threshold and
-next-prompt estimate per tree (both sides alike), and its depths in SGLang's tree come from
-`sglang_wheel523.tlru_bookkeeping`.
+next-prompt estimate per tree (both sides alike). T-LRU lives only in 0.5.23's unified tree
+(``unified_cache/unified_tree_core.py``), whose nodes keep the branch depths it reads;
+`tlru_bookkeeping` applies that module's own ``_set_tlru_lens_and_raise_history`` to the classic
+RadixCache's new nodes, and copies the depths on a split as ``unified_tree_core`` does, so that
+``TLRUStrategy`` can rank them.
 """
 
 from __future__ import annotations
@@ -79,7 +82,6 @@ def their_cache(sgl, strategy: str, config: dict):
         eviction_policy=strategy, eviction_policy_config=config or None)
     cache = sgl.radix.RadixCache(params)
     if strategy == "tlru":
-        from experiments.validation.sglang.placeholders import tlru_bookkeeping
         tlru_bookkeeping(sgl, cache)
     return cache
 
@@ -183,3 +185,42 @@ def check_eviction(sgl, trials: int, seed: int) -> dict[str, Counter]:
 
 def print_eviction(stats: dict[str, Counter]) -> None:
     print("  " + ", ".join(f"{s} {c['agree']}/{c['trees']}" for s, c in stats.items()))
+
+
+def tlru_bookkeeping(sgl, cache) -> None:
+    """Give a classic RadixCache the T-LRU depths the unified tree keeps (module docstring):
+    ``_set_tlru_lens_and_raise_history`` for each new node (its parent's depth plus its own
+    length), and a split's head taking the parent's depth plus its length and the tail's history
+    (``unified_tree_core``'s split)."""
+    raise_history = sgl.unified._set_tlru_lens_and_raise_history
+    root = cache.root_node
+    root._tlru_cached_prefix_len = root._tlru_history_len = 0
+    insert_helper, split_node = cache._insert_helper, cache._split_node
+    heads: set = set()  # nodes made by splits: they copy depths instead
+
+    def insert(node, key, value, priority=0, inserted_len=0):
+        before = set(_nodes(root))
+        out = insert_helper(node, key, value, priority, inserted_len)
+        for new in _nodes(root):
+            if new not in before and new not in heads:
+                new._tlru_history_len = 0  # as UnifiedTreeNode starts
+                raise_history(new, new.parent)
+        return out
+
+    def split(key, child, split_len):
+        head = split_node(key, child, split_len)
+        heads.add(head)
+        head._tlru_cached_prefix_len = head.parent._tlru_cached_prefix_len + split_len
+        head._tlru_history_len = child._tlru_history_len
+        return head
+
+    cache._insert_helper, cache._split_node = insert, split
+
+
+def _nodes(root) -> list:
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out

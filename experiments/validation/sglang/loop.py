@@ -1,108 +1,69 @@
-"""SGLang 0.4.10's non-overlap event loop around its own scheduling objects.
+"""SGLang's non-overlap event loop around its own scheduling objects: what every release does.
 
-`SglangLoop` replays ``Scheduler.event_loop_normal`` (no overlap, one GPU, ``page_size`` 1; no
-mixed chunk, LoRA, HiCache, speculative decoding, grammar, disaggregation) around SGLang's
-SchedulePolicy, PrefillAdder and RadixCache as `experiments.validation.sglang_wheel` loads them.
-Three parts of SGLang cannot be isolated and are re-implemented, each function citing the one it
-mirrors: ``Scheduler`` itself (threads, ZMQ, the TP worker), ``ScheduleBatch`` (tensors and
-sampling state; only its scheduling bookkeeping is kept, `SglBatch`) and ``Req``
-(`sglang_wheel.SglReq`). The token-to-KV allocator (Triton) is a free list (`FreeSlots`) and the
-req-to-token pool a dict of rows (`ReqToTokenPool`).
+`Loop` replays ``Scheduler.event_loop_normal`` (no overlap, one GPU, page size 1,
+non-disaggregated; no mixed chunk, LoRA, HiCache, speculative decoding, grammar, priority
+scheduling, prefill delayer or dynamic chunking: the default server's settings) around the
+release's ``SchedulePolicy``, ``PrefillAdder`` and ``RadixCache`` as `wheel.load` loads them
+(0.5.23's also with the real ``PrefillBudget`` and ``mem_cache/common.py``: ``match_kv_cache``,
+``checkpoint_kv_cache``, ``release_kv_cache``, ``evict_from_tree_cache``). What cannot be
+isolated is re-implemented, each function citing the one it mirrors: the ``Scheduler``
+(threads, ZMQ, the TP worker: ``get_next_batch_to_run``, ``get_new_batch_prefill``,
+``update_running_batch``), ``ScheduleBatch``'s scheduling bookkeeping (`Batch`: ``filter_batch``,
+``merge_batch``, ``prepare_for_extend``, ``prepare_for_decode``, ``retract_decode``), the result
+processing (``process_batch_result_prefill/decode``) and, in `stand_ins`, ``Req`` and the pools.
+The steps both releases take alike are `Loop`'s; where they differ, `release_loops` says how.
+The server arguments that matter: ``max_running_requests`` (0.5.23: also
+``pp_max_micro_batch_size`` and the req-to-token pool's rows), ``max_prefill_tokens``,
+``chunked_prefill_size``, ``schedule_policy``, ``schedule_conservativeness`` 1.0 and the
+new-token-ratio and retraction constants (0.4.10's ``global_config``; 0.5.23's environment
+defaults: ``SGLANG_INIT_NEW_TOKEN_RATIO`` 0.7, ``..._MIN_NEW_TOKEN_RATIO_FACTOR`` 0.14,
+``..._NEW_TOKEN_RATIO_DECAY_STEPS`` 600, ``SGLANG_RETRACT_DECODE_STEPS`` 20,
+``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`` 4096).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from types import SimpleNamespace
 
-import torch
-
-from experiments.validation.sglang.wheel import SglReq
+from experiments.validation.sglang.stand_ins import ForcedReq
 
 
-class FreeSlots:
-    """Stand-in for ``TokenToKVPoolAllocator`` at page_size 1: slots 1..size (0 is SGLang's
-    padding slot), handed out from the front of the free list, freed ones appended."""
-
-    page_size = 1
-    device = torch.device("cpu")
-
-    def __init__(self, size: int) -> None:
-        self.free_slots = deque(range(1, size + 1))
-
-    def available_size(self) -> int:
-        return len(self.free_slots)
-
-    def alloc(self, n: int) -> torch.Tensor | None:
-        if n > len(self.free_slots):
-            return None
-        return torch.tensor([self.free_slots.popleft() for _ in range(n)], dtype=torch.int64)
-
-    def free(self, indices) -> None:
-        self.free_slots.extend(torch.as_tensor(indices).reshape(-1).tolist())
-
-
-class ReqToTokenPool:
-    """Stand-in for ``memory_pool.ReqToTokenPool``: one row of KV slot ids per pool index,
-    read as ``req_to_token[idx, a:b]`` and written with ``write((idx, slice), values)``."""
-
-    def __init__(self, width: int) -> None:
-        self.width, self.rows, self.next = width, {}, 0
-        self.req_to_token = self
-
-    def alloc(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
-        self.next += n
-        for i in out:
-            self.rows[i] = torch.zeros(self.width, dtype=torch.int64)
-        return out
-
-    def free(self, idx: int) -> None:
-        del self.rows[idx]
-
-    def __getitem__(self, key):
-        idx, cols = key
-        return self.rows[idx][cols]
-
-    def write(self, key, values) -> None:
-        idx, cols = key
-        self.rows[idx][cols] = torch.as_tensor(values, dtype=torch.int64)
-
-
-class SglBatch:
+class Batch:
     """What the loop keeps of a ``ScheduleBatch``: its requests, mode and two flags."""
 
-    def __init__(self, kind: str, reqs: list[SglReq], chunked_req: SglReq | None = None) -> None:
+    def __init__(self, kind: str, reqs: list, chunked_req=None) -> None:
         self.kind, self.reqs, self.chunked_req = kind, reqs, chunked_req
         self.batch_is_full = False
 
+    def filter_batch(self, exclude=()) -> None:
+        """ScheduleBatch.filter_batch: keep the unfinished requests not excluded, in order."""
+        self.reqs = [r for r in self.reqs if not r.finished() and r not in exclude]
 
-class SglangLoop:
-    """``Scheduler.event_loop_normal`` over SGLang's SchedulePolicy, PrefillAdder and RadixCache."""
+
+class Loop:
+    """``Scheduler.event_loop_normal`` over SGLang's SchedulePolicy, PrefillAdder and RadixCache:
+    the steps both releases take alike; a subclass per release supplies the rest."""
+
+    filter_running_first = False  # drop the running batch's finished requests before a prefill
+    ratio_budget_pad = 0  # added to the output budget the ratio after a retraction divides by
+    chunk_counter = ""  # the Req field counting a chunked request's middle chunks in flight
 
     def __init__(self, sgl: SimpleNamespace, policy: str, capacity: int, max_running: int,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, width: int) -> None:
-        self.sgl = sgl
-        self.capacity = capacity
-        self.alloc = FreeSlots(capacity)
-        self.req_to_token = ReqToTokenPool(width)
-        self.tree_cache = sgl.radix.RadixCache(req_to_token_pool=self.req_to_token,
-                                               token_to_kv_pool_allocator=self.alloc,
-                                               page_size=1, disable=False)
-        self.policy = sgl.policy.SchedulePolicy(policy, self.tree_cache, False)
+        self.sgl, self.capacity = sgl, capacity
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size
-        gc = sgl.global_config  # Scheduler.__init__, schedule_conservativeness 1.0
-        self.init_ratio = min(gc.default_init_new_token_ratio, 1.0)
-        self.min_ratio = min(self.init_ratio * gc.default_min_new_token_ratio_factor, 1.0)
-        self.ratio_decay = ((self.init_ratio - self.min_ratio)
-                            / gc.default_new_token_ratio_decay_steps)
-        self.retract_steps = gc.retract_decode_steps
+        self.build(policy, width)  # alloc, rows, tree_cache, policy
+        init, min_factor, decay_steps, self.retract_steps = self.ratio_settings()
+        self.init_ratio = min(init, 1.0)  # Scheduler.__init__, schedule_conservativeness 1.0
+        self.min_ratio = min(self.init_ratio * min_factor, 1.0)
+        self.ratio_decay = (self.init_ratio - self.min_ratio) / decay_steps
         self.new_token_ratio = self.init_ratio
-        self.waiting: list[SglReq] = []
-        self.running = SglBatch("decode", [])
-        self.chunked_req: SglReq | None = None
-        self.last_batch: SglBatch | None = None
+        self.processed_tokens = 0
+        self.waiting: list[ForcedReq] = []
+        self.running = Batch("decode", [])
+        self.chunked_req: ForcedReq | None = None
+        self.last_batch: Batch | None = None
         self.steps: list[tuple[str, frozenset]] = []
         self.retractions = 0
         self.stuck = False
@@ -133,68 +94,49 @@ class SglangLoop:
         self.stuck = True
 
     def check_memory(self) -> None:
-        """Scheduler.check_memory: when idle, every KV slot is free or cached and unlocked."""
+        """Scheduler.check_memory: when idle, every KV slot is free or cached and unlocked, and no
+        request holds a row."""
         free, cached = self.alloc.available_size(), self.tree_cache.evictable_size()
-        if free + cached != self.capacity or self.req_to_token.rows:
+        if free + cached != self.capacity or self.rows_held():
             raise RuntimeError(f"SGLang loop leaked memory: {free=} + {cached=} != {self.capacity}")
 
-    def next_batch(self) -> SglBatch | None:
-        """Scheduler.get_next_batch_to_run: merge the last prefill batch, prefill if possible,
-        otherwise decode the running batch."""
+    def next_batch(self) -> Batch | None:
+        """Scheduler.get_next_batch_to_run: cache the chunked request's progress, merge the last
+        prefill batch into the running one, prefill if possible, otherwise decode."""
         exclude = []
-        if self.chunked_req:
+        if self.chunked_req is not None:
             exclude.append(self.chunked_req)
-            self.tree_cache.cache_unfinished_req(self.chunked_req)
-            self.req_to_token.free(self.chunked_req.req_pool_idx)
-        last = self.last_batch
+            self.cache_chunked(self.chunked_req)
+        last, running = self.last_batch, self.running
         if last is not None and last.kind == "prefill":
             if last.chunked_req is not None:
                 exclude.append(last.chunked_req)
             last_bs = len(last.reqs)
-            last.reqs = [r for r in last.reqs if not r.finished() and r not in exclude]
+            last.filter_batch(exclude)
             if len(last.reqs) < last_bs:
-                self.running.batch_is_full = False
-            if last.reqs:
-                if not self.running.reqs:
-                    self.running = last  # the prefill batch object becomes the running batch
+                running.batch_is_full = False
+            if last.reqs and last is not running:
+                if not running.reqs:
+                    running = last  # the prefill batch object becomes the running batch
                 else:
-                    self.running.reqs.extend(last.reqs)  # ScheduleBatch.merge_batch
+                    running.reqs.extend(last.reqs)  # ScheduleBatch.merge_batch
+        if self.filter_running_first:
+            running_bs = len(running.reqs)
+            running.filter_batch()
+            if len(running.reqs) < running_bs:
+                running.batch_is_full = False
+        self.running = running
         batch = self.new_prefill()
         if batch is not None:
             return batch
         if self.running.reqs:
-            self.running = self.update_running(self.running)
-            return self.running if self.running.reqs else None
+            decode = self.update_running(self.running)
+            return decode if decode.reqs else None
         return None
 
-    def new_prefill(self) -> SglBatch | None:
-        """Scheduler.get_new_batch_prefill, then ScheduleBatch.prepare_for_extend."""
-        running = self.running
-        if (running.batch_is_full or not self.waiting) and self.chunked_req is None:
-            return None
-        running_bs = len(running.reqs)
-        allocatable = self.max_running - running_bs  # get_num_allocatable_reqs
-        if allocatable <= 0 and not self.chunked_req:
-            running.batch_is_full = True
-            return None
-        self.policy.calc_priority(self.waiting)
-        adder = self.sgl.policy.PrefillAdder(1, self.tree_cache, self.alloc, running,
-                                             self.new_token_ratio, self.max_prefill_tokens,
-                                             self.chunked_prefill_size, 0)
-        if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input()
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        result = self.sgl.policy.AddReqResult
-        for req in self.waiting:
-            if len(adder.can_run_list) >= allocatable:
-                running.batch_is_full = True
-                break
-            req.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(req, has_chunked_req=self.chunked_req is not None)
-            if res != result.CONTINUE:
-                if res == result.NO_TOKEN:
-                    running.batch_is_full = True
-                break
+    def prefill_batch(self, adder) -> Batch | None:
+        """The end of get_new_batch_prefill: the adder's requests leave the queue, a request it
+        chunked becomes the chunked request, and the batch is prepared for extend."""
         if not adder.can_run_list:
             return None
         admitted = set(adder.can_run_list)
@@ -202,115 +144,80 @@ class SglangLoop:
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None
             self.chunked_req = adder.new_chunked_req
-        if self.chunked_req:
-            self.chunked_req.is_chunked += 1
-        batch = SglBatch("prefill", adder.can_run_list, self.chunked_req)
+        if self.chunked_req is not None:  # one more middle chunk in flight
+            c = self.chunked_req
+            setattr(c, self.chunk_counter, getattr(c, self.chunk_counter) + 1)
+        batch = Batch("prefill", adder.can_run_list, self.chunked_req)
         self.prepare_for_extend(batch)
         return batch
 
-    def prepare_for_extend(self, batch: SglBatch) -> None:
-        """ScheduleBatch.prepare_for_extend: a req-pool row per request holding its prefix, then
-        one allocation for all new tokens (alloc_token_slots)."""
-        for req, idx in zip(batch.reqs, self.req_to_token.alloc(len(batch.reqs))):
-            req.req_pool_idx = idx
-            pre = len(req.prefix_indices)
-            assert len(req.fill_ids) - pre == req.extend_input_len
-            if pre:
-                self.req_to_token.write((idx, slice(0, pre)), req.prefix_indices)
-            if req.first_hit is None:
-                req.first_hit = pre
-        slots = self.alloc_slots(sum(r.extend_input_len for r in batch.reqs))
-        at = 0
-        for req in batch.reqs:
-            pre, n = len(req.prefix_indices), req.extend_input_len
-            self.req_to_token.write((req.req_pool_idx, slice(pre, pre + n)), slots[at : at + n])
-            req.kv_len = pre + n
-            at += n
-
-    def alloc_slots(self, n: int) -> torch.Tensor:
-        """ScheduleBatch.alloc_token_slots: evict ``n`` tokens (not the shortfall) when fewer than
-        ``n`` are free (_evict_tree_cache_if_needed); out of memory is an error."""
-        if self.alloc.available_size() < n:
-            self.tree_cache.evict(n)
-        slots = self.alloc.alloc(n)
-        if slots is None:
-            raise RuntimeError(f"SGLang would run out of memory allocating {n} tokens")
-        return slots
-
-    def update_running(self, batch: SglBatch) -> SglBatch:
-        """Scheduler.update_running_batch: drop finished requests, retract if one more token each
-        does not fit (ScheduleBatch.check_decode_mem), else decay the ratio; prepare_for_decode."""
+    def update_running(self, batch: Batch) -> Batch:
+        """Scheduler.update_running_batch: drop finished requests, retract while the step does
+        not fit (ScheduleBatch.check_decode_mem), else decay the ratio; prepare_for_decode."""
         initial_bs = len(batch.reqs)
-        batch.reqs = [r for r in batch.reqs if not r.finished()]
+        batch.filter_batch()
         if not batch.reqs:
             batch.batch_is_full = False
             return batch
-        bs = len(batch.reqs)
-        if self.alloc.available_size() < bs:  # check_decode_mem
-            self.tree_cache.evict(bs)
-        if self.alloc.available_size() < bs:
+        if not self.decode_fits(len(batch.reqs)):
             retracted = self.retract_decode(batch)
-            self.waiting.extend(retracted)  # _extend_requests_to_queue: to the back of the queue
             self.retractions += len(retracted)
+            for req in retracted:  # _add_request_to_queue(is_retracted=True): to the back
+                req.arrival_processed_tokens = self.processed_tokens  # (read by 0.5.23 only)
+                self.waiting.append(req)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.ratio_decay, self.min_ratio)
         if len(batch.reqs) < initial_bs:
             batch.batch_is_full = False
-        batch.kind = "decode"  # ScheduleBatch.prepare_for_decode
-        for req, slot in zip(batch.reqs, self.alloc_slots(len(batch.reqs))):
-            at = slice(req.kv_len, req.kv_len + 1)
-            self.req_to_token.write((req.req_pool_idx, at), slot[None])
-            req.kv_len += 1
+        if not batch.reqs:
+            return batch
+        batch.kind = "decode"
+        self.prepare_for_decode(batch)
         return batch
 
-    def retract_decode(self, batch: SglBatch) -> list[SglReq]:
+    def retract_decode(self, batch: Batch) -> list[ForcedReq]:
         """ScheduleBatch.retract_decode: retract the requests with the fewest outputs (then the
-        longest prompt) until ``retract_decode_steps`` tokens per remaining request are free."""
+        longest prompt) until the rest's next step fits, each releasing its KV and evicting for
+        ``retract_decode_steps`` tokens per request left; the ratio then follows what is left."""
         order = sorted(range(len(batch.reqs)), reverse=True,
                        key=lambda i: (len(batch.reqs[i].output_ids),
                                       -len(batch.reqs[i].origin_input_ids)))
         retracted, first = [], True
-        while self.alloc.available_size() < len(order) * self.retract_steps or first:
+        while first or self.must_retract(len(order)):
             if len(order) == 1:
-                if self.alloc.available_size() <= 0:
-                    raise RuntimeError("SGLang would fail its 'no space left for only one "
-                                       "request' assert")
+                self.check_last_request()
                 break
             first = False
             req = batch.reqs[order.pop()]
-            retracted.append(req)
-            uncached = slice(len(req.prefix_indices), req.kv_len)
-            self.alloc.free(self.req_to_token[req.req_pool_idx, uncached])
-            self.req_to_token.free(req.req_pool_idx)
-            self.tree_cache.dec_lock_ref(req.last_node)
-            need = len(order) * self.retract_steps
-            if self.alloc.available_size() < need:
-                self.tree_cache.evict(need)
+            self.release_retracted(req, len(order) * self.retract_steps)
             req.reset_for_retract()
+            retracted.append(req)
         batch.reqs = [batch.reqs[i] for i in order]  # filter_batch(keep_indices=...) reorders
         decoded = sum(len(r.output_ids) for r in batch.reqs)
         budget = sum(r.sampling_params.max_new_tokens for r in batch.reqs)
-        self.new_token_ratio = min(1.0, (decoded + self.retract_steps * len(batch.reqs)) / budget)
+        self.new_token_ratio = min(1.0, (decoded + self.retract_steps * len(batch.reqs))
+                                   / (budget + self.ratio_budget_pad))
         return retracted
 
-    def process_prefill(self, batch: SglBatch) -> None:
+    def process_prefill(self, batch: Batch) -> None:
         """process_batch_result_prefill: a request whose fill is done takes its token and is
-        cached (finished) or re-cached (unfinished); a chunk only counts down ``is_chunked``."""
+        cached (finished) or its progress cached (unfinished); a middle chunk only counts down."""
         for req in batch.reqs:
-            if req.is_chunked > 0:
-                req.is_chunked -= 1
+            chunks = getattr(req, self.chunk_counter)
+            if chunks > 0:
+                setattr(req, self.chunk_counter, chunks - 1)
                 continue
             req.output_ids.append(req.next_token())
-            req.check_finished()
+            req.finish_by_length()
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                self.cache_finished(req)
             else:
-                self.tree_cache.cache_unfinished_req(req)
+                self.cache_unfinished(req)
 
-    def process_decode(self, batch: SglBatch) -> None:
+    def process_decode(self, batch: Batch) -> None:
         """process_batch_result_decode: one token each; finished requests are cached."""
         for req in batch.reqs:
             req.output_ids.append(req.next_token())
-            req.check_finished()
+            req.finish_by_length()
             if req.finished():
-                self.tree_cache.cache_finished_req(req)
+                self.cache_finished(req)

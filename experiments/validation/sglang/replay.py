@@ -1,40 +1,40 @@
-"""(c) of `experiments.validation.sglang`: our replay backend with pages against SGLang 0.4.10's RadixCache.
+"""(c) of the SGLang check: our replay backend with pages against SGLang's own RadixCache.
 
 One request at a time, in list order, both sides see the same requests:
 
-- **ours**: `testbed.replay.replay` over ``RadixCache(capacity, page_size=P)`` exactly as the
-  backend runs it (acquire the whole prompt; evict the shortfall of the whole new pages; extend by
-  the rest of prompt+output; release inserting prompt+output).
-- **SGLang**: its own ``RadixCache(req_to_token_pool, token_to_kv_pool_allocator, page_size=P)``
-  (imported by `sglang_wheel.load`, ``time.monotonic`` a counter) served the way its scheduler
-  serves a lone request, collapsed into one allocation as our replay does (`serve_sglang`):
-  ``match_prefix`` of ``Req.adjust_max_prefix_ids`` (the prompt minus its last token; page-aligned
-  by ``match_prefix``), ``inc_lock_ref`` (``PrefillAdder.add_one_req``), then
-  ``ScheduleBatch._evict_tree_cache_if_needed`` with the size ``alloc_paged_token_slots_extend``
-  asks for (``alloc_token_slots`` at page size 1), whole new pages from `PagedSlots` (a stand-in
-  for ``PagedTokenToKVPoolAllocator``: its Triton kernels need a GPU), and its own
-  ``cache_finished_req``, which caches prompt+output minus the last output token (that token's KV
-  is never computed), frees the unaligned tail page and the duplicate prefix.
+- **ours**: `testbed.replay.replay` over ``RadixCache(capacity, page_size=P, sglang=release)``
+  exactly as the backend runs it (acquire the whole prompt; evict the shortfall of the whole new
+  pages; extend by the rest of prompt+output; release inserting prompt+output);
+- **SGLang**: the release's own RadixCache served the way its scheduler serves a lone request,
+  collapsed into one allocation as our replay does (`tree_serving.serve` says through which
+  calls), at the release's page sizes (`PAGE_SIZES`).
 
-Compared per request: the hit (cached tokens) and the tokens evicted; and the tokens left in the
-tree. Three rules of SGLang differ from replay.py by design (`RULES`); our cache is also driven
-with all of them switched to SGLang's, which isolates the tree code itself (LRU order included),
-and with all but one, which shows what that one rule alone changes (`serve_ours`). A control runs
-ours with all of SGLang's rules but FIFO eviction: where it agrees too, no eviction in the case
-depended on the order (the small generator workloads mostly never use an entry after its
-creation), so only the cases where it disagrees test LRU.
+Cases (`cases`): small ``random_tree``, ``chat`` and ``few_shot`` workloads, random token runs
+and, when `experiments.MOONCAKE_TRACE` is there, the first 2,000 requests of the Mooncake
+conversation trace; each unlimited, evicting and tight (`capacities`). Compared per request: the
+hit (cached tokens) and the tokens evicted; and the tokens left in the tree. Three rules of
+SGLang's serving differ from replay.py by design (`RULES`: the match leaves the prompt's last
+token out; the last output token is never cached; eviction asks for the whole allocation, or for
+0.5.23 its shortfall, plus a page); our cache is also driven with all of them switched to
+SGLang's, which isolates the tree code itself (LRU order included), and with all but one, which
+shows what that one rule alone changes (`serve_ours`). A control runs ours with all of SGLang's
+rules but FIFO eviction: where it agrees too, no eviction in the case depended on the order (the
+small generator workloads mostly never use an entry after its creation), so only the cases where
+it disagrees test LRU. Where the release has other eviction strategies its classic tree runs
+alone (`STRATEGIES`), they replay random token runs with priorities too (`check_strategies`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
-import torch
 
 from experiments import MOONCAKE_TRACE
+from experiments.validation.sglang import tree_serving
+from experiments.validation.sglang.tree_serving import serve
 
 # Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
 # raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
@@ -42,24 +42,40 @@ from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads import generate
-from testbed.workloads.traces import load_trace
 from testbed.workloads.request import TOKEN_DTYPE, Request
+from testbed.workloads.traces import load_trace
 
-PAGE_SIZES = (1, 4, 16)
-# Where SGLang's serving differs from replay.py: (rule, what SGLang does, where).
+# Where SGLang's serving differs from replay.py, per release: (rule, what SGLang does, where).
+LIMIT = ("matches the prompt minus its last token (one token is always computed, for the "
+         "logits)")
+KV = ("caches prompt+output minus the last output token, whose KV is never computed; the "
+      "request holds that many slots")
 RULES = {
-    "limit": ("matches the prompt minus its last token (one token is always computed, for the "
-              "logits)", "Req.adjust_max_prefix_ids"),
-    "kv": ("caches prompt+output minus the last output token, whose KV is never computed; the "
-           "request holds that many slots", "RadixCache.cache_finished_req"),
-    "evict": ("evicts the whole allocation, not the shortfall, whenever the free pages do not "
-              "cover it, plus one page of headroom per request at page size > 1",
-              "ScheduleBatch._evict_tree_cache_if_needed <- alloc_paged_token_slots_extend"),
+    "0.4.10": {
+        "limit": (LIMIT, "Req.adjust_max_prefix_ids"),
+        "kv": (KV, "RadixCache.cache_finished_req"),
+        "evict": ("evicts the whole allocation, not the shortfall, whenever the free pages do "
+                  "not cover it, plus one page of headroom per request at page size > 1",
+                  "ScheduleBatch._evict_tree_cache_if_needed <- alloc_paged_token_slots_extend"),
+    },
+    "0.5.23": {
+        "limit": (LIMIT, "Req._compute_max_prefix_len"),
+        "kv": (KV, "release_kv_cache -> RadixCache.checkpoint up to Req.owned_kv_len"),
+        "evict": ("evicts the shortfall of the extend plus one page per request at page size "
+                  "> 1 (at page size 1 the shortfall of the extend, as replay.py)",
+                  "alloc_paged_token_slots_extend -> "
+                  "BaseTokenToKVPoolAllocator.evict_to_free_tokens"),
+    },
 }
-ALL = tuple(RULES)
+ALL = tree_serving.RULES
 FIFO_CONTROL = ALL + ("fifo",)  # all SGLang's, FIFO for LRU: does the case test the order at all?
 # replay.py as is; every rule SGLang's but one (what that rule alone changes); all SGLang's.
-VARIANTS = ((), *(tuple(k for k in RULES if k != but) for but in RULES), ALL, FIFO_CONTROL)
+VARIANTS = ((), *(tuple(k for k in ALL if k != but) for but in ALL), ALL, FIFO_CONTROL)
+# 0.5.23: the pages issue 32 asks for
+PAGE_SIZES = {"0.4.10": (1, 4, 16), "0.5.23": (1, 16)}
+# Strategies besides LRU the release's classic tree runs alone (0.5.23's T-LRU needs the unified
+# tree's bookkeeping: `eviction` checks its order)
+STRATEGIES = {"0.4.10": (), "0.5.23": ("lfu", "slru", "priority", "fifo", "mru", "filo")}
 # Small instances of the project's generators with odd lengths, so pages cut runs mid-way.
 WORKLOADS = {
     "random_tree": dict(num_requests=150, root_prob=0.1, max_burst=4, root_len=61, segment_len=13,
@@ -71,116 +87,8 @@ WORKLOADS = {
 }
 
 
-class PagedSlots:
-    """Stand-in for ``PagedTokenToKVPoolAllocator`` (``TokenToKVPoolAllocator`` at page size 1)
-    without its Triton kernels, on numpy: pages ``1..num_pages`` (page 0 holds SGLang's padding
-    slot), page ``p`` the slots ``p*P .. p*P+P-1``; new pages come from the front of
-    ``free_pages``, freed ones go to ``release_pages`` (every page one of the given slots lies in:
-    ``torch.unique(free_index // page_size)``) and are merged back, sorted, when ``free_pages``
-    runs short (``merge_and_sort_free``)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.free_pages = np.arange(1, num_pages + 1, dtype=np.int64)
-        self.release_pages = np.zeros(0, dtype=np.int64)
-
-    def available_size(self) -> int:
-        return (len(self.free_pages) + len(self.release_pages)) * self.page_size
-
-    def alloc_extend(self, prefix_len: int, seq_len: int) -> torch.Tensor | None:
-        """``alloc_extend`` for one request whose prefix is whole pages: the slots of tokens
-        ``prefix_len .. seq_len`` in ``ceil(seq_len/P) - prefix_len/P`` new pages."""
-        p = self.page_size
-        pages = -(-seq_len // p) - prefix_len // p
-        if pages > len(self.free_pages):
-            self.free_pages = np.sort(np.concatenate([self.free_pages, self.release_pages]))
-            self.release_pages = self.release_pages[:0]
-        if pages > len(self.free_pages):
-            return None
-        firsts, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
-        slots = (firsts[:, None] * p + np.arange(p)).reshape(-1)[: seq_len - prefix_len]
-        return torch.from_numpy(slots)
-
-    def free(self, indices: torch.Tensor) -> None:
-        if indices.numel():
-            pages = np.unique(indices.numpy() // self.page_size)
-            self.release_pages = np.concatenate([pages, self.release_pages])
-
-
-class OneRow:
-    """Stand-in for ``ReqToTokenPool`` when one request runs at a time: row 0, reused, read as
-    ``req_to_token[idx, a:b]``."""
-
-    def __init__(self, width: int) -> None:
-        self.row = torch.zeros(width, dtype=torch.int64)
-        self.req_to_token = self
-
-    def __getitem__(self, key):
-        return self.row[key[1]]
-
-    def free(self, idx: int) -> None:
-        """The request is done; the row is overwritten by the next one."""
-
-
-def serve_sglang(sgl, requests: list[Request], page_size: int,
-                 capacity: int | None) -> tuple[list[int], list[int], int, list]:
-    """SGLang's RadixCache serving ``requests`` one at a time (module docstring). Returns per
-    request the hit and the tokens evicted, the tokens left in the tree and its `sglang_runs`."""
-    kv_lens = [len(r.prompt) + len(r.output) - 1 for r in requests]
-    pages = (sum(-(-n // page_size) + 1 for n in kv_lens) if capacity is None  # never evicts
-             else capacity // page_size)
-    alloc = PagedSlots(pages, page_size)
-    rows = OneRow(max(kv_lens) + 1)
-    tree = sgl.radix.RadixCache(req_to_token_pool=rows, token_to_kv_pool_allocator=alloc,
-                                page_size=page_size, disable=False)
-    hits, evicted = [], []
-    for r, kv_len in zip(requests, kv_lens):
-        if -(-kv_len // page_size) > pages:
-            raise ValueError(f"{r.id} ({kv_len} tokens of KV) does not fit {pages} pages")
-        prompt = r.prompt.tolist()
-        match = tree.match_prefix(key=prompt[: len(prompt) - 1])  # Req.adjust_max_prefix_ids
-        prefix = match.device_indices
-        tree.inc_lock_ref(match.last_device_node)  # PrefillAdder.add_one_req
-        n = kv_len - len(prefix)
-        need = n + (page_size if page_size > 1 else 0)  # alloc_paged_token_slots_extend, bs 1
-        before = tree.evictable_size()
-        if alloc.available_size() < need:  # ScheduleBatch._evict_tree_cache_if_needed
-            tree.evict(need)
-        evicted.append(before - tree.evictable_size())
-        slots = alloc.alloc_extend(len(prefix), kv_len)
-        if slots is None:
-            raise RuntimeError(f"{r.id}: SGLang would run out of memory allocating {n} tokens")
-        rows.row[: len(prefix)] = prefix  # prepare_for_extend: the prefix, then the new slots
-        rows.row[len(prefix) : kv_len] = slots
-        hits.append(len(prefix))
-        req = SimpleNamespace(origin_input_ids=prompt, output_ids=r.output.tolist(),
-                              req_pool_idx=0, prefix_indices=prefix,
-                              last_node=match.last_device_node)
-        tree.cache_finished_req(req)
-    return hits, evicted, tree.total_size(), sglang_runs(tree)
-
-
-def sglang_runs(tree) -> list[tuple[int, int, int]]:
-    """Every node of SGLang's tree as (tokens before it, its length, a hash of its tokens),
-    sorted: equal for two trees holding the same runs at the same depths."""
-    out, stack = [], [(child, 0) for child in tree.root_node.children.values()]
-    while stack:
-        node, start = stack.pop()
-        out.append((start, len(node.key), hash(key_tokens(node.key).tobytes())))
-        stack.extend((child, start + len(node.key)) for child in node.children.values())
-    return sorted(out)
-
-
-def key_tokens(key) -> np.ndarray:
-    """A node key's tokens, whichever release's key it is (0.4.10: a list; 0.5.23: a RadixKey)."""
-    tokens = key.token_ids[: len(key)] if hasattr(key, "token_ids") else key
-    return np.asarray(tokens, dtype=TOKEN_DTYPE)
-
-
 def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
-               rules: tuple[str, ...] = (), release: str = "0.4.10", eviction: str | None = None
+               rules: tuple[str, ...], release: str, eviction: str | None = None
                ) -> tuple[list[int], list[int], int, list]:
     """Our RadixCache (following ``release``'s rules, ``scheduler.sglang``) through replay.py's
     calls, with the named `RULES` switched to that SGLang release's (and FIFO eviction for
@@ -259,24 +167,21 @@ def cases(quick: bool) -> list[tuple[str, list[list[Request]]]]:
     return out
 
 
-def capacities(requests: list[Request]) -> dict[str, int | None]:
+def capacities(requests: list[Request], release: str) -> dict[str, int | None]:
     """Unlimited; half the distinct tokens (those an unlimited cache ends with); barely more than
     the longest request. Multiples of 16, so every page size takes them whole."""
-    distinct = serve_ours(requests, 1, None)[2]
+    distinct = serve_ours(requests, 1, None, (), release)[2]
     tight = -(-(max(len(r.prompt) + len(r.output) for r in requests) + 64) // 16) * 16
     return {"unlimited": None, "evict": max(tight, distinct // 2 // 16 * 16), "tight": tight}
 
 
-def check_replay(sgl, quick: bool, show: int, release: str = "0.4.10",
-                 serve_theirs=serve_sglang, page_sizes: tuple[int, ...] = PAGE_SIZES
-                 ) -> list[dict]:
-    """Rows of (c): per case, page size and capacity, the agreement of every variant; ours
-    follows ``release``'s rules, SGLang's side is ``serve_theirs`` (0.4.10's `serve_sglang`,
-    or `sglang_replay523.serve_sglang523`)."""
-    rows = []
+def check_replay(sgl, quick: bool, show: int) -> list[dict]:
+    """Rows of (c): per case, page size (`PAGE_SIZES`) and capacity, the agreement of every
+    variant; ours follows the loaded release's rules, SGLang's side is `tree_serving.serve`."""
+    release, rows = sgl.version, []
     for name, traces in cases(quick):
-        caps = [capacities(t) for t in traces]
-        for p in page_sizes:
+        caps = [capacities(t, release) for t in traces]
+        for p in PAGE_SIZES[release]:
             for level in ("unlimited", "evict", "tight"):
                 row = {"case": name, "page": p, "level": level, "reqs": 0, "traces": 0,
                        "replay_ok": True,
@@ -284,7 +189,7 @@ def check_replay(sgl, quick: bool, show: int, release: str = "0.4.10",
                        **{v: dict(hits=0, evicted=0, both=0, tree=[0, 0], same=0)
                           for v in VARIANTS}}
                 for trace, cap in zip(traces, caps):
-                    theirs = serve_theirs(sgl, trace, p, cap[level])
+                    theirs = serve(sgl, trace, p, cap[level])
                     records = replay(trace, RadixCache(cap[level], page_size=p, sglang=release))
                     as_is = ([r.cached_tokens for r in records],
                              [r.evicted_tokens for r in records])
@@ -330,8 +235,8 @@ def print_replay(rows: list[dict]) -> None:
     for r in rows:
         cap = r["level"] if r["cap"] is None else f"{r['level']}={r['cap']}"
         a, s = r[()], r[ALL]
-        but = "  ".join(f"{r[tuple(k for k in RULES if k != b)]['both']:>{max(len(b), 4)}}"
-                        for b in RULES)
+        but = "  ".join(f"{r[tuple(k for k in ALL if k != b)]['both']:>{max(len(b), 4)}}"
+                        for b in ALL)
         print(f"{r['case']:<{width}}  {r['page']:>2}  {cap:<16} {r['reqs']:>4} | {a['hits']:>21}"
               f"  {a['evicted']:>8}  {'%d/%d' % tuple(a['tree']):<17} | {'':>17}{but} | "
               f"{s['hits']:>18}  {s['evicted']:>8}  {r[FIFO_CONTROL]['both']:>10}  "
@@ -354,6 +259,72 @@ def summary(rows: list[dict]) -> str:
             f"{sum(r['reqs'] for r in ordered)} requests)")
 
 
-def print_rules(rules: dict = RULES) -> None:
-    for k, (what, where) in rules.items():
+def per_page(rows: list[dict]) -> str:
+    """Per page size, with SGLang's three rules: requests replayed, identical (hit and evicted
+    tokens), differing; final trees the same."""
+    out = []
+    for p in dict.fromkeys(r["page"] for r in rows):
+        mine = [r for r in rows if r["page"] == p]
+        reqs = sum(r["reqs"] for r in mine)
+        same = sum(r[ALL]["both"] for r in mine)
+        trees = sum(r[ALL]["same"] for r in mine)
+        out.append(f"page {p}: {reqs} requests replayed, {same} identical, {reqs - same} "
+                   f"differing, the same final tree in {trees}/{sum(r['traces'] for r in mine)}")
+    return "; ".join(out)
+
+
+def all_agree(rows: list[dict]) -> bool:
+    """Whether, with SGLang's three rules, every request's hit and eviction and every final
+    tree agree, and our rule-less driver is replay.py."""
+    return all(r[ALL]["both"] == r["reqs"] and r[ALL]["same"] == r["traces"] and r["replay_ok"]
+               for r in rows)
+
+
+def check_strategies(sgl, quick: bool) -> dict[str, list[int]]:
+    """Replay under every strategy in `STRATEGIES`, with SGLang's three rules: random token runs
+    (`random_runs`, each request a random priority 0-2: lower more urgent ours, negated for
+    SGLang) at the evicting and tight capacities, at the release's page sizes. Per strategy:
+    [requests agreeing (hit and evicted tokens), requests, final trees the same, trees]."""
+    release = sgl.version
+    rng = np.random.default_rng(0)
+    traces = [[dataclasses.replace(r, priority=int(rng.integers(0, 3)))
+               for r in random_runs(seed)] for seed in range(1 if quick else 4)]
+    out = {}
+    for strategy in STRATEGIES[release]:
+        counts = out[strategy] = [0, 0, 0, 0]
+        for trace in traces:
+            caps = capacities(trace, release)
+            for page in PAGE_SIZES[release]:
+                for level in ("evict", "tight"):
+                    theirs = serve(sgl, trace, page, caps[level], eviction=strategy)
+                    ours = serve_ours(trace, page, caps[level], ALL, release, strategy)
+                    counts[0] += sum(o == t for o, t in zip(zip(*ours[:2]), zip(*theirs[:2])))
+                    counts[1] += len(trace)
+                    counts[2] += ours[3] == theirs[3]
+                    counts[3] += 1
+    return out
+
+
+def report(sgl, quick: bool, show: int) -> tuple[bool, str]:
+    """Run and print (c) for the loaded release; returns whether all agree and the summary."""
+    release, pages = sgl.version, [str(p) for p in PAGE_SIZES[sgl.version]]
+    print(f"\n(c) replay with pages {', '.join(pages[:-1])} and {pages[-1]}, one request at a "
+          f"time ({'quick' if quick else 'full'}), ours with scheduler.sglang={release}: hits=, "
+          "evicted=: requests whose hit, tokens evicted agree; both=: requests where both agree; "
+          f"tree o/s: tokens left in the tree, ours/SGLang. SGLang {release}'s rules that "
+          "replay.py does not follow:")
+    for k, (what, where) in RULES[release].items():
         print(f"  {k}: SGLang {what} ({where})")
+    rows = check_replay(sgl, quick, show)
+    print()
+    print_replay(rows)
+    lines = [summary(rows), per_page(rows)]
+    strategies = check_strategies(sgl, quick)
+    agree = all_agree(rows) and all(c[0] == c[1] and c[2] == c[3] for c in strategies.values())
+    if strategies:
+        line = ", ".join(f"{s} {c[0]}/{c[1]} ({c[2]}/{c[3]} trees)" for s, c in strategies.items())
+        print(f"other strategies, random token runs with priorities, pages {' and '.join(pages)}, "
+              f"evicting and tight capacities, with {release}'s three rules: requests agreeing "
+              f"{line}")
+        lines.append(f"(c) other strategies: {line}")
+    return agree, "\n           ".join(lines)
