@@ -1,6 +1,6 @@
 """``scheduler=vllm``: vLLM V1's scheduler over the block cache (docs/design.md §4), as exact step
 sequences on hand-made cases. Each step is listed as ``(request, context, new)`` per entry, in
-the order the scheduler put them. (Against vLLM's own code: experiments/validation/vllm_scheduler.py.)
+the order the scheduler put them. (Against vLLM's own code: experiments/validation/vllm/scheduler.py.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""experiments/validation/vs_vllm.py's pure helpers (the vLLM runs themselves need its venv and
-minutes of warm-up: `python -m experiments.validation.vs_vllm`, docs/results/vs_vllm.md)."""
+"""experiments/validation/vllm/caching.py's pure helpers (the vLLM runs themselves need its venv and
+minutes of warm-up: `python -m experiments.validation.vllm.caching`, docs/results/vs_vllm.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.validation import vs_vllm
+from experiments.validation.vllm import caching as vs_vllm
 from testbed.assembly import compose_config
 from testbed.execute import execute
 
@@ -129,7 +129,7 @@ def test_the_as_ran_trace_sends_the_first_wave_when_the_client_sent_it():
 
 
 def test_latency_rounds_are_summarized_as_medians_with_vllms_spread():
-    from experiments.validation.vllm_latency import METRICS, summarize_rounds
+    from experiments.validation.vllm.latency import METRICS, summarize_rounds
     runs = pd.DataFrame([{"workload": "w", "loop": 4, "round": r, "held_out": True,
                           "requests": 10, "failed": 0, "step_mape": mape,
                           "ttft_request_err": err,

@@ -34,8 +34,8 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
-from experiments.validation import vs_vllm
-from experiments.validation.vllm_latency import HELD_OUT, TRAIN
+from experiments.validation.vllm import caching as vs_vllm
+from experiments.validation.vllm.latency import HELD_OUT, TRAIN
 from experiments.benchmarks.served_step import near, own_decode_ms, steps_recorded, steps_since
 from testbed.server_steps import read_run, recover_steps, usable
 

@@ -14,14 +14,14 @@ replica served), failed calls, and the replicas' steps as they timed them (``/de
 the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
 loops took and the time they waited for a core on this shared 2-core machine); and the simulator's run of the calls as they ran (the prompts
 the replicas tokenized, the outputs they returned, the workload's programs and closed loop:
-`experiments.validation.vs_vllm.as_ran_trace`) with the same policy (smg's: ``cache_aware`` at
+`experiments.validation.vllm.caching.as_ran_trace`) with the same policy (smg's: ``cache_aware`` at
 smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
 (conf/calibration/smollm2_135m_cpu.yaml).
 
 Workloads: ``chat``: multi-tenant chat (``workload=chat_tenants`` scaled to this CPU: 8 tenants
 with 384-token system prompts, 16 sessions of 3 turns, 6 sessions at once); ``mooncake``: the
 first requests of the Mooncake conversation trace (prompts cut to 1,024 tokens, outputs to 16,
-ids remapped into SmolLM2's vocabulary as `experiments.validation.vs_vllm` does), 4 at once.
+ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` does), 4 at once.
 
     python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
@@ -50,7 +50,7 @@ import pandas as pd
 
 from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
-from experiments.validation import vs_vllm
+from experiments.validation.vllm import caching as vs_vllm
 
 SMG_VERSION = "1.13.0"
 MODEL = "smollm2_135m"

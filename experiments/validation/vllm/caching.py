@@ -22,9 +22,9 @@ Each case's workload is driven by ``backend=server`` (forced lengths: ``ignore_e
   workload's forced ids, all distinct, where vLLM's greedy outputs are equal for equal prompts
   (tree-of-thought's sibling thoughts), which a later prompt that splices them in then shares.
 
-    python -m experiments.validation.vs_vllm [--workload sharegpt_chat ...] [--loops 4 16]
+    python -m experiments.validation.vllm.caching [--workload sharegpt_chat ...] [--loops 4 16]
         [--block-size 32] [--blocks 512] [--out DIR] [--cache-dir DIR]
-    python -m experiments.validation.vs_vllm setup   # the venv only
+    python -m experiments.validation.vllm.caching setup   # the venv only
 
 Writes ``vs_vllm.csv`` (one row per case) and prints the table; exits 1 when a case misses.
 Results: docs/results/vs_vllm.md.
@@ -399,7 +399,7 @@ def mooncake_words(source: str, out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vs_vllm",
+    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vllm.caching",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("what", nargs="?", choices=["run", "setup", "serve"], default="run",
                     help="setup: the venv only; serve: start vLLM and keep it until stopped")

@@ -1,6 +1,6 @@
 """Does the simulator predict a live vLLM's latencies? Fit on some workloads, predict others.
 
-vLLM 0.32 on this CPU (`experiments.validation.vs_vllm` sets up its venv and serves it) runs
+vLLM 0.32 on this CPU (`experiments.validation.vllm.caching` sets up its venv and serves it) runs
 training workloads (ShareGPT chat in loops of 4 and 16, and of 32 with 32 conversations;
 self-consistency, whose samples decode under a shared prefix) and held-out ones (single-turn
 ShareGPT, tree-of-thought, few-shot in text) through ``backend=server``, each in closed loops
@@ -22,7 +22,7 @@ then see the same drift). Then:
    floor), with the median over requests of each request's TTFT error, and each recovered step of
    every run is predicted by the fitted model (step MAPE).
 
-    python -m experiments.validation.vllm_latency [--url URL] [--loops 4 16] [--rounds 3]
+    python -m experiments.validation.vllm.latency [--url URL] [--loops 4 16] [--rounds 3]
         [--out DIR]
 
 Writes ``latency.csv`` (one row per workload and loop), ``runs.csv`` (one per run), ``steps.csv``
@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from experiments import REPO, entry
-from experiments.validation import vs_vllm
+from experiments.validation.vllm import caching as vs_vllm
 from testbed.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
@@ -198,7 +198,7 @@ def plot(table: pd.DataFrame, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vllm_latency",
+    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vllm.latency",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--loops", nargs="+", type=int, default=[4, 16])
     ap.add_argument("--rounds", type=int, default=3)

@@ -32,8 +32,8 @@ hashed draft shows as a prefix no request has. Then each request's hit at its fi
 the final free queue and the outputs. Exit code 0 when every case agrees, 1 otherwise, 2 when
 vLLM cannot be had.
 
-    python -m experiments.validation.vllm_spec_blocks [--cases N] [--cache-dir DIR]  # 1,000
-    python -m experiments.validation.vllm_spec_blocks --quick                        # 100
+    python -m experiments.validation.vllm.spec_blocks [--cases N] [--cache-dir DIR]  # 1,000
+    python -m experiments.validation.vllm.spec_blocks --quick                        # 100
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.validation import vllm_wheel
-from experiments.validation.vllm_scheduler import MAX_STEPS, Case, check_args, load_wheel, make_case
+from experiments.validation.vllm import wheel as vllm_wheel
+from experiments.validation.vllm.scheduler import MAX_STEPS, Case, check_args, load_wheel, make_case
 from testbed.cache.block_hash import BlockHashCache
 from testbed.scheduler.speculative import SpeculativeConfig
 from testbed.scheduler.vllm import VllmScheduler
@@ -226,7 +226,7 @@ def main() -> int:
     print(f"vLLM {vllm_wheel.VERSION} from {v.root}: its Scheduler, KVCacheManager, BlockPool and "
           "Request, driven with drafts (spec_token_ids, update_draft_token_ids); stand-ins: the "
           "VllmConfig (no speculative_config: no CUDA-graph padding), structured output "
-          "(experiments/validation/vllm_wheel.py)\n")
+          "(experiments/validation/vllm/wheel.py)\n")
     n = args.cases
     rng = np.random.default_rng(args.seed)
     start = time.time()

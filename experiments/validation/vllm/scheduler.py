@@ -17,8 +17,8 @@ admission; and at the end the free queue (block ids, head first: vLLM's are ours
 keeps block 0) and which blocks still hold a hash. Exit code 0 when every case agrees, 1
 otherwise, 2 when vLLM cannot be had.
 
-    python -m experiments.validation.vllm_scheduler [--cases N] [--cache-dir DIR]   # 300 cases
-    python -m experiments.validation.vllm_scheduler --quick                         # 100 cases
+    python -m experiments.validation.vllm.scheduler [--cases N] [--cache-dir DIR]   # 300 cases
+    python -m experiments.validation.vllm.scheduler --quick                         # 100 cases
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.validation import vllm_wheel
+from experiments.validation.vllm import wheel as vllm_wheel
 from testbed.cache.block_hash import BlockHashCache
 from testbed.scheduler.vllm import VllmScheduler
 from testbed.scheduler.vllm_config import VllmSchedulerConfig
@@ -208,7 +208,7 @@ def main() -> int:
           "and its KVCacheManager, BlockPool, Request imported; stand-ins: "
           "vllm.v1.structured_output (its manager accepts every token: no structured output), the "
           "VllmConfig "
-          "(experiments/validation/vllm_wheel.py)\n")
+          "(experiments/validation/vllm/wheel.py)\n")
     n = args.cases
     rng = np.random.default_rng(args.seed)
     start = time.time()
