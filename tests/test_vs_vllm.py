@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments.validation.vllm import caching as vs_vllm
+from experiments.validation.vllm import caching, live
 from testbed.assembly import compose_config
 from testbed.execute import execute
 
@@ -22,24 +22,24 @@ with num_gpu_blocks_override=512
 
 
 def test_the_kv_blocks_come_from_vllms_log():
-    assert vs_vllm.kv_blocks(LOG) == 512
-    assert vs_vllm.kv_blocks("Using LBHNC KV cache layout.") is None
+    assert live.kv_blocks(LOG) == 512
+    assert live.kv_blocks("Using LBHNC KV cache layout.") is None
 
 
 def test_the_testbeds_pool_leaves_out_vllms_null_block():
-    served = vs_vllm.Served("http://127.0.0.1:1", 32, 512, None)
+    served = live.Served("http://127.0.0.1:1", 32, 512, None)
     assert served.capacity_tokens == 511 * 32
     # 1 GiB holds 23,301 fp32 tokens of SmolLM2-135M: 512 blocks of 32 fit, 1,024 need 2
-    assert vs_vllm.kv_gib(512, 32) == 1 and vs_vllm.kv_gib(1024, 32) == 2
+    assert live.kv_gib(512, 32) == 1 and live.kv_gib(1024, 32) == 2
 
 
 def test_the_server_is_told_the_block_size_and_blocks():
-    cmd = vs_vllm.server_command(Path("py"), Path("/m"), 64, 40, 8000)
+    cmd = live.server_command(Path("py"), Path("/m"), 64, 40, 8000)
     pairs = dict(zip(cmd, cmd[1:]))
     assert (pairs["--block-size"], pairs["--num-gpu-blocks-override"]) == ("64", "40")
     assert "--enable-prefix-caching" in cmd and "--enable-prompt-tokens-details" in cmd
     assert pairs["--max-model-len"] == str(39 * 64)  # no more than the pool holds
-    assert vs_vllm.max_model_len(32, 512) == 4096
+    assert live.max_model_len(32, 512) == 4096
 
 
 def rows(*calls):
@@ -52,13 +52,13 @@ def rows(*calls):
 def test_the_trace_is_what_ran_in_order_sent_less_each_last_output_token():
     ran = rows(("b", 0.5, [1, 2, 3], [7, 8], 0), ("a", 0.1, [1, 2], [9], 0),
                ("fork", 0.7, [4], [], 0))
-    assert vs_vllm.token_trace(ran) == [
+    assert caching.token_trace(ran) == [
         {"id": "a", "prompt": [1, 2], "output": []},
         {"id": "b", "prompt": [1, 2, 3], "output": [7]},
         {"id": "fork", "prompt": [4], "output": []}]
     ran.loc[0, ["failed", "error"]] = [True, "HTTP 400"]
-    with pytest.raises(vs_vllm.Fail, match="request b failed"):
-        vs_vllm.token_trace(ran)
+    with pytest.raises(live.Fail, match="request b failed"):
+        caching.token_trace(ran)
 
 
 def test_the_last_output_token_decides_whether_a_block_is_cached(tmp_path):
@@ -69,22 +69,22 @@ def test_the_last_output_token_decides_whether_a_block_is_cached(tmp_path):
     ran = rows(("a", 0.0, [1, 2, 3, 4, 5, 6], [7, 8], 0),
                ("b", 1.0, [1, 2, 3, 4, 5, 6, 7, 8, 9], [5], 4))
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.token_trace(ran)))
-    served = vs_vllm.Served("http://127.0.0.1:1", b, 17, None)
+    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.token_trace(ran)))
+    served = live.Served("http://127.0.0.1:1", b, 17, None)
     out = tmp_path / "replay"
-    execute(compose_config(vs_vllm.replay_overrides(trace, served)), out)
-    replayed = vs_vllm.records(out)
+    execute(compose_config(caching.replay_overrides(trace, served)), out)
+    replayed = live.records(out)
     assert replayed.set_index("id")["cached_tokens"].to_dict() == {"a": 0, "b": 4}
-    assert vs_vllm.same_cached(ran, replayed) == (2, None)
+    assert caching.same_cached(ran, replayed) == (2, None)
     ran.loc[1, "cached_tokens"] = 8  # what a replay of the whole output would have said
-    assert vs_vllm.same_cached(ran, replayed) == (1, "b: vLLM 8, replay 4 of 9")
+    assert caching.same_cached(ran, replayed) == (1, "b: vLLM 8, replay 4 of 9")
 
 
 def test_remapped_ids_fit_the_vocabulary_and_keep_equal_ids_equal():
     ids = np.arange(0, 600_000, 7)
-    out = vs_vllm.remap(ids)
-    assert out.min() >= vs_vllm.FIRST_ID and out.max() < vs_vllm.VOCAB
-    assert (vs_vllm.remap(ids) == out).all()
+    out = caching.remap(ids)
+    assert out.min() >= caching.FIRST_ID and out.max() < caching.VOCAB
+    assert (caching.remap(ids) == out).all()
     assert len(np.unique(out[:200])) >= 195  # distinct ids stay (almost always) distinct
 
 
@@ -94,11 +94,11 @@ def test_the_mooncake_case_is_its_first_requests_cut_and_remapped(tmp_path):
              {"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [0, 3]},
              {"timestamp": 9, "input_length": 10, "output_length": 1, "hash_ids": [4]}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    a, b = vs_vllm.mooncake_trace(path, requests=2, prompt=1024, output=16)
+    a, b = caching.mooncake_trace(path, requests=2, prompt=1024, output=16)
     assert (len(a["prompt"]), len(a["output"]), len(b["prompt"]), len(b["output"])) == \
         (1024, 16, 600, 3)
     assert a["prompt"][:512] == b["prompt"][:512] and a["prompt"][512] != b["prompt"][512]
-    assert max(a["prompt"] + b["prompt"]) < vs_vllm.VOCAB and "arrival_s" not in a
+    assert max(a["prompt"] + b["prompt"]) < caching.VOCAB and "arrival_s" not in a
 
 
 def test_the_as_ran_trace_keeps_the_programs_and_takes_what_ran():
@@ -107,7 +107,7 @@ def test_the_as_ran_trace_keeps_the_programs_and_takes_what_ran():
                 Request("b", np.array([1, 2, 5, 3]), np.array([6, 6]), program="p", after=["a"],
                         think_time_s=0.5)]
     ran = rows(("b", 1.0, [1, 2, 9, 3], [7, 7], 2), ("a", 0.0, [1, 2], [9], 0))
-    assert vs_vllm.as_ran_trace(requests, ran) == [
+    assert caching.as_ran_trace(requests, ran) == [
         {"id": "a", "prompt": [1, 2], "output": [9], "arrival_s": 0.0, "think_time_s": 0.0,
          "program": "p"},
         {"id": "b", "prompt": [1, 2, 9, 3], "output": [7, 7], "arrival_s": 0.0,
@@ -124,7 +124,7 @@ def test_the_as_ran_trace_sends_the_first_wave_when_the_client_sent_it():
                 for i in range(4)]
     ran = rows(("q0", 10.0, [1, 0], [5], 0), ("q1", 10.001, [1, 1], [5], 0),
                ("q2", 10.003, [1, 2], [5], 0), ("q3", 10.4, [1, 3], [5], 0))
-    assert [x["arrival_s"] for x in vs_vllm.as_ran_trace(requests, ran)] == \
+    assert [x["arrival_s"] for x in caching.as_ran_trace(requests, ran)] == \
         pytest.approx([0.0, 0.001, 0.003, 0.003])
 
 

@@ -34,7 +34,7 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
-from experiments.validation.vllm import caching as vs_vllm
+from experiments.validation.vllm import caching, live
 from experiments.validation.vllm.latency import HELD_OUT, TRAIN
 from experiments.benchmarks.served_step import near, own_decode_ms, steps_recorded, steps_since
 from testbed.server_steps import read_run, recover_steps, usable
@@ -60,32 +60,32 @@ SHOWN = ["requests_per_s", "output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "hit_
 def testbed_server(name: str):
     from testbed.api.server import start_server
     handle = start_server(["model=smollm2_135m", "engine.device=cpu", f"cache.capacity_tokens={CAPACITY}",
-                           "serve.model_name=" + vs_vllm.SERVED_NAME, *TESTBED[name]],
+                           "serve.model_name=" + live.SERVED_NAME, *TESTBED[name]],
                           in_process=False, timeout_s=600)
     try:
-        yield vs_vllm.Served(handle.url, BLOCK_SIZE, BLOCKS, None)
+        yield live.Served(handle.url, BLOCK_SIZE, BLOCKS, None)
     finally:
         handle.stop()
 
 
-def drive(served: vs_vllm.Served, words: list[str], loop: int, out: Path) -> dict:
+def drive(served: live.Served, words: list[str], loop: int, out: Path) -> dict:
     """One closed-loop run from an empty cache (``POST /reset_prefix_cache``, served by both)."""
     from testbed.assembly import compose_config
     from testbed.execute import execute
     if not (out / "summary.json").exists():  # a run already there is kept
-        vs_vllm.reset_cache(served.url)
+        live.reset_cache(served.url)
         first = steps_recorded(served.url)
-        execute(compose_config(vs_vllm.server_overrides(words, served,
+        execute(compose_config(live.server_overrides(words, served,
                                                         [f"arrival.max_in_flight={loop}"])), out)
         if first is not None:  # testbed.serve: the steps as it timed them
             (out / SERVER_STEPS).write_text("".join(
                 json.dumps(s) + "\n" for s in steps_since(served.url, first)))
     s = json.loads((out / "summary.json").read_text())
-    rows = vs_vllm.records(out)
+    rows = live.records(out)
     return {"requests_per_s": s["throughput_req_s"],
             "output_tok_per_s": rows["output_tokens"].sum() / s["makespan_s"],
             "ttft_p50_s": s["ttft_p50_s"], "tpot_p50_s": s["tpot_p50_s"],
-            "hit_rate": vs_vllm.hit_rate(rows), "makespan_s": s["makespan_s"],
+            "hit_rate": caching.hit_rate(rows), "makespan_s": s["makespan_s"],
             "failed": int(rows["failed"].sum())}
 
 
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`vs_vllm serve`, "
                     f"{BLOCKS} blocks of {BLOCK_SIZE}); else one is started")
-    ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
+    ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=None, help="runs already there are kept")
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="vs_vllm_serving_"))
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in args.servers:  # one at a time: an idle vLLM's worker keeps a core busy
             print(f"starting {server}", file=sys.stderr, flush=True)
-            context = testbed_server(server) if server != "vllm" else vs_vllm.vllm_server(
+            context = testbed_server(server) if server != "vllm" else live.vllm_server(
                 args.vllm_url, BLOCK_SIZE, BLOCKS, args.cache_dir, out / "vllm.log")
             with context as served:
                 for r in range(args.repeats):
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"{server}: {name}, repeat {r + 1}", file=sys.stderr, flush=True)
                         runs.setdefault((server, name), []).append(
                             (drive(served, WORKLOADS[name], args.loop, d), d))
-    except vs_vllm.Fail as e:
+    except live.Fail as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     rows, profiles = [], []

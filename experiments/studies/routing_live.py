@@ -50,7 +50,8 @@ import pandas as pd
 
 from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
-from experiments.validation.vllm import caching as vs_vllm
+from experiments.validation.vllm import caching
+from experiments.validation.vllm import live as vllm_live
 
 SMG_VERSION = "1.13.0"
 MODEL = "smollm2_135m"
@@ -130,7 +131,7 @@ def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[s
             time.sleep(0.1)
         yield url
     finally:
-        vs_vllm.stop(proc)
+        vllm_live.stop(proc)
 
 
 def counters(urls: list[str]) -> list[dict]:
@@ -151,10 +152,10 @@ def workload_words(name: str, out: Path) -> list[str]:
     if words is not None:
         return words
     from testbed.data import resolve_trace
-    path, _ = resolve_trace(vs_vllm.MOONCAKE)
+    path, _ = resolve_trace(caching.MOONCAKE)
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "mooncake_tokens.jsonl"
-    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.mooncake_trace(
+    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.mooncake_trace(
         path, requests=MOONCAKE_REQUESTS, prompt=1024, output=16)))
     return ["workload=trace", f"workload.path={trace}", "workload.format=tokens"]
 
@@ -203,16 +204,16 @@ def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
     from testbed.assembly import assemble, compose_config
     from testbed.execute import execute
 
-    rows = vs_vllm.records(out / "client")
+    rows = vllm_live.records(out / "client")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
     trace = out / "as_ran.jsonl"
-    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.as_ran_trace(requests, rows)))
+    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(requests, rows)))
     execute(compose_config([*SIM, *router_of(front), f"replicas={replicas}", "workload=trace",
                             f"workload.path={trace}", "workload.format=tokens",
                             f"cache.capacity_tokens={CAPACITY}", *arrival, "engine.forced=true",
                             "progress=false"]), out / "sim")
     s = json.loads((out / "sim" / "summary.json").read_text())
-    served = vs_vllm.records(out / "sim")["replica"].value_counts().reindex(
+    served = vllm_live.records(out / "sim")["replica"].value_counts().reindex(
         range(replicas), fill_value=0)
     return {"sim_hit_rate": s["hit_rate"], "sim_requests_per_s": s["throughput_req_s"],
             "sim_ttft_p50_s": s["ttft_p50_s"], "sim_imbalance": served.max() / served.mean(),
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--fronts", nargs="+", default=FRONTS)
-    ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
+    ap.add_argument("--cache-dir", type=Path, default=vllm_live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing_live")
     args = ap.parse_args(argv)
     from testbed.gateway.launch import start_replicas

@@ -13,7 +13,7 @@ then see the same drift). Then:
    (`testbed.server_steps`, with the prompt blocks each decode step's requests share), and the
    ``fitted`` cost model is fitted to them.
 2. The simulator (``scheduler=vllm cache=block_hash``, that cost model, vLLM's block size and
-   pool) runs each run's calls as they ran on vLLM (`vs_vllm.as_ran_trace`: the prompts sent, the
+   pool) runs each run's calls as they ran on vLLM (`caching.as_ran_trace`: the prompts sent, the
    outputs received, the workload's programs and dependencies, the first wave of calls when the
    client sent it) with the same arrival settings, each request reading its own KV as vLLM's CPU
    attention does (``attention=torch``: plain decode, its re-read KV priced at ``h``).
@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from experiments import REPO, entry
-from experiments.validation.vllm import caching as vs_vllm
+from experiments.validation.vllm import caching, live
 from testbed.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
@@ -87,7 +87,7 @@ def cases(workloads: dict, loops: list[int]) -> list[tuple[str, int]]:
     return [(name, n) for name in workloads for n in TRAIN_LOOPS.get(name, loops)]
 
 
-def served_runs(served: vs_vllm.Served, workloads: dict, loops: list[int], rounds: int,
+def served_runs(served: live.Served, workloads: dict, loops: list[int], rounds: int,
                 out: Path) -> None:
     """Every workload in every loop, round after round (runs already in ``out`` are kept)."""
     for r in range(rounds):
@@ -96,7 +96,7 @@ def served_runs(served: vs_vllm.Served, workloads: dict, loops: list[int], round
             if not (d / "summary.json").exists():
                 print(f"vLLM: {name}, closed loop of {n}, round {r + 1}", file=sys.stderr,
                       flush=True)
-                vs_vllm.run_server(workloads[name], served, [f"arrival.max_in_flight={n}"], d)
+                live.run_server(workloads[name], served, [f"arrival.max_in_flight={n}"], d)
 
 
 def fit(train_dirs: list[Path], out: Path, block_size: int) -> Path:
@@ -112,16 +112,16 @@ def fit(train_dirs: list[Path], out: Path, block_size: int) -> Path:
     return out / "cost_model.yaml"
 
 
-def predict(words: list[str], served: vs_vllm.Served, n: int, cost_model: Path, run: Path
+def predict(words: list[str], served: live.Served, n: int, cost_model: Path, run: Path
             ) -> dict:
     """The simulator on the calls as they ran in ``run``/server; both summaries' metrics, and
     the median over requests of each one's TTFT error."""
     from testbed.assembly import assemble, compose_config
     from testbed.execute import execute
-    server = vs_vllm.records(run / "server")
+    server = live.records(run / "server")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
     trace = run / "as_ran.jsonl"
-    trace.write_text("".join(json.dumps(x) + "\n" for x in vs_vllm.as_ran_trace(requests, server)))
+    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(requests, server)))
     execute(compose_config([*SIM, "cost_model=fitted", f"cost_model.path={cost_model}",
                             f"cache.block_size={served.block_size}",
                             f"cache.capacity_tokens={served.capacity_tokens}",
@@ -129,7 +129,7 @@ def predict(words: list[str], served: vs_vllm.Served, n: int, cost_model: Path, 
                             f"arrival.max_in_flight={n}"]), run / "sim")
     measured = json.loads((run / "server" / "summary.json").read_text())
     predicted = json.loads((run / "sim" / "summary.json").read_text())
-    sim = vs_vllm.records(run / "sim").set_index("id")
+    sim = live.records(run / "sim").set_index("id")
     ttft = (server.set_index("id").eval("first_token_s - arrival_s").dropna())
     ratio = sim.eval("first_token_s - arrival_s").reindex(ttft.index) / ttft - 1
     return {"requests": len(server), "failed": int(server["failed"].sum()),
@@ -207,17 +207,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV blocks: the default holds 32 conversations of 1,024 tokens")
     ap.add_argument("--url", default=None, help="a vLLM already served (`vs_vllm serve`) with "
                     "these --block-size and --blocks")
-    ap.add_argument("--cache-dir", type=Path, default=vs_vllm.DEFAULT_CACHE)
+    ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=None, help="runs already there are kept")
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="vllm_latency_"))
     workloads = {**TRAIN, **HELD_OUT}
     rounds = range(args.rounds)
     try:
-        with vs_vllm.vllm_server(args.url, args.block_size, args.blocks, args.cache_dir,
+        with live.vllm_server(args.url, args.block_size, args.blocks, args.cache_dir,
                                  out / "vllm.log") as served:
             served_runs(served, workloads, args.loops, args.rounds, out)
-    except vs_vllm.Fail as e:
+    except live.Fail as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cost_model = fit([out / w / f"loop{n}" / f"r{r}" / "server"

