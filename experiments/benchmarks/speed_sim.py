@@ -71,7 +71,7 @@ def part_sim(args) -> list[dict]:
 def vidur_rows(args) -> list[dict]:
     """Vidur's event loop beside ours on the same clipped requests (vs_vidur.md's setup)."""
     from testbed.data.fetch import DataError, resolve_folder, resolve_trace
-    from experiments.validation import vidur
+    from experiments.validation.vidur import compare as vidur
     print(f"\n== simulation: Vidur 0.0.26 beside ours, the first {args.vidur_requests:,} requests "
           "of the Azure 2023 code trace (CodeLlama-34B, TP2 A100s, cache=none fcfs)", flush=True)
     try:

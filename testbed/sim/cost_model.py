@@ -55,7 +55,7 @@ only, ``data:vidur_a100_codellama34b_tp2``);
 
 The floor is never above any measured operator. The defaults below are fitted to whole steps of
 `VidurCostModel` on that profile (priced as Vidur 0.0.26 prices them: GPU time plus a 20 µs NCCL
-launch per all-reduce, no per-step overhead; ``python -m experiments.validation.roofline``
+launch per all-reduce, no per-step overhead; ``python -m experiments.validation.vidur.roofline``
 prints the fit and these ratios): ``attn_mfu`` from the profiled attention alone; the all-reduce's
 per-call latency from the profiled TP2 all-reduces of 512 KiB and more (31 µs + bytes / 0.62 of
 NVLink) plus Vidur's NCCL launch; ``mfu`` and ``mbu`` on the steps of a loaded server (decode

@@ -12,7 +12,7 @@ priced as Vidur 0.0.26 prices a batch (no per-step overhead):
   steps of a loaded server (`loaded_steps`).
 
 `grid_steps` holds single shapes by kind, in the profile's range and past it, on which
-``python -m experiments.validation.roofline`` prints the ratios that remain (the figures in
+``python -m experiments.validation.vidur.roofline`` prints the ratios that remain (the figures in
 cost_model.py's docstring) and tests/test_cost_model.py bounds them.
 """
 

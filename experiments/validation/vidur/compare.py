@@ -21,7 +21,7 @@ own ``decode_time_execution_plus_preemption_normalized`` divides by all output t
 comes from the prefill), so it is not used. Errors are (ours - Vidur) / Vidur.
 
 Vidur pins old dependencies: it gets its own virtual environment in ``--cache-dir`` (pip installs
-it once, a few minutes) and runs as a subprocess (``vidur_drive.py``) with the four profile CSVs
+it once, a few minutes) and runs as a subprocess (`drive`, ``drive.py``) with the four profile CSVs
 served as an offline Hugging Face hub cache (``HF_HUB_OFFLINE=1``). A cost model that fails (e.g.
 not in this checkout) is reported with its one-line error and the run goes on.
 
@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from experiments import REPO, entry
+from experiments import REPO
 from testbed.data import local_path, lookup
 
 VIDUR = "vidur==0.0.26"
@@ -204,7 +204,7 @@ def vidur_flags(trace: Path, scale: float, repos: dict[str, str], predictor_dir:
 
 def run_vidur(python: Path, flags: list[str], folder: Path, reqs: pd.DataFrame) -> dict:
     """One Vidur run into ``folder``: figures, restarts and wall times. Vidur's interpreter runs
-    ``vidur_drive.py`` by its file path (it imports Vidur only); this package is not there."""
+    ``drive.py`` by its file path (it imports Vidur only); this package is not there."""
     shutil.rmtree(folder, ignore_errors=True)  # Vidur adds a dated folder per run: keep one
     folder.mkdir(parents=True)
     timings_path, log = folder / "timings.json", folder / "vidur.log"
@@ -214,7 +214,7 @@ def run_vidur(python: Path, flags: list[str], folder: Path, reqs: pd.DataFrame) 
                         "MKL_NUM_THREADS": THREADS}
     started = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run([str(python), str(Path(__file__).with_name("vidur_drive.py")),
+        rc = subprocess.run([str(python), str(Path(__file__).with_name("drive.py")),
                              str(timings_path), *flags], cwd=folder, env=env, stdout=f,
                             stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - started
@@ -323,7 +323,8 @@ def ours_rows(scale: float, vidur: dict, azure: Path, cost_models: list[str], pr
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vidur",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="first N rows of the trace")
     ap.add_argument("--scales", default="1,2,4", help="arrival-time stretches, comma-separated")
     ap.add_argument("--cost-models", default="roofline,vidur", help="ours, comma-separated")
@@ -397,6 +398,3 @@ def main() -> int:
     print(f"\nresults in {out}/vs_vidur.csv and vs_vidur.json")
     return 0
 
-
-if __name__ == "__main__":
-    entry(main)

@@ -1,9 +1,10 @@
-"""One timed Vidur run, started by `experiments.validation.vidur` in Vidur's virtual environment.
+"""One timed Vidur run, started by `experiments.validation.vidur.compare` in Vidur's virtual
+environment.
 
 Imports only Vidur and the standard library (this project is not installed there), so Vidur's
 interpreter runs it by its file path, not as a module of this package.
 
-    VIDUR_VENV/bin/python experiments/validation/vidur_drive.py TIMINGS_JSON [Vidur's flags]
+    VIDUR_VENV/bin/python experiments/validation/vidur/drive.py TIMINGS_JSON [Vidur's flags]
 
 Runs ``vidur.simulator.Simulator`` as ``python -m vidur.main`` would, and writes TIMINGS_JSON:
 the folder Vidur wrote ``request_metrics.csv`` into, Vidur's final clock, and the wall time of
@@ -17,8 +18,8 @@ import sys
 import time
 
 started = time.perf_counter()
-# Run by its path, this file's folder comes first on sys.path, and its neighbour vidur.py (the
-# comparison) would shadow the Vidur package: look for modules elsewhere.
+# Run by its path, this file's folder comes first on sys.path, where its neighbours (this
+# package's modules) could shadow what Vidur imports: look for modules elsewhere.
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
 
 from vidur.config import SimulationConfig  # noqa: E402

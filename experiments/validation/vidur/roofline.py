@@ -26,7 +26,7 @@ fitted shapes, on a grid of single shapes in the profile's range and past it (Vi
 extrapolated, see testbed/sim/vidur_cost.py). The shapes and the fits are
 `testbed.sim.roofline_fit` (tests/test_cost_model.py bounds the same ratios).
 
-    python -m experiments.validation.roofline [PROFILE_DIR]     # ~15 s
+    python -m experiments.validation.vidur.roofline [PROFILE_DIR]     # ~15 s
 
 The figures in testbed/sim/cost_model.py's docstring come from this script.
 """
@@ -91,7 +91,8 @@ def main(profile_dir: Path) -> None:
 if __name__ == "__main__":
     from experiments import entry
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m experiments.validation.vidur.roofline",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("profile_dir", nargs="?", type=Path, default=DEFAULT_PROFILE,
                     help="a Vidur profile folder (default: %(default)s)")
     entry(main, ap.parse_args().profile_dir)
