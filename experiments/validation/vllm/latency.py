@@ -45,7 +45,7 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from experiments import REPO, entry
+from experiments import REPO, entry, save_figure
 from experiments.validation.vllm import caching, live
 from testbed.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
@@ -192,8 +192,7 @@ def plot(table: pd.DataFrame, path: Path) -> None:
     axes[0].legend()
     fig.suptitle("vLLM 0.32 on CPU (SmolLM2-135M): simulator with a cost model fitted to "
                  "chat and self-consistency runs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

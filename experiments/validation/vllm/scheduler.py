@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -100,12 +101,13 @@ def make_case(rng: np.random.Generator, index: int) -> Case:
     return Case(f"case{index}", b, num_blocks, settings, reqs, aborts)
 
 
-def run_ours(case: Case) -> Trace:
-    cache = BlockHashCache(capacity=case.num_blocks * case.block_size, block_size=case.block_size)
-    s = VllmScheduler(cache, VllmSchedulerConfig(**case.settings), check_invariants=True)
+def drive_ours(case: Case, s: VllmScheduler, cache: BlockHashCache, trace, entry,
+               after_step: Callable | None = None) -> list:
+    """Run our scheduler ``s`` (over ``cache``) through ``case`` into ``trace``: each step's
+    ``entry(e)`` per batch entry, the requests preempted, first-admission hits, the final free
+    queue (as vLLM numbers blocks); ``after_step(reqs)`` after each step. Returns the requests."""
     reqs = [s.submit(Request(rid, np.asarray(p, TOKEN_DTYPE), np.asarray(o, TOKEN_DTYPE)), 0.0)
             for rid, p, o in case.requests]
-    trace = Trace()
     by_id = {r.id: r for r in reqs}
     while s.has_work and len(trace.steps) < MAX_STEPS:
         if len(trace.steps) in case.aborts:
@@ -118,22 +120,23 @@ def run_ours(case: Case) -> Trace:
         if batch is None:
             trace.stuck = True
             break
-        trace.steps.append([(e.req.id, e.new) for e in batch.entries])
+        trace.steps.append([entry(e) for e in batch.entries])
         for e in batch.entries:
             if e.req.id not in trace.hits and e.req.cached_tokens is not None:
                 trace.hits[e.req.id] = e.req.cached_tokens
         s.complete(batch, predetermined_tokens(batch), 0.0)
+        if after_step is not None:
+            after_step(reqs)
     trace.stuck |= s.has_work
     trace.free_queue = [b + 1 for b in cache._free.blocks()]
-    trace.hashed = {int(b) + 1 for b in np.flatnonzero(cache._keyed[: cache.num_blocks])}
-    return trace
+    return reqs
 
 
-def run_vllm(v, case: Case) -> Trace:
-    side = wheel.VllmSide(v, case.num_blocks, case.block_size, case.settings)
+def drive_vllm(case: Case, side, trace, entry, after_step: Callable | None = None) -> None:
+    """Run vLLM's scheduler (`wheel.VllmSide`) through ``case`` into ``trace``, as `drive_ours`
+    runs ours (``entry(rid, tokens)`` per scheduled request)."""
     for rid, p, o in case.requests:
         side.add(rid, p, o)
-    trace = Trace()
     while side.has_work and len(trace.steps) < MAX_STEPS:
         if len(trace.steps) in case.aborts:
             side.abort(case.aborts[len(trace.steps)])
@@ -144,23 +147,47 @@ def run_vllm(v, case: Case) -> Trace:
         if not scheduled:
             trace.stuck = True
             break
-        trace.steps.append(scheduled)
+        trace.steps.append([entry(rid, n) for rid, n in scheduled])
         trace.hits.update({k: h for k, h in hits.items() if k not in trace.hits})
+        if after_step is not None:
+            after_step()
     trace.stuck |= side.has_work
     pool = side.scheduler.kv_cache_manager.block_pool
     trace.free_queue = [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()]
+
+
+def run_ours(case: Case) -> Trace:
+    cache = BlockHashCache(capacity=case.num_blocks * case.block_size, block_size=case.block_size)
+    s = VllmScheduler(cache, VllmSchedulerConfig(**case.settings), check_invariants=True)
+    trace = Trace()
+    drive_ours(case, s, cache, trace, lambda e: (e.req.id, e.new))
+    trace.hashed = {int(b) + 1 for b in np.flatnonzero(cache._keyed[: cache.num_blocks])}
+    return trace
+
+
+def run_vllm(v, case: Case) -> Trace:
+    side = wheel.VllmSide(v, case.num_blocks, case.block_size, case.settings)
+    trace = Trace()
+    drive_vllm(case, side, trace, lambda rid, n: (rid, n))
+    pool = side.scheduler.kv_cache_manager.block_pool
     trace.hashed = {blk.block_id for blk in pool.blocks if blk.block_hash is not None}
     return trace
 
 
-def compare(ours: Trace, theirs: Trace) -> str | None:
-    """None when the two traces agree, else what differs first."""
+def compare(ours, theirs, label: str = "", per_step: Callable = lambda i: None,
+            at_end: Callable = lambda: None) -> str | None:
+    """None when the two traces agree, else what differs first: per step the entries
+    (``label`` names their fields), the preempted requests and ``per_step(i)``; then the
+    length, first-admission hits, final free queue and ``at_end()``."""
     for i, (a, b) in enumerate(zip(ours.steps, theirs.steps)):
         if a != b:
-            return f"step {i}: ours {a}, vLLM {b}"
+            return f"step {i}: {label}ours {a}, vLLM {b}"
         if ours.preempted[i] != theirs.preempted[i]:
             return f"step {i}: preempted ours {sorted(ours.preempted[i])}, vLLM " \
                    f"{sorted(theirs.preempted[i])}"
+        problem = per_step(i)
+        if problem is not None:
+            return problem
     if len(ours.steps) != len(theirs.steps) or ours.stuck != theirs.stuck:
         return f"{len(ours.steps)} steps (stuck: {ours.stuck}) against vLLM's " \
                f"{len(theirs.steps)} (stuck: {theirs.stuck})"
@@ -170,9 +197,14 @@ def compare(ours: Trace, theirs: Trace) -> str | None:
         return f"first-admission hits (ours, vLLM): {diff}"
     if ours.free_queue != theirs.free_queue:
         return f"free queue at the end: ours {ours.free_queue}, vLLM {theirs.free_queue}"
-    if ours.hashed != theirs.hashed:
-        return f"hashed blocks at the end: ours {sorted(ours.hashed)}, vLLM {sorted(theirs.hashed)}"
-    return None
+    return at_end()
+
+
+def compare_blocks(ours: Trace, theirs: Trace) -> str | None:
+    """`compare`, then which blocks hold a hash at the end."""
+    return compare(ours, theirs, at_end=lambda: None if ours.hashed == theirs.hashed else
+                   f"hashed blocks at the end: ours {sorted(ours.hashed)}, vLLM "
+                   f"{sorted(theirs.hashed)}")
 
 
 def check_args(doc: str, cases: int) -> argparse.Namespace:
@@ -199,46 +231,62 @@ def load_wheel(cache_dir: Path):
         return None
 
 
-def main() -> int:
-    args = check_args(__doc__, 300)
+def run_check(doc: str, default_cases: int, header: str, draw: Callable, ours: Callable,
+              theirs: Callable, differ: Callable, tally: Callable, describe: Callable,
+              summary: Callable) -> int:
+    """A differential check's run: ``draw(rng, i)`` each case, run it through ``ours(case)``
+    and ``theirs(v, case)``; ``differ`` says what differs (None: nothing), ``tally(counts, case,
+    trace)`` counts an agreeing case, ``describe(case)`` names a differing one; ``summary`` of
+    the counts closes the agreement line."""
+    args = check_args(doc, default_cases)
     v = load_wheel(args.cache_dir)
     if v is None:
         return 2
-    print(f"vLLM {wheel.VERSION} from {v.root}: vllm/v1/core/sched/scheduler.py (Scheduler) "
-          "and its KVCacheManager, BlockPool, Request imported; stand-ins: "
-          "vllm.v1.structured_output (its manager accepts every token: no structured output), the "
-          "VllmConfig "
-          "(experiments/validation/vllm/wheel.py)\n")
+    print(f"vLLM {wheel.VERSION} from {v.root}: {header} (experiments/validation/vllm/wheel.py)\n")
     n = args.cases
     rng = np.random.default_rng(args.seed)
     start = time.time()
-    agree, shown = 0, 0
-    counts = dict(steps=0, preemptions=0, hit_reqs=0, hit_tokens=0, mixed=0, chunked=0, aborts=0)
+    agree, shown, counts = 0, 0, Counter()
     for i in range(n):
-        case = make_case(rng, i)
-        ours, theirs = run_ours(case), run_vllm(v, case)
-        problem = compare(ours, theirs)
+        case = draw(rng, i)
+        mine = ours(case)
+        problem = differ(mine, theirs(v, case))
         if problem is None:
             agree += 1
-            counts["steps"] += len(ours.steps)
-            counts["preemptions"] += sum(len(p) for p in ours.preempted)
-            counts["hit_reqs"] += sum(h > 0 for h in ours.hits.values())
-            counts["hit_tokens"] += sum(ours.hits.values())
-            counts["mixed"] += sum(len(s) > 1 for s in ours.steps)
-            counts["chunked"] += case.settings["max_num_batched_tokens"] < max(
-                len(p) for _, p, _ in case.requests)
-            counts["aborts"] += bool(case.aborts)
+            tally(counts, case, mine)
         elif shown < args.show:
             shown += 1
-            print(f"  {case.name} (B={case.block_size}, {case.num_blocks} blocks, "
-                  f"{case.settings}, {len(case.requests)} requests): {problem}")
-    print(f"agreement: {agree}/{n} cases identical (steps, tokens per request, preemptions, "
-          f"first-admission hits, final free queue and hashed blocks); over the agreeing cases "
-          f"{counts['steps']} steps ({counts['mixed']} with several requests), "
-          f"{counts['preemptions']} preemptions, {counts['hit_reqs']} requests with a hit "
-          f"({counts['hit_tokens']} tokens), {counts['chunked']} cases whose budget chunks a "
-          f"prompt, {counts['aborts']} with aborts ({time.time() - start:.0f} s)")
+            print(f"  {describe(case)}: {problem}")
+    print(f"agreement: {agree}/{n} cases identical {summary(counts)} "
+          f"({time.time() - start:.0f} s)")
     return 0 if agree == n else 1
+
+
+def tally(counts: Counter, case: Case, ours: Trace) -> None:
+    counts["steps"] += len(ours.steps)
+    counts["preemptions"] += sum(len(p) for p in ours.preempted)
+    counts["hit_reqs"] += sum(h > 0 for h in ours.hits.values())
+    counts["hit_tokens"] += sum(ours.hits.values())
+    counts["mixed"] += sum(len(s) > 1 for s in ours.steps)
+    counts["chunked"] += case.settings["max_num_batched_tokens"] < max(
+        len(p) for _, p, _ in case.requests)
+    counts["aborts"] += bool(case.aborts)
+
+
+def main() -> int:
+    return run_check(
+        __doc__, 300, "vllm/v1/core/sched/scheduler.py (Scheduler) and its KVCacheManager, "
+        "BlockPool, Request imported; stand-ins: vllm.v1.structured_output (its manager accepts "
+        "every token: no structured output), the VllmConfig", make_case, run_ours, run_vllm,
+        compare_blocks, tally,
+        lambda c: (f"{c.name} (B={c.block_size}, {c.num_blocks} blocks, {c.settings}, "
+                   f"{len(c.requests)} requests)"),
+        lambda c: ("(steps, tokens per request, preemptions, first-admission hits, final free "
+                   f"queue and hashed blocks); over the agreeing cases {c['steps']} steps "
+                   f"({c['mixed']} with several requests), {c['preemptions']} preemptions, "
+                   f"{c['hit_reqs']} requests with a hit ({c['hit_tokens']} tokens), "
+                   f"{c['chunked']} cases whose budget chunks a prompt, {c['aborts']} with "
+                   "aborts"))
 
 
 if __name__ == "__main__":

@@ -38,20 +38,20 @@ vLLM cannot be had.
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from experiments.validation.vllm import wheel
-from experiments.validation.vllm.scheduler import MAX_STEPS, Case, check_args, load_wheel, make_case
+from experiments.validation.vllm.scheduler import (Case, compare, drive_ours, drive_vllm,
+                                                   make_case, run_check)
 from testbed.cache.block_hash import BlockHashCache
 from testbed.scheduler.speculative import SpeculativeConfig
 from testbed.scheduler.vllm import VllmScheduler
 from testbed.scheduler.vllm_config import VllmSchedulerConfig
-from testbed.sim.executor import predetermined_tokens
-from testbed.workloads.request import TOKEN_DTYPE, Request
+from testbed.workloads.request import TOKEN_DTYPE
 
 WRONG = 0  # a rejected draft's token: outputs are drawn from 1..999
 
@@ -113,27 +113,9 @@ def run_ours(sc: SpecCase) -> Trace:
     # the case's drafts instead of prompt lookup's (the drafter's room cap is the same)
     s.spec.drafts = lambda reqs: [(np.asarray(sc.drafts(r.id, len(r.output)), TOKEN_DTYPE), None)
                                   for r in reqs]
-    reqs = [s.submit(Request(rid, np.asarray(p, TOKEN_DTYPE), np.asarray(o, TOKEN_DTYPE)), 0.0)
-            for rid, p, o in case.requests]
-    by_id = {r.id: r for r in reqs}
     trace = Trace()
-    while s.has_work and len(trace.steps) < MAX_STEPS:
-        if len(trace.steps) in case.aborts:
-            s.abort(by_id[case.aborts[len(trace.steps)]], 0.0)
-            if not s.has_work:
-                break
-        before = {r.id: r.preemptions for r in reqs}
-        batch = s.next_batch(0.0)
-        trace.preempted.append({r.id for r in reqs if r.preemptions != before[r.id]})
-        if batch is None:
-            trace.stuck = True
-            break
-        trace.steps.append([(e.req.id, e.new, 0 if e.draft is None else len(e.draft))
-                            for e in batch.entries])
-        for e in batch.entries:
-            if e.req.id not in trace.hits and e.req.cached_tokens is not None:
-                trace.hits[e.req.id] = e.req.cached_tokens
-        s.complete(batch, predetermined_tokens(batch), 0.0)
+
+    def after_step(reqs) -> None:
         trace.free.append(len(cache._free))
         known = {}
         for r in reqs:
@@ -142,8 +124,9 @@ def run_ours(sc: SpecCase) -> Trace:
                 known[key] = ((i + 1) * b, tuple(fill[: (i + 1) * b].tolist()))
         trace.hashed.append({int(blk) + 1: _prefix_of(known, int(cache._key[blk]))
                              for blk in np.flatnonzero(cache._keyed[: cache.num_blocks])})
-    trace.stuck |= s.has_work
-    trace.free_queue = [blk + 1 for blk in cache._free.blocks()]
+    reqs = drive_ours(case, s, cache, trace,
+                      lambda e: (e.req.id, e.new, 0 if e.draft is None else len(e.draft)),
+                      after_step)
     trace.outputs = {r.id: [int(t) for t in r.output] for r in reqs}  # (aborted: so far)
     return trace
 
@@ -152,23 +135,10 @@ def run_vllm(v, sc: SpecCase) -> Trace:
     case = sc.case
     b = case.block_size
     side = wheel.VllmSide(v, case.num_blocks, b, case.settings, drafts=sc.drafts)
-    for rid, p, o in case.requests:
-        side.add(rid, p, o)
     pool = side.scheduler.kv_cache_manager.block_pool
     trace = Trace()
-    while side.has_work and len(trace.steps) < MAX_STEPS:
-        if len(trace.steps) in case.aborts:
-            side.abort(case.aborts[len(trace.steps)])
-            if not side.has_work:
-                break
-        scheduled, preempted, hits = side.step()
-        trace.preempted.append(preempted)
-        if not scheduled:
-            trace.stuck = True
-            break
-        trace.steps.append([(rid, n, len(side.scheduled_drafts.get(rid, ())))
-                            for rid, n in scheduled])
-        trace.hits.update({k: h for k, h in hits.items() if k not in trace.hits})
+
+    def after_step() -> None:
         trace.free.append(pool.get_num_free_blocks())
         known = {}
         for req in side.requests.values():
@@ -177,8 +147,8 @@ def run_vllm(v, sc: SpecCase) -> Trace:
                 known[h] = ((i + 1) * b, tuple(tokens[: (i + 1) * b]))
         trace.hashed.append({blk.block_id: _prefix_of(known, v.get_block_hash(blk.block_hash))
                              for blk in pool.blocks if blk.block_hash is not None})
-    trace.stuck |= side.has_work
-    trace.free_queue = [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()]
+    drive_vllm(case, side, trace,
+               lambda rid, n: (rid, n, len(side.scheduled_drafts.get(rid, ()))), after_step)
     trace.outputs = {rid: list(req.output_token_ids) for rid, req in side.requests.items()}
     return trace
 
@@ -188,14 +158,10 @@ def _short(prefix: tuple) -> str:
         if prefix[0] != "unknown" else "a hash of no verified prefix"
 
 
-def compare(ours: Trace, theirs: Trace) -> str | None:
-    """None when the two traces agree, else what differs first."""
-    for i, (a, b) in enumerate(zip(ours.steps, theirs.steps)):
-        if a != b:
-            return f"step {i}: (id, tokens, drafts) ours {a}, vLLM {b}"
-        if ours.preempted[i] != theirs.preempted[i]:
-            return f"step {i}: preempted ours {sorted(ours.preempted[i])}, vLLM " \
-                   f"{sorted(theirs.preempted[i])}"
+def differ(ours: Trace, theirs: Trace) -> str | None:
+    """`scheduler.compare` with, after each step, the free blocks and the hashed blocks with
+    the prefix each hash stands for; at the end, the outputs."""
+    def per_step(i: int) -> str | None:
         if ours.free[i] != theirs.free[i]:
             return f"after step {i}: {ours.free[i]} free blocks, vLLM {theirs.free[i]}"
         if ours.hashed[i] != theirs.hashed[i]:
@@ -204,63 +170,37 @@ def compare(ours: Trace, theirs: Trace) -> str | None:
                           _short(t[blk]) if blk in t else None)
                     for blk in sorted(h.keys() | t.keys()) if h.get(blk) != t.get(blk)}
             return f"after step {i}: hashed blocks differ (block: ours, vLLM): {diff}"
-    if len(ours.steps) != len(theirs.steps) or ours.stuck != theirs.stuck:
-        return f"{len(ours.steps)} steps (stuck: {ours.stuck}) against vLLM's " \
-               f"{len(theirs.steps)} (stuck: {theirs.stuck})"
-    if ours.hits != theirs.hits:
-        diff = {k: (ours.hits.get(k), theirs.hits.get(k)) for k in ours.hits.keys() | theirs.hits
-                if ours.hits.get(k) != theirs.hits.get(k)}
-        return f"first-admission hits (ours, vLLM): {diff}"
-    if ours.free_queue != theirs.free_queue:
-        return f"free queue at the end: ours {ours.free_queue}, vLLM {theirs.free_queue}"
-    if ours.outputs != theirs.outputs:
-        return "outputs differ"
-    return None
+        return None
+    return compare(ours, theirs, "(id, tokens, drafts) ", per_step,
+                   lambda: None if ours.outputs == theirs.outputs else "outputs differ")
+
+
+def tally(counts: Counter, sc: SpecCase, ours: Trace) -> None:
+    counts["steps"] += len(ours.steps)
+    entries = [e for step in ours.steps for e in step]
+    counts["verifies"] += sum(d > 0 for _, _, d in entries)
+    counts["drafts"] += sum(d for _, _, d in entries)
+    counts["preemptions"] += sum(len(p) for p in ours.preempted)
+    counts["hit_reqs"] += sum(h > 0 for h in ours.hits.values())
+    counts["hit_tokens"] += sum(ours.hits.values())
+    counts["hashed"] += len(ours.hashed[-1]) if ours.hashed else 0
+    counts["aborts"] += bool(sc.case.aborts)
 
 
 def main() -> int:
-    args = check_args(__doc__, 1000)
-    v = load_wheel(args.cache_dir)
-    if v is None:
-        return 2
-    print(f"vLLM {wheel.VERSION} from {v.root}: its Scheduler, KVCacheManager, BlockPool and "
-          "Request, driven with drafts (spec_token_ids, update_draft_token_ids); stand-ins: the "
-          "VllmConfig (no speculative_config: no CUDA-graph padding), structured output "
-          "(experiments/validation/vllm/wheel.py)\n")
-    n = args.cases
-    rng = np.random.default_rng(args.seed)
-    start = time.time()
-    agree, shown = 0, 0
-    counts = dict(steps=0, verifies=0, drafts=0, cut=0, preemptions=0, hit_reqs=0, hit_tokens=0,
-                  hashed=0, aborts=0)
-    for i in range(n):
-        sc = spec_case(rng, i)
-        ours, theirs = run_ours(sc), run_vllm(v, sc)
-        problem = compare(ours, theirs)
-        if problem is None:
-            agree += 1
-            counts["steps"] += len(ours.steps)
-            entries = [e for step in ours.steps for e in step]
-            counts["verifies"] += sum(d > 0 for _, _, d in entries)
-            counts["drafts"] += sum(d for _, _, d in entries)
-            counts["preemptions"] += sum(len(p) for p in ours.preempted)
-            counts["hit_reqs"] += sum(h > 0 for h in ours.hits.values())
-            counts["hit_tokens"] += sum(ours.hits.values())
-            counts["hashed"] += len(ours.hashed[-1]) if ours.hashed else 0
-            counts["aborts"] += bool(sc.case.aborts)
-        elif shown < args.show:
-            shown += 1
-            c = sc.case
-            print(f"  {c.name} (B={c.block_size}, {c.num_blocks} blocks, k={sc.k}, {c.settings}, "
-                  f"{len(c.requests)} requests): {problem}")
-    print(f"agreement: {agree}/{n} cases identical (per step: requests, tokens and drafts "
-          f"scheduled, preemptions, free blocks, hashed blocks and the prefix of each hash; "
-          f"first-admission hits, final free queue, outputs); over the agreeing cases "
-          f"{counts['steps']} steps, {counts['verifies']} verifications of {counts['drafts']} "
-          f"drafts, {counts['preemptions']} preemptions, {counts['hit_reqs']} requests with a "
-          f"hit ({counts['hit_tokens']} tokens), {counts['hashed']} blocks hashed at the end, "
-          f"{counts['aborts']} cases with aborts ({time.time() - start:.0f} s)")
-    return 0 if agree == n else 1
+    return run_check(
+        __doc__, 1000, "its Scheduler, KVCacheManager, BlockPool and Request, driven with drafts "
+        "(spec_token_ids, update_draft_token_ids); stand-ins: the VllmConfig (no "
+        "speculative_config: no CUDA-graph padding), structured output", spec_case, run_ours,
+        run_vllm, differ, tally,
+        lambda sc: (f"{sc.case.name} (B={sc.case.block_size}, {sc.case.num_blocks} blocks, "
+                    f"k={sc.k}, {sc.case.settings}, {len(sc.case.requests)} requests)"),
+        lambda c: ("(per step: requests, tokens and drafts scheduled, preemptions, free blocks, "
+                   "hashed blocks and the prefix of each hash; first-admission hits, final free "
+                   f"queue, outputs); over the agreeing cases {c['steps']} steps, "
+                   f"{c['verifies']} verifications of {c['drafts']} drafts, {c['preemptions']} "
+                   f"preemptions, {c['hit_reqs']} requests with a hit ({c['hit_tokens']} tokens), "
+                   f"{c['hashed']} blocks hashed at the end, {c['aborts']} cases with aborts"))
 
 
 if __name__ == "__main__":
