@@ -124,6 +124,3 @@ def main(argv: list[str] | None = None) -> int:
           + f" trees ({time.time() - start:.0f} s)\n           {replay_summary}")
     return 0 if agree else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())
