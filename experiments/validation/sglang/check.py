@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     done = [r for r in rows if "hits" in r]
     same, stalls = sum(r["diff"] is None for r in done), stalled(rows)
     hits = sum(r["hits"] for r in done), sum(r["reqs"] for r in rows)
+    never = sum(r["reqs"] - r["hits"] for r in stalls)
     stall = (f", and in {len(stalls)} more up to where SGLang stalls for good (of their requests "
-             f"{sum(r['reqs'] - r['hits'] for r in stalls)} never admitted by it)" if stalls else "")
+             f"{never} never admitted by it)" if stalls else "")
     tolerated = len(stalls) if release == "0.4.10" else 0
     agree = (all(c["agree"] == c["queues"] for c in stats.values())
              and all(c["agree"] == c["trees"] for c in evictions.values())

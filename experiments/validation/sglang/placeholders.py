@@ -1,5 +1,5 @@
-"""An import hook that serves a wheel's ``sglang`` modules: the real ones from the unzipped wheel,
-every other one as a placeholder (`wheel.load_hooked`, for 0.5.23).
+"""An import hook that serves a wheel's ``sglang`` modules: the real ones from the unzipped
+wheel, every other one as a placeholder (`wheel.load_hooked`, for 0.5.23).
 
 A placeholder module is empty, and each name imported from it is a placeholder class:
 constructible with anything, every attribute of it another placeholder, every attribute of its

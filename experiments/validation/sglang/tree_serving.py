@@ -6,11 +6,12 @@ trace (`whole_trace`) and the speed benchmark.
 the release's own calls (`SIDES`):
 
 - **0.4.10** (`Side0410`): ``match_prefix`` of ``Req.adjust_max_prefix_ids`` (the prompt minus
-  its last token; page-aligned by ``match_prefix``), ``inc_lock_ref`` (``PrefillAdder.add_one_req``),
-  then ``ScheduleBatch._evict_tree_cache_if_needed`` with the size ``alloc_paged_token_slots_extend``
-  asks for (``alloc_token_slots`` at page size 1: the whole demand, not the shortfall), and its own
-  ``cache_finished_req``, which caches prompt+output minus the last output token (that token's KV
-  is never computed), frees the unaligned tail page and the duplicate prefix.
+  its last token; page-aligned by ``match_prefix``), ``inc_lock_ref``
+  (``PrefillAdder.add_one_req``), then ``ScheduleBatch._evict_tree_cache_if_needed`` with the
+  size ``alloc_paged_token_slots_extend`` asks for (``alloc_token_slots`` at page size 1: the
+  whole demand, not the shortfall), and its own ``cache_finished_req``, which caches
+  prompt+output minus the last output token (that token's KV is never computed), frees the
+  unaligned tail page and the duplicate prefix.
 - **0.5.23** (`Side0523`): ``mem_cache/common.py:match_kv_cache`` with ``max_prefix_len`` = prompt
   length − 1 (``Req._compute_max_prefix_len``), then ``tree_cache.lock`` of the matched node
   (``PrefillAdder`` locks ``req.last_node``); ``common.evict_from_tree_cache`` with the demand of
