@@ -28,9 +28,8 @@ CASES = [
      "workload.path: no such file: /no/such.jsonl"),
     (["experiments.benchmarks.speed", "--part", "nosuch"], "--part: nosuch not one of replay"),
 ]
-# run otherwise: inside Vidur's own venv by its path; and a twin the validation package replaces
-NOT_THROUGH_ENTRY = {"experiments/validation/vidur_drive.py",
-                     "experiments/validation/sglang_replay523.py"}
+# run otherwise: inside Vidur's own venv, by its path
+NOT_THROUGH_ENTRY = {"experiments/validation/vidur/drive.py"}
 
 
 @pytest.mark.parametrize("argv, says", CASES, ids=[" ".join(c[0][:2]) for c in CASES])

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=["tree_of_thought", "few_shot_text", "sharegpt_chat"])
     ap.add_argument("--loop", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`vs_vllm serve`, "
+    ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`experiments.validation.vllm.caching serve`, "
                     f"{BLOCKS} blocks of {BLOCK_SIZE}); else one is started")
     ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=None, help="runs already there are kept")

@@ -1,7 +1,6 @@
 """``python -m experiments.validation.sglang``: `experiments.validation.sglang.check`."""
 
-import sys
-
+from experiments import entry
 from experiments.validation.sglang.check import main
 
-sys.exit(main())
+entry(main)

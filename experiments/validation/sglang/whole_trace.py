@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from experiments import MOONCAKE_TRACE
+from experiments import MOONCAKE_TRACE, entry
 from experiments.validation.sglang import wheel
 from experiments.validation.sglang.tree_serving import serve
 from testbed.cache.radix import RadixCache
@@ -36,8 +36,8 @@ def whole_trace(sgl, page_size: int, capacity: int) -> tuple[float, float, int, 
 
 def main() -> int:
     if not MOONCAKE_TRACE.exists():
-        print(f"error: no Mooncake conversation trace at {MOONCAKE_TRACE}", file=sys.stderr)
-        return 2
+        sys.exit(f"no Mooncake conversation trace at {MOONCAKE_TRACE} (python -m testbed.data "
+                 "fetch mooncake_conversation puts it there)")
     sgl = wheel.load(wheel.fetch(wheel.wheel_dir(RELEASE), RELEASE), RELEASE)
     for page in PAGE_SIZES:
         ours, theirs, same, total = whole_trace(sgl, page, CAPACITY)
@@ -47,4 +47,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry(main)

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=1100,
                     help="KV blocks: the default holds 32 conversations of 1,024 tokens")
-    ap.add_argument("--url", default=None, help="a vLLM already served (`vs_vllm serve`) with "
+    ap.add_argument("--url", default=None, help="a vLLM already served (`vllm.caching serve`) with "
                     "these --block-size and --blocks")
     ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=None, help="runs already there are kept")
