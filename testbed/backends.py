@@ -13,7 +13,7 @@ model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_byt
 engine on CUDA measures instead what the device has free once the weights are loaded
 (``torch.cuda.mem_get_info``), and caps either at the tokens the workload could ever hold, so a
 tiny model does not allocate gigabytes of KV buffers. Every object is built by the run's
-`testbed.assembly.Assembly`.
+`testbed.config.assembly.Assembly`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.assembly import REPLAY, SERVER, Assembly
+from testbed.config.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay

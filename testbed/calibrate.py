@@ -38,9 +38,9 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from testbed import group_values
-from testbed.cli import check_group_choices
-from testbed.assembly import assemble
+from testbed.config import group_values
+from testbed.config.cli import check_group_choices
+from testbed.config.assembly import assemble
 from testbed.errors import BadInput
 
 matplotlib.use("Agg")
@@ -82,7 +82,7 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
 
 def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
     """What a calibration was measured on (saved with the coefficients): with the engine's
-    threads and step clock (`testbed.engine_timing`), which a run it predicts must share."""
+    threads and step clock (`testbed.config.engine_timing`), which a run it predicts must share."""
     import torch
 
     return {"model": model.name, "device": str(executor.device), "hardware": hw.name,

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.cache.base import Lease
 from testbed.cache.pool import RUN_SLOTS
 from testbed.errors import BadInput

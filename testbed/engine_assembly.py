@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.assembly import Assembly
+from testbed.config.assembly import Assembly
 from testbed.cache import PrefixCache
 from testbed.serving.serve import keep_runs_for
 from testbed.workloads import Request

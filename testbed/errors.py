@@ -9,7 +9,8 @@ caught bad values as ``ValueError`` keep working.
 ``WorkloadRefused`` is the kind of bad input that only the workload's requests can show (an empty
 prompt, a token id outside the model's vocabulary, a prompt longer than its context, calls that
 wait across programs, a trace file's content): every other refusal comes from config values and
-is raised by `testbed.assembly.assemble`, before anything is generated (the fuzzer checks it).
+is raised by `testbed.config.assembly.assemble`, before anything is generated (the fuzzer checks
+it).
 
 A message that refuses a name says what is allowed and, with `did_you_mean`, the closest one.
 """

@@ -1,7 +1,8 @@
 """One run from a composed config to its files: `execute` assembles the run (every value checked,
-`testbed.assembly`), generates its workload, serves it on the chosen backend (`testbed.backends`),
-summarizes the records (`testbed.metrics`) and writes the run directory (`testbed.rundir`,
-`testbed.timeline`). `python -m testbed.run`, the fuzzer, experiments and tests all run through it.
+`testbed.config.assembly`), generates its workload, serves it on the chosen backend
+(`testbed.backends`), summarizes the records (`testbed.metrics`) and writes the run directory
+(`testbed.rundir`, `testbed.timeline`). `python -m testbed.run`, the fuzzer, experiments and tests
+all run through it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.backends import run_backend
 from testbed.metrics import ideal_hit_rate, summarize
 from testbed.rundir import write_run

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from testbed.assembly import Assembly, assemble, compose_config
+from testbed.config.assembly import Assembly, assemble, compose_config
 from testbed.metrics import summarize
 from testbed.serving.serve import records_of, serve
 from testbed.workloads.request import Request

@@ -13,7 +13,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from testbed.cli import check_group_choices
+from testbed.config.cli import check_group_choices
 from testbed.errors import BadInput
 
 

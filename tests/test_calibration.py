@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import (calibrate, floor_check, grid, grid_slots, row_knots,
                                slot_layout, slot_order, synthetic_batch, timed_pass)
 from testbed.errors import BadInput

@@ -93,7 +93,7 @@ def test_engine_and_simulator_form_the_same_groups_from_the_same_batch(compose, 
     """The run's scheduler groups (`Assembly.decode_groups`) and each executor's own, for the
     simulator on an H200 preset and the engine on a device of as many SMs, are the same
     groups of one step: one rule, one call."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
     from testbed.engine import cascade
 
     monkeypatch.setattr(cascade, "device_slots", lambda device: 132)  # the engine's GPU

@@ -8,7 +8,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.sim.cost_model import (
     FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )

@@ -24,7 +24,7 @@ from testbed.engine.loader import build_model, tiny_config
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
 from testbed.engine.runner import ModelRunner
-from testbed.engine_config import EngineConfig
+from testbed.config.engine_config import EngineConfig
 from testbed.errors import BadInput
 from testbed.sim.step_shape import StepShape
 

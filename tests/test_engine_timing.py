@@ -1,6 +1,7 @@
-"""A calibration predicts the engine run it was made for: the same torch threads and step clock
-in both (`testbed.engine_timing`; a fit measured otherwise is refused in one line), and a run whose
-steps leave the calibration grid ends with a warning naming where (`testbed.sim.grid_reach`)."""
+"""A calibration predicts the engine run it was made for: the same torch threads and step clock in
+both (`testbed.config.engine_timing`; a fit measured otherwise is refused in one line), and a run
+whose steps leave the calibration grid ends with a warning naming where
+(`testbed.sim.grid_reach`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import calibrate
-from testbed.engine_timing import check_fit_timing, timing_settings
+from testbed.config.engine_timing import check_fit_timing, timing_settings
 from testbed.errors import BadInput
 from testbed.sim.grid_reach import GridReach, grid_extent
 from testbed.sim.step_shape import StepShape

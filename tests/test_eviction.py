@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from testbed.cache import EVICTION, BlockHashCache, RadixCache, Requester
 from testbed.cache.oracle import FutureIndex, Oracle
-from testbed.cli import CONF_DIR
+from testbed.config.cli import CONF_DIR
 from testbed.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.synthetic import random_tree

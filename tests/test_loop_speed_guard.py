@@ -20,7 +20,7 @@ from typing import Callable
 import pytest
 
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.backends import run_backend
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-from testbed.assembly import compose_config  # noqa: E402
+from testbed.config.assembly import compose_config  # noqa: E402
 from testbed.metrics import (RequestRecord, add_quality_fields, quality_summary,  # noqa: E402
                              summarize)
 from testbed.rundir import format_summary  # noqa: E402

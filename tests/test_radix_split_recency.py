@@ -3,7 +3,7 @@
 
 import pytest
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay
 from testbed.workloads.traces import load_mooncake

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from testbed.api.server import start_server
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

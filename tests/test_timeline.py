@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.tiers import TieredRadixCache
 from testbed.execute import execute

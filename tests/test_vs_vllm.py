@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments.validation import vs_vllm
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 LOG = """\

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.data import is_here, lookup
 from testbed.replay import replay

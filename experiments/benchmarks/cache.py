@@ -46,7 +46,7 @@ from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, as_lists, load_sglang,
                                           replay_edge, replay_plain, replay_sglang)
 
-# Built directly, not through testbed.assembly: this benchmark times the raw data structures
+# Built directly, not through testbed.config.assembly: this benchmark times the raw data structures
 # (caches, replay, loaders, generator) on purpose, without a run config's choices around them.
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.radix import RadixCache

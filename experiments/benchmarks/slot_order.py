@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate_grid import slot_order
 from testbed.engine.cpu_attention import load_kernel
 from testbed.serving.serve import serve

@@ -70,7 +70,7 @@ def testbed_server(name: str):
 
 def drive(served: vs_vllm.Served, words: list[str], loop: int, out: Path) -> dict:
     """One closed-loop run from an empty cache (``POST /reset_prefix_cache``, served by both)."""
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     if not (out / "summary.json").exists():  # a run already there is kept
         vs_vllm.reset_cache(served.url)

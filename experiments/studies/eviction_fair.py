@@ -40,7 +40,7 @@ import pandas as pd
 
 from experiments import REPO
 from experiments.studies.eviction_fair_report import plot, write_report
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.backends import run_backend
 from testbed.metrics import summarize
 from testbed.replay import replay

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import MOONCAKE_TRACE, save_figure
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.data.fetch import local_path, lookup
 from testbed.replay import replay
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import REPO
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.sim import cost_model
 from testbed.sim.roofline_fit import (ALLREDUCE_TOKENS, attention_efficiency, fit_allreduce,
                                       fit_mfu_mbu, grid_steps, loaded_steps, ratios)

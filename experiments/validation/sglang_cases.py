@@ -9,7 +9,7 @@ from functools import lru_cache
 import numpy as np
 
 from experiments.validation import sglang_wheel
-from testbed.assembly import Assembly, assemble, compose_config, plain
+from testbed.config.assembly import Assembly, assemble, compose_config, plain
 
 
 @lru_cache(maxsize=None)

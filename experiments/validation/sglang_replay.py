@@ -36,8 +36,8 @@ import torch
 
 from experiments import MOONCAKE_TRACE
 
-# Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
-# raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
+# Our RadixCache and FIFO are built directly, not through testbed.config.assembly: the check drives
+# the raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
 from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
 from testbed.replay import replay

@@ -116,7 +116,7 @@ def predict(words: list[str], served: vs_vllm.Served, n: int, cost_model: Path, 
             ) -> dict:
     """The simulator on the calls as they ran in ``run``/server; both summaries' metrics, and
     the median over requests of each one's TTFT error."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
     server = vs_vllm.records(run / "server")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
@@ -159,7 +159,7 @@ def summarize_rounds(runs: pd.DataFrame) -> pd.DataFrame:
 
 def step_table(run: Path, budget: int, cost_model: Path, block_size: int) -> pd.DataFrame:
     """Every recovered step of ``run``/server, measured and predicted."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     a = assemble(compose_config(SIM))
     model = load_fitted(cost_model, RooflineCostModel(a.model_shape, a.hardware))
     rows = []

@@ -330,7 +330,7 @@ def hit_rate(rows: pd.DataFrame) -> float:
 # ---------------------------------------------------------------- cases
 def run_server(words: list[str], served: Served, arrival: list[str], out: Path) -> pd.DataFrame:
     """The workload on vLLM from an empty cache."""
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     reset_cache(served.url)
     execute(compose_config(server_overrides(words, served, arrival)), out)
@@ -339,14 +339,14 @@ def run_server(words: list[str], served: Served, arrival: list[str], out: Path) 
 
 def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
     # model=: the client's ids fit the served model's vocabulary (SmolLM2's 49,152), not the
-    # default preset's 32,000 (`testbed.assembly.fit_vocabulary`)
+    # default preset's 32,000 (`testbed.config.assembly.fit_vocabulary`)
     return [*words, *arrival, "backend=server", "model=smollm2_135m", f"server.url={served.url}",
             f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "engine.forced=true",
             "save_token_ids=true", "progress=false"]
 
 
 def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) -> dict:
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     server = run_server(words, served, ["arrival.max_concurrency=1"], out / "server")
     trace = out / "trace.jsonl"
@@ -363,7 +363,7 @@ def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) ->
 def closed_loop(workload: str, words: list[str], served: Served, n: int, out: Path) -> dict:
     """vLLM's hit rate against the simulator's, on the workload as generated (its forced output
     ids) and on the calls as they ran on vLLM (its own output ids, the same programs)."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
     arrival = [f"arrival.max_in_flight={n}"]
     server = run_server(words, served, arrival, out / "server")

@@ -28,7 +28,7 @@ from testbed.api.metrics import ServerMetrics
 from testbed.api.online import OnlineEngine
 from testbed.api.protocol import ServerFacts
 from testbed.api.settings import ServeSettings, assemble_serve
-from testbed.assembly import Assembly, compose_config
+from testbed.config.assembly import Assembly, compose_config
 from testbed.cache.events import EventLog
 
 CPU_KV_BYTES = 256 * 2**20

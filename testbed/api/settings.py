@@ -1,5 +1,5 @@
 """The ``serve`` block of ``python -m testbed.serve`` (conf/serve.yaml), checked with the run config
-it shares: `assemble_serve` is `testbed.assembly.assemble` for the server, plus the ``serve``
+it shares: `assemble_serve` is `testbed.config.assembly.assemble` for the server, plus the ``serve``
 keys, each refused in one line naming the key and what is allowed (docs/design.md §3 "Serving
 over HTTP"). It imports neither the web framework nor torch.
 """
@@ -11,8 +11,8 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
-from testbed import group_values
-from testbed.assembly import Assembly, assemble, plain
+from testbed.config import group_values
+from testbed.config.assembly import Assembly, assemble, plain
 from testbed.errors import BadInput
 
 SERVE_KEYS = ("host", "port", "model_name", "max_queue", "default_max_tokens", "log_level")

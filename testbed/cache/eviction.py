@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable, NamedTuple, Protocol
 
 from testbed.errors import BadInput
-from testbed.registry import Registry
+from testbed.config.registry import Registry
 
 
 class Requester(NamedTuple):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 
 class KVCache:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from testbed.errors import WorkloadRefused
-from testbed.model_group import read_config_json
+from testbed.config.model_group import read_config_json
 from testbed.workloads.request import OutputRef, Request
 
 

@@ -16,8 +16,8 @@ import torch
 
 from testbed.engine.model import LlamaModel
 from testbed.errors import BadInput
-from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
-from testbed.model_shape import ModelShape
+from testbed.config.model_group import check_preset, checkpoint_shape, resolve_model_group
+from testbed.config.model_shape import ModelShape
 
 #: tensors some checkpoints carry that are not weights (old Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -183,7 +183,7 @@ def config_from_model_group(model: Mapping[str, Any]) -> Any:
 
 def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
     """A checkpoint (its `transformers` config) must have the shapes the ``model`` group (and so
-    the cost model) assumes: `testbed.model_group.check_preset`."""
+    the cost model) assumes: `testbed.config.model_group.check_preset`."""
     check_preset(model, checkpoint_shape(hf.to_dict() if hasattr(hf, "to_dict") else hf))
 
 

@@ -20,7 +20,7 @@ import httpx
 
 from testbed.api.server import (ServerHandle, Stopped, bind, load_tokenizer, start_server,
                                 stop_signal, wait_healthy)
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.errors import BadInput
 from testbed.gateway.settings import RoutePlan, assemble_route
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.assembly import Assembly
+from testbed.config.assembly import Assembly
 from testbed.errors import BadInput
 from testbed.metrics import RequestRecord, ideal_hit_rate
 from testbed.remote.driver import RemoteDriver, Sent

@@ -1,7 +1,7 @@
 """The ``server`` config block (used only by ``backend=server``), read and checked before anything
 is generated: where the OpenAI-compatible server is, which of its models to ask, and how long to
-wait. Importing it pulls in no HTTP client (`testbed.assembly` reads it for every backend=server
-run, even one refused later).
+wait. Importing it pulls in no HTTP client (`testbed.config.assembly` reads it for every
+backend=server run, even one refused later).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.config.group_values import check_setting
 
 #: the keys of the ``server`` block (conf/config.yaml)
 SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s", "prefill_only", "prompt_format")

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
-from testbed.registry import Resolved
+from testbed.config.group_values import check_setting
+from testbed.config.registry import Resolved
 from testbed.scheduler.policy import QUEUE_POLICIES, SGLANG_RELEASES
 
 RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
@@ -58,7 +58,7 @@ class SchedulerConfig:
         return cfg if isinstance(cfg, SchedulerConfig) else cls.from_mapping(cfg)
 
     def queue_policy(self) -> Resolved:
-        """The queue policy's entry and settings, checked (`testbed.registry`); build it with
+        """The queue policy's entry and settings, checked (`testbed.config.registry`); build it with
         ``.build(cache=..., rng=..., **config.settings())``."""
         return QUEUE_POLICIES.resolve({"name": self.name, "target": self.target,
                                        **self.policy_settings}, run_keys=tuple(self.settings()))

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.config.group_values import check_setting
 from testbed.scheduler.ngram import NO_DRAFT, ngram_branches, ngram_draft
 
 METHODS = ("none", "ngram", "draft")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.step_shape import StepShape
 from testbed.sim.specs import HardwareSpec

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from testbed.errors import BadInput
-from testbed.registry import Registry
+from testbed.config.registry import Registry
 from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beam_search import beam_search
 from testbed.workloads.beyond_prefix import paraphrase, rag

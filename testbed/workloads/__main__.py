@@ -7,8 +7,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from testbed.assembly import assemble
-from testbed.cli import check_group_choices
+from testbed.config.assembly import assemble
+from testbed.config.cli import check_group_choices
 from testbed.errors import BadInput
 from testbed.workloads import save_tokens
 from testbed.workloads.describe import describe, format_table

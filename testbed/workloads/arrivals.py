@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.config.group_values import check_setting
 from testbed.workloads.request import Request
 
 ARRIVALS = ("auto", "offline", "poisson", "trace")

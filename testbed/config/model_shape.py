@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.errors import BadInput
-from testbed.model_group import DTYPE_BYTES, SUPPORTED_MODEL_TYPES
+from testbed.config.model_group import DTYPE_BYTES, SUPPORTED_MODEL_TYPES
 
 #: RoPE variants the engine implements (``rope_scaling["rope_type"]``; HF's names)
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,15 +1,15 @@
 """The one assembly step: a composed run config in, the checked plan of a run out.
 
 `assemble(cfg)` reads the config once (Hydra's ``DictConfig`` or a plain mapping): it resolves the
-model group (``model.path=DIR``), fits a generated workload's vocabulary to the served model,
-checks every family's choice against its registry (testbed/registry.py: the workload, the cache
-and its eviction policy, the scheduler and its queue policy, the router, the cost model and the
+model group (``model.path=DIR``), fits a generated workload's vocabulary to the served model, checks
+every family's choice against its registry (testbed/config/registry.py: the workload, the cache and
+its eviction policy, the scheduler and its queue policy, the router, the cost model and the
 executor), checks the run keys (seed, replicas, timeline, debug, arrival, programs in flight) and
 the combinations a backend cannot serve (replicas × backend, lower tiers, reuse beyond prefixes),
-and builds once what needs no workload (`Assembly.check_builds`). A bad name, value or
-combination, a key an entry does not take, or a user class without the family's methods stops the
-run there, in one line, before anything is generated. The `Assembly` it returns builds the
-objects: ``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
+and builds once what needs no workload (`Assembly.check_builds`). A bad name, value or combination,
+a key an entry does not take, or a user class without the family's methods stops the run there, in
+one line, before anything is generated. The `Assembly` it returns builds the objects:
+``requests()``, ``build_cache(...)``, ``build_executor(...)``, ``build_router(...)``,
 ``build_cost_model()``. `testbed.execute`, `testbed.calibrate`, `testbed.viz` and the experiments
 all build through it; scripts compose a config as the command line does with `compose_config`.
 """
@@ -23,18 +23,18 @@ from typing import Any, Callable, Mapping
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.cache import CACHES, EVICTION, PrefixCache, ReuseConfig
 from testbed.cache.radix import SGLANG_RELEASES
 from testbed.cache.tier_config import has_lower_tiers, tier_options
-from testbed.engine_config import EngineConfig, check_kernels_run_here
-from testbed.backend_limits import REPLAY, SERVER, check_replicas, check_server
-from testbed.engine_timing import apply_timing, check_fit_timing, timing_settings
+from testbed.config.engine_config import EngineConfig, check_kernels_run_here
+from testbed.config.backend_limits import REPLAY, SERVER, check_replicas, check_server
+from testbed.config.engine_timing import apply_timing, check_fit_timing, timing_settings
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
-from testbed.model_group import resolve_model_group
-from testbed.overrides import compose_config  # noqa: F401 - composed here for scripts (re-exported)
-from testbed.registry import CUSTOM, Lazy, Resolved, group_label
+from testbed.config.group_values import check_setting
+from testbed.config.model_group import resolve_model_group
+from testbed.config.overrides import compose_config  # noqa: F401 - for scripts (re-exported)
+from testbed.config.registry import CUSTOM, Lazy, Resolved, group_label
 from testbed.router import ROUTERS, cluster_delays
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.speculative import SpeculativeConfig, check_draft_layers, \

@@ -3,7 +3,7 @@
 Hydra reports an unknown option of a config group (``scheduler=sjf``) or an unknown key
 (``cache.capacity=100``) over several lines; users' sweeps and scripts are better served by
 ``error: scheduler must be one of ...; got 'sjf'`` and exit status 2, before Hydra starts
-(`testbed.overrides`).
+(`testbed.config.overrides`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from testbed.errors import BadInput
-from testbed.overrides import CONF_DIR, check_overrides, group_options, search_dirs
+from testbed.config.overrides import CONF_DIR, check_overrides, group_options, search_dirs
 
 __all__ = ["CONF_DIR", "check_group_choices", "group_options", "search_dirs"]
 
