@@ -25,7 +25,7 @@ import numpy as np
 
 from testbed.config.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
-from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
+from testbed.results.metrics import RequestRecord, add_quality_fields, add_tier_fields
 from testbed.replay import replay
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_beams, refuse_generating
@@ -182,7 +182,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
 def ideal_as_ran(reqs: list) -> float:
     """The ideal hit rate of the calls as the engine ran them (its generated outputs, the prompts
     rebuilt from them), in submission order: the workload's own outputs are not what ran."""
-    from testbed.metrics import ideal_hit_rate
+    from testbed.results.metrics import ideal_hit_rate
     from testbed.workloads.request import TOKEN_DTYPE
 
     return ideal_hit_rate(Request(r.id, r.prompt, np.asarray(r.output, dtype=TOKEN_DTYPE))

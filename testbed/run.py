@@ -22,7 +22,7 @@ from testbed.config.assembly import plain
 from testbed.config.cli import check_group_choices
 from testbed.errors import failure_kind
 from testbed.execute import execute
-from testbed.rundir import done_before, format_summary, write_failure
+from testbed.results.rundir import done_before, format_summary, write_failure
 
 
 def failure_line(error: BaseException, failed: Path) -> str:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from testbed.cache import CACHES, EVICTION, BlockHashCache, NoCache, RadixCache, Requester
-from testbed.metrics import ideal_hit_rate, summarize
+from testbed.results.metrics import ideal_hit_rate, summarize
 from testbed.replay import replay
 from testbed.workloads.synthetic import shared_prefix
 from testbed.workloads.request import Request

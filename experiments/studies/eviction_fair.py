@@ -42,7 +42,7 @@ from experiments import REPO
 from experiments.studies.eviction_fair_report import plot, write_report
 from testbed.config.assembly import assemble, compose_config
 from testbed.backends import run_backend
-from testbed.metrics import summarize
+from testbed.results.metrics import summarize
 from testbed.replay import replay
 
 OUT = REPO / "docs" / "results" / "eviction" / "fair"

@@ -41,7 +41,7 @@ import pandas as pd  # noqa: E402
 
 from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
 from testbed.config.assembly import assemble, compose_config  # noqa: E402
-from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
+from testbed.results.metrics import ideal_hit_rate, summarize  # noqa: E402
 from testbed.router import ROUTERS  # noqa: E402
 from testbed.serving.cluster import cluster_records, simulate_cluster  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402

@@ -29,7 +29,7 @@ import numpy as np
 
 from testbed.config.assembly import Assembly
 from testbed.errors import BadInput
-from testbed.metrics import RequestRecord, ideal_hit_rate
+from testbed.results.metrics import RequestRecord, ideal_hit_rate
 from testbed.remote.driver import RemoteDriver, Sent
 from testbed.remote.openai_client import Completion, OpenAIClient, completion_body
 from testbed.remote.settings import ServerSettings

@@ -11,7 +11,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from testbed.cache import PrefixCache, ReuseConfig
-from testbed.metrics import RequestRecord
+from testbed.results.metrics import RequestRecord
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.scheduler.build import build_scheduler
