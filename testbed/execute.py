@@ -1,6 +1,6 @@
 """One run from a composed config to its files: `execute` assembles the run (every value checked,
 `testbed.config.assembly`), generates its workload, serves it on the chosen backend
-(`testbed.backends`), summarizes the records (`testbed.results.metrics`) and writes the run
+(`testbed.backends.dispatch`), summarizes the records (`testbed.results.metrics`) and writes the run
 directory (`testbed.results.rundir`, `testbed.results.timeline`). `python -m testbed.run`, the
 fuzzer, experiments and tests all run through it.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig
 
 from testbed.config.assembly import assemble
-from testbed.backends import run_backend
+from testbed.backends.dispatch import run_backend
 from testbed.results.metrics import ideal_hit_rate, summarize
 from testbed.results.rundir import write_run
 from testbed.results.timeline import write_timeline

@@ -21,9 +21,9 @@ import pytest
 
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge
 from testbed.config.assembly import assemble, compose_config
-from testbed.backends import run_backend
+from testbed.backends.dispatch import run_backend
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.synthetic import random_tree
 
 

@@ -3,7 +3,7 @@
 
 from testbed.cache.radix import RadixCache
 from testbed.results.metrics import RequestRecord, cold_warm_summary, is_cold, summarize
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads import Request
 
 from tests.conftest import toks

@@ -41,9 +41,9 @@ import pandas as pd
 from experiments import REPO
 from experiments.studies.eviction_fair_report import plot, write_report
 from testbed.config.assembly import assemble, compose_config
-from testbed.backends import run_backend
+from testbed.backends.dispatch import run_backend
 from testbed.results.metrics import summarize
-from testbed.replay import replay
+from testbed.backends.replay import replay
 
 OUT = REPO / "docs" / "results" / "eviction" / "fair"
 POLICIES = ("lru", "fifo", "lfu", "slru", "tlru", "size_aware", "wlfu", "gdsf", "workload_aware",

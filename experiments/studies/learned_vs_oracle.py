@@ -24,7 +24,7 @@ from testbed.config.assembly import assemble, compose_config
 from testbed.cache import EVICTION, RadixCache
 from testbed.cache.eviction import EvictionPolicy, Requester
 from testbed.cache.oracle import Oracle
-from testbed.replay import replay
+from testbed.backends.replay import replay
 
 
 class Whether(Oracle):

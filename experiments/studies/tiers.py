@@ -30,7 +30,7 @@ import pandas as pd  # noqa: E402
 from experiments import MOONCAKE_TRACE, REPO  # noqa: E402
 from testbed.config.assembly import Assembly, assemble, compose_config  # noqa: E402
 from testbed.results.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
-from testbed.replay import replay  # noqa: E402
+from testbed.backends.replay import replay  # noqa: E402
 from testbed.serving.serve import records_of, serve  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
 

@@ -23,7 +23,7 @@ SGLang's wheel is downloaded once into ``--cache-dir`` and its ``schedule_policy
     SchedulePolicy, PrefillAdder and RadixCache (`sglang_mirror.SglangLoop`), and through our
     `Scheduler` with a radix cache of the same capacity. Compared: each request's cache hit at its
     first admission, and the list of (kind, request ids) per step; retractions are counted.
-(c) **Replay with pages** (`sglang_replay`). Our replay backend (`testbed.replay`, one request at a
+(c) **Replay with pages** (`sglang_replay`). Our replay backend (`testbed.backends.replay`, one request at a
     time: acquire, extend, release with insert) over ``RadixCache(capacity, page_size=P)`` against
     SGLang's RadixCache serving the same requests one at a time with its own ``match_prefix``,
     ``evict`` and ``cache_finished_req`` and the eviction rule of

@@ -2,7 +2,7 @@
 
 One request at a time, in list order, both sides see the same requests:
 
-- **ours**: `testbed.replay.replay` over ``RadixCache(capacity, page_size=P)`` exactly as the
+- **ours**: `testbed.backends.replay.replay` over ``RadixCache(capacity, page_size=P)`` exactly as the
   backend runs it (acquire the whole prompt; evict the shortfall of the whole new pages; extend by
   the rest of prompt+output; release inserting prompt+output).
 - **SGLang**: its own ``RadixCache(req_to_token_pool, token_to_kv_pool_allocator, page_size=P)``
@@ -40,7 +40,7 @@ from experiments import MOONCAKE_TRACE
 # the raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
 from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads import generate
 from testbed.workloads.traces import load_trace
 from testbed.workloads.request import TOKEN_DTYPE, Request
@@ -185,7 +185,7 @@ def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
     """Our RadixCache (following ``release``'s rules, ``scheduler.sglang``) through replay.py's
     calls, with the named `RULES` switched to that SGLang release's (and FIFO eviction for
     "fifo", else the ``eviction`` policy, else LRU). With no rules it is
-    `testbed.replay.replay` (checked by `check_replay`)."""
+    `testbed.backends.replay.replay` (checked by `check_replay`)."""
     policy = FIFO() if "fifo" in rules else EVICTION.build(eviction) if eviction else None
     cache = RadixCache(capacity, page_size=page_size, policy=policy, sglang=release)
     hits, evicted = [], []

@@ -43,7 +43,7 @@ from experiments.validation import sglang_replay
 from experiments.validation.sglang_replay import PagedSlots, sglang_runs
 from experiments.validation.sglang_req523 import KvRecord
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.traces import load_mooncake
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, ServerFacts]:
     """The model, its KV pool, the cache and the scheduler of ``run``, behind an engine (not
     started) and the facts requests are checked against."""
-    from testbed.engine_assembly import build_engine_parts
+    from testbed.backends.engine_assembly import build_engine_parts
     from testbed.scheduler.build import build_scheduler
 
     capacity = run.capacity_tokens

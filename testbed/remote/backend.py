@@ -47,8 +47,8 @@ class EveryCallFailed(BadInput):
 
 @dataclass
 class ServerRun:
-    """What `testbed.backends` makes its `BackendResult` of (this module does not import it:
-    it imports this one)."""
+    """What `testbed.backends.dispatch` makes its `BackendResult` of (this module does not import
+    it: it imports this one)."""
 
     records: list[RequestRecord]
     extra: dict[str, Any]  # summary fields

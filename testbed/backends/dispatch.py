@@ -26,7 +26,7 @@ import numpy as np
 from testbed.config.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
 from testbed.results.metrics import RequestRecord, add_quality_fields, add_tier_fields
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_beams, refuse_generating
 
@@ -122,7 +122,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     generate = engine and not run.engine.forced
     check_prompt, quality, eos = None, None, ()
     if engine:
-        from testbed.engine_assembly import build_engine_parts
+        from testbed.backends.engine_assembly import build_engine_parts
         parts = build_engine_parts(run, run.capacity_tokens, requests)
         executor, cache, capacity = parts.executor, parts.cache, parts.capacity
         quality, eos = parts.quality, parts.eos_token_ids
