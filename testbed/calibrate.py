@@ -18,9 +18,9 @@ configured ``hardware``), and writes into the run directory:
 - ``calibration.png``: predicted against measured step time.
 
 ``calibrate.server_runs=[DIR, ...]`` fits a live server instead: the steps it ran are recovered from
-the token times those ``backend=server`` runs recorded (`testbed.server_steps`; the token budget
-per step is ``scheduler=vllm``'s ``max_num_batched_tokens``, else ``scheduler.chunked_prefill_size``,
-or ``calibrate.token_budget``), and no engine is built.
+the token times those ``backend=server`` runs recorded (`testbed.calibration.server_steps`; the
+token budget per step is ``scheduler=vllm``'s ``max_num_batched_tokens``, else
+``scheduler.chunked_prefill_size``, or ``calibrate.token_budget``), and no engine is built.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from testbed.errors import BadInput
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from testbed.calibrate_grid import (  # noqa: E402, F401 (the grid's names, importable here too)
+from testbed.calibration.grid import (  # noqa: E402, F401 (the grid's names, importable here too)
     GRID_KEYS, SERVER_KNOT_STEPS, SLOT_LAYOUTS, batch_on_slots, grid, grid_slots, grid_values,
     measure, median_times, ragged_decodes, row_knots, row_table_on, server_row_knots,
     shared_contexts, shared_decodes, slot_layout, slot_order, synthetic_batch, timed_pass,
 )
-from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
+from testbed.calibration.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
 from testbed.sim.grid_reach import grid_extent  # noqa: E402

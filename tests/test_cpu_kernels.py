@@ -16,7 +16,7 @@ from torch import nn
 from experiments.benchmarks.decode_batches import decode_batch
 from testbed.engine import cpu_attention, cpu_layers, linear, native_build
 from radix_kernels import reference
-from testbed.calibrate_grid import batch_on_slots
+from testbed.calibration.grid import batch_on_slots
 from testbed.engine.attention import ExtendLayout, FlatExtend, decode, make_attention
 from testbed.engine.executor import EngineExecutor
 from testbed.engine.layer_kernels import TORCH_KERNELS

@@ -1,5 +1,6 @@
-"""Recovering a live server's steps from the token times it streamed (`testbed.server_steps`),
-and `testbed.calibrate` fitting a cost model to them (``calibrate.server_runs``)."""
+"""Recovering a live server's steps from the token times it streamed
+(`testbed.calibration.server_steps`), and `testbed.calibrate` fitting a cost model to them
+(``calibrate.server_runs``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pandas as pd
 import pytest
 
 from testbed.errors import BadInput
-from testbed.server_steps import ServerStep, add_rereads, read_run, recover_steps, usable
+from testbed.calibration.server_steps import (ServerStep, add_rereads, read_run, recover_steps,
+                                              usable)
 from testbed.sim.fit import fit_coefficients
 
 

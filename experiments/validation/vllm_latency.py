@@ -10,7 +10,7 @@ then see the same drift). Then:
 
 1. ``python -m testbed.calibrate calibrate.server_runs=[...] scheduler=vllm``: the steps vLLM ran
    in every training run are recovered from the token times the client saw
-   (`testbed.server_steps`, with the prompt blocks each decode step's requests share), and the
+   (`testbed.calibration.server_steps`, with the prompt blocks each decode step's requests share), and the
    ``fitted`` cost model is fitted to them.
 2. The simulator (``scheduler=vllm cache=block_hash``, that cost model, vLLM's block size and
    pool) runs each run's calls as they ran on vLLM (`vs_vllm.as_ran_trace`: the prompts sent, the
@@ -47,7 +47,7 @@ import pandas as pd
 
 from experiments import REPO
 from experiments.validation import vs_vllm
-from testbed.server_steps import read_run, recover_steps
+from testbed.calibration.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
 matplotlib.use("Agg")

@@ -1,10 +1,10 @@
 """`StepLog`: the steps a server's engine loop ran, as it timed them (``GET /debug/steps``).
 
-A client sees a step only as the burst of tokens it delivers (`testbed.server_steps` recovers steps
-from those), which cannot tell what the server spent on the engine from what it spent elsewhere.
-The loop thread therefore records each step it applies (`ServedStep`): the step's place on its
-timeline and its device and host time (`testbed.serving.step_cycle.Stepped`, by the engine's step
-clock: on a CPU by default the loop thread's CPU seconds, `testbed.config.engine_timing`), and
+A client sees a step only as the burst of tokens it delivers (`testbed.calibration.server_steps`
+recovers steps from those), which cannot tell what the server spent on the engine from what it spent
+elsewhere. The loop thread therefore records each step it applies (`ServedStep`): the step's place
+on its timeline and its device and host time (`testbed.serving.step_cycle.Stepped`, by the engine's
+step clock: on a CPU by default the loop thread's CPU seconds, `testbed.config.engine_timing`), and
 beside them what the loop's turn around it cost: its wall time (``turn_s``: forming, the forward,
 applying, handing the tokens to the HTTP side; ``handing_s`` the last), the CPU time the loop thread
 got in it (``thread_cpu_s``: ``turn_s`` less this is time the thread waited), how much of that wait
