@@ -191,12 +191,12 @@ def test_a_broken_internal_invariant_is_not_bad_input():
 ])
 def test_replicas_that_cannot_run_are_refused_before_the_workload_is_generated(
         compose, monkeypatch, overrides, message):
-    import testbed.config.assembly
+    import testbed.config.builders
 
     def generated(*args, **kwargs):
         raise AssertionError("the workload was generated before the config was checked")
 
-    monkeypatch.setattr(testbed.config.assembly, "build_workload", generated)
+    monkeypatch.setattr(testbed.config.builders, "build_workload", generated)
     from testbed.execute import execute
 
     with pytest.raises(BadInput) as refused:

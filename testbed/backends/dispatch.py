@@ -13,7 +13,7 @@ model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_byt
 engine on CUDA measures instead what the device has free once the weights are loaded
 (``torch.cuda.mem_get_info``), and caps either at the tokens the workload could ever hold, so a
 tiny model does not allocate gigabytes of KV buffers. Every object is built by the run's
-`testbed.config.assembly.Assembly`.
+`testbed.config.builders.Assembly`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
   `engine_timing` the engine's threads and step clock; `backend_limits` what a backend cannot
   serve;
 - `assembly`: ``assemble(cfg)``, the one step from a composed config to a checked `Assembly`
-  that builds the run's objects.
+  (`builders`), which builds the run's objects.
 
 Nothing is imported here, so that the families (testbed/cache, testbed/scheduler, ...) can read
 `group_values` and `registry` without loading the assembly that imports them.

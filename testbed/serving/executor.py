@@ -71,7 +71,7 @@ def launcher(executor: Any) -> Any:
     return executor if hasattr(executor, "launch") else _ExecuteOnly(executor)
 
 
-#: what the run offers an executor (testbed/config/assembly.py); the ``backend`` group sets
+#: what the run offers an executor (testbed/config/builders.py); the ``backend`` group sets
 #: nothing else
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
                     "dtype", "attention", "cascade_min_saved", "cascade_rule", "cuda_graph",
