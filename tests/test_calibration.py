@@ -335,7 +335,7 @@ def test_slot_layout_defaults_to_runs_and_names_the_choices_on_a_bad_value():
     assert slot_layout({}) == "runs"
     assert slot_layout({"slot_layout": "contiguous"}) == "contiguous"
     with pytest.raises(BadInput, match="calibrate.slot_layout must be one of runs, interleaved, "
-                                       "contiguous, got 'random'"):
+                                       "contiguous; got 'random'"):
         slot_layout({"slot_layout": "random"})
 
 

@@ -50,7 +50,7 @@ def test_without_a_grid_every_shared_node_pays_as_before():
         assert rule.every_node and rule.pays() is None
         assert sharing_pays(2, 1, rule) and not sharing_pays(1, 4096, rule)
     assert CascadeRule.build("auto", 132, num_heads=32, kv_heads=8) == LLAMA3_H100
-    with pytest.raises(BadInput, match=r"^engine.cascade_rule must be one of auto, always, "
+    with pytest.raises(BadInput, match=r"^engine.cascade_rule must be one of auto, always; "
                                        r"got 'never'$"):
         CascadeRule.build("never", 132, 32, 8)
 

@@ -34,7 +34,8 @@ def test_a_cpu_engine_defaults_to_one_thread_and_the_cpu_clock():
 
 @pytest.mark.parametrize("settings, device, message", [
     ({"threads": 0}, "cpu", "threads must be an integer >= 1 or null, got 0"),
-    ({"clock": "gpu"}, "cpu", "clock must be one of wall, cpu or null; got 'gpu'"),
+    ({"clock": "gpu"}, "cpu",
+     "clock must be one of wall, cpu or null; got 'gpu'; did you mean cpu?"),
     ({"clock": "cpu", "threads": 2}, "cpu",
      "clock=cpu times a CPU engine on one thread (process time sums every thread's); got "
      "device=cpu threads=2"),

@@ -47,7 +47,7 @@ def test_from_hf_reads_names_dtypes_and_rope_settings():
 @pytest.mark.parametrize("change, message", [
     ({"num_layers": 0}, "model.num_layers must be >= 1, got 0"),
     ({"tp": 0}, "model.tp must be >= 1, got 0"),
-    ({"dtype_bytes": 3}, "model.dtype_bytes must be one of 1, 2, 4, got 3"),
+    ({"dtype_bytes": 3}, "model.dtype_bytes must be one of 1, 2, 4; got 3"),
     ({"num_kv_heads": 3}, r"model.num_heads \(4\) must be a multiple of model.num_kv_heads \(3\)"),
     ({"tp": 3}, r"model.tp must divide model.num_heads \(4\), got 3"),
     ({"num_heads": 6, "num_kv_heads": 3, "tp": 2},

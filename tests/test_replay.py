@@ -105,7 +105,7 @@ def test_every_cache_leaves_no_slot_leaked_after_a_replay(name):
 
 
 def test_cache_and_eviction_choices_name_the_key_and_allowed_values_on_bad_input():
-    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none or custom; "
+    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none, custom; "
                                          "got 'lru'"):
         CACHES.build("lru")
     with pytest.raises(ValueError, match="cache.block_size is not a setting of cache=radix"):

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from testbed.config import group_values
 from testbed.config.assembly import Assembly, assemble, plain
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 
 SERVE_KEYS = ("host", "port", "model_name", "max_queue", "default_max_tokens", "log_level")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -85,7 +85,5 @@ def listening(block: Mapping[str, Any], section: str, default_port: int
     if name is not None and (not isinstance(name, str) or not name):
         raise BadInput(f"{section}.model_name must be a non-empty string or null, got {name!r}")
     level = block.get("log_level", "warning")
-    if level not in LOG_LEVELS:
-        raise BadInput(f"{section}.log_level must be one of {', '.join(LOG_LEVELS)}; "
-                       f"got {level!r}")
+    check_choice(f"{section}.log_level", level, LOG_LEVELS)
     return host, port, name, level

@@ -31,7 +31,7 @@ from testbed.config.group_values import check_setting
 from testbed.config.model_group import resolve_model_group
 from testbed.config.overrides import compose_config  # noqa: F401 - for scripts (re-exported)
 from testbed.config.registry import CUSTOM, group_label
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.router import ROUTERS
 from testbed.scheduler.speculative import SpeculativeConfig, check_draft_layers, \
     check_speculative, check_tree
@@ -114,11 +114,9 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
                                           need_checkpoint=backend not in ("sim", REPLAY, SERVER))
     if backend in (REPLAY, SERVER):
         executor = None
-    elif backend in EXECUTORS or backend == CUSTOM:
-        executor = EXECUTORS.resolve(config["backend"])
     else:
-        raise BadInput(f"backend must be one of {', '.join([*EXECUTORS, REPLAY, SERVER])} or "
-                       f"{CUSTOM}; got {backend!r}")
+        check_choice("backend", backend, [*EXECUTORS, REPLAY, SERVER, CUSTOM])
+        executor = EXECUTORS.resolve(config["backend"])
     group_values.integer(config, "seed", "", minimum=0, default=0)
     group_values.integer(config, "replicas", "", minimum=1, default=1)
     capacity = config["cache"].get("capacity_tokens")

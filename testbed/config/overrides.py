@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from testbed.errors import BadInput, did_you_mean
+from testbed.errors import BadInput, check_choice, did_you_mean
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -50,9 +50,7 @@ def check_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
             options = sorted({*group_options(key, conf_dir),
                               *(o for d in extra if (d / key).is_dir()
                                 for o in group_options(key, d))})
-            if choice not in options:
-                raise BadInput(f"{key} must be one of {', '.join(options)}; got {choice!r}"
-                               + did_you_mean(choice, options))
+            check_choice(key, choice, options)
 
 
 def first_job(argv: list[str], groups: set[str]) -> tuple[list[str], list[str]] | None:

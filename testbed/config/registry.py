@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from testbed.errors import BadInput, did_you_mean
+from testbed.errors import BadInput, check_choice, did_you_mean
 from testbed.config.group_values import check_setting
 
 CUSTOM = "custom"  # the group option that takes ``target``
@@ -195,10 +195,8 @@ class Registry:
         elif name == CUSTOM:
             raise BadInput(f"{self.family}={CUSTOM} needs {self.family}.target=module.Name, "
                            f"a class on PYTHONPATH implementing {self.what} (docs/extending.md)")
-        elif name not in self._entries:
-            raise BadInput(f"{self.family} must be one of {', '.join(self._entries)} or "
-                           f"{CUSTOM}; got {name!r}")
         else:
+            check_choice(self.family, name, [*self._entries, CUSTOM])
             entry, label = self._entries[name], name
             if isinstance(entry, str):
                 entry = self._entries[name] = import_target(entry, self.family)

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from testbed.engine.model import LlamaModel
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.config.model_group import check_preset, checkpoint_shape, resolve_model_group
 from testbed.config.model_shape import ModelShape
 
@@ -28,8 +28,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise BadInput(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    check_choice("dtype", name, DTYPES)
     return DTYPES[name]
 
 

@@ -42,6 +42,7 @@ from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
 from testbed.engine.verify import tree_mask, tree_positions
 from testbed.config.engine_config import CPU_KERNELS
+from testbed.errors import check_choice
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.decode_groups import DecodeGroups
@@ -105,9 +106,7 @@ class ModelRunner:
         layer steps."""
         self.model = model
         self.device = model.device
-        if cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got "
-                             f"{cpu_kernels!r}")
+        check_choice("cpu_kernels", cpu_kernels, CPU_KERNELS, error=ValueError)
         self.cpu_kernels = cpu_kernels  # asked for (a calibration records it: its meta)
         native = cpu_kernels == "native" and self.device.type == "cpu"
         self.linear, self.linear_error = prepare_linears(model, "onednn" if native else "torch")

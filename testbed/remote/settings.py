@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.config.group_values import check_setting
 
 #: the keys of the ``server`` block (conf/config.yaml)
@@ -65,13 +65,9 @@ class ServerSettings:
             raise BadInput(f"server.connect_timeout_s must be > 0 (seconds), got {connect}")
         prefill_only = server.get("prefill_only")
         prefill_only = "zero" if prefill_only is None else prefill_only
-        if prefill_only not in PREFILL_ONLY:
-            raise BadInput(f"server.prefill_only must be one of {', '.join(PREFILL_ONLY)}, "
-                           f"got {prefill_only!r}")
+        check_choice("server.prefill_only", prefill_only, PREFILL_ONLY)
         prompt_format = server.get("prompt_format") or "tokens"
-        if prompt_format not in PROMPT_FORMATS:
-            raise BadInput(f"server.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
-                           f"got {prompt_format!r}")
+        check_choice("server.prompt_format", prompt_format, PROMPT_FORMATS)
         return cls(url, model, timeout_s, float(connect), prefill_only, prompt_format)
 
 

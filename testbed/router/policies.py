@@ -16,7 +16,7 @@ from testbed.cache.base import PrefixCache
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.none import NoCache
 from testbed.cache.radix import RadixCache, common_prefix_length
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.router.approx_tree import ApproxTree
 from testbed.router.base import LOAD_UNITS, Router, is_imbalanced, least_loaded
 
@@ -59,8 +59,7 @@ class RandomRouter(Router):
 
 
 def _check_load(load: str) -> None:
-    if load not in LOAD_UNITS:
-        raise BadInput(f"router.load must be one of {', '.join(LOAD_UNITS)}; got {load!r}")
+    check_choice("router.load", load, LOAD_UNITS)
 
 
 def _check_balance(abs_threshold: float, rel_threshold: float) -> None:
@@ -123,9 +122,7 @@ class CacheAware(Router):
         _check_threshold(cache_threshold)
         _check_balance(balance_abs_threshold, balance_rel_threshold)
         _check_load(load)
-        if fallback not in FALLBACKS:
-            raise BadInput(f"router.fallback must be one of {', '.join(FALLBACKS)}; "
-                           f"got {fallback!r}")
+        check_choice("router.fallback", fallback, FALLBACKS)
         if max_tree_size is not None and max_tree_size < 0:
             raise BadInput(f"router.max_tree_size must be >= 0 or null, got {max_tree_size}")
         if eviction_interval_s < 0:
