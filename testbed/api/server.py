@@ -201,12 +201,7 @@ def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool 
                                  "serve.host=127.0.0.1", f"serve.port={port}"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         handle = ServerHandle(f"http://127.0.0.1:{port}", _proc=proc)
-    try:
-        wait_healthy(handle, timeout_s)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
+    return healthy_or_stopped(handle, timeout_s)
 
 
 def free_port() -> int:
@@ -214,6 +209,17 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def healthy_or_stopped(handle: Any, timeout_s: float) -> Any:
+    """``handle`` (a server's or a router's) once its ``/health`` answers 200; stopped, and the
+    error raised, when it does not (`wait_healthy`)."""
+    try:
+        wait_healthy(handle, timeout_s)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
 
 
 def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:
