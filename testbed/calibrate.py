@@ -39,7 +39,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from testbed.config import group_values
-from testbed.config.cli import check_group_choices
+from testbed.config.cli import check_group_choices, exit_on_bad_input
 from testbed.config.assembly import assemble
 from testbed.errors import BadInput
 
@@ -208,11 +208,8 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_bad_input():
         result = calibrate(cfg, run_dir)
-    except BadInput as e:  # anything else is a defect: its traceback, exit 1
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     meta = result["meta"]
     print(f"calibrated {meta['model']} on {meta['device']}: {meta['steps_measured']} steps")
     if "server_runs" in meta:
