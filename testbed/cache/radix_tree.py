@@ -27,7 +27,7 @@ from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, matched_bytes
-from testbed.cache.tree_node import TreeNode, own_children
+from testbed.cache.tree_node import TreeNode, descendants, own_children
 from testbed.errors import BadInput, check_choice
 
 #: what a walk that stops inside an edge does to the split-off tail's access time: ``refresh``
@@ -326,11 +326,7 @@ class RadixTree:
     # ---------------------------------------------------------------- views
     def nodes(self) -> Iterable[TreeNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return descendants(self.root)
 
 
 def raise_history(leaf: TreeNode, depth: int) -> None:
