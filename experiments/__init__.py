@@ -35,7 +35,7 @@ def entry(main: Callable[..., Any], *args: Any) -> NoReturn:
     """Exit with ``main(*args)`` as the status (None: 0); on bad input (`BadInput`, or a
     ``sys.exit("message")`` of the module's own), one ``error:`` line on stderr and status 2 (a
     defect still ends in its traceback)."""
-    from testbed.cli import one_line_usage  # Hydra's config layer: loaded only to run a main
+    from testbed.config.cli import one_line_usage  # Hydra's config layer: loaded only to run a main
 
     try:
         with one_line_usage():

@@ -18,9 +18,9 @@ configured ``hardware``), and writes into the run directory:
 - ``calibration.png``: predicted against measured step time.
 
 ``calibrate.server_runs=[DIR, ...]`` fits a live server instead: the steps it ran are recovered from
-the token times those ``backend=server`` runs recorded (`testbed.server_steps`; the token budget
-per step is ``scheduler=vllm``'s ``max_num_batched_tokens``, else ``scheduler.chunked_prefill_size``,
-or ``calibrate.token_budget``), and no engine is built.
+the token times those ``backend=server`` runs recorded (`testbed.calibration.server_steps`; the
+token budget per step is ``scheduler=vllm``'s ``max_num_batched_tokens``, else
+``scheduler.chunked_prefill_size``, or ``calibrate.token_budget``), and no engine is built.
 """
 
 from __future__ import annotations
@@ -38,20 +38,20 @@ import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from testbed import group_values
-from testbed.cli import check_group_choices
-from testbed.assembly import assemble
+from testbed.config import group_values
+from testbed.config.cli import check_group_choices, exit_on_bad_input
+from testbed.config.assembly import assemble
 from testbed.errors import BadInput
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from testbed.calibrate_grid import (  # noqa: E402, F401 (the grid's names, importable here too)
+from testbed.calibration.grid import (  # noqa: E402, F401 (the grid's names, importable here too)
     GRID_KEYS, SERVER_KNOT_STEPS, SLOT_LAYOUTS, batch_on_slots, grid, grid_slots, grid_values,
     measure, median_times, ragged_decodes, row_knots, row_table_on, server_row_knots,
     shared_contexts, shared_decodes, slot_layout, slot_order, synthetic_batch, timed_pass,
 )
-from testbed.server_steps import read_run, recover_steps, usable  # noqa: E402
+from testbed.calibration.server_steps import read_run, recover_steps, usable  # noqa: E402
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, save_fitted  # noqa: E402
 from testbed.sim.fit import COEFFS, fit_coefficients, mape  # noqa: E402
 from testbed.sim.grid_reach import grid_extent  # noqa: E402
@@ -82,7 +82,7 @@ def plot(samples: list[tuple[StepShape, float]], model: FittedCostModel, path: P
 
 def engine_meta(executor: Any, model: Any, hw: Any) -> dict[str, Any]:
     """What a calibration was measured on (saved with the coefficients): with the engine's
-    threads and step clock (`testbed.engine_timing`), which a run it predicts must share."""
+    threads and step clock (`testbed.config.engine_timing`), which a run it predicts must share."""
     import torch
 
     return {"model": model.name, "device": str(executor.device), "hardware": hw.name,
@@ -208,11 +208,8 @@ def calibrate(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
 @hydra.main(version_base=None, config_path="../conf", config_name="calibrate")
 def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    try:
+    with exit_on_bad_input():
         result = calibrate(cfg, run_dir)
-    except BadInput as e:  # anything else is a defect: its traceback, exit 1
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     meta = result["meta"]
     print(f"calibrated {meta['model']} on {meta['device']}: {meta['steps_measured']} steps")
     if "server_runs" in meta:

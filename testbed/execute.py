@@ -1,7 +1,8 @@
 """One run from a composed config to its files: `execute` assembles the run (every value checked,
-`testbed.assembly`), generates its workload, serves it on the chosen backend (`testbed.backends`),
-summarizes the records (`testbed.metrics`) and writes the run directory (`testbed.rundir`,
-`testbed.timeline`). `python -m testbed.run`, the fuzzer, experiments and tests all run through it.
+`testbed.config.assembly`), generates its workload, serves it on the chosen backend
+(`testbed.backends.dispatch`), summarizes the records (`testbed.results.metrics`) and writes the run
+directory (`testbed.results.rundir`, `testbed.results.timeline`). `python -m testbed.run`, the
+fuzzer, experiments and tests all run through it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig
 
-from testbed.assembly import assemble
-from testbed.backends import run_backend
-from testbed.metrics import ideal_hit_rate, summarize
-from testbed.rundir import write_run
-from testbed.timeline import write_timeline
+from testbed.config.assembly import assemble
+from testbed.backends.dispatch import run_backend
+from testbed.results.metrics import ideal_hit_rate, summarize
+from testbed.results.rundir import write_run
+from testbed.results.timeline import write_timeline
 
 
 def execute(cfg: DictConfig, run_dir: str | Path, notes: list[str] | None = None,

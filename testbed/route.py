@@ -14,8 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from testbed.cli import check_group_choices
-from testbed.errors import BadInput
+from testbed.config.cli import check_group_choices, exit_on_bad_input
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="route")
@@ -23,11 +22,8 @@ def main(cfg: DictConfig) -> None:
     from testbed.gateway.launch import route_forever
     from testbed.gateway.settings import assemble_route, replica_overrides
 
-    try:
+    with exit_on_bad_input():
         route_forever(assemble_route(cfg), replica_overrides(sys.argv[1:]))
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

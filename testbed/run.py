@@ -18,11 +18,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from testbed.assembly import plain
-from testbed.cli import check_group_choices
+from testbed.config.assembly import plain
+from testbed.config.cli import check_group_choices
 from testbed.errors import failure_kind
 from testbed.execute import execute
-from testbed.rundir import done_before, format_summary, write_failure
+from testbed.results.rundir import done_before, format_summary, write_failure
 
 
 def failure_line(error: BaseException, failed: Path) -> str:

@@ -13,8 +13,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from testbed.cli import check_group_choices
-from testbed.errors import BadInput
+from testbed.config.cli import check_group_choices, exit_on_bad_input
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="serve")
@@ -22,12 +21,9 @@ def main(cfg: DictConfig) -> None:
     from testbed.api.server import serve_forever
     from testbed.api.settings import assemble_serve
 
-    try:
+    with exit_on_bad_input():
         run, settings = assemble_serve(cfg)
         serve_forever(run, settings)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":

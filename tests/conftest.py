@@ -82,8 +82,8 @@ EXAMPLES = REPO / "examples"
 @pytest.fixture
 def compose():
     """``compose(*overrides)``: the run config composed as ``python -m testbed.run`` composes it
-    (`testbed.assembly.compose_config`), without progress bars."""
-    from testbed.assembly import compose_config
+    (`testbed.config.assembly.compose_config`), without progress bars."""
+    from testbed.config.assembly import compose_config
 
     return lambda *overrides: compose_config(["progress=false", *overrides])
 

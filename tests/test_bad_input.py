@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.cache.radix import RadixCache
-from testbed.errors import BadInput, did_you_mean, failure_kind
+from testbed.errors import BadInput, check_choice, did_you_mean, failure_kind
 from testbed.workloads.traces import load_trace
 
 SMALL = ["workload=chat", "workload.num_sessions=2", "workload.turns=2"]  # unless one is named
@@ -55,7 +55,8 @@ CONFIG_CASES = [
     (["workload=trace"], "requests",
      "workload.path must name a trace file (or data:NAME) for workload=trace"),
     (["workload=trace", "workload.path=t.jsonl", "workload.format=csv"], "requests",
-     "workload.format must be one of tokens, mooncake, bailian, azure, sharegpt; got 'csv'"),
+     "workload.format must be one of tokens, mooncake, bailian, azure, sharegpt or null; "
+     "got 'csv'"),
     (["arrival.kind=poisson"], "requests",
      "arrival.rate must be > 0 for arrival.kind=poisson, got None"),
     (["arrival.kind=poisson", "arrival.rate=fast"], "requests",
@@ -214,12 +215,12 @@ def test_a_broken_internal_invariant_is_not_bad_input():
 ])
 def test_replicas_that_cannot_run_are_refused_before_the_workload_is_generated(
         compose, monkeypatch, overrides, message):
-    import testbed.assembly
+    import testbed.config.builders
 
     def generated(*args, **kwargs):
         raise AssertionError("the workload was generated before the config was checked")
 
-    monkeypatch.setattr(testbed.assembly, "build_workload", generated)
+    monkeypatch.setattr(testbed.config.builders, "build_workload", generated)
     from testbed.execute import execute
 
     with pytest.raises(BadInput) as refused:
@@ -239,3 +240,23 @@ def test_a_call_waiting_for_another_programs_call_is_refused(tmp_path, compose):
     assert str(refused.value) == (f"{path}:2: request b waits for a ('after') of another program "
                                   "('a', not 'b'); calls that wait for each other must share a "
                                   "'program'")
+
+
+def test_every_option_of_a_few_names_is_refused_in_one_format():
+    """`check_choice`, the one check of an option that takes one of a few names: the key, the
+    names allowed (null last where it is allowed), the value and the closest name, if any."""
+    check_choice("cache.reuse", "blend", ("prefix", "blend"))
+    check_choice("clock", None, ("wall", "cpu"), null=True)
+    with pytest.raises(BadInput) as refused:
+        check_choice("cache.reuse", "blnd", ("prefix", "blend"))
+    assert str(refused.value) == ("cache.reuse must be one of prefix, blend; got 'blnd'; "
+                                  "did you mean blend?")
+    with pytest.raises(BadInput) as refused:
+        check_choice("clock", "gpu", ("wall", "cpu"), null=True)
+    assert str(refused.value) == ("clock must be one of wall, cpu or null; got 'gpu'; "
+                                  "did you mean cpu?")
+    with pytest.raises(BadInput, match=r"^model.dtype_bytes must be one of 1, 2, 4; got 3$"):
+        check_choice("model.dtype_bytes", 3, (1, 2, 4))
+    with pytest.raises(ValueError) as defect:  # a caller's own defect stays a plain ValueError
+        check_choice("linear kind", "fast", ("torch", "onednn"), error=ValueError)
+    assert failure_kind(defect.value) == "internal"

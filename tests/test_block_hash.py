@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.cache.block_hash import BlockHashCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from tests.conftest import toks
 

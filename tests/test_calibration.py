@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import (calibrate, floor_check, grid, grid_slots, row_knots,
                                slot_layout, slot_order, synthetic_batch, timed_pass)
 from testbed.errors import BadInput
@@ -335,7 +335,7 @@ def test_slot_layout_defaults_to_runs_and_names_the_choices_on_a_bad_value():
     assert slot_layout({}) == "runs"
     assert slot_layout({"slot_layout": "contiguous"}) == "contiguous"
     with pytest.raises(BadInput, match="calibrate.slot_layout must be one of runs, interleaved, "
-                                       "contiguous, got 'random'"):
+                                       "contiguous; got 'random'"):
         slot_layout({"slot_layout": "random"})
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.errors import BadInput
 from testbed.cache import RadixCache
 from testbed.scheduler.batch import Batch, StepOutcome

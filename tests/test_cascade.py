@@ -124,7 +124,7 @@ def test_engine_and_simulator_group_with_the_same_code():
 
 @pytest.mark.parametrize("backend", ["sim", "engine"])
 def test_cascade_min_saved_reaches_the_groups_of_either_backend(backend, compose):
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     run = assemble(compose(f"backend={backend}", "model=tiny", "attention=cascade",
                            "cascade_min_saved=500"))

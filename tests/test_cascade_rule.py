@@ -50,7 +50,7 @@ def test_without_a_grid_every_shared_node_pays_as_before():
         assert rule.every_node and rule.pays() is None
         assert sharing_pays(2, 1, rule) and not sharing_pays(1, 4096, rule)
     assert CascadeRule.build("auto", 132, num_heads=32, kv_heads=8) == LLAMA3_H100
-    with pytest.raises(BadInput, match=r"^engine.cascade_rule must be one of auto, always, "
+    with pytest.raises(BadInput, match=r"^engine.cascade_rule must be one of auto, always; "
                                        r"got 'never'$"):
         CascadeRule.build("never", 132, 32, 8)
 
@@ -93,7 +93,7 @@ def test_engine_and_simulator_form_the_same_groups_from_the_same_batch(compose, 
     """The run's scheduler groups (`Assembly.decode_groups`) and each executor's own, for the
     simulator on an H200 preset and the engine on a device of as many SMs, are the same
     groups of one step: one rule, one call."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
     from testbed.engine import cascade
 
     monkeypatch.setattr(cascade, "device_slots", lambda device: 132)  # the engine's GPU

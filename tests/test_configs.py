@@ -1,5 +1,5 @@
-"""Every option of every config group composes, assembles (testbed/assembly.py) and builds its
-objects: the workload's requests, the cache with its eviction policy, the cost model, the
+"""Every option of every config group composes, assembles (testbed/config/assembly.py) and builds
+its objects: the workload's requests, the cache with its eviction policy, the cost model, the
 executor and the router. ``custom`` options take a class by import path: here the package's own
 classes or a small subclass, so that what is tested is the plumbing."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from testbed.assembly import assemble
-from testbed.cli import CONF_DIR, group_options
+from testbed.config.assembly import assemble
+from testbed.config.cli import CONF_DIR, group_options
 from testbed.data import is_here, lookup
 from testbed.router import Loads
 from testbed.sim.cost_model import StepShape

@@ -8,7 +8,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.sim.cost_model import (
     FittedCostModel, RooflineCostModel, StepShape, load_fitted, COST_MODELS, save_fitted,
 )
@@ -121,7 +121,7 @@ def test_hardware_configs_load(path):
     ("hidden_size", 2.5, "model.hidden_size must be an integer >= 1, got 2.5"),
     ("num_kv_heads", 3, r"model.num_heads \(32\) must be a multiple of model.num_kv_heads \(3\)"),
     ("tp", 3, r"model.tp must divide model.num_heads \(32\), got 3"),
-    ("dtype_bytes", 3, "model.dtype_bytes must be one of 1, 2, 4, got 3"),
+    ("dtype_bytes", 3, "model.dtype_bytes must be one of 1, 2, 4; got 3"),
     ("name", "", "model.name must be a non-empty string"),
 ])
 def test_bad_model_config(key, value, message):
@@ -450,7 +450,7 @@ def test_cost_models_build_from_their_config_groups():
     with pytest.raises(ValueError, match="cost_model.path is required"):
         COST_MODELS.build(conf("cost_model", "fitted"), model=m, hw=h)
     with pytest.raises(ValueError,
-                       match="cost_model must be one of roofline, fitted, vidur or custom; got"):
+                       match="cost_model must be one of roofline, fitted, vidur, custom; got"):
         COST_MODELS.build({"name": "x"}, model=m, hw=h)
     with pytest.raises(ValueError, match=r"cost_model.mfu must be in \(0, 1\], got 1.5"):
         COST_MODELS.build({"name": "roofline", "mfu": 1.5}, model=m, hw=h)

@@ -16,7 +16,7 @@ from torch import nn
 from experiments.benchmarks.decode_batches import decode_batch
 from testbed.engine import cpu_attention, cpu_layers, linear, native_build
 from radix_kernels import reference
-from testbed.calibrate_grid import batch_on_slots
+from testbed.calibration.grid import batch_on_slots
 from testbed.engine.attention import ExtendLayout, FlatExtend, decode, make_attention
 from testbed.engine.executor import EngineExecutor
 from testbed.engine.layer_kernels import TORCH_KERNELS
@@ -24,7 +24,7 @@ from testbed.engine.loader import build_model, tiny_config
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
 from testbed.engine.runner import ModelRunner
-from testbed.engine_config import EngineConfig
+from testbed.config.engine_config import EngineConfig
 from testbed.errors import BadInput
 from testbed.sim.step_shape import StepShape
 
@@ -278,7 +278,7 @@ def test_torch_kernels_are_todays_path():
 
 
 def test_an_unknown_cpu_kernels_value_names_the_key_and_the_choices():
-    with pytest.raises(BadInput, match=r"^engine.cpu_kernels must be one of native, torch, "
+    with pytest.raises(BadInput, match=r"^engine.cpu_kernels must be one of native, torch; "
                                        r"got 'fast'$"):
         EngineConfig.from_config({"engine": {"cpu_kernels": "fast"}})
     with pytest.raises(ValueError, match="cpu_kernels must be one of native, torch"):

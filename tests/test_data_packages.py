@@ -197,7 +197,7 @@ def test_a_converted_directory_is_recognised_by_its_record(tmp_path):
 
 
 def test_the_simulator_prices_the_preset_without_fetching_the_model(compose, data, monkeypatch):
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     def refuse(*args, **kwargs):
         raise AssertionError("fetched")

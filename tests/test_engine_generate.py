@@ -17,9 +17,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-from testbed.assembly import compose_config  # noqa: E402
+from testbed.config.assembly import compose_config  # noqa: E402
 from testbed.engine.loader import save_random_hf_model, tiny_config  # noqa: E402
-from testbed.model_group import checkpoint_group, resolve_model_group  # noqa: E402
+from testbed.config.model_group import checkpoint_group, resolve_model_group  # noqa: E402
 from testbed.execute import execute  # noqa: E402
 from testbed.workloads.request import OutputRef  # noqa: E402
 from testbed.workloads.traces import TraceError, load_tokens, save_tokens  # noqa: E402

@@ -210,8 +210,8 @@ def test_the_engines_pool_keeps_each_requests_decoded_tokens_in_runs_and_the_tok
 
 
 def test_the_servers_engine_keeps_runs_and_the_simulators_pool_does_not():
-    from testbed.assembly import assemble, compose_config
-    from testbed.engine_assembly import build_engine_parts
+    from testbed.config.assembly import assemble, compose_config
+    from testbed.backends.engine_assembly import build_engine_parts
     from testbed.serving.serve import keep_runs_for
     from testbed.sim.executor import SimExecutor
 

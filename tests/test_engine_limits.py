@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-from testbed.assembly import compose_config  # noqa: E402
+from testbed.config.assembly import compose_config  # noqa: E402
 from testbed.engine.limits import ModelLimits  # noqa: E402
 from testbed.engine.loader import save_random_hf_model, tiny_config  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402

@@ -31,7 +31,7 @@ from testbed.engine.model import LlamaModel  # noqa: E402
 from testbed.errors import BadInput  # noqa: E402
 from testbed.engine.runner import ModelRunner  # noqa: E402
 from testbed.engine.sampler import Sampler, sample  # noqa: E402
-from testbed.model_shape import ModelShape  # noqa: E402
+from testbed.config.model_shape import ModelShape  # noqa: E402
 from testbed.scheduler.batch import Batch, BatchEntry  # noqa: E402
 from testbed.scheduler.request_state import Req  # noqa: E402
 from testbed.sim.executor import StepOutcome, predetermined_tokens  # noqa: E402

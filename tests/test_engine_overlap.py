@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 from tests.test_engine_hot_path import sync_spy  # noqa: F401 - the fixture
 

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 from testbed.execute import execute  # noqa: E402
-from testbed.overrides import compose_config  # noqa: E402
+from testbed.config.overrides import compose_config  # noqa: E402
 
 RAG = ["backend=engine", "model=tiny", "device=cpu", "workload=rag", "workload.num_requests=12",
        "workload.corpus_docs=6", "workload.docs_per_prompt=4", "workload.doc_len=64",

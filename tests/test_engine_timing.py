@@ -1,6 +1,7 @@
-"""A calibration predicts the engine run it was made for: the same torch threads and step clock
-in both (`testbed.engine_timing`; a fit measured otherwise is refused in one line), and a run whose
-steps leave the calibration grid ends with a warning naming where (`testbed.sim.grid_reach`)."""
+"""A calibration predicts the engine run it was made for: the same torch threads and step clock in
+both (`testbed.config.engine_timing`; a fit measured otherwise is refused in one line), and a run
+whose steps leave the calibration grid ends with a warning naming where
+(`testbed.sim.grid_reach`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import calibrate
-from testbed.engine_timing import check_fit_timing, timing_settings
+from testbed.config.engine_timing import check_fit_timing, timing_settings
 from testbed.errors import BadInput
 from testbed.sim.grid_reach import GridReach, grid_extent
 from testbed.sim.step_shape import StepShape
@@ -33,7 +34,8 @@ def test_a_cpu_engine_defaults_to_one_thread_and_the_cpu_clock():
 
 @pytest.mark.parametrize("settings, device, message", [
     ({"threads": 0}, "cpu", "threads must be an integer >= 1 or null, got 0"),
-    ({"clock": "gpu"}, "cpu", "clock must be one of wall, cpu or null; got 'gpu'"),
+    ({"clock": "gpu"}, "cpu",
+     "clock must be one of wall, cpu or null; got 'gpu'; did you mean cpu?"),
     ({"clock": "cpu", "threads": 2}, "cpu",
      "clock=cpu times a CPU engine on one thread (process time sums every thread's); got "
      "device=cpu threads=2"),

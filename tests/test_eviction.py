@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 
 from testbed.cache import EVICTION, BlockHashCache, RadixCache, Requester
 from testbed.cache.oracle import FutureIndex, Oracle
-from testbed.cli import CONF_DIR
-from testbed.replay import replay
+from testbed.config.cli import CONF_DIR
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.synthetic import random_tree
 from tests.conftest import toks
@@ -217,7 +217,7 @@ def test_invariants_hold_for_gdsf_after_its_clock_has_risen():
     # value recomputed later differs from the queued one. The check used to demand equality.
     from testbed.cache import RadixCache
     from testbed.cache.eviction import GDSF
-    from testbed.replay import replay
+    from testbed.backends.replay import replay
     from testbed.workloads.request import Request
     from tests.conftest import toks
 

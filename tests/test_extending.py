@@ -126,7 +126,7 @@ def test_a_cache_class_that_takes_no_capacity_tokens_is_refused_before_it_runs_u
         compose, backend):
     """``NoCache(capacity=...)`` names its size otherwise: built from the run it got none, and
     an unlimited cache over the engine's pool of 33 slots handed out slot 91 (issue 58)."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     with pytest.raises(ValueError, match=r"^cache=testbed.cache.NoCache takes no "
                                          r"capacity_tokens: the run gives every cache its KV "
@@ -136,7 +136,7 @@ def test_a_cache_class_that_takes_no_capacity_tokens_is_refused_before_it_runs_u
 
 
 def test_a_setting_the_user_class_does_not_take_is_refused_with_those_it_does(compose):
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     with pytest.raises(ValueError, match=r"^eviction.j is not a setting of "
                                          r"eviction=my_policies.LRUK; allowed: name, target, k$"):
@@ -174,8 +174,8 @@ def test_an_out_of_tree_policy_runs_in_a_sweep_and_the_report_plots_it(tmp_path)
 
 def test_a_group_file_of_ones_own_is_an_option_once_its_folder_is_on_the_search_path(compose,
                                                                                      capsys):
-    from testbed.assembly import assemble
-    from testbed.cli import check_group_choices
+    from testbed.config.assembly import assemble
+    from testbed.config.cli import check_group_choices
 
     search = f"hydra.searchpath=[file://{EXAMPLES / 'conf'}]"
     check_group_choices([search, "eviction=lru,lru_k,mru"])  # accepted: no exit

@@ -125,12 +125,12 @@ def test_configs_the_fuzzer_found_broken_are_refused_in_one_line_before_they_run
 
 def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
         tmp_path, monkeypatch):
-    import testbed.backends
+    import testbed.backends.dispatch
 
     def broken(*args, **kwargs):
         raise KeyError("boom")
 
-    monkeypatch.setattr(testbed.backends, "replay", broken)
+    monkeypatch.setattr(testbed.backends.dispatch, "replay", broken)
     outcome = run_one(["backend=replay", "workload.num_problems=1"], None, tmp_path, False)
     assert outcome.status == "failed"
     assert outcome.problems[0].startswith("internal error: KeyError: 'boom'")

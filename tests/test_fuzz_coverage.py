@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.cli import CONF_DIR
+from testbed.config.cli import CONF_DIR
 from testbed.fuzz.coverage import EXCLUDED, NOT_RUN, conf_keys, drawn_keys, reference_keys, \
     route_drawn, undrawn
 from testbed.fuzz.server import router_config

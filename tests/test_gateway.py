@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from testbed.api.server import start_server
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache.events import cached_sequences, sequence_set
 from testbed.execute import execute
 from testbed.gateway.launch import start_router

@@ -97,7 +97,7 @@ def digest(run_dir: Path) -> str:
 def run_case(name: str, tmp: Path) -> str:
     from hydra import compose, initialize_config_dir
 
-    from testbed.cli import CONF_DIR
+    from testbed.config.cli import CONF_DIR
     from testbed.execute import execute
 
     mooncake = write_mooncake(tmp / "mooncake.jsonl")
@@ -113,7 +113,7 @@ def report_digest(tmp: Path) -> str:
     `python -m testbed.report` tabulates them, wall-clock columns aside."""
     from hydra import compose, initialize_config_dir
 
-    from testbed.cli import CONF_DIR
+    from testbed.config.cli import CONF_DIR
     from testbed.report import build
     from testbed.execute import execute
 

@@ -66,7 +66,7 @@ def test_the_gpu_validation_points_nowhere_outside_the_repository():
 @pytest.mark.parametrize("name", list(RUNS))
 def test_every_run_composes_into_a_config_the_engine_takes(name, compose):
     """Each run's overrides, on the CPU in place of CUDA: every key and value is checked."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     base = ["model=llama2_7b", "backend=engine", "hardware=h200", "engine.device=cpu",
             "engine.dtype=bfloat16"]

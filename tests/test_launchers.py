@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from testbed.cli import CONF_DIR
+from testbed.config.cli import CONF_DIR
 from testbed.fuzz.checks import WALL_CLOCK
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from sklearn.tree import DecisionTreeRegressor
 
 from testbed.cache import EVICTION, RadixCache
 from testbed.cache.learned import LearnedEviction, TreeModel, log_bin
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.synthetic import random_tree
 from tests.conftest import toks
 

@@ -20,10 +20,10 @@ from typing import Callable
 import pytest
 
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge
-from testbed.assembly import assemble, compose_config
-from testbed.backends import run_backend
+from testbed.config.assembly import assemble, compose_config
+from testbed.backends.dispatch import run_backend
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.synthetic import random_tree
 
 

@@ -2,8 +2,8 @@
 (cold) against the others (warm), so that LPM's starving of cold requests shows in summary.json."""
 
 from testbed.cache.radix import RadixCache
-from testbed.metrics import RequestRecord, cold_warm_summary, is_cold, summarize
-from testbed.replay import replay
+from testbed.results.metrics import RequestRecord, cold_warm_summary, is_cold, summarize
+from testbed.backends.replay import replay
 from testbed.workloads import Request
 
 from tests.conftest import toks

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelShape("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -47,7 +47,7 @@ def test_from_hf_reads_names_dtypes_and_rope_settings():
 @pytest.mark.parametrize("change, message", [
     ({"num_layers": 0}, "model.num_layers must be >= 1, got 0"),
     ({"tp": 0}, "model.tp must be >= 1, got 0"),
-    ({"dtype_bytes": 3}, "model.dtype_bytes must be one of 1, 2, 4, got 3"),
+    ({"dtype_bytes": 3}, "model.dtype_bytes must be one of 1, 2, 4; got 3"),
     ({"num_kv_heads": 3}, r"model.num_heads \(4\) must be a multiple of model.num_kv_heads \(3\)"),
     ({"tp": 3}, r"model.tp must divide model.num_heads \(4\), got 3"),
     ({"num_heads": 6, "num_kv_heads": 3, "tp": 2},
@@ -67,6 +67,6 @@ def test_a_shape_keys_a_dict_even_with_rope_scaling():
 
 
 def test_the_shape_and_the_simulator_import_no_torch():
-    code = ("import sys, testbed.model_shape, testbed.sim.specs, testbed.sim.cost_model; "
+    code = ("import sys, testbed.config.model_shape, testbed.sim.specs, testbed.sim.cost_model; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

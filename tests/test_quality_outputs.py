@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-from testbed.assembly import compose_config  # noqa: E402
-from testbed.metrics import (RequestRecord, add_quality_fields, quality_summary,  # noqa: E402
-                             summarize)
-from testbed.rundir import format_summary  # noqa: E402
+from testbed.config.assembly import compose_config  # noqa: E402
+from testbed.results.metrics import (RequestRecord, add_quality_fields,  # noqa: E402
+                                     quality_summary, summarize)
+from testbed.results.rundir import format_summary  # noqa: E402
 from testbed.execute import execute  # noqa: E402
 
 # A small rag: 8 documents, 3 a prompt in varying order, so later prompts find earlier documents'

@@ -5,7 +5,7 @@ import pytest
 
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import RadixCache, common_prefix_length
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from tests.conftest import toks
 

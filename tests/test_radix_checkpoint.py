@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from testbed.cache import RadixCache, Requester
 from testbed.errors import BadInput
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from tests.conftest import toks
 from tests.test_radix_properties import lcp, path_of

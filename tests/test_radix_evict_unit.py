@@ -4,10 +4,10 @@ whole leaves (SGLang), ``page`` only the tail pages still needed."""
 import numpy as np
 import pytest
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache.eviction import LRU
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.traces import load_mooncake
 from tests.conftest import toks

@@ -3,9 +3,9 @@
 
 import pytest
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.traces import load_mooncake
 from tests.conftest import toks
 from tests.test_radix import edges, put

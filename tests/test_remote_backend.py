@@ -135,9 +135,9 @@ def test_a_run_whose_every_call_failed_stops_in_one_line_naming_the_first(compos
 
 def test_a_generated_workload_keeps_its_token_ids_in_the_models_vocabulary(compose, tmp_path,
                                                                            stub):
-    """As on the engine (`testbed.assembly.fit_vocabulary`): model=tiny names a server of 256
+    """As on the engine (`testbed.config.assembly.fit_vocabulary`): model=tiny names a server of 256
     tokens, so tree-of-thought draws its ids from those, not from its 32,000."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     cfg = compose("backend=server", f"server.url={stub.url}", "model=tiny",
                   "workload=tree_of_thought", "workload.num_problems=1")
@@ -212,7 +212,7 @@ def test_a_prefill_only_call_sent_as_one_token_records_none(compose, tmp_path, s
 
 
 def test_the_server_keys_are_checked_before_anything_runs(compose):
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
     with pytest.raises(BadInput, match=r"^backend=server needs the server's address: "
                                        r"server.url=http://HOST:PORT$"):
         assemble(compose("backend=server"))

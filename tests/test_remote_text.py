@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from testbed.api.server import load_tokenizer, start_server
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.data import is_here, lookup, resolve_model
 from testbed.errors import BadInput
 from testbed.execute import execute

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from testbed.cache import CACHES, EVICTION, BlockHashCache, NoCache, RadixCache, Requester
-from testbed.metrics import ideal_hit_rate, summarize
-from testbed.replay import replay
+from testbed.results.metrics import ideal_hit_rate, summarize
+from testbed.backends.replay import replay
 from testbed.workloads.synthetic import shared_prefix
 from testbed.workloads.request import Request
 from testbed.workloads.traces import load_mooncake
@@ -105,7 +105,7 @@ def test_every_cache_leaves_no_slot_leaked_after_a_replay(name):
 
 
 def test_cache_and_eviction_choices_name_the_key_and_allowed_values_on_bad_input():
-    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none or custom; "
+    with pytest.raises(ValueError, match="cache must be one of radix, block_hash, none, custom; "
                                          "got 'lru'"):
         CACHES.build("lru")
     with pytest.raises(ValueError, match="cache.block_size is not a setting of cache=radix"):
@@ -197,7 +197,7 @@ def test_the_ideal_trie_gives_every_request_the_hit_of_an_unlimited_radix_replay
 
 
 def test_an_unlimited_radix_replay_reports_its_own_hit_rate_as_the_ideal():
-    from testbed.backends import own_hit_rate_is_ideal
+    from testbed.backends.dispatch import own_hit_rate_is_ideal
 
     requests = [req(0, [1, 2], [3, 4]), req(1, [1, 2, 3, 4, 5, 6]), req(2, [1, 9])]
     cache = RadixCache(None)

@@ -178,10 +178,10 @@ def test_rerunning_a_sweep_skips_finished_runs_and_retries_failed_ones(tmp_path)
 
 BOOM = """
 import runpy, sys
-import testbed.rundir
+import testbed.results.rundir
 def boom(*args, **kwargs):
     raise RuntimeError("boom")
-testbed.rundir.write_run = boom  # the run fails where it would write its results
+testbed.results.rundir.write_run = boom  # the run fails where it would write its results
 sys.argv = ["testbed.run", *sys.argv[1:]]
 runpy.run_module("testbed.run", run_name="__main__")
 """

@@ -9,7 +9,7 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
-from testbed.metrics import RequestRecord, summarize
+from testbed.results.metrics import RequestRecord, summarize
 from testbed.report import build
 
 WORKLOAD = {"name": "tree_of_thought", "num_problems": 2, "vocab_size": 256}

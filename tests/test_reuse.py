@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache import RadixCache
 from testbed.cache.chunks import find_chunk, store_chunk
 from testbed.cache.reuse import CHUNK_MARK, ReuseConfig, ReusedSpan, recompute_count

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.reuse import KVCopy, ReuseConfig, ReusedSpan
 from testbed.execute import execute

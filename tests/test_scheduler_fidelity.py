@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from testbed.cache import RadixCache
-from testbed.fairness import hot_cold_requests, run_aging
+from experiments.studies.fairness_setup import hot_cold_requests, run_aging
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.cost_model import RooflineCostModel

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from testbed.api.server import start_server
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -426,7 +426,7 @@ def test_text_and_chat_go_through_the_checkpoints_tokenizer_and_chat_template(sm
 def test_the_cpu_kv_pool_is_engine_cpu_kv_cache_gib_of_the_models_kv(compose, overrides, tokens,
                                                                        how):
     from testbed.api.server import kv_pool
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     run = assemble(compose("engine.device=cpu", *overrides))  # the pool needs no checkpoint
     assert kv_pool(run) == (tokens, how)

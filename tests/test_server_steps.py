@@ -1,5 +1,6 @@
-"""Recovering a live server's steps from the token times it streamed (`testbed.server_steps`),
-and `testbed.calibrate` fitting a cost model to them (``calibrate.server_runs``)."""
+"""Recovering a live server's steps from the token times it streamed
+(`testbed.calibration.server_steps`), and `testbed.calibrate` fitting a cost model to them
+(``calibrate.server_runs``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pandas as pd
 import pytest
 
 from testbed.errors import BadInput
-from testbed.server_steps import ServerStep, add_rereads, read_run, recover_steps, usable
+from testbed.calibration.server_steps import (ServerStep, add_rereads, read_run, recover_steps,
+                                              usable)
 from testbed.sim.fit import fit_coefficients
 
 
@@ -134,7 +136,7 @@ def test_steps_of_a_brute_force_server_are_recovered_exactly_and_its_cost_model_
 
 
 def test_calibrate_fits_a_server_run_and_refuses_one_without_cached_tokens(tmp_path):
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.calibrate import calibrate
 
     requests = [{"id": f"r{i}", "arrival": 0.2 * i, "prompt": 40 + 10 * i, "cached": 8,
@@ -180,7 +182,7 @@ def test_a_prefill_only_call_ends_its_prefill_step_when_its_stream_ends():
 
 
 def test_an_excluded_term_is_held_at_zero_and_a_bad_one_is_refused(tmp_path):
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.calibrate import calibrate
 
     requests = [{"id": f"r{i}", "arrival": 0.1 * i, "prompt": 30 + 7 * i, "cached": 0,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.execute import execute
 from testbed.sim.cost_model import RooflineCostModel, save_fitted

@@ -11,7 +11,7 @@ import pytest
 
 from testbed.cache import EVICTION, RadixCache
 from testbed.errors import BadInput
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.synthetic import random_tree
 from tests.conftest import toks
 from tests.test_eviction import build, serve, use, victims

@@ -14,8 +14,8 @@ import yaml
 
 from testbed.cache.radix import RadixCache
 from testbed.cache.tiers import TieredRadixCache, make_tiered_cache
-from testbed.metrics import add_tier_fields, ideal_hit_rate, summarize
-from testbed.replay import replay
+from testbed.results.metrics import add_tier_fields, ideal_hit_rate, summarize
+from testbed.backends.replay import replay
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.scheduler import Scheduler
 from testbed.sim.executor import StepOutcome, predetermined_tokens

@@ -12,14 +12,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.cache.tiers import TieredRadixCache
 from testbed.execute import execute
 from testbed.sim.executor import StepOutcome, predetermined_tokens
 from testbed.serving.observer import PHASES, STEP_FIELDS
 from testbed.serving.serve import records_of, serve
-from testbed.timeline import trace_events
+from testbed.results.timeline import trace_events
 from testbed.workloads.request import Request
 from tests.conftest import toks
 from tests.test_tiers import planner, three_requests

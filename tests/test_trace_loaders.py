@@ -293,7 +293,7 @@ def test_load_trace_rejects_unknown_options(tmp_path):
     ('[\n {"id": "a", "conversations": {}}\n]', 2,
      "conversation 0 (id 'a'): 'conversations' must be a list"),
     ('[\n {"id": "a",\n  "conversations": [{"from": "user", "value": "hi"}]}\n]', 2,
-     "message 0: 'from' must be one of human, gpt, system, got 'user'"),
+     "message 0: 'from' must be one of human, gpt, system; got 'user'"),
     ('[\n {"id": "a", "conversations": [{"from": "human", "value": 3}]}\n]', 2,
      "message 0: 'value' must be a string"),
     ('[\n {"id": "a", "conversations": [{"from": "human", "value": "hi"}]},\n'

@@ -87,7 +87,9 @@ def test_build_workload_orders_by_arrival_with_ties_in_file_order(tmp_path):
 
 
 def test_build_workload_rejects_unknown_names_and_formats():
-    with pytest.raises(ValueError, match="workload must be one of few_shot, chat, .*, mixed, trace or custom; got .nope."):
+    with pytest.raises(ValueError,
+                       match="workload must be one of few_shot, chat, .*, mixed, trace, custom; "
+                             "got .nope."):
         build_workload({"name": "nope"})
     with pytest.raises(ValueError, match="workload.format must be one of tokens, mooncake"):
         build_workload({"name": "trace", "path": "x", "format": "csv"})

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.sim.cost_model import COST_MODELS, RooflineCostModel, StepShape
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.sim.specs import hardware_spec, model_spec
 from testbed.sim.vidur_cost import VidurCostModel, round_up
 from testbed.sim.vidur_profile import TOKEN_OPS, ProfileError, load_vidur_profile

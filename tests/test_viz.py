@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from testbed.cache import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.viz.__main__ import main
 from testbed.viz.layout import tidy_layout
 from testbed.viz.snapshot import outline, replay_panels, shorten

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache.block_hash import BlockHashCache
 from testbed.errors import BadInput, WorkloadRefused
 from testbed.execute import execute

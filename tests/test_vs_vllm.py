@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments.validation.vllm import caching, live
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 LOG = """\

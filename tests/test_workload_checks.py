@@ -122,7 +122,7 @@ def test_a_prompt_made_only_of_a_generated_output_is_left_to_the_engine():
 
 def test_a_random_tree_with_empty_prompts_is_refused_on_replay_as_in_the_simulator(compose):
     """Replay used to run it (it only counts tokens) where the simulator refused it."""
-    from testbed.assembly import assemble
+    from testbed.config.assembly import assemble
 
     for backend in ("replay", "sim"):
         run = assemble(compose(f"backend={backend}", "workload=random_tree",

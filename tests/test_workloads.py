@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.cache import RadixCache
 from testbed.data import is_here, lookup
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads import WORKLOADS, build_workload, generate
 from testbed.workloads.describe import describe
 from testbed.workloads.paper import (chat, chat_tenants, few_shot, self_consistency,

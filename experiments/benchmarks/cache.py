@@ -3,9 +3,9 @@
 Three parts (``--part``, default ``mooncake,versus``):
 
 - ``mooncake``: the Mooncake conversation trace (``--trace``, capacity ``--capacity``, default
-  3,000,000 tokens) through ``RadixCache`` and ``BlockHashCache`` (``testbed.replay.replay``) and
-  the per-token Python tree (`experiments.benchmarks.trees.PlainRadix`); requests and prompt
-  tokens per second.
+  3,000,000 tokens) through ``RadixCache`` and ``BlockHashCache``
+  (``testbed.backends.replay.replay``) and the per-token Python tree
+  (`experiments.benchmarks.trees.PlainRadix`); requests and prompt tokens per second.
 - ``versus``: 20,000 requests of ``workload=random_tree`` with short shared segments (root 32,
   segments and outputs of 8 tokens: `VERSUS`), capacity 10 tokens per request, through the
   radix replay, the ideal-hit trie (`testbed.workloads.ideal`), the per-edge and the per-token
@@ -46,12 +46,12 @@ from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import (EdgeRadix, PlainRadix, as_lists, load_sglang,
                                           replay_edge, replay_plain, replay_sglang)
 
-# Built directly, not through testbed.assembly: this benchmark times the raw data structures
+# Built directly, not through testbed.config.assembly: this benchmark times the raw data structures
 # (caches, replay, loaders, generator) on purpose, without a run config's choices around them.
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.radix import RadixCache
 from testbed.perf import gc_paused
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.ideal import ideal_hits
 from testbed.workloads.synthetic import random_tree
 from testbed.workloads.traces import load_mooncake

@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from experiments.benchmarks.decode_batches import decode_batch
-from testbed.assembly import assemble, compose_config
-from testbed.calibrate_grid import batch_on_slots
+from testbed.config.assembly import assemble, compose_config
+from testbed.calibration.grid import batch_on_slots
 from testbed.engine.attention import FlatKV, PaddedKV, TorchAttention, decode, head_major_rows
 from testbed.engine.cpu_attention import load_kernel
 from testbed.engine.layer_kernels import TORCH_KERNELS

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import grid_slots, synthetic_batch
 from testbed.sim.step_shape import StepShape
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 # A small Llama: big enough that a prefill token costs more than Python's per-step overhead, with
@@ -73,7 +73,8 @@ def run_once(overrides: list[str], base: list[str] = MODEL) -> dict:
     """The run's summary, with its decode steps' mean duration (s) by batch size under
     ``decode_s_by_batch``."""
     cfg = compose_config(base + overrides)
-    with tempfile.TemporaryDirectory() as tmp:  # execute assembles the run (testbed/assembly.py)
+    # execute assembles the run (testbed/config/assembly.py)
+    with tempfile.TemporaryDirectory() as tmp:
         summary = execute(cfg, tmp)
         steps = pd.read_json(Path(tmp) / "steps.jsonl", lines=True)
     decode = steps[steps["kind"] == "decode"]
@@ -172,7 +173,7 @@ def main() -> None:
                     choices=list(REAL_WORKLOADS), help="--real: which workloads")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    MODEL.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
+    MODEL.append(f"threads={args.threads}")  # the engine's own (testbed.config.engine_timing)
     if args.real:
         real(args.repeats, args.workloads)
         return

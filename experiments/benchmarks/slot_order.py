@@ -36,8 +36,8 @@ import time
 import numpy as np
 import torch
 
-from testbed.assembly import assemble, compose_config
-from testbed.calibrate_grid import slot_order
+from testbed.config.assembly import assemble, compose_config
+from testbed.calibration.grid import slot_order
 from testbed.engine.cpu_attention import load_kernel
 from testbed.serving.serve import serve
 from testbed.sim.step_shape import StepShape
@@ -47,7 +47,8 @@ SLOTS, KV_HEADS, ROWS, HEAD_DIM, LAYERS = 16352, 3, 3, 64, 30
 
 def placements(batch: int, context: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """Each placement's slots, request after request (``batch`` of ``context``); ``runs`` and
-    ``interleaved`` as the calibration grid lays a batch out (`testbed.calibrate_grid.slot_order`)."""
+    ``interleaved`` as the calibration grid lays a batch out
+    (`testbed.calibration.grid.slot_order`)."""
     n = batch * context
     step = StepShape.decode((context,) * batch)
     laid = {"ascending": np.arange(1, n + 1)}

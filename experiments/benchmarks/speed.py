@@ -7,9 +7,9 @@ Three parts (``--part``, default all of them):
   under SGLang 0.5.23's rules (its checkpoint insert: the default) and 0.4.10's, through three
   sides, each on the same requests and each checked to give our hits and evictions request by
   request:
-  ``ours``, `testbed.replay.replay` over `RadixCache`; ``plain``, a plain per-edge Python radix
-  tree written for the benchmark (`experiments.benchmarks.trees.EdgeRadix`: a dict of children,
-  LRU leaf eviction, ~120 lines, with 0.5.23's rule walking the prompt and the sequence again as
+  ``ours``, `testbed.backends.replay.replay` over `RadixCache`; ``plain``, a plain per-edge Python
+  radix tree written for the benchmark (`experiments.benchmarks.trees.EdgeRadix`: a dict of
+  children, LRU leaf eviction, ~120 lines, with 0.5.23's rule walking the prompt and the sequence again as
   SGLang does); ``sglang``, SGLang's own ``RadixCache`` of the same release from its wheel
   (`experiments.validation.sglang.wheel.fetch` unpacks it once; skipped with a note when it
   cannot be had). Each side gets the requests in its own form, made before its clock starts
@@ -53,7 +53,7 @@ from experiments.benchmarks.speed_sim import part_sim, sim_cell
 from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge, replay_sglang
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 from testbed.workloads.synthetic import random_tree
 from testbed.workloads.traces import load_mooncake

@@ -20,7 +20,7 @@ def sim_cell(overrides: list[str]) -> dict:
     """One simulation in this (fresh) process: its phases' seconds and peak memory."""
     from hydra import compose, initialize_config_dir
 
-    from testbed.cli import CONF_DIR
+    from testbed.config.cli import CONF_DIR
     from testbed.execute import execute
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

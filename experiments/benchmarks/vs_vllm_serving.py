@@ -8,7 +8,7 @@ of ``--servers`` and run it separately), repeat after repeat, each workload in a
 ``POST /reset_prefix_cache``); the fastest of ``--repeats`` counts (the machine is shared). Reported per server and workload: requests/s
 and output tokens/s over the makespan, TTFT p50, TPOT p50 and the hit rate the server reported.
 Where the time goes: every run's steps are recovered from its token times
-(`testbed.server_steps`), and the median decode step at each batch size and the prefill
+(`testbed.calibration.server_steps`), and the median decode step at each batch size and the prefill
 throughput are put side by side (``steps.csv``); a testbed server's runs also keep the steps as
 the server timed them (``server_steps.jsonl``, ``GET /debug/steps``), whose median decode step
 stands beside the recovered one (``own_decode_b*_ms``).
@@ -37,7 +37,7 @@ import pandas as pd
 from experiments.validation.vllm import caching, live
 from experiments.validation.vllm.latency import HELD_OUT, TRAIN
 from experiments.benchmarks.served_step import near, own_decode_ms, steps_recorded, steps_since
-from testbed.server_steps import read_run, recover_steps, usable
+from testbed.calibration.server_steps import read_run, recover_steps, usable
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -70,7 +70,7 @@ def testbed_server(name: str):
 
 def drive(served: live.Served, words: list[str], loop: int, out: Path) -> dict:
     """One closed-loop run from an empty cache (``POST /reset_prefix_cache``, served by both)."""
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     if not (out / "summary.json").exists():  # a run already there is kept
         live.reset_cache(served.url)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.data import resolve_model
 from testbed.execute import execute
 

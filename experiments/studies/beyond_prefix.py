@@ -43,7 +43,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
 from experiments import REPO, entry  # noqa: E402
-from testbed.assembly import assemble, compose_config  # noqa: E402
+from testbed.config.assembly import assemble, compose_config  # noqa: E402
 from testbed.cache.similarity import MinHashIndex  # noqa: E402
 from testbed.engine.quality import exact_logits  # noqa: E402
 from testbed.execute import execute  # noqa: E402
@@ -223,7 +223,7 @@ def main() -> None:
                     help="torch threads for the engine (tiny shapes: more only add contention)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
+    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.config.engine_timing)
     started = time.perf_counter()
     rows = []
     for w in args.workloads:

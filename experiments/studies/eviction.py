@@ -40,11 +40,11 @@ from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from experiments import REPO, entry  # noqa: E402
-from testbed.assembly import assemble, compose_config  # noqa: E402
-from testbed.cli import CONF_DIR  # noqa: E402
+from testbed.config.assembly import assemble, compose_config  # noqa: E402
+from testbed.config.cli import CONF_DIR  # noqa: E402
 from testbed.data.fetch import lookup  # noqa: E402
-from testbed.metrics import ideal_hit_rate  # noqa: E402
-from testbed.replay import replay  # noqa: E402
+from testbed.results.metrics import ideal_hit_rate  # noqa: E402
+from testbed.backends.replay import replay  # noqa: E402
 
 PRESET = CONF_DIR / "experiment" / "eviction.yaml"
 RESULTS = REPO / "docs" / "results" / "eviction"

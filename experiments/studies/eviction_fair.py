@@ -39,10 +39,10 @@ import pandas as pd
 
 from experiments import REPO, entry
 from experiments.studies.eviction_fair_report import plot, write_report
-from testbed.assembly import assemble, compose_config
-from testbed.backends import run_backend
-from testbed.metrics import summarize
-from testbed.replay import replay
+from testbed.config.assembly import assemble, compose_config
+from testbed.backends.dispatch import run_backend
+from testbed.results.metrics import summarize
+from testbed.backends.replay import replay
 
 OUT = REPO / "docs" / "results" / "eviction" / "fair"
 POLICIES = ("lru", "fifo", "lfu", "slru", "tlru", "size_aware", "wlfu", "gdsf", "workload_aware",

@@ -1,13 +1,14 @@
 """LPM starves cache-cold requests; ``scheduler.lpm_aging`` bounds their wait.
 
-A saturated server (closed loop: ``--in-flight`` requests always queued or running, below LPM's
-FCFS fallback at 128 waiting, at most ``--max-running`` of them running) serves a mix of hot
-requests (a shared 2,048-token system prompt, a 64-token question) and cold ones (1,024 tokens of their own); 64-token outputs; Llama-3-8B on an
-H100 in the simulator (roofline costs). LPM always prefers a hot request (2,048 tokens cached) to
-a cold one (0), so a cold request waits until no hot one is queued. Aging adds ``lpm_aging``
-tokens to a waiting request's LPM key per second of waiting. Printed per setting: hit rate, TTFT
-p50/p99 of cold and warm requests (`testbed.metrics`), makespan. The requests and the run are
-`testbed.fairness` (tests/test_scheduler_fidelity.py checks the bound).
+A saturated server (closed loop: ``--in-flight`` requests always queued or running, below LPM's FCFS
+fallback at 128 waiting, at most ``--max-running`` of them running) serves a mix of hot requests (a
+shared 2,048-token system prompt, a 64-token question) and cold ones (1,024 tokens of their own);
+64-token outputs; Llama-3-8B on an H100 in the simulator (roofline costs). LPM always prefers a hot
+request (2,048 tokens cached) to a cold one (0), so a cold request waits until no hot one is queued.
+Aging adds ``lpm_aging`` tokens to a waiting request's LPM key per second of waiting. Printed per
+setting: hit rate, TTFT p50/p99 of cold and warm requests (`testbed.results.metrics`), makespan. The
+requests and the run are `experiments.studies.fairness_setup` (tests/test_scheduler_fidelity.py
+checks the bound).
 
     python -m experiments.studies.fairness [--requests 2000] [--cold 0.2] [--in-flight 120]
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from testbed.fairness import hot_cold_requests, run_aging
+from experiments.studies.fairness_setup import hot_cold_requests, run_aging
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ tokens of their own), the rest sharing a 3,072-token system prompt with a 64-tok
 rate of about 96%, as in issue 31954); 64-token outputs; Llama-3-8B on an H100 in the simulator
 (roofline costs), 16 running at most, a 200,000-token radix cache. Printed per load and policy:
 hit rate, mean and p99 TTFT, the cold requests' p99 TTFT, makespan; ``--figure`` plots mean and
-p99 TTFT per policy and load. The requests and runs are `testbed.fairness`.
+p99 TTFT per policy and load. The requests and runs are `experiments.studies.fairness_setup`.
 
     python -m experiments.studies.fairness_policies [--figure docs/results/fairness/policies.png]
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from experiments import entry, save_figure
-from testbed.fairness import hot_cold_requests, open_loop_requests, run_aging, run_policy
+from experiments.studies.fairness_setup import hot_cold_requests, open_loop_requests, run_aging, run_policy
 
 POLICIES = [("fcfs", 0.0), ("lpm", 0.0), ("lpm", 1024.0), ("hrrn", 0.0)]
 

@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.cache import EVICTION, RadixCache
 from testbed.cache.eviction import EvictionPolicy, Requester
 from testbed.cache.oracle import Oracle
-from testbed.replay import replay
+from testbed.backends.replay import replay
 
 
 class Whether(Oracle):

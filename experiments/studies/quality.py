@@ -52,7 +52,7 @@ import torch  # noqa: E402
 
 from experiments import REPO, entry  # noqa: E402
 from experiments.studies.beyond_prefix import MODES, Mode, family_color, donor_shares  # noqa: E402
-from testbed.assembly import compose_config  # noqa: E402
+from testbed.config.assembly import compose_config  # noqa: E402
 from testbed.execute import execute  # noqa: E402
 from testbed.workloads.sharegpt import load_tokenizer  # noqa: E402
 
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         plot(pd.read_csv(args.out / "quality.csv"), args.out / "quality.png")
         return pd.read_csv(args.out / "quality.csv")
     torch.set_num_threads(args.threads)
-    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.engine_timing)
+    ENGINE.append(f"threads={args.threads}")  # the engine's own (testbed.config.engine_timing)
     started = time.perf_counter()
     modes = [m for m in MODES if args.modes is None or m.name in args.modes]
     tasks = {t: FEW_SHOT_MODES if t == "few_shot_text" else modes for t in args.tasks}

@@ -40,8 +40,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from experiments import MOONCAKE_TRACE, REPO, entry  # noqa: E402
-from testbed.assembly import assemble, compose_config  # noqa: E402
-from testbed.metrics import ideal_hit_rate, summarize  # noqa: E402
+from testbed.config.assembly import assemble, compose_config  # noqa: E402
+from testbed.results.metrics import ideal_hit_rate, summarize  # noqa: E402
 from testbed.router import ROUTERS  # noqa: E402
 from testbed.serving.cluster import cluster_records, simulate_cluster  # noqa: E402
 from testbed.workloads.request import Request  # noqa: E402

@@ -162,7 +162,7 @@ def workload_words(name: str, out: Path) -> list[str]:
 
 def live(front: str, words: list[str], arrival: list[str], urls: list[str], out: Path,
          cache: Path) -> dict:
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
 
     reset(urls)
@@ -201,7 +201,7 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
 def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
               out: Path) -> dict:
     """The simulator's run of the calls as they ran live, with the same policy."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
 
     rows = vllm_live.records(out / "client")

@@ -35,7 +35,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 
 ENGINE = ["backend=engine", "model=smollm2_135m", "hardware=cpu", "device=cpu",

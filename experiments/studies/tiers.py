@@ -28,9 +28,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from experiments import MOONCAKE_TRACE, REPO, entry  # noqa: E402
-from testbed.assembly import Assembly, assemble, compose_config  # noqa: E402
-from testbed.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
-from testbed.replay import replay  # noqa: E402
+from testbed.config.assembly import Assembly, assemble, compose_config  # noqa: E402
+from testbed.results.metrics import add_tier_fields, ideal_hit_rate, summarize  # noqa: E402
+from testbed.backends.replay import replay  # noqa: E402
 from testbed.serving.serve import records_of, serve  # noqa: E402
 from testbed.sim.transfer import make_planner  # noqa: E402
 

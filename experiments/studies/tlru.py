@@ -3,11 +3,12 @@
 T-LRU (``eviction=tlru``, SGLang 0.5.23's ``TLRUStrategy``) evicts first what lies past
 ``history + next_prompt_estimate - threshold`` tokens of a conversation: with a TTFT budget of
 ``threshold`` recomputed tokens, those tokens cannot keep the next turn within it. It trades hit
-rate for the tail: the measure is the share of requests whose uncached prompt exceeds
-``threshold`` (``over``), beside the hit rate. Each workload is replayed one request at a time
-(`testbed.replay`) through the radix cache with LRU and with T-LRU at each threshold, with the
-next-prompt estimate set to the workload's median new tokens per request (what an unlimited cache
-leaves uncached), at cache capacities that are shares of the tokens the workload caches in all.
+rate for the tail: the measure is the share of requests whose uncached prompt exceeds ``threshold``
+(``over``), beside the hit rate. Each workload is replayed one request at a time
+(`testbed.backends.replay`) through the radix cache with LRU and with T-LRU at each threshold, with
+the next-prompt estimate set to the workload's median new tokens per request (what an unlimited
+cache leaves uncached), at cache capacities that are shares of the tokens the workload caches in
+all.
 
 Workloads: the Mooncake conversation trace (``data:mooncake_conversation`` from the data folder,
 ``python -m testbed.data fetch mooncake_conversation``; else skipped, said so) and multi-turn ShareGPT (``workload=sharegpt_chat``, 400
@@ -25,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments import MOONCAKE_TRACE, entry, save_figure
-from testbed.assembly import assemble, compose_config
-from testbed.replay import replay
+from testbed.config.assembly import assemble, compose_config
+from testbed.backends.replay import replay
 
 def mooncake_overrides() -> list[str] | None:
     """The conversation trace as workload overrides, when the data folder has it."""

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from experiments.validation import sim_vs_engine as sve
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.calibrate import batch_on_slots, synthetic_batch, timed_pass
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.decode_groups import SharedReads

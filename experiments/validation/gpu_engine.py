@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.engine.executor import EngineExecutor
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.loader import build_model, config_from_model_group, parse_dtype

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from experiments.validation import sim_vs_engine as sve
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.calibrate import synthetic_batch, timed_pass
 from testbed.sim.step_shape import StepShape
 

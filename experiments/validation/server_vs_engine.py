@@ -34,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from testbed.api.server import start_server
-from testbed.assembly import compose_config
+from testbed.config.assembly import compose_config
 from testbed.execute import execute
 from testbed.report.markdown import markdown_table
 

@@ -56,10 +56,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.calibrate import (engine_meta, fit_and_write, grid, row_knots,
                                grid_slots, median_times, slot_layout, synthetic_batch, timed_pass)
-from testbed.metrics import summarize
+from testbed.results.metrics import summarize
 from testbed.sim.cost_model import FittedCostModel, RooflineCostModel, StepShape
 from testbed.sim.executor import SimExecutor
 from testbed.sim.fit import fit_coefficients, mape

@@ -17,6 +17,7 @@ answer 503 when the loop is busy past `BETWEEN_STEPS_WAIT_S`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -196,9 +197,10 @@ def make_app(engine: OnlineEngine, facts: ServerFacts) -> FastAPI:
 class AbortingStream(StreamingResponse):
     """A server-sent event stream that aborts its request however it ends: Starlette cancels it
     when the client disconnects, even before its first chunk. (After a normal end the abort
-    finds the request finished and does nothing.)"""
+    finds the request finished and does nothing.) ``abort`` may return an awaitable, awaited
+    then (the router's: the replica's stream closed, `testbed.gateway.proxy`)."""
 
-    def __init__(self, content: AsyncIterator[str], abort: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], abort: Callable[[], Any]) -> None:
         super().__init__(content, media_type="text/event-stream")
         self.abort = abort
 
@@ -206,7 +208,9 @@ class AbortingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.abort()
+            ended = self.abort()
+            if inspect.isawaitable(ended):
+                await ended
 
 
 async def json_body(request: Request) -> Any:

@@ -29,7 +29,7 @@ from testbed.api.metrics import ServerMetrics
 from testbed.api.online import OnlineEngine
 from testbed.api.protocol import ServerFacts
 from testbed.api.settings import ServeSettings, assemble_serve
-from testbed.assembly import Assembly, compose_config
+from testbed.config.assembly import Assembly, compose_config
 from testbed.cache.events import EventLog
 from testbed.errors import BadInput
 
@@ -57,7 +57,7 @@ def kv_pool(run: Assembly) -> tuple[int | None, str]:
 def build_engine(run: Assembly, settings: ServeSettings) -> tuple[OnlineEngine, ServerFacts]:
     """The model, its KV pool, the cache and the scheduler of ``run``, behind an engine (not
     started) and the facts requests are checked against."""
-    from testbed.engine_assembly import build_engine_parts
+    from testbed.backends.engine_assembly import build_engine_parts
     from testbed.scheduler.build import build_scheduler
 
     capacity, _ = kv_pool(run)
@@ -219,12 +219,7 @@ def start_server(overrides: Sequence[str] = (), port: int = 0, in_process: bool 
                                  "serve.host=127.0.0.1", f"serve.port={port}"], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         handle = ServerHandle(f"http://127.0.0.1:{port}", _proc=proc)
-    try:
-        wait_healthy(handle, timeout_s)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
+    return healthy_or_stopped(handle, timeout_s)
 
 
 def free_port() -> int:
@@ -232,6 +227,17 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def healthy_or_stopped(handle: Any, timeout_s: float) -> Any:
+    """``handle`` (a server's or a router's) once its ``/health`` answers 200; stopped, and the
+    error raised, when it does not (`wait_healthy`)."""
+    try:
+        wait_healthy(handle, timeout_s)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
 
 
 def wait_healthy(handle: ServerHandle, timeout_s: float) -> None:

@@ -1,5 +1,5 @@
 """The ``serve`` block of ``python -m testbed.serve`` (conf/serve.yaml), checked with the run config
-it shares: `assemble_serve` is `testbed.assembly.assemble` for the server, plus the ``serve``
+it shares: `assemble_serve` is `testbed.config.assembly.assemble` for the server, plus the ``serve``
 keys, each refused in one line naming the key and what is allowed (docs/design.md §3 "Serving
 over HTTP"). It imports neither the web framework nor torch.
 """
@@ -11,9 +11,9 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
-from testbed import group_values
-from testbed.assembly import Assembly, assemble, plain
-from testbed.errors import BadInput
+from testbed.config import group_values
+from testbed.config.assembly import Assembly, assemble, plain
+from testbed.errors import BadInput, check_choice
 
 SERVE_KEYS = ("host", "port", "model_name", "max_queue", "default_max_tokens", "log_level")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -85,7 +85,5 @@ def listening(block: Mapping[str, Any], section: str, default_port: int
     if name is not None and (not isinstance(name, str) or not name):
         raise BadInput(f"{section}.model_name must be a non-empty string or null, got {name!r}")
     level = block.get("log_level", "warning")
-    if level not in LOG_LEVELS:
-        raise BadInput(f"{section}.log_level must be one of {', '.join(LOG_LEVELS)}; "
-                       f"got {level!r}")
+    check_choice(f"{section}.log_level", level, LOG_LEVELS)
     return host, port, name, level

@@ -1,17 +1,17 @@
 """`StepLog`: the steps a server's engine loop ran, as it timed them (``GET /debug/steps``).
 
-A client sees a step only as the burst of tokens it delivers (`testbed.server_steps` recovers steps
-from those), which cannot tell what the server spent on the engine from what it spent elsewhere.
-The loop thread therefore records each step it applies (`ServedStep`): the step's place on its
-timeline and its device and host time (`testbed.serving.step_cycle.Stepped`, by the engine's step
-clock: on a CPU by default the loop thread's CPU seconds, `testbed.engine_timing`), and beside them
-what the loop's turn around it cost: its wall time (``turn_s``: forming, the forward, applying,
-handing the tokens to the HTTP side; ``handing_s`` the last), the CPU time the loop thread got in
-it (``thread_cpu_s``: ``turn_s`` less this is time the thread waited), how much of that wait was
-for a core, runnable while other processes or threads held both (``runqueue_s``, the kernel's run
-delay: the machine's load; the rest of the wait it slept, for the interpreter's lock or another),
-the whole process's CPU time (``process_cpu_s``: the HTTP side's work ran beside it), and the wall
-time since the turn before ended (``idle_s``: reading the inbox, waiting for work).
+A client sees a step only as the burst of tokens it delivers (`testbed.calibration.server_steps`
+recovers steps from those), which cannot tell what the server spent on the engine from what it spent
+elsewhere. The loop thread therefore records each step it applies (`ServedStep`): the step's place
+on its timeline and its device and host time (`testbed.serving.step_cycle.Stepped`, by the engine's
+step clock: on a CPU by default the loop thread's CPU seconds, `testbed.config.engine_timing`), and
+beside them what the loop's turn around it cost: its wall time (``turn_s``: forming, the forward,
+applying, handing the tokens to the HTTP side; ``handing_s`` the last), the CPU time the loop thread
+got in it (``thread_cpu_s``: ``turn_s`` less this is time the thread waited), how much of that wait
+was for a core, runnable while other processes or threads held both (``runqueue_s``, the kernel's
+run delay: the machine's load; the rest of the wait it slept, for the interpreter's lock or
+another), the whole process's CPU time (``process_cpu_s``: the HTTP side's work ran beside it), and
+the wall time since the turn before ended (``idle_s``: reading the inbox, waiting for work).
 
 The log keeps the last `CAPACITY` steps; the loop thread appends, any thread reads (one lock).
 """

@@ -1,10 +1,10 @@
 """Prefix caches shared by every backend: radix tree, block hash (vLLM baseline), none.
 
 `CACHES` builds the cache the ``cache`` config group names (the radix tree follows the insert
-rule of the run's ``scheduler.sglang``, offered as context), `EVICTION` its eviction policy from
-the ``eviction`` group (the oracle needs the workload, GDSF a recompute-cost function); both are
-registries (testbed/registry.py), so ``cache=custom cache.target=module.Class`` takes a class of
-your own with `PrefixCache`'s methods. The group's lower-tier keys (``host_tokens`` ...) are read
+rule of the run's ``scheduler.sglang``, offered as context), `EVICTION` its eviction policy from the
+``eviction`` group (the oracle needs the workload, GDSF a recompute-cost function); both are
+registries (testbed/config/registry.py), so ``cache=custom cache.target=module.Class`` takes a class
+of your own with `PrefixCache`'s methods. The group's lower-tier keys (``host_tokens`` ...) are read
 by `testbed.cache.tiers.make_tiered_cache` instead, its reuse keys (``reuse``, ``match`` ...) by
 `ReuseConfig` (testbed/cache/reuse.py) for the scheduler.
 """
@@ -20,7 +20,7 @@ from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache
 from testbed.cache.reuse import REUSE_KEYS, ReuseConfig
 from testbed.errors import BadInput
-from testbed.registry import Registry
+from testbed.config.registry import Registry
 
 #: keys of the ``cache`` group that configure lower tiers (testbed/cache/tiers.py,
 #: testbed/sim/transfer.py), not the GPU cache itself

@@ -36,6 +36,7 @@ import numpy as np
 from testbed.cache.eviction import EvictionPolicy, Requester
 from testbed.cache.token_runs import TOKEN_DTYPE
 from testbed.cache.tree_node import TreeNode
+from testbed.errors import check_choice
 
 KINDS = ("stored", "removed", "trimmed")
 LOG_CAPACITY = 4096  # events a server keeps for readers that fall behind (then: a re-read)
@@ -58,9 +59,7 @@ class CacheEvent:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CacheEvent":
-        if d.get("kind") not in KINDS:
-            raise ValueError(f"a cache event's kind must be one of {', '.join(KINDS)}, "
-                             f"got {d.get('kind')!r}")
+        check_choice("a cache event's kind", d.get("kind"), KINDS, error=ValueError)
         return cls(int(d["seq"]), d["kind"], np.asarray(d["tokens"], TOKEN_DTYPE).tobytes(),
                    int(d["keep"]))
 

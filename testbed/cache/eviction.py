@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Protocol
 
-from testbed.errors import BadInput
-from testbed.registry import Registry
+from testbed.errors import BadInput, check_choice
+from testbed.config.registry import Registry
 
 
 class Requester(NamedTuple):
@@ -114,8 +114,7 @@ HIT_COUNTS = ("insert", "match", "none")
 
 
 def check_hits(hits: str) -> str:
-    if hits not in HIT_COUNTS:
-        raise BadInput(f"eviction.hits must be one of {', '.join(HIT_COUNTS)}; got {hits!r}")
+    check_choice("eviction.hits", hits, HIT_COUNTS)
     return hits
 
 

@@ -25,16 +25,14 @@ from typing import Protocol
 
 from testbed.cache.eviction import EvictionPolicy
 from testbed.cache.tree_node import TreeNode
-from testbed.errors import BadInput
+from testbed.errors import check_choice
 
 #: what one eviction step frees: the whole leaf (SGLang) or just the tail pages still needed
 EVICT_UNITS = ("node", "page")
 
 
 def check_evict_unit(evict_unit: str) -> str:
-    if evict_unit not in EVICT_UNITS:
-        raise BadInput(f"cache.evict_unit must be one of {', '.join(EVICT_UNITS)}; "
-                       f"got {evict_unit!r}")
+    check_choice("cache.evict_unit", evict_unit, EVICT_UNITS)
     return evict_unit
 
 

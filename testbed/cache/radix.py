@@ -33,7 +33,7 @@ from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-
 from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
-from testbed.errors import BadInput
+from testbed.errors import check_choice
 
 #: the SGLang releases whose rules the radix cache and the scheduler follow, default first
 SGLANG_RELEASES = ("0.5.23", "0.4.10")
@@ -51,9 +51,7 @@ class RadixCache(RadixTree, PrefixCache):
     name = "radix"
 
     def __init__(self, *args, sglang: str = SGLANG_RELEASES[0], **kwargs) -> None:
-        if sglang not in SGLANG_RELEASES:
-            raise BadInput(f"scheduler.sglang must be one of {', '.join(SGLANG_RELEASES)}; "
-                           f"got {sglang!r}")
+        check_choice("scheduler.sglang", sglang, SGLANG_RELEASES)
         super().__init__(*args, **kwargs)
         self.sglang = sglang
         self._checkpoints = sglang != "0.4.10"  # 0.5.23's insert rule (module docstring)

@@ -27,8 +27,8 @@ from testbed.cache.eviction import LRU, EvictionPolicy, Requester
 from testbed.cache.leaf_eviction import LeafEviction, check_evict_unit
 from testbed.cache.pool import KVSlotPool
 from testbed.cache.token_runs import TOKEN_BYTES, as_bytes, matched_bytes
-from testbed.cache.tree_node import TreeNode, own_children
-from testbed.errors import BadInput
+from testbed.cache.tree_node import TreeNode, descendants, own_children
+from testbed.errors import BadInput, check_choice
 
 #: what a walk that stops inside an edge does to the split-off tail's access time: ``refresh``
 #: (SGLang: counts as accessed now) or ``keep`` (its time before the walk; docs/design.md §4)
@@ -72,9 +72,7 @@ class RadixTree:
         self.pool = pool if pool is not None else KVSlotPool(capacity, page_size)
         self.page_size = page_size
         self.evict_unit = check_evict_unit(evict_unit)
-        if split_recency not in SPLIT_RECENCY:
-            raise BadInput(f"cache.split_recency must be one of {', '.join(SPLIT_RECENCY)}; "
-                           f"got {split_recency!r}")
+        check_choice("cache.split_recency", split_recency, SPLIT_RECENCY)
         self.split_recency = split_recency
         self._keep_tail = split_recency == "keep"
         self.policy: EvictionPolicy = policy if policy is not None else LRU()
@@ -328,11 +326,7 @@ class RadixTree:
     # ---------------------------------------------------------------- views
     def nodes(self) -> Iterable[TreeNode]:
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return descendants(self.root)
 
 
 def raise_history(leaf: TreeNode, depth: int) -> None:

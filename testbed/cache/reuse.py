@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.workloads.request import TOKEN_DTYPE
 
 #: the first token of every chunk key: no vocabulary has it, so no real prompt reaches chunk nodes
@@ -135,12 +135,8 @@ class ReuseConfig:
         return None if self.chunk_boundaries == "segments" else int(self.chunk_boundaries)
 
     def validate(self) -> None:
-        if self.reuse not in REUSE_MODES:
-            raise BadInput(f"cache.reuse must be one of {', '.join(REUSE_MODES)}; "
-                           f"got {self.reuse!r}")
-        if self.match not in MATCH_MODES:
-            raise BadInput(f"cache.match must be one of {', '.join(MATCH_MODES)}; "
-                           f"got {self.match!r}")
+        check_choice("cache.reuse", self.reuse, REUSE_MODES)
+        check_choice("cache.match", self.match, MATCH_MODES)
         for key in ("recompute_ratio", "similarity_threshold"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from testbed.cache.eviction import EVICTION, EvictionPolicy
 from testbed.cache.tier_state import WRITE_POLICIES
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 
 
 def has_lower_tiers(cache_cfg: Mapping[str, Any]) -> bool:
@@ -23,9 +23,7 @@ def check_tier_values(host_tokens: Any, disk_tokens: Any, write_policy: Any,
     for key, value in (("cache.host_tokens", host_tokens), ("cache.disk_tokens", disk_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise BadInput(f"{key} must be an integer >= 0 (0: no such tier), got {value!r}")
-    if write_policy not in WRITE_POLICIES:
-        raise BadInput(f"cache.write_policy must be one of {', '.join(WRITE_POLICIES)}; "
-                       f"got {write_policy!r}")
+    check_choice("cache.write_policy", write_policy, WRITE_POLICIES)
     if isinstance(write_threshold, bool) or not isinstance(write_threshold, int) \
             or write_threshold < 1:
         raise BadInput(f"cache.write_threshold must be an integer >= 1, got {write_threshold!r}")

@@ -8,7 +8,7 @@ scheduler's and router's walks, views) needs no part of the tree itself.
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -71,6 +71,16 @@ class TreeNode:
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, tokens={self.size}, lock={self.lock_ref}, "
                 f"t={self.last_access}, children={len(self.children)})")
+
+
+def descendants(node: Any) -> Iterator[Any]:
+    """Every node under ``node`` (not itself), parents before children: a radix tree's
+    `TreeNode`s, a router's approximate tree's nodes (anything whose ``children`` is a mapping)."""
+    stack = list(node.children.values())
+    while stack:
+        below = stack.pop()
+        yield below
+        stack.extend(below.children.values())
 
 
 def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:

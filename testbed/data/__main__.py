@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from testbed.cli import one_line_usage
+    from testbed.config.cli import one_line_usage
 
     with one_line_usage():
         sys.exit(main())

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from testbed.engine.metadata import AttentionMetadata, KVRanges
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.scheduler.decode_groups import ATTENTION_BACKENDS  # the names, shared with the sim
 
 
@@ -387,8 +387,7 @@ def make_attention(name: str, num_kv_heads: int, device: torch.device | str = "c
                    kernel: Any = None) -> AttentionBackend:
     """The backend ``name`` for KV buffers of ``num_kv_heads`` heads on ``device``; ``kernel``:
     the torch backends' in-place decode kernel (`testbed.engine.cpu_attention`), or None."""
-    if name not in ATTENTION_BACKENDS:
-        raise BadInput(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    check_choice("attention", name, ATTENTION_BACKENDS)
     cascade = name.startswith("cascade")
     if name == "cascade":
         name = "triton" if torch.device(device).type == "cuda" else "torch"

@@ -42,6 +42,7 @@ from testbed.engine.runner import ModelRunner
 from testbed.engine.sampler import Sampler
 from testbed.engine.draft_model import draft
 from testbed.engine.verify import verified_tokens
+from testbed.errors import check_choice
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.batch import StepOutcome
 from testbed.scheduler.decode_groups import default_attention
@@ -240,8 +241,7 @@ def make_engine_executor(model: Mapping[str, Any], num_slots: int | None, *,
     attention = attention or default_attention(device)
     if device == "cpu":
         keep_freed_memory()  # step times then do not depend on the process's allocation history
-    if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}; got {attention!r}")
+    check_choice("attention", attention, ATTENTION_BACKENDS, error=ValueError)
     net = model_from_group(model, seed=seed, dtype=parse_dtype(dtype), device=device)
     runner = ModelRunner(net, num_slots, attention=attention, mem_fraction=mem_fraction,
                          max_slots=max_slots, cascade_min_saved=cascade_min_saved,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 
 class KVCache:

@@ -16,7 +16,7 @@ outputs and is rebuilt from the real ones (the engine generating) is checked the
 fixed in advance (its literal tokens, their count plus its output bound), and again whole by
 `check_submitted` when the call is formed (`testbed.serving.driver.Driver`).
 
-Pure numpy (no torch): `testbed.backends` checks a workload with it before the model runs.
+Pure numpy (no torch): `testbed.backends.dispatch` checks a workload with it before the model runs.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from testbed.errors import WorkloadRefused
-from testbed.model_group import read_config_json
+from testbed.config.model_group import read_config_json
 from testbed.workloads.request import OutputRef, Request
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from testbed.engine.native_build import load_library
+from testbed.errors import check_choice
 
 if TYPE_CHECKING:
     from testbed.engine.model import LlamaModel
@@ -152,8 +153,7 @@ def smoke_test(device: torch.device, dtype: torch.dtype) -> None:
 def prepare_linears(model: LlamaModel, kind: str) -> tuple[str, str | None]:
     """The model's linear layers as ``kind`` (`LINEAR_KINDS`), prepared in place once (again:
     nothing changes). Returns the kind that runs and, where it is not ``kind``, why."""
-    if kind not in LINEAR_KINDS:
-        raise ValueError(f"linear kind must be one of {', '.join(LINEAR_KINDS)}, got {kind!r}")
+    check_choice("linear kind", kind, LINEAR_KINDS, error=ValueError)
     if kind == "torch":
         return "torch", None
     try:

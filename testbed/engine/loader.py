@@ -15,9 +15,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from testbed.engine.model import LlamaModel
-from testbed.errors import BadInput
-from testbed.model_group import check_preset, checkpoint_shape, resolve_model_group
-from testbed.model_shape import ModelShape
+from testbed.errors import BadInput, check_choice
+from testbed.config.model_group import check_preset, checkpoint_shape, resolve_model_group
+from testbed.config.model_shape import ModelShape
 
 #: tensors some checkpoints carry that are not weights (old Llama exports)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -28,8 +28,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    if name not in DTYPES:
-        raise BadInput(f"dtype must be one of {', '.join(DTYPES)}; got {name!r}")
+    check_choice("dtype", name, DTYPES)
     return DTYPES[name]
 
 
@@ -183,7 +182,7 @@ def config_from_model_group(model: Mapping[str, Any]) -> Any:
 
 def check_model_group(model: Mapping[str, Any], hf: Any) -> None:
     """A checkpoint (its `transformers` config) must have the shapes the ``model`` group (and so
-    the cost model) assumes: `testbed.model_group.check_preset`."""
+    the cost model) assumes: `testbed.config.model_group.check_preset`."""
     check_preset(model, checkpoint_shape(hf.to_dict() if hasattr(hf, "to_dict") else hf))
 
 

@@ -14,7 +14,7 @@ convention with cos/sin cast to the activations' dtype, GQA with query head ``h`
 HF tensor fills; on the CPU `testbed.engine.linear` swaps the linear layers for ones whose
 weights oneDNN prepared once. Between the matmuls the layer runs fused steps
 (`testbed.engine.layer_kernels`: add + RMSNorm, RoPE + KV store, SiLU-and-mul), Triton kernels
-on a GPU and torch ops elsewhere, with the same roundings as HF's unfused ops. Shapes and constants come from a `testbed.model_shape.ModelShape`
+on a GPU and torch ops elsewhere, with the same roundings as HF's unfused ops. Shapes and constants come from a `testbed.config.model_shape.ModelShape`
 (`ModelShape.from_hf` reads a checkpoint's `transformers` config).
 """
 
@@ -29,7 +29,7 @@ from torch import nn
 
 from radix_kernels.reference import fused_add_rmsnorm
 from testbed.engine.layer_kernels import TORCH_KERNELS, LayerKernels, apply_rope
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 if TYPE_CHECKING:
     from testbed.engine.attention import AttentionBackend

@@ -56,7 +56,7 @@ from testbed.engine.attention import TorchAttention
 from testbed.engine.kv_cache import KVCache
 from testbed.engine.metadata import AttentionMetadata
 from testbed.engine.model import LlamaModel
-from testbed.metrics import QUALITY_FIELDS, quality_means
+from testbed.results.metrics import QUALITY_FIELDS, quality_means
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 
@@ -146,7 +146,7 @@ class QualityRecord:
     rouge_l: float
 
     def fields(self) -> dict[str, float]:
-        """The per-request fields a run writes (`testbed.metrics.QUALITY_FIELDS`)."""
+        """The per-request fields a run writes (`testbed.results.metrics.QUALITY_FIELDS`)."""
         return {key: getattr(self, key) for key in QUALITY_FIELDS}
 
 
@@ -183,7 +183,7 @@ class QualityMonitor:
 
     ``observe(batch, logits, tokens)`` after every step (the runner's logits, one row per entry,
     and the tokens the executor returns for them); ``records()`` per request, ``summary()`` the
-    means (`testbed.metrics.quality_means`; None when no request was approximate)."""
+    means (`testbed.results.metrics.quality_means`; None when no request was approximate)."""
 
     def __init__(self, model: LlamaModel, forced: bool) -> None:
         self.model = model

@@ -41,7 +41,8 @@ from testbed.engine.rope_shift import copy_kv
 from testbed.engine.slot_table import PAD_ROW, SlotTable
 from testbed.engine.step_buffers import StepBuffers
 from testbed.engine.verify import tree_mask, tree_positions
-from testbed.engine_config import CPU_KERNELS
+from testbed.config.engine_config import CPU_KERNELS
+from testbed.errors import check_choice
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.decode_groups import DecodeGroups
@@ -92,7 +93,7 @@ class ModelRunner:
         """``num_slots`` None (CUDA only): size the KV pool from free device memory now,
         at most ``max_slots``. ``cascade_min_saved``, ``cascade_rule`` (None: ``auto`` on this
         device for this model): see `DecodeGroups`, for a batch formed without its groups
-        (the scheduler's groups are the run's: `testbed.assembly`). ``cuda_graph``:
+        (the scheduler's groups are the run's: `testbed.config.assembly`). ``cuda_graph``:
         decode steps of up to ``cuda_graph_max_batch`` requests replay CUDA graphs
         (`testbed.engine.cuda_graph`; on CUDA with a graphable attention backend, captured
         here); ``emulate_graphs``: the graph path without graphs, on any device (tests).
@@ -105,9 +106,7 @@ class ModelRunner:
         layer steps."""
         self.model = model
         self.device = model.device
-        if cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got "
-                             f"{cpu_kernels!r}")
+        check_choice("cpu_kernels", cpu_kernels, CPU_KERNELS, error=ValueError)
         self.cpu_kernels = cpu_kernels  # asked for (a calibration records it: its meta)
         native = cpu_kernels == "native" and self.device.type == "cpu"
         self.linear, self.linear_error = prepare_linears(model, "onednn" if native else "torch")

@@ -1,6 +1,6 @@
 import sys
 
-from testbed.cli import one_line_usage
+from testbed.config.cli import one_line_usage
 from testbed.fuzz.cli import main
 
 with one_line_usage():

@@ -38,7 +38,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from testbed.assembly import assemble
+from testbed.config.assembly import assemble
 from testbed.errors import BadInput, WorkloadRefused
 from testbed.fuzz.bad_traces import malformed_kind
 from testbed.fuzz.checks import check_run, comparable
@@ -47,7 +47,7 @@ from testbed.fuzz.server import ROUTER_URL, URL, FuzzRouter, FuzzServer, router_
     server_config
 from testbed.fuzz.space import after_requests, draw
 from testbed.execute import execute
-from testbed.overrides import compose_config
+from testbed.config.overrides import compose_config
 
 ALWAYS = ["debug.check_invariants=true", "save_token_ids=true"]
 
@@ -99,7 +99,7 @@ def run_one(overrides: list[str], cfg: DictConfig | None, run_dir: Path,
             outcome.problems.append(f"a refusal not in one line: {str(e)!r}")
         if generated and not isinstance(e, WorkloadRefused) and not served(overrides):
             outcome.problems.append(f"a config refused after the workload was generated (its "
-                                    f"check belongs in testbed.assembly): {e}")
+                                    f"check belongs in testbed.config.assembly): {e}")
     except Exception as e:  # noqa: BLE001 - any other exception is a defect to report
         tb = traceback.format_exc(limit=-4)
         outcome.problems.append(f"internal error: {type(e).__name__}: {e}\n{tb}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.engine_config import ALIASES
+from testbed.config.engine_config import ALIASES
 from testbed.fuzz.fixtures import Fixtures
 from testbed.fuzz.group_space import Table, choice, keys_of, scaled
 

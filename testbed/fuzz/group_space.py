@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import yaml
 
-from testbed.cli import CONF_DIR
+from testbed.config.cli import CONF_DIR
 
 Table = Sequence[tuple[str, Sequence[Any], float]]  # (key, values, probability of drawing it)
 

@@ -42,6 +42,11 @@ SERVER_KEYS: Table = (("model", ["null", "tiny"], 0.3), ("timeout_s", [600.0, "n
                       ("prefill_only", ["zero", "one_token"], 0.4))
 # the engine's keys backend=server sends with every call
 SENT: Table = tuple(k for k in ENGINE_KEYS if k[0] in ("forced", "temperature", "top_p"))
+# the cascade's keys, drawn where the simulator prices an attention drawn for it
+CASCADE_KEYS: Table = (("cascade_min_saved", [0, 16], 0.5),
+                       ("cascade_rule", ["auto", "always"], 0.4))
+ARRIVAL_KEYS: Table = (("max_in_flight", [1, 2, 3, 4], 0.3),
+                       ("max_concurrency", ["null", 1, 2, 4], 0.15))
 
 
 def draw(rng: np.random.Generator, workdir: Path, index: int, fixtures: Fixtures | None = None,
@@ -96,10 +101,7 @@ def sim_overrides(rng: np.random.Generator, fixtures: Fixtures, vidur: bool) -> 
     out += [*cost, *host_overrides(rng)]
     if rng.random() < 0.2:
         out.append(f"engine.attention={choice(rng, ['cascade', 'cascade_torch', 'torch', 'null'])}")
-        if rng.random() < 0.5:
-            out.append(f"engine.cascade_min_saved={choice(rng, [0, 16])}")
-        if rng.random() < 0.4:
-            out.append(f"engine.cascade_rule={choice(rng, ['auto', 'always'])}")
+        out += keys_of(rng, "engine", CASCADE_KEYS)
     if rng.random() < 0.2:
         out += router_overrides(rng)
     return out
@@ -120,12 +122,8 @@ def arrival_overrides(rng: np.random.Generator) -> list[str]:
     out = [f"arrival.kind={kind}"]
     if kind == "poisson":
         out.append(f"arrival.rate={choice(rng, [1.0, 50.0, 1000.0])}")
-    if rng.random() < 0.3:
-        out.append(f"arrival.max_in_flight={int(rng.integers(1, 5))}")
-    if rng.random() < 0.15:
-        out.append(f"arrival.max_concurrency={choice(rng, ['null', 1, 2, 4])}")
-    if rng.random() < 0.05:
-        out.append(f"timeline={choice(rng, ['true', 'false'])}")
+    out += keys_of(rng, "arrival", ARRIVAL_KEYS)
+    out += keys_of(rng, "", (("timeline", ["true", "false"], 0.05),))
     return out + [f"progress={'true' if rng.random() < 0.05 else 'false'}"]
 
 

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from testbed.api.server import (ServerHandle, Stopped, bind, load_tokenizer, start_server,
-                                stop_signal, wait_healthy)
-from testbed.assembly import compose_config
+from testbed.api.server import (ServerHandle, Stopped, bind, healthy_or_stopped, load_tokenizer,
+                                start_server, stop_signal)
+from testbed.config.assembly import compose_config
 from testbed.errors import BadInput
 from testbed.gateway.settings import RoutePlan, assemble_route
 
@@ -125,9 +125,4 @@ def start_router(urls: Sequence[str], overrides: Sequence[str] = (),
     thread.start()
     handle = RouterHandle(f"http://127.0.0.1:{sock.getsockname()[1]}", server.config.app,
                           server, thread, sock)
-    try:
-        wait_healthy(handle, timeout_s)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
+    return healthy_or_stopped(handle, timeout_s)

@@ -36,8 +36,9 @@ from typing import Any, AsyncIterator
 import anyio
 import httpx
 import numpy as np
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from testbed.api.app import AbortingStream
 from testbed.api.protocol import ApiError
 from testbed.gateway.prompts import route_tokens
 from testbed.gateway.replicas import Replica, Replicas
@@ -153,7 +154,9 @@ class Call:
         if not self.committed:
             await _close(resp)
             raise ReplicaFailed("the stream ended before its first token")
-        return _Passing(self._rest(resp, lines, held), self._abandoned(resp))
+        # the stream passed through; abandoned however it ends (a no-op after a normal end: the
+        # attempt has ended then)
+        return AbortingStream(self._rest(resp, lines, held), lambda: self._abandoned(resp))
 
     async def _read_all(self, resp: httpx.Response) -> bytes:
         try:
@@ -291,21 +294,6 @@ class Call:
         router = self.proxy.router
         if router.wants_completions:
             router.on_complete(self.replica.index, self.tokens, output, self.proxy.now())
-
-
-class _Passing(StreamingResponse):
-    """A stream passed through; ``abandoned()`` runs however it ends (a no-op after a normal
-    end: the attempt has ended then)."""
-
-    def __init__(self, content: AsyncIterator[str], abandoned: Any) -> None:
-        super().__init__(content, media_type="text/event-stream")
-        self.abandoned = abandoned
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.abandoned
 
 
 def _strip(doc: dict) -> None:

@@ -13,12 +13,12 @@ from typing import Any, Mapping
 
 from omegaconf import DictConfig
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.api.settings import listening
-from testbed.assembly import plain
+from testbed.config.assembly import plain
 from testbed.errors import BadInput
-from testbed.model_group import resolve_model_group
-from testbed.registry import Resolved
+from testbed.config.model_group import resolve_model_group
+from testbed.config.registry import Resolved
 from testbed.remote.settings import _base_url
 from testbed.router import ROUTERS
 

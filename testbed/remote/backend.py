@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from testbed.assembly import Assembly
+from testbed.config.assembly import Assembly
 from testbed.errors import BadInput
-from testbed.metrics import RequestRecord, ideal_hit_rate
+from testbed.results.metrics import RequestRecord, ideal_hit_rate
 from testbed.remote.driver import RemoteDriver, Sent
 from testbed.remote.openai_client import Completion, OpenAIClient, completion_body
 from testbed.remote.settings import ServerSettings
@@ -47,8 +47,8 @@ class EveryCallFailed(BadInput):
 
 @dataclass
 class ServerRun:
-    """What `testbed.backends` makes its `BackendResult` of (this module does not import it:
-    it imports this one)."""
+    """What `testbed.backends.dispatch` makes its `BackendResult` of (this module does not import
+    it: it imports this one)."""
 
     records: list[RequestRecord]
     extra: dict[str, Any]  # summary fields

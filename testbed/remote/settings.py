@@ -1,7 +1,7 @@
 """The ``server`` config block (used only by ``backend=server``), read and checked before anything
 is generated: where the OpenAI-compatible server is, which of its models to ask, and how long to
-wait. Importing it pulls in no HTTP client (`testbed.assembly` reads it for every backend=server
-run, even one refused later).
+wait. Importing it pulls in no HTTP client (`testbed.config.assembly` reads it for every
+backend=server run, even one refused later).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit
 
-from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.errors import BadInput, check_choice
+from testbed.config.group_values import check_setting
 
 #: the keys of the ``server`` block (conf/config.yaml)
 SERVER_KEYS = ("url", "model", "timeout_s", "connect_timeout_s", "prefill_only", "prompt_format")
@@ -65,13 +65,9 @@ class ServerSettings:
             raise BadInput(f"server.connect_timeout_s must be > 0 (seconds), got {connect}")
         prefill_only = server.get("prefill_only")
         prefill_only = "zero" if prefill_only is None else prefill_only
-        if prefill_only not in PREFILL_ONLY:
-            raise BadInput(f"server.prefill_only must be one of {', '.join(PREFILL_ONLY)}, "
-                           f"got {prefill_only!r}")
+        check_choice("server.prefill_only", prefill_only, PREFILL_ONLY)
         prompt_format = server.get("prompt_format") or "tokens"
-        if prompt_format not in PROMPT_FORMATS:
-            raise BadInput(f"server.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
-                           f"got {prompt_format!r}")
+        check_choice("server.prompt_format", prompt_format, PROMPT_FORMATS)
         return cls(url, model, timeout_s, float(connect), prefill_only, prompt_format)
 
 

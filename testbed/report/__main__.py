@@ -2,7 +2,7 @@
 
 import sys
 
-from testbed.cli import one_line_usage
+from testbed.config.cli import one_line_usage
 from testbed.report import main
 
 with one_line_usage():

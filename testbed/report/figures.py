@@ -53,6 +53,12 @@ def new_figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Figure,
     return fig, fig.subplots(rows, cols, squeeze=False)
 
 
+def bar_figure(bars: int, per_bar: float = 0.22) -> tuple[Figure, Axes]:
+    """A figure of one axes wide enough for ``bars`` bars (``per_bar`` inches each, at least 7)."""
+    fig, axes = new_figure(1, 1, (max(7, 1.0 + per_bar * bars), 4.8))
+    return fig, axes[0][0]
+
+
 def save_figure(fig: Figure, path: Path) -> Path:
     """Write ``fig`` as a PNG to ``path`` (creating its folder) and return ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,8 +111,7 @@ def throughput_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ok = ok[ok["throughput_vs_nocache"].notna()]
     if ok.empty:
         return None
-    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
-    ax = axes[0][0]
+    fig, ax = bar_figure(len(ok))
     _grouped_bars(ok, "throughput_vs_nocache", ax)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="no cache (1×)")
     ax.set_ylabel("throughput relative to no cache (×, requests/s ratio)")
@@ -119,8 +124,7 @@ def hit_rate_figure(ok: pd.DataFrame, path: Path) -> Path | None:
     ok = ok[ok["hit_rate"].notna()]
     if ok.empty:
         return None
-    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.22 * len(ok)), 4.8))
-    ax = axes[0][0]
+    fig, ax = bar_figure(len(ok))
 
     def ideal(groups):
         for i, s in enumerate(groups):
@@ -145,8 +149,7 @@ def cold_warm_figure(ok: pd.DataFrame, path: Path) -> Path | None:
         return None
     names, groups = variants(ok), settings(ok)
     col = colors(names)
-    fig, axes = new_figure(1, 1, (max(7, 1.0 + 0.44 * len(ok)), 4.8))
-    ax = axes[0][0]
+    fig, ax = bar_figure(len(ok), per_bar=0.44)
     width = 0.8 / len(names)
     for j, v in enumerate(names):
         for k, metric in enumerate(("ttft_p99_cold_s", "ttft_p99_warm_s")):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
-from testbed.registry import Registry
+from testbed.config.group_values import check_setting
+from testbed.config.registry import Registry
 from testbed.router.approx_tree import ApproxTree
 from testbed.router.base import (LOAD_UNITS, Loads, NoWorker, Router, is_imbalanced,
                                  least_loaded)

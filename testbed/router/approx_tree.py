@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from testbed.cache.radix import common_prefix_length
+from testbed.cache.tree_node import descendants
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -35,15 +36,6 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.key = key
         self.workers: dict[int, int] = {}  # worker -> logical time it last touched this node
-
-
-def _below(node: _Node) -> Iterator[_Node]:
-    """Every node under ``node`` (not itself)."""
-    stack = list(node.children.values())
-    while stack:
-        n = stack.pop()
-        yield n
-        stack.extend(n.children.values())
 
 
 class ApproxTree:
@@ -205,7 +197,7 @@ class ApproxTree:
                 stack.extend(node.children.values())
                 continue
             # nobody else is on it, so nobody else below it (closed upward): all of it goes
-            below = list(_below(node))
+            below = list(descendants(node))
             self.size[worker] -= sum(len(n.key) for n in below)
             del node.parent.children[int(node.key[0])]
             self._num_nodes -= 1 + len(below)
@@ -226,11 +218,7 @@ class ApproxTree:
 
     # ---------------------------------------------------------------- checks
     def _nodes(self) -> Iterator[_Node]:
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return descendants(self.root)
 
     def recount(self, worker: int) -> int:
         """``worker``'s size counted from scratch (tests compare it with `size`)."""

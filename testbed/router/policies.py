@@ -16,7 +16,7 @@ from testbed.cache.base import PrefixCache
 from testbed.cache.block_hash import BlockHashCache
 from testbed.cache.none import NoCache
 from testbed.cache.radix import RadixCache, common_prefix_length
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.router.approx_tree import ApproxTree
 from testbed.router.base import LOAD_UNITS, Router, is_imbalanced, least_loaded
 
@@ -58,21 +58,21 @@ class RandomRouter(Router):
         return up[int(self._rng.integers(len(up)))], "random"
 
 
-def _check_load(load: str) -> None:
-    if load not in LOAD_UNITS:
-        raise BadInput(f"router.load must be one of {', '.join(LOAD_UNITS)}; got {load!r}")
-
-
-def _check_balance(abs_threshold: float, rel_threshold: float) -> None:
+def _set_balance(router: Router, cache_threshold: float, abs_threshold: float,
+                 rel_threshold: float, load: str) -> None:
+    """Check and set what `CacheAware` and `Oracle` share: the match rate a cached prefix must
+    beat (``cache_threshold``), when loads count as imbalanced (``balance_*``) and what load is."""
+    if not 0.0 <= cache_threshold <= 1.0:
+        raise BadInput(f"router.cache_threshold must be in [0, 1], got {cache_threshold}")
     if abs_threshold < 0:
         raise BadInput(f"router.balance_abs_threshold must be >= 0, got {abs_threshold}")
     if rel_threshold < 1:
         raise BadInput(f"router.balance_rel_threshold must be >= 1, got {rel_threshold}")
-
-
-def _check_threshold(value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise BadInput(f"router.cache_threshold must be in [0, 1], got {value}")
+    check_choice("router.load", load, LOAD_UNITS)
+    router.cache_threshold = cache_threshold
+    router.balance_abs_threshold = abs_threshold
+    router.balance_rel_threshold = rel_threshold
+    router.load = load
 
 
 class LeastLoad(Router):
@@ -82,7 +82,7 @@ class LeastLoad(Router):
 
     def __init__(self, load: str = "tokens") -> None:
         super().__init__()
-        _check_load(load)
+        check_choice("router.load", load, LOAD_UNITS)
         self.load = load
 
     def _choose(self, tokens, loads, now):
@@ -120,22 +120,14 @@ class CacheAware(Router):
                  eviction_interval_s: float = 60.0, update_on_complete: bool = True,
                  update_delay_s: float = 0.0) -> None:
         super().__init__()
-        _check_threshold(cache_threshold)
-        _check_balance(balance_abs_threshold, balance_rel_threshold)
-        _check_load(load)
-        if fallback not in FALLBACKS:
-            raise BadInput(f"router.fallback must be one of {', '.join(FALLBACKS)}; "
-                           f"got {fallback!r}")
+        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
+        check_choice("router.fallback", fallback, FALLBACKS)
         if max_tree_size is not None and max_tree_size < 0:
             raise BadInput(f"router.max_tree_size must be >= 0 or null, got {max_tree_size}")
         if eviction_interval_s < 0:
             raise BadInput(f"router.eviction_interval_s must be >= 0, got {eviction_interval_s}")
         if update_delay_s < 0:
             raise BadInput(f"router.update_delay_s must be >= 0, got {update_delay_s}")
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self.load = load
         self.fallback = fallback
         self.max_tree_size = max_tree_size
         self.eviction_interval_s = eviction_interval_s
@@ -246,13 +238,7 @@ class Oracle(Router):
                  balance_rel_threshold: float = 1.0001, load: str = "requests",
                  in_flight: bool = True) -> None:
         super().__init__()
-        _check_threshold(cache_threshold)
-        _check_balance(balance_abs_threshold, balance_rel_threshold)
-        _check_load(load)
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self.load = load
+        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
         self.in_flight = in_flight
 
     def bind(self, num_workers: int, caches: Sequence[PrefixCache] = ()) -> None:

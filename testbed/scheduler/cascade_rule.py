@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 
 #: the ``engine.cascade_rule`` key's values: ``auto`` decides by `sharing_pays` where the device
 #: has a grid of programs to fill (a GPU), every shared node elsewhere; ``always`` groups every
@@ -92,9 +92,7 @@ class CascadeRule:
         """The rule ``engine.cascade_rule`` (``mode``) names, for a device of ``slots``
         programs at once (None: no grid) and a model of ``num_heads`` query heads over
         ``kv_heads`` KV heads on that device."""
-        if mode not in CASCADE_RULES:
-            raise BadInput(f"engine.cascade_rule must be one of {', '.join(CASCADE_RULES)}, got "
-                           f"{mode!r}")
+        check_choice("engine.cascade_rule", mode, CASCADE_RULES)
         return cls(slots=slots if mode == "auto" else None, kv_heads=kv_heads,
                    gqa_group=max(1, num_heads // kv_heads))
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
-from testbed.group_values import check_setting
-from testbed.registry import Resolved
+from testbed.errors import BadInput, check_choice
+from testbed.config.group_values import check_setting
+from testbed.config.registry import Resolved
 from testbed.scheduler.policy import QUEUE_POLICIES, SGLANG_RELEASES
 
 RETRACT_ORDERS = ("newest", "longest_prompt", "most_remaining")
@@ -58,7 +58,7 @@ class SchedulerConfig:
         return cfg if isinstance(cfg, SchedulerConfig) else cls.from_mapping(cfg)
 
     def queue_policy(self) -> Resolved:
-        """The queue policy's entry and settings, checked (`testbed.registry`); build it with
+        """The queue policy's entry and settings, checked (`testbed.config.registry`); build it with
         ``.build(cache=..., rng=..., **config.settings())``."""
         return QUEUE_POLICIES.resolve({"name": self.name, "target": self.target,
                                        **self.policy_settings}, run_keys=tuple(self.settings()))
@@ -69,13 +69,9 @@ class SchedulerConfig:
                 if f.name not in ("name", "target", "policy_settings")}
 
     def validate(self) -> None:
-        if self.sglang not in SGLANG_RELEASES:
-            raise BadInput(f"scheduler.sglang must be one of {', '.join(SGLANG_RELEASES)}; "
-                           f"got {self.sglang!r}")
+        check_choice("scheduler.sglang", self.sglang, SGLANG_RELEASES)
         self.queue_policy()
-        if self.retract_order not in RETRACT_ORDERS:
-            raise BadInput(f"scheduler.retract_order must be one of {', '.join(RETRACT_ORDERS)}; "
-                           f"got {self.retract_order!r}")
+        check_choice("scheduler.retract_order", self.retract_order, RETRACT_ORDERS)
         positive = ["max_prefill_tokens", "clip_max_new_tokens", "new_token_ratio_decay_steps",
                     "lpm_fallback_threshold", "retract_decode_steps"]
         optional_positive = ["max_running_requests", "chunked_prefill_size"]

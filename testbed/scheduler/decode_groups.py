@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from testbed.cache.shared_prefix import shared_prefix_groups
-from testbed.errors import BadInput
+from testbed.errors import check_choice
 from testbed.scheduler.batch import BatchEntry
 from testbed.scheduler.cascade_rule import CascadeRule
 
@@ -38,9 +38,7 @@ def default_attention(device: str) -> str:
 def cascades(attention: Any, key: str = "attention") -> bool:
     """Whether ``attention`` (the config ``key``'s value; None: plain decode) decodes in
     cascade."""
-    if attention is not None and attention not in ATTENTION_BACKENDS:
-        raise BadInput(f"{key} must be one of {', '.join(ATTENTION_BACKENDS)} or null; "
-                       f"got {attention!r}")
+    check_choice(key, attention, ATTENTION_BACKENDS, null=True)
     return attention is not None and attention.startswith("cascade")
 
 

@@ -54,7 +54,7 @@ from testbed.cache.base import PrefixCache
 from testbed.cache.pool import SLOT_DTYPE
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache, TreeNode  # noqa: F401 (re-exported)
 from testbed.cache.token_runs import as_bytes
-from testbed.registry import Registry
+from testbed.config.registry import Registry
 from testbed.scheduler.request_state import Req
 
 QUEUE_POLICIES = Registry("scheduler", methods=("order",), what="a queue policy",

@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.errors import BadInput, check_choice
+from testbed.config.group_values import check_setting
 from testbed.scheduler.ngram import NO_DRAFT, ngram_branches, ngram_draft
 
 METHODS = ("none", "ngram", "draft")
@@ -63,12 +63,8 @@ class SpeculativeConfig:
         return config
 
     def validate(self) -> None:
-        if self.method not in METHODS:
-            raise BadInput(f"speculative.method must be one of {', '.join(METHODS)}; "
-                           f"got {self.method!r}")
-        if self.acceptance not in ACCEPTANCE:
-            raise BadInput(f"speculative.acceptance must be one of {', '.join(ACCEPTANCE)}; "
-                           f"got {self.acceptance!r}")
+        check_choice("speculative.method", self.method, METHODS)
+        check_choice("speculative.acceptance", self.acceptance, ACCEPTANCE)
         for key in ("num_tokens", "ngram_min", "ngram_max", "tree_width", "draft_layers"):
             if getattr(self, key) < 1:
                 raise BadInput(f"speculative.{key} must be >= 1, got {getattr(self, key)}")

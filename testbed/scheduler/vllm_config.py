@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.config.group_values import check_setting
 from testbed.scheduler.config import SchedulerConfig
 
 VLLM = "vllm"

@@ -36,7 +36,7 @@ import numpy as np
 
 from testbed.cache import PrefixCache
 from testbed.cache.events import CacheEvent, EventLog
-from testbed.metrics import RequestRecord, ideal_hit_rate, summarize
+from testbed.results.metrics import RequestRecord, ideal_hit_rate, summarize
 from testbed.router.base import Loads, Router
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req

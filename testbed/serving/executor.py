@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from testbed.registry import Registry
+from testbed.config.registry import Registry
 from testbed.scheduler.batch import Batch, StepOutcome
 
 
@@ -71,7 +71,8 @@ def launcher(executor: Any) -> Any:
     return executor if hasattr(executor, "launch") else _ExecuteOnly(executor)
 
 
-#: what the run offers an executor (testbed/assembly.py); the ``backend`` group sets nothing else
+#: what the run offers an executor (testbed/config/builders.py); the ``backend`` group sets
+#: nothing else
 EXECUTOR_CONTEXT = ("cost_model", "model", "num_slots", "max_slots", "mem_fraction", "device",
                     "dtype", "attention", "cascade_min_saved", "cascade_rule", "cuda_graph",
                     "cuda_graph_max_batch", "cpu_kernels", "seed", "forced", "temperature", "top_p",

@@ -1,7 +1,7 @@
 """Serving a workload on one replica: `serve` builds the shared scheduler over a built cache and
 executor and runs the serving loop (`testbed.serving.driver`), the simulator's and the engine's
 runs alike; `records_of` turns the served requests into run records. (The KV capacity and the
-objects come from `testbed.assembly` and `testbed.backends`.)
+objects come from `testbed.config.assembly` and `testbed.backends.dispatch`.)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from testbed.cache import PrefixCache, ReuseConfig
-from testbed.metrics import RequestRecord
+from testbed.results.metrics import RequestRecord
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
 from testbed.scheduler.build import build_scheduler

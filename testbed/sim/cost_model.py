@@ -85,10 +85,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
-from testbed.registry import Registry
+from testbed.config.model_shape import ModelShape
+from testbed.config.registry import Registry
 from testbed.sim.specs import HardwareSpec
 from testbed.sim.step_shape import StepShape, kv_move_bytes  # noqa: F401 (also importable here)
 from testbed.sim.fitted import (  # noqa: F401 (the fitted model's names, importable here too)
@@ -232,7 +232,7 @@ COST_MODELS = Registry("cost_model", methods=("step_time",), context_keys=("mode
 
 def number(key: str, value: Any, default: float | None) -> float | None:
     """A ``cost_model`` setting as a float (``default`` when null); one line when not a number
-    (`testbed.group_values.number`)."""
+    (`testbed.config.group_values.number`)."""
     if value is None:
         return default
     return group_values.number({key: value}, key, "cost_model")

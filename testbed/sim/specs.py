@@ -1,11 +1,11 @@
 """Model and hardware specs: the shapes and device numbers a cost model and a KV budget need.
 
-The model is a `testbed.model_shape.ModelShape` (the one shape class, shared with the engine),
-run with tensor parallelism ``tp``; a `HardwareSpec` is one GPU. Both are built from the
+The model is a `testbed.config.model_shape.ModelShape` (the one shape class, shared with the
+engine), run with tensor parallelism ``tp``; a `HardwareSpec` is one GPU. Both are built from the
 ``model`` and ``hardware`` config groups by `model_spec` and `hardware_spec`, which say which key
 is wrong and what is allowed. Numbers in the configs carry their sources.
 
->>> from testbed.model_shape import ModelShape
+>>> from testbed.config.model_shape import ModelShape
 >>> m = ModelShape("llama3_70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
 ...                head_dim=128, intermediate_size=28672, vocab_size=128256, tp=4)
 >>> h = HardwareSpec("h100", flops=989e12, mem_bw=3.35e12, memory_bytes=80 * 10**9)
@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.scheduler.decode_groups import saved_reads
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.errors import BadInput, check_choice
+from testbed.config.model_shape import ModelShape
 from testbed.sim.cost_model import RooflineCostModel
 from testbed.sim.step_shape import StepShape
 from testbed.sim.specs import HardwareSpec
@@ -66,8 +66,7 @@ DEFAULT_DISK_LINK = "nvme_pcie4"
 def tier_link(name: str, key: str, overrides: Mapping[str, Any] | None = None) -> TierLink:
     """The preset ``name`` (config key ``key``), with ``read_bw``/``write_bw``/``latency_s``
     overridden where given."""
-    if name not in LINKS:
-        raise BadInput(f"{key} must be one of {', '.join(LINKS)}; got {name!r}")
+    check_choice(key, name, LINKS)
     link = LINKS[name]
     changes = {}
     for field in ("read_bw", "write_bw", "latency_s"):
@@ -149,8 +148,7 @@ def make_planner(cache_cfg: Mapping[str, Any], model: ModelShape, hw: HardwareSp
     ``write_bw``, ``latency_s``), the model's KV bytes per token on one GPU, and the roofline's
     prefill compute as the cost of recomputing (``load_back: cost``; ``always`` loads every run)."""
     mode = cache_cfg.get("load_back") or "cost"
-    if mode not in ("cost", "always"):
-        raise BadInput(f"cache.load_back must be one of cost, always; got {mode!r}")
+    check_choice("cache.load_back", mode, ("cost", "always"))
     host = cache_cfg.get("host_link") or HOST_LINK_OF_HARDWARE.get(hw.name, "pcie4")
     pcie = tier_link(host, "cache.host_link", cache_cfg.get("host_link_overrides"))
     disk = None

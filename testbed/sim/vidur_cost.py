@@ -91,7 +91,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 from testbed.sim.step_shape import StepShape, kv_move_bytes
 from testbed.sim.monotone import Curve, Surface
 from testbed.sim.specs import HardwareSpec

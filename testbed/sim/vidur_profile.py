@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from testbed.errors import BadInput
-from testbed.model_shape import ModelShape
+from testbed.config.model_shape import ModelShape
 
 #: Operators of one decoder layer in ``mlp.csv`` and how many times a layer runs each (``add``:
 #: the two residual additions). ``emb`` runs once per step, outside the layers.

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from testbed.assembly import Assembly, assemble, compose_config
+from testbed.config.assembly import Assembly, assemble, compose_config
 from testbed.cache.radix import RadixCache
-from testbed.overrides import check_overrides
+from testbed.config.overrides import check_overrides
 from testbed.errors import BadInput
 from testbed.viz.draw import draw_panels, save
 from testbed.viz.snapshot import outline, replay_panels
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from testbed.cli import one_line_usage
+    from testbed.config.cli import one_line_usage
 
     with one_line_usage():
         sys.exit(main())

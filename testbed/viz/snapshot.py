@@ -1,12 +1,12 @@
 """Replaying a workload through the radix cache and taking pictures of its tree (`Panel`s).
 
-The tree is read only through the cache's public views (`RadixCache.root`, `RadixCache.nodes()`
-and the `TreeNode` fields), after each request served by `testbed.replay.replay`, so what is drawn
-is exactly what the replay backend leaves behind. Node ids are stable: a split gives the head a
-new id and the tail keeps the old node, so a node id missing from one walk to the next was evicted.
-An evicted `TreeNode` keeps its fields (its tokens, last access, parent) as they were when it left;
-a panel shows every node evicted since the previous panel as a *ghost* where it was, under its old
-parent (the tail, if that parent was split since: the ghost hung below its end).
+The tree is read only through the cache's public views (`RadixCache.root`, `RadixCache.nodes()` and
+the `TreeNode` fields), after each request served by `testbed.backends.replay.replay`, so what is
+drawn is exactly what the replay backend leaves behind. Node ids are stable: a split gives the head
+a new id and the tail keeps the old node, so a node id missing from one walk to the next was
+evicted. An evicted `TreeNode` keeps its fields (its tokens, last access, parent) as they were when
+it left; a panel shows every node evicted since the previous panel as a *ghost* where it was, under
+its old parent (the tail, if that parent was split since: the ghost hung below its end).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 
 from testbed.cache.radix import RadixCache, TreeNode
 from testbed.errors import BadInput
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 
 STATES = ("new", "accessed", "unchanged", "evicted")

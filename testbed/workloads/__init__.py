@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
-from testbed.registry import Registry
+from testbed.errors import BadInput, check_choice
+from testbed.config.registry import Registry
 from testbed.workloads.arrivals import Arrival
 from testbed.workloads.beam_search import beam_search
 from testbed.workloads.beyond_prefix import paraphrase, rag
@@ -59,9 +59,7 @@ def trace(path: str | None = None, format: str | None = None,
     """A recorded trace file, or ``data:NAME`` (docs/design.md §3)."""
     if not path:
         raise BadInput("workload.path must name a trace file (or data:NAME) for workload=trace")
-    if format is not None and format not in TRACE_FORMATS:
-        raise BadInput(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
-                       f"got {format!r}")
+    check_choice("workload.format", format, TRACE_FORMATS, null=True)
     return load_trace(path, format, **({"tokenizer": tokenizer} if tokenizer else {}))
 
 

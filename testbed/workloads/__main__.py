@@ -7,20 +7,16 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from testbed.assembly import assemble
-from testbed.cli import check_group_choices
-from testbed.errors import BadInput
+from testbed.config.assembly import assemble
+from testbed.config.cli import check_group_choices, exit_on_bad_input
 from testbed.workloads import save_tokens
 from testbed.workloads.describe import describe, format_table
 
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="describe")
 def main(cfg: DictConfig) -> None:
-    try:
+    with exit_on_bad_input():
         requests = assemble(cfg).requests()
-    except BadInput as e:  # anything else is a defect: its traceback, exit 1
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"workload={cfg.workload.name} seed={cfg.seed}")
     print(format_table(describe(requests)))
     if cfg.save:

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.errors import BadInput, check_choice
+from testbed.config.group_values import check_setting
 from testbed.workloads.request import Request
 
 ARRIVALS = ("auto", "offline", "poisson", "trace")
@@ -50,8 +50,7 @@ class Arrival:
         rate = check_setting("arrival.rate", "float", arrival.get("rate"))
         time_scale = check_setting("arrival.time_scale", "float", arrival.get("time_scale"))
         max_in_flight = check_setting("arrival.max_in_flight", "int", arrival.get("max_in_flight"))
-        if kind not in ARRIVALS:
-            raise BadInput(f"arrival.kind must be one of {', '.join(ARRIVALS)}; got {kind!r}")
+        check_choice("arrival.kind", kind, ARRIVALS)
         if max_in_flight is not None and max_in_flight < 1:
             raise BadInput(f"arrival.max_in_flight must be >= 1 or null, got {max_in_flight}")
         max_concurrency = check_setting("arrival.max_concurrency", "int",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative
 from testbed.workloads.request import TOKEN_DTYPE, Request
 
@@ -92,9 +92,7 @@ def paraphrase(num_originals: int = 64, paraphrases: int = 3, prompt_len: int = 
     check_nonnegative(num_originals=num_originals, paraphrases=paraphrases,
                       prompt_len=prompt_len, edits=edits, system_prompt_len=system_prompt_len,
                       output_len=output_len)
-    if edit_kind not in EDIT_KINDS:
-        raise BadInput(f"workload.edit_kind must be one of {', '.join(EDIT_KINDS)}; "
-                       f"got {edit_kind!r}")
+    check_choice("workload.edit_kind", edit_kind, EDIT_KINDS)
     if edit_at is not None and not 0.0 <= edit_at <= 1.0:
         raise BadInput(f"workload.edit_at must be in [0, 1] or null, got {edit_at}")
     if prompt_len < 1 and edits:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.request import Request
 
 

@@ -8,7 +8,7 @@ from typing import Mapping
 import numpy as np
 
 from testbed.errors import BadInput
-from testbed.group_values import check_setting
+from testbed.config.group_values import check_setting
 from testbed.workloads.request import OutputRef, Request
 
 

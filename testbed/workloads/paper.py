@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from testbed.errors import BadInput
-from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative, check_range
+from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative, check_range, \
+    questions_on_prefixes
 from testbed.workloads.request import OutputRef, Request
 
 
@@ -27,12 +28,8 @@ def few_shot(num_tasks: int = 8, questions_per_task: int = 32, num_shots: int = 
                       output_len=output_len)
     tokens = TokenSource(np.random.default_rng(seed), vocab_size)
     examples = [tokens(num_shots * example_len) for _ in range(num_tasks)]
-    calls = []
-    for q in range(questions_per_task):
-        for t in range(num_tasks):
-            program = ProgramBuilder(f"task{t}/q{q}", tokens)
-            calls.append(program.call("answer", [examples[t], tokens(question_len)], output_len))
-    return calls
+    return questions_on_prefixes(tokens, examples, questions_per_task, question_len, output_len,
+                                 "task")
 
 
 def chat(num_sessions: int = 20, turns: int = 4, system_prompt_len: int = 64,

@@ -61,6 +61,19 @@ class ProgramBuilder:
         return req
 
 
+def questions_on_prefixes(tokens: TokenSource, prefixes: Sequence[np.ndarray], rounds: int,
+                          question_len: int, output_len: int, label: str) -> list[Request]:
+    """``rounds`` rounds of one question per shared prefix, round-robin over the prefixes (as a
+    server sees such groups interleaved): program ``{label}{i}/q{r}`` is one call ``answer``,
+    prefix ``i`` then ``question_len`` fresh tokens, with ``output_len`` tokens out."""
+    calls = []
+    for q in range(rounds):
+        for i, prefix in enumerate(prefixes):
+            program = ProgramBuilder(f"{label}{i}/q{q}", tokens)
+            calls.append(program.call("answer", [prefix, tokens(question_len)], output_len))
+    return calls
+
+
 def check_nonnegative(**sizes: int | float) -> None:
     """Raise BadInput naming the first ``workload.KEY`` that is negative."""
     for key, value in sizes.items():

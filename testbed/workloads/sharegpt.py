@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.workloads.request import TOKEN_DTYPE, Request
 from testbed.workloads.trace_format import TraceError, require_file
 
@@ -123,9 +123,7 @@ def _parse(path: Path) -> list[tuple[str, int, list[dict]]]:
         for j, m in enumerate(msgs):
             if not isinstance(m, dict):
                 raise TraceError(f"{where}: message {j}: expected a JSON object")
-            if m.get("from") not in ROLES:
-                raise TraceError(f"{where}: message {j}: 'from' must be one of "
-                                 f"{', '.join(ROLES)}, got {m.get('from')!r}")
+            check_choice(f"{where}: message {j}: 'from'", m.get("from"), ROLES, error=TraceError)
             if not isinstance(m.get("value"), str):
                 raise TraceError(f"{where}: message {j}: 'value' must be a string")
         if not msgs or msgs[0]["from"] not in PROMPT_ROLES:

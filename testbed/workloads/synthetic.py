@@ -9,7 +9,8 @@ import hashlib
 import numpy as np
 
 from testbed.errors import BadInput
-from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative
+from testbed.workloads.program import ProgramBuilder, TokenSource, check_nonnegative, \
+    questions_on_prefixes
 from testbed.workloads.request import OutputRef, Request
 
 
@@ -24,12 +25,7 @@ def shared_prefix(num_groups: int = 64, prompts_per_group: int = 16, system_prom
                       output_len=output_len)
     tokens = TokenSource(np.random.default_rng(seed), vocab_size)
     systems = [tokens(system_prompt_len) for _ in range(num_groups)]
-    calls = []
-    for q in range(prompts_per_group):
-        for g in range(num_groups):
-            program = ProgramBuilder(f"g{g}/q{q}", tokens)
-            calls.append(program.call("answer", [systems[g], tokens(question_len)], output_len))
-    return calls
+    return questions_on_prefixes(tokens, systems, prompts_per_group, question_len, output_len, "g")
 
 
 def random_tree(num_requests: int = 512, root_prob: float = 0.1, max_burst: int = 4,

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from testbed.data import resolve_trace
-from testbed.errors import BadInput
+from testbed.errors import check_choice
 from testbed.workloads.production_traces import load_azure, load_bailian, load_mooncake
 from testbed.workloads.checks import check_workload
 from testbed.workloads.request import TOKEN_DTYPE, OutputRef, Request, materialize
@@ -184,11 +184,8 @@ def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Requ
     plain file's default is ``tokens``). A trace without a single request is refused."""
     path, fmt = resolve_trace(path, fmt)
     fmt = fmt or "tokens"
-    try:
-        spec = TRACE_FORMATS[fmt]
-    except KeyError:
-        raise BadInput(f"workload.format must be one of {', '.join(TRACE_FORMATS)}; "
-                       f"got {fmt!r}") from None
+    check_choice("workload.format", fmt, TRACE_FORMATS)
+    spec = TRACE_FORMATS[fmt]
     unknown = sorted(set(options) - set(TRACE_OPTIONS))
     if unknown:
         raise ValueError(f"unknown trace option(s) {', '.join(unknown)}; "

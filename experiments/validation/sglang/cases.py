@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from testbed.assembly import Assembly, assemble, compose_config, plain
+from testbed.config.assembly import Assembly, assemble, compose_config, plain
 
 
 @lru_cache(maxsize=None)

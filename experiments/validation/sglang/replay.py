@@ -2,7 +2,7 @@
 
 One request at a time, in list order, both sides see the same requests:
 
-- **ours**: `testbed.replay.replay` over ``RadixCache(capacity, page_size=P, sglang=release)``
+- **ours**: `testbed.backends.replay.replay` over ``RadixCache(capacity, page_size=P, sglang=release)``
   exactly as the backend runs it (acquire the whole prompt; evict the shortfall of the whole new
   pages; extend by the rest of prompt+output; release inserting prompt+output);
 - **SGLang**: the release's own RadixCache served the way its scheduler serves a lone request,
@@ -36,11 +36,11 @@ from experiments import MOONCAKE_TRACE
 from experiments.validation.sglang import tree_serving
 from experiments.validation.sglang.tree_serving import serve
 
-# Our RadixCache and FIFO are built directly, not through testbed.assembly: the check drives the
-# raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
+# Our RadixCache and FIFO are built directly, not through testbed.config.assembly: the check drives
+# the raw tree with SGLang's rules switched on one by one (page sizes, a FIFO control), not a run.
 from testbed.cache.eviction import EVICTION, FIFO, Requester
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads import generate
 from testbed.workloads.request import TOKEN_DTYPE, Request
 from testbed.workloads.traces import load_trace
@@ -93,7 +93,7 @@ def serve_ours(requests: list[Request], page_size: int, capacity: int | None,
     """Our RadixCache (following ``release``'s rules, ``scheduler.sglang``) through replay.py's
     calls, with the named `RULES` switched to that SGLang release's (and FIFO eviction for
     "fifo", else the ``eviction`` policy, else LRU). With no rules it is
-    `testbed.replay.replay` (checked by `check_replay`)."""
+    `testbed.backends.replay.replay` (checked by `check_replay`)."""
     policy = FIFO() if "fifo" in rules else EVICTION.build(eviction) if eviction else None
     cache = RadixCache(capacity, page_size=page_size, policy=policy, sglang=release)
     hits, evicted = [], []

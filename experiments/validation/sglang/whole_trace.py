@@ -14,7 +14,7 @@ from experiments import MOONCAKE_TRACE, entry
 from experiments.validation.sglang import wheel
 from experiments.validation.sglang.tree_serving import serve
 from testbed.cache.radix import RadixCache
-from testbed.replay import replay
+from testbed.backends.replay import replay
 from testbed.workloads.traces import load_mooncake
 
 RELEASE = "0.5.23"  # the release whose checkpoint insert the figures are about

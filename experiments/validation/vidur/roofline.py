@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from testbed.assembly import assemble, compose_config
+from testbed.config.assembly import assemble, compose_config
 from testbed.data import local_path, lookup
 from testbed.sim import cost_model
 from testbed.sim.roofline_fit import (ALLREDUCE_TOKENS, attention_efficiency, fit_allreduce,

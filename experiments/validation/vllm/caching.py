@@ -160,7 +160,7 @@ def hit_rate(rows: pd.DataFrame) -> float:
 
 # ---------------------------------------------------------------- cases
 def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) -> dict:
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     server = run_server(words, served, ["arrival.max_concurrency=1"], out / "server")
     trace = out / "trace.jsonl"
@@ -177,7 +177,7 @@ def one_at_a_time(workload: str, words: list[str], served: Served, out: Path) ->
 def closed_loop(workload: str, words: list[str], served: Served, n: int, out: Path) -> dict:
     """vLLM's hit rate against the simulator's, on the workload as generated (its forced output
     ids) and on the calls as they ran on vLLM (its own output ids, the same programs)."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
     arrival = [f"arrival.max_in_flight={n}"]
     server = run_server(words, served, arrival, out / "server")

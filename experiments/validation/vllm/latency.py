@@ -10,7 +10,7 @@ then see the same drift). Then:
 
 1. ``python -m testbed.calibrate calibrate.server_runs=[...] scheduler=vllm``: the steps vLLM ran
    in every training run are recovered from the token times the client saw
-   (`testbed.server_steps`, with the prompt blocks each decode step's requests share), and the
+   (`testbed.calibration.server_steps`, with the prompt blocks each decode step's requests share), and the
    ``fitted`` cost model is fitted to them.
 2. The simulator (``scheduler=vllm cache=block_hash``, that cost model, vLLM's block size and
    pool) runs each run's calls as they ran on vLLM (`caching.as_ran_trace`: the prompts sent, the
@@ -47,7 +47,7 @@ import pandas as pd
 
 from experiments import REPO, entry, save_figure
 from experiments.validation.vllm import caching, live
-from testbed.server_steps import read_run, recover_steps
+from testbed.calibration.server_steps import read_run, recover_steps
 from testbed.sim.cost_model import RooflineCostModel, load_fitted
 
 matplotlib.use("Agg")
@@ -116,7 +116,7 @@ def predict(words: list[str], served: live.Served, n: int, cost_model: Path, run
             ) -> dict:
     """The simulator on the calls as they ran in ``run``/server; both summaries' metrics, and
     the median over requests of each one's TTFT error."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
     server = live.records(run / "server")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
@@ -159,7 +159,7 @@ def summarize_rounds(runs: pd.DataFrame) -> pd.DataFrame:
 
 def step_table(run: Path, budget: int, cost_model: Path, block_size: int) -> pd.DataFrame:
     """Every recovered step of ``run``/server, measured and predicted."""
-    from testbed.assembly import assemble, compose_config
+    from testbed.config.assembly import assemble, compose_config
     a = assemble(compose_config(SIM))
     model = load_fitted(cost_model, RooflineCostModel(a.model_shape, a.hardware))
     rows = []

@@ -194,7 +194,7 @@ def records(run_dir: Path) -> pd.DataFrame:
 
 def run_server(words: list[str], served: Served, arrival: list[str], out: Path) -> pd.DataFrame:
     """The workload on vLLM from an empty cache."""
-    from testbed.assembly import compose_config
+    from testbed.config.assembly import compose_config
     from testbed.execute import execute
     reset_cache(served.url)
     execute(compose_config(server_overrides(words, served, arrival)), out)
@@ -203,7 +203,7 @@ def run_server(words: list[str], served: Served, arrival: list[str], out: Path) 
 
 def server_overrides(words: list[str], served: Served, arrival: list[str]) -> list[str]:
     # model=: the client's ids fit the served model's vocabulary (SmolLM2's 49,152), not the
-    # default preset's 32,000 (`testbed.assembly.fit_vocabulary`)
+    # default preset's 32,000 (`testbed.config.assembly.fit_vocabulary`)
     return [*words, *arrival, "backend=server", "model=smollm2_135m", f"server.url={served.url}",
             f"server.model={SERVED_NAME}", "server.prefill_only=one_token", "engine.forced=true",
             "save_token_ids=true", "progress=false"]

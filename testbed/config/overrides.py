@@ -5,7 +5,7 @@ its search path, and a key a group does not have (``cache.capacity=100``) over s
 suggest appending it with ``+``. `check_overrides` says either in one line first, with what is
 allowed and the closest match (``error: workload must be one of ...; got 'tree_of_thougt'; did
 you mean tree_of_thought?``), as a `BadInput`: the entry points print it and exit 2
-(`testbed.cli.check_group_choices`). `compose_config` composes a config as the command line
+(`testbed.config.cli.check_group_choices`). `compose_config` composes a config as the command line
 does, for scripts, experiments and tests, with the same one-line refusals.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from testbed.errors import BadInput, did_you_mean
+from testbed.errors import BadInput, check_choice, did_you_mean
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def group_options(group: str, conf_dir: Path = CONF_DIR) -> list[str]:
@@ -50,9 +50,7 @@ def check_choices(argv: list[str], conf_dir: Path = CONF_DIR) -> None:
             options = sorted({*group_options(key, conf_dir),
                               *(o for d in extra if (d / key).is_dir()
                                 for o in group_options(key, d))})
-            if choice not in options:
-                raise BadInput(f"{key} must be one of {', '.join(options)}; got {choice!r}"
-                               + did_you_mean(choice, options))
+            check_choice(key, choice, options)
 
 
 def first_job(argv: list[str], groups: set[str]) -> tuple[list[str], list[str]] | None:

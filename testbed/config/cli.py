@@ -3,8 +3,9 @@
 Hydra reports an unknown option of a config group (``scheduler=sjf``) or an unknown key
 (``cache.capacity=100``) over several lines; users' sweeps and scripts are better served by
 ``error: scheduler must be one of ...; got 'sjf'`` and exit status 2, before Hydra starts
-(`testbed.overrides`). A flag Hydra does not take (``--bogus``) gets the same one line, and
-`one_line_usage` turns argparse's usage-and-error of the entry points that parse flags into it.
+(`testbed.config.overrides`). A flag Hydra does not take (``--bogus``) gets the same one line,
+`one_line_usage` turns argparse's usage-and-error of the entry points that parse flags into it,
+and `exit_on_bad_input` is the one place a refusal becomes that line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 from testbed.errors import BadInput
-from testbed.overrides import CONF_DIR, check_overrides, group_options, search_dirs
+from testbed.config.overrides import CONF_DIR, check_overrides, group_options, search_dirs
 
-__all__ = ["CONF_DIR", "check_group_choices", "group_options", "one_line_usage", "search_dirs"]
+__all__ = ["CONF_DIR", "check_group_choices", "exit_on_bad_input", "group_options",
+           "one_line_usage", "search_dirs"]
 
 #: the flags Hydra's command line takes (``python -m testbed.run --help`` lists them)
 HYDRA_FLAGS = frozenset(("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "--resolve",
@@ -27,21 +29,29 @@ HYDRA_FLAGS = frozenset(("-h", "--help", "--hydra-help", "--version", "-c", "--c
                          "-cd", "--config-dir", "--experimental-rerun", "-i", "--info"))
 
 
+@contextmanager
+def exit_on_bad_input() -> Iterator[None]:
+    """Refused input raised inside (`BadInput`) prints its one ``error:`` line and exits with
+    status 2; anything else is a defect and goes on (its traceback, exit status 1)."""
+    try:
+        yield
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def check_group_choices(argv: list[str], conf_dir: Path = CONF_DIR, name: str = "config"
                         ) -> None:
     """Exit with one line (status 2) if an override picks an option a config group does not
     have (in ``conf/`` or a folder of ``hydra.searchpath``) or sets a key the config ``NAME``
     (``conf/NAME.yaml``) does not have."""
-    try:
+    with exit_on_bad_input():
         flag = next((a for a in argv if a.startswith("-") and a.split("=")[0] not in HYDRA_FLAGS),
                     None)
         if flag is not None:
             raise BadInput(f"unknown flag {flag}: this command takes KEY=VALUE overrides and "
                            "Hydra's flags (--help lists them)")
         check_overrides(argv, name, conf_dir)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""What a backend cannot serve, refused by `testbed.assembly.assemble` before anything is built.
+"""What a backend cannot serve, refused by `testbed.config.assembly.assemble` before anything
+is built.
 
 Replicas run only in the simulator, one cache each, without lower tiers or reuse beyond exact
 prefixes (`check_replicas`); ``backend=server`` leaves cache and scheduler to the server, so what
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.cache import ReuseConfig
 from testbed.cache.tier_config import has_lower_tiers
 from testbed.errors import BadInput

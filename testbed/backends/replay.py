@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from testbed.cache.base import PrefixCache
 from testbed.cache.eviction import Requester
-from testbed.metrics import RequestRecord, tier_fields
+from testbed.results.metrics import RequestRecord, tier_fields
 from testbed.perf import gc_paused
 from testbed.workloads.request import Request
 

@@ -1,6 +1,6 @@
 """Typed values out of a Hydra config group (a plain mapping), for the builders of specs.
 
-`testbed.model_shape.ModelShape.from_group` and `testbed.sim.specs.hardware_spec` read their
+`testbed.config.model_shape.ModelShape.from_group` and `testbed.sim.specs.hardware_spec` read their
 groups through these, so a bad value stops a run with one line (`testbed.errors.BadInput`)
 naming ``group.key`` and what is allowed: ``model.num_layers must be >= 1, got 0``. A key that is
 absent or null takes the default, or is reported as required when there is none. ``group=""``

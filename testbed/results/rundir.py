@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from testbed.errors import failure_kind
-from testbed.metrics import RequestRecord
+from testbed.results.metrics import RequestRecord
 from testbed.serving.observer import StepRow
 
 RUN_FILES = ("summary.json", "requests.jsonl", "steps.jsonl", "timeline.json", "beams.jsonl",

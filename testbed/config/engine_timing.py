@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 
 CLOCKS = ("wall", "cpu")
 
@@ -41,8 +41,7 @@ def timing_settings(config: Mapping[str, Any], device: str) -> tuple[int | None,
         threads = 1
     if clock is None:
         clock = "cpu" if cpu and threads == 1 else "wall"
-    if clock not in CLOCKS:
-        raise BadInput(f"clock must be one of {', '.join(CLOCKS)} or null; got {clock!r}")
+    check_choice("clock", clock, CLOCKS, null=True)
     if clock == "cpu" and not (cpu and threads == 1):
         raise BadInput(f"clock=cpu times a CPU engine on one thread (process time sums every "
                        f"thread's); got device={device} threads={threads}")

@@ -13,7 +13,7 @@ model and hardware leave for KV: ``(memory × mem_fraction − weights) / kv_byt
 engine on CUDA measures instead what the device has free once the weights are loaded
 (``torch.cuda.mem_get_info``), and caps either at the tokens the workload could ever hold, so a
 tiny model does not allocate gigabytes of KV buffers. Every object is built by the run's
-`testbed.assembly.Assembly`.
+`testbed.config.builders.Assembly`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from testbed.assembly import REPLAY, SERVER, Assembly
+from testbed.config.assembly import REPLAY, SERVER, Assembly
 from testbed.cache import PrefixCache, RadixCache
-from testbed.metrics import RequestRecord, add_quality_fields, add_tier_fields
-from testbed.replay import replay
+from testbed.results.metrics import RequestRecord, add_quality_fields, add_tier_fields
+from testbed.backends.replay import replay
 from testbed.workloads import Request
 from testbed.workloads.request import refuse_beams, refuse_generating
 
@@ -122,7 +122,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
     generate = engine and not run.engine.forced
     check_prompt, quality, eos = None, None, ()
     if engine:
-        from testbed.engine_assembly import build_engine_parts
+        from testbed.backends.engine_assembly import build_engine_parts
         parts = build_engine_parts(run, run.capacity_tokens, requests)
         executor, cache, capacity = parts.executor, parts.cache, parts.capacity
         quality, eos = parts.quality, parts.eos_token_ids
@@ -182,7 +182,7 @@ def _serve(run: Assembly, requests: list[Request], engine: bool) -> BackendResul
 def ideal_as_ran(reqs: list) -> float:
     """The ideal hit rate of the calls as the engine ran them (its generated outputs, the prompts
     rebuilt from them), in submission order: the workload's own outputs are not what ran."""
-    from testbed.metrics import ideal_hit_rate
+    from testbed.results.metrics import ideal_hit_rate
     from testbed.workloads.request import TOKEN_DTYPE
 
     return ideal_hit_rate(Request(r.id, r.prompt, np.asarray(r.output, dtype=TOKEN_DTYPE))

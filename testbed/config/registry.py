@@ -15,7 +15,7 @@ reads one config group and `Resolved.build` makes the object:
 - every other key of the group is a keyword argument of the entry, and a key it does not take is
   refused in one line listing the keys it does, and a value of the wrong type for a parameter
   annotated ``int``, ``float`` or ``bool`` in one line naming the key
-  (`testbed.group_values.check_setting`);
+  (`testbed.config.group_values.check_setting`);
 - the entry's parameters that the run offers (``context``: the seed, the workload, the model shape,
   the cache, ...) and the group leaves unset (absent or null) are filled from it.
 
@@ -35,8 +35,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from testbed.errors import BadInput, did_you_mean
-from testbed.group_values import check_setting
+from testbed.errors import BadInput, check_choice, did_you_mean
+from testbed.config.group_values import check_setting
 
 CUSTOM = "custom"  # the group option that takes ``target``
 
@@ -195,10 +195,8 @@ class Registry:
         elif name == CUSTOM:
             raise BadInput(f"{self.family}={CUSTOM} needs {self.family}.target=module.Name, "
                            f"a class on PYTHONPATH implementing {self.what} (docs/extending.md)")
-        elif name not in self._entries:
-            raise BadInput(f"{self.family} must be one of {', '.join(self._entries)} or "
-                           f"{CUSTOM}; got {name!r}")
         else:
+            check_choice(self.family, name, [*self._entries, CUSTOM])
             entry, label = self._entries[name], name
             if isinstance(entry, str):
                 entry = self._entries[name] = import_target(entry, self.family)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from testbed import group_values
-from testbed.errors import BadInput
-from testbed.model_group import DTYPE_BYTES, SUPPORTED_MODEL_TYPES
+from testbed.config import group_values
+from testbed.errors import BadInput, check_choice
+from testbed.config.model_group import DTYPE_BYTES, SUPPORTED_MODEL_TYPES
 
 #: RoPE variants the engine implements (``rope_scaling["rope_type"]``; HF's names)
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -66,8 +66,7 @@ class ModelShape:
         for key in (*SHAPE_INTS, "tp"):
             if getattr(self, key) < 1:
                 raise BadInput(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        if self.dtype_bytes not in (1, 2, 4):
-            raise BadInput(f"model.dtype_bytes must be one of 1, 2, 4, got {self.dtype_bytes}")
+        check_choice("model.dtype_bytes", self.dtype_bytes, (1, 2, 4))
         heads, kv_heads, tp = self.num_heads, self.num_kv_heads, self.tp
         if heads % kv_heads:
             raise BadInput(f"model.num_heads ({heads}) must be a multiple of model.num_kv_heads "
@@ -80,9 +79,7 @@ class ModelShape:
         if self.head_dim % 2:  # RoPE rotates pairs of dimensions
             raise BadInput(f"model.head_dim must be even for RoPE, got {self.head_dim}")
         rope_type = self.rope_scaling.get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise BadInput(f"model.rope_scaling type must be one of {', '.join(ROPE_TYPES)}; "
-                           f"got {rope_type!r}")
+        check_choice("model.rope_scaling type", rope_type, ROPE_TYPES)
 
     # ---- what the simulator prices: parameters, FLOPs and bytes ----
 
@@ -147,9 +144,7 @@ class ModelShape:
         """Read a `LlamaConfig`, `MistralConfig` or `Qwen2Config` (transformers 4.x or 5.x); the
         name is the checkpoint directory's (else the ``model_type``), ``tp`` is 1."""
         model_type = getattr(hf, "model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise BadInput(f"model.path: config.json's model_type must be one of "
-                           f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+        check_choice("model.path: config.json's model_type", model_type, SUPPORTED_MODEL_TYPES)
         act = getattr(hf, "hidden_act", "silu")
         if act != "silu":
             raise BadInput(f"model.path: config.json's hidden_act must be 'silu' (SwiGLU), "

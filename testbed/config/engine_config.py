@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.scheduler.cascade_rule import CASCADE_RULES
 from testbed.scheduler.decode_groups import ATTENTION_BACKENDS
 
@@ -84,18 +84,10 @@ class EngineConfig:
                                    or device.split(":")[0] not in DEVICES):
             raise BadInput(f"{named['device']} must be cpu, cuda or cuda:N (or null: cuda if "
                            f"present, else cpu), got {device!r}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise BadInput(f"{named['dtype']} must be one of {', '.join(DTYPES)} or null, got "
-                           f"{self.dtype!r}")
-        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
-            raise BadInput(f"{named['attention']} must be one of {', '.join(ATTENTION_BACKENDS)} or "
-                           f"null, got {self.attention!r}")
-        if self.cascade_rule not in CASCADE_RULES:
-            raise BadInput(f"{named['cascade_rule']} must be one of {', '.join(CASCADE_RULES)}, "
-                           f"got {self.cascade_rule!r}")
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise BadInput(f"{named['cpu_kernels']} must be one of {', '.join(CPU_KERNELS)}, got "
-                           f"{self.cpu_kernels!r}")
+        check_choice(named["dtype"], self.dtype, DTYPES, null=True)
+        check_choice(named["attention"], self.attention, ATTENTION_BACKENDS, null=True)
+        check_choice(named["cascade_rule"], self.cascade_rule, CASCADE_RULES)
+        check_choice(named["cpu_kernels"], self.cpu_kernels, CPU_KERNELS)
         for key, least, unit in (("cascade_min_saved", 0, " (KV tokens)"),
                                  ("cuda_graph_max_batch", 1, " (requests)")):
             value = getattr(self, key)

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 
 #: HF ``model_type``s the engine implements (testbed/engine/model.py)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -75,9 +75,7 @@ def checkpoint_group(path: str | Path) -> dict[str, Any]:
     tied embeddings and dtype (``dtype_bytes``), tp 1, named after the directory."""
     hf = read_config_json(path)
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise BadInput(f"model.path={path}: model_type must be one of "
-                       f"{', '.join(SUPPORTED_MODEL_TYPES)}; got {model_type!r}")
+    check_choice(f"model.path={path}: model_type", model_type, SUPPORTED_MODEL_TYPES)
     require_shape(hf, path)
     rope = hf.get("rope_parameters") or {}
     dtype = hf.get("torch_dtype") or hf.get("dtype")

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from testbed.assembly import Assembly, assemble, compose_config
-from testbed.metrics import summarize
+from testbed.config.assembly import Assembly, assemble, compose_config
+from testbed.results.metrics import summarize
 from testbed.serving.serve import records_of, serve
 from testbed.workloads.request import Request
 
@@ -57,7 +57,7 @@ def assembled(aging: float | None, capacity: int, max_running: int,
 
 def run_aging(requests: list[Request], aging: float | None, in_flight: int, capacity: int,
               max_running: int) -> dict:
-    """One run's summary (`testbed.metrics.summarize`, cold and warm TTFT included) with its
+    """One run's summary (`testbed.results.metrics.summarize`, cold and warm TTFT included) with its
     ``aging``; ``aging`` None: FCFS for reference."""
     a = assembled(aging, capacity, max_running)
     _, result = serve(requests, a.build_cache(capacity, requests), a.scheduler,

@@ -17,10 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from testbed import group_values
+from testbed.config import group_values
 from testbed.cache.base import Lease
 from testbed.cache.pool import RUN_SLOTS
-from testbed.errors import BadInput
+from testbed.errors import BadInput, check_choice
 from testbed.scheduler.batch import Batch, BatchEntry
 from testbed.scheduler.request_state import Req
 from testbed.sim.step_shape import StepShape
@@ -180,9 +180,7 @@ SLOT_LAYOUTS = ("runs", "interleaved", "contiguous")
 def slot_layout(cfg: Any) -> str:
     """``calibrate.slot_layout``, checked (default ``runs``)."""
     layout = cfg.get("slot_layout", "runs")
-    if layout not in SLOT_LAYOUTS:
-        raise BadInput(f"calibrate.slot_layout must be one of {', '.join(SLOT_LAYOUTS)}, "
-                       f"got {layout!r}")
+    check_choice("calibrate.slot_layout", layout, SLOT_LAYOUTS)
     return layout
 
 

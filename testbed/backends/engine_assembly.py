@@ -1,5 +1,5 @@
 """The one engine assembly: a run's model, KV pool, cache and request limits, built together for
-every caller that serves on the engine (`testbed.backends` for ``backend=engine``, the HTTP
+every caller that serves on the engine (`testbed.backends.dispatch` for ``backend=engine``, the HTTP
 server's `testbed.api.server.build_engine`).
 
 The engine is built first (its KV pool: ``capacity`` tokens, else what the device leaves,
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.assembly import Assembly
+from testbed.config.assembly import Assembly
 from testbed.cache import PrefixCache
 from testbed.serving.serve import keep_runs_for
 from testbed.workloads import Request
