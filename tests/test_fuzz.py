@@ -92,6 +92,10 @@ def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, tmp_path):
 # Configs the widened fuzzer (issue 58) found crashing or refused only once the workload was
 # generated, now refused in one line before it is (their refusal's start)
 REFUSED = {
+    # an engine pool of no slots was refused only when the engine's KV buffers were made
+    "engine_capacity_0": ("backend=engine model=tiny workload=few_shot workload.num_tasks=1 "
+                          "cache=none cache.capacity_tokens=0",
+                          "cache.capacity_tokens=0 leaves the engine no KV slot"),
     # the draft model's layers were checked when the engine was built
     "draft_layers": ("backend=engine model=tiny device=cpu workload=few_shot workload.num_tasks=1 "
                      "workload.questions_per_task=2 speculative.method=draft "

@@ -123,6 +123,9 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
                                  or capacity < 0):
         raise BadInput(f"cache.capacity_tokens must be >= 0 or null, got {capacity!r}")
+    if capacity == 0 and backend == "engine":
+        raise BadInput("cache.capacity_tokens=0 leaves the engine no KV slot: it needs >= 1 (null: "
+                       "what the workload can use)")
     debug = config.get("debug") or {}
     if not isinstance(debug, dict) or set(debug) - {"check_invariants"}:
         raise BadInput(f"debug takes only check_invariants (true or false), got {debug!r}")
