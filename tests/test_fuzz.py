@@ -89,6 +89,28 @@ def test_configs_the_fuzzer_once_failed_on_now_pass_its_checks(name, tmp_path):
     assert outcome.status == "ok", outcome.problems
 
 
+# Defects the fuzzer found (seed 6006) that are not fixed yet: strict, so each passes, and fails
+# here, once fixed (then move it to FOUND).
+OPEN = {
+    # router=kv_events at pages of 16: the index cannot place a replica's removal event (#7712)
+    "kv_events_pages_of_16": "backend=sim seed=480 eviction=mru workload=random_tree "
+                             "workload.num_requests=27 workload.root_prob=0.0 workload.max_burst=4 "
+                             "workload.root_len=5 workload.segment_len=6 workload.output_len=4 "
+                             "workload.vocab_size=2 cache=radix cache.page_size=16 "
+                             "scheduler=random model=tiny hardware=a100 replicas=4 "
+                             "router=kv_events arrival.kind=poisson arrival.rate=1000.0 "
+                             "cache.capacity_tokens=90",
+}
+
+
+@pytest.mark.xfail(strict=True, reason="router=kv_events cannot place removal events at page "
+                                       "sizes above 1 (issue 58's fuzz, seed 6006 #7712)")
+@pytest.mark.parametrize("name", sorted(OPEN))
+def test_open_defects_the_fuzzer_found(name, tmp_path):
+    outcome = run_one(OPEN[name].split(), None, tmp_path, repeat=False)
+    assert outcome.status == "ok", outcome.problems
+
+
 # Configs the widened fuzzer (issue 58) found crashing or refused only once the workload was
 # generated, now refused in one line before it is (their refusal's start)
 REFUSED = {
