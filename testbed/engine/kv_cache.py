@@ -52,6 +52,5 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     as ``dtype``, is the same tensor."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    width = torch.empty(0, dtype=dtype).element_size()
-    ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[width]
+    ints = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
     return torch.from_numpy(np.zeros(shape, dtype=ints)).view(dtype)

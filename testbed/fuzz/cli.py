@@ -154,9 +154,8 @@ class Session:
     def live(self, overrides: list[str]) -> list[str]:
         """``overrides`` with the live server's (or router's) URL for the placeholder a draw
         writes."""
-        live = {f"server.url={URL}": lambda: self.server, f"server.url={ROUTER_URL}":
-                lambda: self.router}
-        return [f"server.url={live[o]().url}" if o in live else o for o in overrides]
+        live = {f"server.url={URL}": self.server, f"server.url={ROUTER_URL}": self.router}
+        return [f"server.url={live[o].url}" if o in live else o for o in overrides]
 
     def command(self, overrides: list[str]) -> str | None:
         """What starts the live server (and router) a ``backend=server`` config was sent to."""
