@@ -37,6 +37,39 @@ def test_removing_a_branch_keeps_its_siblings_and_the_shared_head():
     t.check_invariants()
 
 
+def test_removing_a_leaf_keeps_what_a_sibling_shares_of_its_first_page():
+    # pages of 4: the cache's leaves 1 2 3 4 | 5 5 5 5 and 1 2 3 4 | 5 5 9 9 are siblings (their
+    # first pages differ); the index splits them after 5 5, which the sibling still holds
+    t = ApproxTree(1)
+    t.insert(toks(1, 2, 3, 4, 5, 5, 5, 5), 0)
+    t.insert(toks(1, 2, 3, 4, 5, 5, 9, 9), 0)
+    assert t.remove_below(toks(1, 2, 3, 4, 5, 5, 5, 5), 4, 0)
+    assert t.sequences(0) == {(1, 2, 3, 4, 5, 5, 9, 9)} and t.size == [8]
+    assert not t.remove_below(toks(1, 2, 3, 4, 5, 5, 5, 5), 4, 0)  # gone: out of step now
+    t.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("evict_unit", ["node", "page"])
+def test_the_index_fed_by_events_equals_a_paged_tree_of_a_two_token_vocabulary(page_size,
+                                                                              evict_unit):
+    # the fuzzer, seed 6006 #7712: at pages of 16 an evicted leaf took its first-page sibling's
+    # shared tokens out of the index, and the sibling's removal then found nothing to remove
+    log = EventLog()
+    cache = RadixCache(96, policy=publishing(LRU(), log), page_size=page_size,
+                       evict_unit=evict_unit)
+    index = KvIndex(1)
+    rng = np.random.default_rng(page_size)
+    evicted = 0
+    for i in range(150):
+        prompt = rng.integers(0, 2, int(rng.integers(page_size, 40))).astype(np.int32)
+        evicted += cache.replay_one(prompt, rng.integers(0, 2, 3).astype(np.int32))[1]
+        assert index.apply(0, log.since(index.seq[0])), f"out of step at replay {i}"
+        assert index.tree.sequences(0) == sequence_set(cached_sequences(cache))
+    assert evicted > 10 * 96  # the pool turned over many times
+    index.tree.check_invariants()
+
+
 def test_a_trim_inside_an_edge_cuts_every_continuation():
     t = ApproxTree(1)
     t.insert(toks(5, 6, 7, 8, 9), 0)

@@ -214,8 +214,8 @@ def test_a_retracted_blend_request_releases_its_donors_and_plans_again():
 
 
 # ---------------------------------------------------------------------- semantic matching
-def semantic_scheduler(threshold=0.3, ratio=0.0, capacity=None) -> Scheduler:
-    return Scheduler(RadixCache(capacity), SchedulerConfig(name="fcfs"),
+def semantic_scheduler(threshold=0.3, ratio=0.0, capacity=None, **sched) -> Scheduler:
+    return Scheduler(RadixCache(capacity), SchedulerConfig(name="fcfs", **sched),
                      reuse=ReuseConfig(match="semantic", similarity_threshold=threshold,
                                        recompute_ratio=ratio))
 
@@ -235,6 +235,28 @@ def test_a_paraphrase_reuses_the_aligned_runs_of_its_donor_at_the_donors_positio
     assert r.approx_hit_tokens == 19
     s.complete(batch, [900], 2.0)
     drive(s)
+    s.cache.check_invariants()
+
+
+def test_donors_whose_locks_leave_no_room_for_the_later_chunks_are_not_reused():
+    # The fuzzer, seed 6006 #9064: the donor (the original's 42 tokens) locked beside the
+    # paraphrase's 22 new ones overfills 60 slots; the first chunks fit, the third found no KV,
+    # was put back and planned the same way again, forever. Now it reuses nothing and finishes.
+    base = list(range(10, 50))
+    s = semantic_scheduler(capacity=60, chunked_prefill_size=8)
+    s.submit(Request("orig", toks(*base), toks(900, 901)), 0.0)
+    drive(s)
+    assert (s.cache.total_size, s.cache.pool.num_free) == (41, 19)
+    edited = base[:20] + [7, 7] + base[20:]
+    r = s.submit(Request("para", toks(*edited), toks(900, 901)), 1.0)
+    batch = s.next_batch()
+    (entry,) = batch.entries
+    assert (entry.context, entry.new, entry.reuse) == (20, 8, ())
+    assert s.cache.protected_size == 20  # its own prefix only: no donor locked
+    s.complete(batch, [None], 2.0)
+    assert drive(s, max_steps=20) == 3  # two more chunks, a decode step
+    assert r.output == [900, 901] and (r.cached_tokens, r.approx_hit_tokens) == (20, 0)
+    assert s.preemptions == 0 and s.cache.protected_size == 0
     s.cache.check_invariants()
 
 

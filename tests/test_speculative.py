@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from testbed.cache import BlockHashCache, RadixCache
+from testbed.config.assembly import assemble
 from testbed.errors import BadInput
 from testbed.scheduler.ngram import ngram_draft
 from testbed.scheduler.scheduler import Scheduler
@@ -221,6 +222,16 @@ def test_recorded_acceptance_refuses_a_bad_record_naming_the_key(tmp_path, rows,
         write_requests(path, rows)
     with pytest.raises(BadInput, match="speculative.acceptance_path: .*" + message):
         Acceptance("recorded", path=path)
+
+
+def test_a_recorded_acceptance_file_is_read_and_refused_at_assembly(tmp_path, compose):
+    # the fuzzer, seed 6006 #2944: an empty file was refused only once the run had begun
+    path = tmp_path / "requests.jsonl"
+    path.write_text("")
+    with pytest.raises(BadInput, match=r"^speculative.acceptance_path: .*requests.jsonl holds "
+                                       r"no requests$"):
+        assemble(compose("backend=sim", "speculative.method=ngram", "scheduler.overlap=false",
+                         "speculative.acceptance=recorded", f"speculative.acceptance_path={path}"))
 
 
 # ------------------------------------------------------------------ the config block

@@ -238,3 +238,11 @@ def test_a_done_handle_takes_its_outcomes_duration_as_the_launchs_time_unless_to
     outcome = StepOutcome(0.5, [1])
     assert Done(outcome).launch_s == 0.5 and Done(outcome, 0.0).launch_s == 0.0
     assert outcome.device_s == 0.5 and StepOutcome(0.5, [1], gpu_s=0.2).device_s == 0.2
+
+
+def test_a_loop_that_can_form_no_step_with_work_left_stops_with_what_was_left(monkeypatch):
+    # a scheduler defect (the fuzzer's #9064 was one): SimPy's own words named no request
+    monkeypatch.setattr(Scheduler, "form", lambda self, now=0.0: None)
+    with pytest.raises(RuntimeError, match=r"^the step loops stalled at t=0 s with requests "
+                                           r"unfinished \(replica 0: 2 waiting, 0 running\)"):
+        serve(crowd(2), RadixCache(90), {"name": "fcfs"}, SimExecutor(Constant(1.0)))

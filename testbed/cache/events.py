@@ -9,8 +9,9 @@ policy it wraps, unchanged (the eviction order stays the policy's), and records 
 
 - ``stored``: ``tokens`` is the new leaf's whole path from the root, ``keep`` the tokens before
   the leaf; the cache now holds ``tokens``;
-- ``removed``: ``tokens`` is an evicted leaf's whole path, ``keep`` its start: nothing that
-  starts with ``tokens[:keep + 1]`` is held any more;
+- ``removed``: ``tokens`` is an evicted leaf's whole path, ``keep`` its start: its tokens are
+  no longer held except those another held branch shares (pages of 1: nothing that starts with
+  ``tokens[:keep + 1]``; pages of P: a sibling may share up to P - 1 tokens of its first page);
 - ``trimmed``: ``tokens`` is a leaf's path after its tail was cut (``keep`` = its length):
   nothing that extends ``tokens`` is held any more.
 

@@ -37,6 +37,7 @@ from testbed.scheduler.speculative import SpeculativeConfig, check_draft_layers,
     check_speculative, check_tree
 from testbed.scheduler.vllm_config import check_vllm_cache, scheduler_config
 from testbed.serving.executor import EXECUTORS
+from testbed.sim.acceptance import load_recorded
 from testbed.sim.cost_model import COST_MODELS
 from testbed.workloads import WORKLOADS
 from testbed.workloads.arrivals import Arrival
@@ -150,6 +151,8 @@ def assemble(cfg: DictConfig | Mapping[str, Any]) -> Assembly:
                       config.get("replicas") or 1)
     if backend == "engine":
         check_draft_layers(speculative, config["model"].get("num_layers"))
+    if backend == "sim" and speculative.active and speculative.acceptance == "recorded":
+        load_recorded(speculative.acceptance_path)  # its file read and checked now, not at the run
     if speculative.active and engine.temperature > 0 and engine.top_p < 1:
         raise BadInput(f"speculative.method={speculative.method} samples by the rejection rule "
                        f"over the whole distribution: engine.top_p must be 1 with temperature "

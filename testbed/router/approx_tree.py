@@ -157,14 +157,22 @@ class ApproxTree:
     # ---------------------------------------------------------------- exact removals
     def remove_below(self, tokens: np.ndarray, keep: int, worker: int,
                      branch: bool = True) -> bool:
-        """``worker`` no longer holds what continues ``tokens[:keep]``: with ``branch`` the
-        continuations that start with ``tokens[keep]`` (a leaf of its cache evicted whole), else
-        every continuation (a leaf cut back to ``tokens[:keep]``). Those nodes lose the worker
-        (a node left to nobody is deleted); the edge ``keep`` falls inside is split first. False
-        (nothing changed) when ``worker`` does not hold ``tokens[:keep]`` and, with ``branch``,
-        one token more: the caller's picture of the worker is then out of step."""
-        need = keep + 1 if branch else keep
-        if need > len(tokens) or self.match(tokens[:need])[worker] < need:
+        """``worker`` no longer holds what continues ``tokens[:keep]`` along ``tokens``.
+
+        With ``branch``, ``tokens`` is the whole path of a leaf of its cache evicted whole
+        (``keep``: where the leaf began): the worker loses the leaf's tokens except those it
+        still holds through another branch. At pages of P tokens a sibling leaf may share up to
+        P - 1 tokens of the leaf's first page (the cache keys children by their first page, the
+        index by their first token), so the worker comes off the path only below the deepest
+        point at or after ``keep`` where it holds another branch. Without ``branch`` (a leaf cut
+        back to ``tokens[:keep]``) every continuation of ``tokens[:keep]`` goes. Nodes left to
+        nobody are deleted; the edge ``keep`` falls inside is split first. False (nothing
+        changed) when ``worker`` does not hold ``tokens[:keep]`` (with ``branch``: the whole
+        leaf): the caller's picture of the worker is then out of step."""
+        if keep > len(tokens) or branch and keep == len(tokens):
+            return False
+        need = len(tokens) if branch else keep
+        if self.match(tokens[:need])[worker] < need:
             return False
         node, matched = self.root, 0
         while matched < keep:
@@ -174,9 +182,19 @@ class ApproxTree:
                 child = self._split(child, k)
             matched += k
             node = child
-        tops = [node.children[int(tokens[keep])]] if branch else list(node.children.values())
-        for top in tops:
-            self._drop(top, worker)
+        if not branch:
+            for top in list(node.children.values()):
+                self._drop(top, worker)
+            return True
+        top = None
+        while matched < need:  # the worker holds the path to its end: whole edges
+            child = node.children[int(tokens[matched])]
+            if top is None or any(worker in c.workers for c in node.children.values()
+                                  if c is not child):
+                top = child
+            matched += len(child.key)
+            node = child
+        self._drop(top, worker)
         return True
 
     def remove_worker(self, worker: int) -> None:

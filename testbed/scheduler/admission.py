@@ -165,10 +165,11 @@ class Admission:
         input_tokens = adder.ceil_paged(extend)
         locked = available_before - self.cache.available_size  # what the lock took
         result = adder.refusal(req, extend, c.clip_max_new_tokens, locked, not admitted)
+        forced = False  # admitted although its reservation does not fit: nothing else can run
         if result is AddResult.NO_TOKEN and self._alone(admitted):
             first = extend if adder.rem_chunk is None else min(extend, adder.rem_chunk)
             if first <= self.cache.available_size:
-                result = None  # nothing else can run: admit it whatever its reservation
+                result, forced = None, True
         if result is None and not (adder.rem_chunk is None or input_tokens <= adder.rem_chunk):
             new = adder.first_chunk(lease.hit)
             if new <= 0:
@@ -178,13 +179,16 @@ class Admission:
             return result
         req.lease, req.computed = lease, lease.hit
         plan = self.reuse.plan(req, lease.hit) if self.reuse is not None else None
-        if plan is not None and plan.donors:
-            first = extend if adder.rem_chunk is None else min(extend, int(adder.rem_chunk))
-            if self.cache.extension_cost(lease, first) > self.cache.available_size:
-                # The donors' locks leave no room for the tokens this step computes: reusing
-                # would fail every time it is tried, so this admission reuses nothing.
-                self.reuse.release(req)
-                plan = req.reuse_plan = ReusePlan()
+        if plan is not None and plan.donors and (
+                self.cache.extension_cost(lease, extend) > self.cache.available_size or
+                not forced and adder.refusal(req, extend, c.clip_max_new_tokens, locked,
+                                             not admitted) is not None):
+            # The donors' locks leave no room for the request, all its chunks to come (or, not
+            # forced, its reservation) included: a chunk that finds no KV is put back and
+            # planned the same way again, forever (the fuzzer, seed 6006 #9064). Reusing must
+            # not refuse a request that fits without it, so this admission reuses nothing.
+            self.reuse.release(req)
+            plan = req.reuse_plan = ReusePlan()
         if req.cached_tokens is None:
             req.cached_tokens = min(lease.hit, len(req.prompt))
             if plan is not None:

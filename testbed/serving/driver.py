@@ -164,7 +164,17 @@ class Driver:
         """Run arrivals and every replica's step loop until every request has finished."""
         self.env.process(self._start_programs())
         loops = [self.env.process(self._step_loop(rep)) for rep in self.replicas]
-        self.env.run(until=loops[0] if len(loops) == 1 else self.env.all_of(loops))
+        try:
+            self.env.run(until=loops[0] if len(loops) == 1 else self.env.all_of(loops))
+        except RuntimeError as e:
+            if not str(e).startswith("No scheduled events left"):
+                raise
+            # every replica idles with work left and nothing will wake it: a scheduler defect
+            stuck = [f"replica {rep.index}: {len(rep.scheduler.waiting)} waiting, "
+                     f"{len(rep.scheduler.running)} running" for rep in self.replicas]
+            raise RuntimeError(f"the step loops stalled at t={self.env.now:.6g} s with "
+                               f"requests unfinished ({'; '.join(stuck)}): no step could be "
+                               f"formed and nothing is left to wake them") from None
         self._bar.close()
 
     def _start_programs(self):
