@@ -151,6 +151,28 @@ def test_an_internal_error_is_a_failure_with_the_command_that_reproduces_it(
                                       "workload.num_problems=1 debug.check_invariants=true")
 
 
+def test_a_config_past_the_time_limit_is_a_failure_named_a_hang(tmp_path, monkeypatch):
+    # the fuzzer, seed 6006 #9064: a livelocked run held the whole fuzz run until killed
+    import testbed.fuzz.cli as cli
+
+    def livelock(cfg, target, notes):
+        while True:
+            pass
+
+    config = ["backend=replay", "workload.num_problems=1"]
+    monkeypatch.setattr(cli, "draw_config", lambda rng, session, index: (config, None))
+    monkeypatch.setattr(cli, "execute", livelock)
+    session = cli.Session.start(tmp_path, seed=0)
+    try:
+        outcome = cli.run_drawn(np.random.default_rng(0), session, 0, 0.0, timeout_s=0.2)
+    finally:
+        session.stop()
+    assert (outcome.status, outcome.overrides) == ("failed", config)
+    assert outcome.problems[0].startswith("no result after 0.2 s (--timeout): a hang")
+    assert "in livelock" in outcome.problems[0]
+    assert outcome.command.startswith("python -m testbed.run backend=replay")
+
+
 def test_a_refusal_is_not_a_failure(tmp_path):
     outcome = run_one(["cache.capacity_tokens=-1"], None, tmp_path, False)
     assert outcome.status == "refused" and outcome.problems == []

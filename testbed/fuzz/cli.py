@@ -31,8 +31,10 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -50,6 +52,9 @@ from testbed.execute import execute
 from testbed.config.overrides import compose_config
 
 ALWAYS = ["debug.check_invariants=true", "save_token_ids=true"]
+# a config's limit: the slowest of seed 6006's 9,063 finished configs ran 195 s, on the 2-core
+# machine with other jobs beside it
+TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -198,9 +203,34 @@ def draw_config(rng: np.random.Generator, session: Session,
     return overrides + more, cfg
 
 
+class Hang(BaseException):
+    """A config ran past ``--timeout`` (a BaseException: `run_one` reports every Exception)."""
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise `Hang` in the main thread after ``seconds`` of wall time (0: no limit). A
+    livelocked loop is Python code, where the signal lands between two bytecodes."""
+    if seconds <= 0:
+        yield
+        return
+
+    def expired(*_: object) -> None:
+        raise Hang()
+
+    before = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def run_drawn(rng: np.random.Generator, session: Session, index: int,
-              repeat_share: float) -> Outcome:
-    """Draw config ``index`` and run it (`run_one`) in its own folder, removed afterwards."""
+              repeat_share: float, timeout_s: float = 0.0) -> Outcome:
+    """Draw config ``index`` and run it (`run_one`) in its own folder, removed afterwards; one
+    that runs past ``timeout_s`` (0: no limit) is a failure, a hang."""
     try:
         overrides, cfg = draw_config(rng, session, index)
     except Exception as e:  # noqa: BLE001 - the fuzzer's own server did not start: a defect
@@ -208,7 +238,15 @@ def run_drawn(rng: np.random.Generator, session: Session, index: int,
                                       f"router) did not start: {type(e).__name__}: {e}"],
                        server=f"{session.server.command()} & {session.router.command()}")
     repeat = rng.random() < repeat_share
-    outcome = run_one(overrides, cfg, session.workdir / f"run{index}", repeat=repeat)
+    started = time.perf_counter()
+    try:
+        with time_limit(timeout_s):
+            outcome = run_one(overrides, cfg, session.workdir / f"run{index}", repeat=repeat)
+    except Hang:
+        tb = traceback.format_exc(limit=-4)
+        outcome = Outcome(overrides, "failed", [f"no result after {timeout_s:g} s (--timeout): "
+                                                f"a hang or a livelock\n{tb}"],
+                          seconds=time.perf_counter() - started)
     outcome.server = session.command(overrides)
     shutil.rmtree(session.workdir / f"run{index}", ignore_errors=True)
     return outcome
@@ -224,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None,
                         help="write every outcome here as JSON lines (failures in full)")
     parser.add_argument("--verbose", action="store_true", help="print every config drawn")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S,
+                        help="seconds a config may run before it counts as a hang (0: no limit)")
     args = parser.parse_args(argv)
-    if args.runs < 1 or not 0.0 <= args.repeat <= 1.0:
-        print("error: --runs must be >= 1 and --repeat in [0, 1]", file=sys.stderr)
+    if args.runs < 1 or not 0.0 <= args.repeat <= 1.0 or args.timeout < 0:
+        print("error: --runs must be >= 1, --repeat in [0, 1] and --timeout >= 0",
+              file=sys.stderr)
         return 2
     # stopped by SIGTERM (a timeout, kill PID): exit through the finally below, which stops the
     # fuzzer's server, instead of leaving its process behind
@@ -249,7 +290,8 @@ def fuzz(args: argparse.Namespace) -> int:
             session.server.start()  # in the background: it loads while the first configs run
             bar = tqdm(range(args.runs), desc="fuzz", unit="run", disable=None)
             for i in bar:
-                outcome = run_drawn(rng, session, i, repeat_share=args.repeat)
+                outcome = run_drawn(rng, session, i, repeat_share=args.repeat,
+                                    timeout_s=args.timeout)
                 outcomes.append(outcome)
                 if args.verbose:
                     tqdm.write(f"{outcome.status}: {' '.join(outcome.overrides)}")
