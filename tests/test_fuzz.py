@@ -89,6 +89,15 @@ FOUND = {
                              "scheduler=random model=tiny hardware=a100 replicas=4 "
                              "router=kv_events arrival.kind=poisson arrival.rate=1000.0 "
                              "cache.capacity_tokens=90",
+    # the one running request kept by retraction could not decode: a host load-back in flight
+    # held the KV it needed (seed 7007 #1379); it now decodes once the copy is done
+    "loadback_holds_the_kept_requests_kv": "backend=sim seed=502 workload=shared_prefix "
+                                           "workload.num_groups=2 workload.prompts_per_group=4 "
+                                           "workload.system_prompt_len=7 workload.question_len=7 "
+                                           "workload.output_len=3 workload.vocab_size=2 "
+                                           "cache=radix cache.host_tokens=512 scheduler=lof "
+                                           "arrival.kind=offline arrival.max_in_flight=4 "
+                                           "cache.capacity_tokens=19",
 }
 
 

@@ -48,6 +48,12 @@ class DecodeSteps:
             return None
         if self.cache.available_size < need:
             self._retract()
+            if self.cache.available_size < need and self.loads.loading:
+                # one request is always kept, and a lower-tier load-back in flight holds the KV
+                # it needs (the fuzzer, seed 7007 #1379): the copy's end unlocks that KV, so
+                # the kept requests decode once it is done
+                self.batch_is_full = False
+                return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay,
                                        self.min_new_token_ratio)
