@@ -59,10 +59,13 @@ QUOTES: dict[str, list[tuple[str, str]]] = {
     "vllm_latency: the largest held-out error": [
         ("docs/results/vllm_latency.md", r"every held-out cell within (\d+)%"),
         (INDEX, r"every held-out figure within (\d+)%")],
-    "vs_vllm_serving: issue 60's chat loop with vLLM's pool given": [
-        ("docs/results/vs_vllm_serving.md", r"\(`cache.capacity_tokens=46592`\)\s+the testbed "
-         r"finds vLLM's hits exactly \(0.671\) and serves " + X + r" vLLM's requests/s"),
-        (INDEX, r"given vLLM's 46,592 tokens, " + X)],
+    "vs_vllm_serving: radix + LPM over vLLM, both servers at their default pools": [
+        ("docs/results/vs_vllm_serving.md",
+         r"\| tree_of_thought \| testbed radix \+ LPM \| 3.27 \(.*?\*\*" + X + r"\*\* \|"
+         r"(?s:.*?)\| few_shot_text \| testbed radix \+ LPM \| 9.56 \(.*?\*\*" + X +
+         r"\*\* \|(?s:.*?)\| sharegpt_chat \| testbed radix \+ LPM \| 0.446 \(.*?\*\*" + X),
+        (INDEX, r"radix \+ LPM " + X + r" vLLM's requests/s on tree-of-thought, " + X +
+         r" few-shot, " + X + r" chat")],
     "trace_replay: the loop's speed beside a plain tree, SGLang and Vidur": [
         ("docs/results/trace_replay.md",
          r"\| random_tree, 20,000 requests.*?\(\*\*" + X + r"\*\* ours\) \|.*?\(\*\*" + X

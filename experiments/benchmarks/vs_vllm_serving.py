@@ -14,7 +14,7 @@ the server timed them (``server_steps.jsonl``, ``GET /debug/steps``), whose medi
 stands beside the recovered one (``own_decode_b*_ms``).
 
     python -m experiments.benchmarks.vs_vllm_serving [--vllm-url URL] [--loop 16] [--repeats 3]
-        [--servers radix_lpm radix_lpm_hold block_hash_vllm vllm] [--out DIR]
+        [--servers radix_lpm radix_lpm_hold block_hash_vllm vllm] [--pool page|default] [--out DIR]
 
 Both testbed servers run torch on one thread, as vLLM's CPU backend does here (its log: "Reducing
 Torch threads from 2 to 1 for serving"). Writes ``serving.csv``, ``steps.csv`` and
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +46,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 WORKLOADS = {**HELD_OUT, **TRAIN}
 BLOCK_SIZE, BLOCKS = 32, 512  # vLLM's CPU attention takes multiples of 32
 CAPACITY = (BLOCKS - 1) * BLOCK_SIZE  # vLLM's pool less its null block
+# --pool default: each server's own default pool, testbed.serve's engine.cpu_kv_cache_gib (2) and
+# vLLM's VLLM_CPU_KVCACHE_SPACE of the same 2 GiB, whose blocks vLLM counts itself (its log's
+# "num_gpu_blocks=M", checked: SmolLM2 in fp32 takes 46,080 bytes a token)
+DEFAULT_BLOCKS = (2 << 30) // (BLOCK_SIZE * 46_080)
+POOLS = ("page", "default")
 TESTBED = {
     "radix_lpm": ["cache=radix", "scheduler=lpm"],
     # beyond SGLang: a waiting request whose prefix another request of the step computes waits
@@ -57,13 +63,16 @@ SHOWN = ["requests_per_s", "output_tok_per_s", "ttft_p50_s", "tpot_p50_s", "hit_
 
 
 @contextlib.contextmanager
-def testbed_server(name: str):
+def testbed_server(name: str, pool: str = "page"):
+    """``name``'s server, its pool vLLM's of this page (``page``) or its own default."""
     from testbed.api.server import start_server
-    handle = start_server(["model=smollm2_135m", "engine.device=cpu", f"cache.capacity_tokens={CAPACITY}",
+    sized = [f"cache.capacity_tokens={CAPACITY}"] if pool == "page" else []
+    handle = start_server(["model=smollm2_135m", "engine.device=cpu", *sized,
                            "serve.model_name=" + live.SERVED_NAME, *TESTBED[name]],
                           in_process=False, timeout_s=600)
     try:
-        yield live.Served(handle.url, BLOCK_SIZE, BLOCKS, None)
+        yield live.Served(handle.url, BLOCK_SIZE, BLOCKS if pool == "page" else DEFAULT_BLOCKS,
+                          None)
     finally:
         handle.stop()
 
@@ -138,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`experiments.validation.vllm.caching serve`, "
                     f"{BLOCKS} blocks of {BLOCK_SIZE}); else one is started")
+    ap.add_argument("--pool", choices=POOLS, default="page",
+                    help=f"page: both servers given {CAPACITY:,} tokens ({BLOCKS} of vLLM's blocks); "
+                         f"default: each its own 2 GiB default")
     ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=None, help="runs already there are kept")
     args = ap.parse_args(argv)
@@ -146,8 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in args.servers:  # one at a time: an idle vLLM's worker keeps a core busy
             print(f"starting {server}", file=sys.stderr, flush=True)
-            context = testbed_server(server) if server != "vllm" else live.vllm_server(
-                args.vllm_url, BLOCK_SIZE, BLOCKS, args.cache_dir, out / "vllm.log")
+            blocks = BLOCKS if args.pool == "page" else DEFAULT_BLOCKS
+            context = testbed_server(server, args.pool) if server != "vllm" else \
+                live.vllm_server(args.vllm_url, BLOCK_SIZE, blocks, args.cache_dir,
+                                 out / "vllm.log")
             with context as served:
                 for r in range(args.repeats):
                     for name in args.workload:
@@ -172,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     from testbed.report.markdown import markdown_table
     print(markdown_table(table.round(4), ["server", "workload", *SHOWN, "failed"]))
     print(markdown_table(steps.round(2), list(steps.columns)))
+    log = out / "vllm.log"
+    if args.pool == "default" and log.exists():  # vLLM's own count for its 2 GiB, as told
+        own = re.findall(r"num_gpu_blocks=(\d+) with", log.read_text(errors="replace"))
+        print(f"vLLM's own count for its 2 GiB: {own[-1] if own else '?'} blocks "
+              f"(told {DEFAULT_BLOCKS})")
     print(f"runs in {out}")
     return 0
 
