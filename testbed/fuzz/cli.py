@@ -180,23 +180,20 @@ def draw_config(rng: np.random.Generator, session: Session,
     composing or generating failed: `run_one` reports why). A ``backend=server`` config gets the
     live server's URL (the server starts here on first use)."""
     overrides = session.live(draw(rng, session.workdir, index, session.fixtures, session.vidur))
-    # the file of accepted drafts a recorded config names is written from the requests, so they
-    # are generated without it (assembly reads it; the workload does not depend on it)
-    recorded = "speculative.acceptance=recorded" in overrides
-    first = [o for o in overrides if not o.startswith("speculative.acceptance")] if recorded \
-        else overrides
+    # The file of accepted drafts a recorded config names is written from the requests, which
+    # are generated first; assembly reads it, so a stand-in of one record is there meanwhile
+    # (and stays where the config is refused: the refusal is then the config's own).
+    path = next((o.partition("=")[2] for o in overrides
+                 if o.startswith("speculative.acceptance_path=")), None)
+    if path is not None:
+        Path(path).write_text(json.dumps({"id": "none", "spec_accepted": [0]}) + "\n")
     try:
-        cfg = compose_config([*first, *ALWAYS])
+        cfg = compose_config([*overrides, *ALWAYS])
         requests = assemble(cfg).requests()
     except Exception:  # refused or broken: let run_one find and report it
         return overrides, None
     backend = overrides[0].partition("=")[2]
     more = after_requests(rng, overrides, requests, backend)
-    if recorded:
-        try:
-            cfg = compose_config([*overrides, *ALWAYS])
-        except Exception:  # noqa: BLE001 - run_one composes again and reports why
-            return overrides + more, None
     for item in more:
         key, _, value = item.partition("=")
         OmegaConf.update(cfg, key, None if value == "null" else int(value), merge=False)
