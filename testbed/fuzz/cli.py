@@ -9,7 +9,7 @@ generated (the assembly step, or a generator's check of its own values) unless t
 the workload's requests (`WorkloadRefused`) or the live server's of its calls
 (``backend=server``); a malformed trace must be refused, naming its file once the config passed
 assembly; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
-other outcome is a failure, printed with the command line that reproduces it (for
+other outcome is a failure (a config still running after ``--timeout`` seconds too: a hang), printed with the command line that reproduces it (for
 ``backend=server``, after the ``testbed.serve`` line that starts the fuzzer's server, and for a
 config sent through the live router, the second server's and ``testbed.route``'s lines).
 
