@@ -9,9 +9,10 @@ generated (the assembly step, or a generator's check of its own values) unless t
 the workload's requests (`WorkloadRefused`) or the live server's of its calls
 (``backend=server``); a malformed trace must be refused, naming its file once the config passed
 assembly; a share of the runs (``--repeat``) runs twice and must give the same summary. Every
-other outcome is a failure (a config still running after ``--timeout`` seconds too: a hang), printed with the command line that reproduces it (for
-``backend=server``, after the ``testbed.serve`` line that starts the fuzzer's server, and for a
-config sent through the live router, the second server's and ``testbed.route``'s lines).
+other outcome is a failure (a config still running after ``--timeout`` seconds too: a hang),
+printed with the command line that reproduces it (for ``backend=server``, after the
+``testbed.serve`` line that starts the fuzzer's server, and for a config sent through the live
+router, the second server's and ``testbed.route``'s lines).
 
 The files the configs read (`testbed.fuzz.fixtures`) are written into the run's temporary folder
 first; the server is started in the background then, waited for by the first ``backend=server``
