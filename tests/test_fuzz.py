@@ -169,15 +169,19 @@ def test_a_config_past_the_time_limit_is_a_failure_named_a_hang(tmp_path, monkey
             pass
 
     config = ["backend=replay", "workload.num_problems=1"]
-    monkeypatch.setattr(cli, "draw_config", lambda rng, session, index: (config, None))
+    # composed, assembled and generated once outside the limit (a first compose or import may take
+    # longer than the limit on a slow machine): only the run is inside it
+    composed = cli.compose_config([*config, *cli.ALWAYS])
+    cli.assemble(composed).requests()
+    monkeypatch.setattr(cli, "draw_config", lambda rng, session, index: (config, composed))
     monkeypatch.setattr(cli, "execute", livelock)
     session = cli.Session.start(tmp_path, seed=0)
     try:
-        outcome = cli.run_drawn(np.random.default_rng(0), session, 0, 0.0, timeout_s=0.2)
+        outcome = cli.run_drawn(np.random.default_rng(0), session, 0, 0.0, timeout_s=1.0)
     finally:
         session.stop()
     assert (outcome.status, outcome.overrides) == ("failed", config)
-    assert outcome.problems[0].startswith("no result after 0.2 s (--timeout): a hang")
+    assert outcome.problems[0].startswith("no result after 1 s (--timeout): a hang")
     assert "in livelock" in outcome.problems[0]
     assert outcome.command.startswith("python -m testbed.run backend=replay")
 
