@@ -23,6 +23,7 @@ with num_gpu_blocks_override=512
 
 def test_the_kv_blocks_come_from_vllms_log():
     assert live.kv_blocks(LOG) == 512
+    assert live.kv_blocks(LOG, own=True) == 728  # what vLLM counted before the override
     assert live.kv_blocks("Using LBHNC KV cache layout.") is None
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +49,7 @@ CAPACITY = (BLOCKS - 1) * BLOCK_SIZE  # vLLM's pool less its null block
 # vLLM's VLLM_CPU_KVCACHE_SPACE of the same 2 GiB, whose blocks vLLM counts itself (its log's
 # "num_gpu_blocks=M", checked: SmolLM2 in fp32 takes 46,080 bytes a token)
 DEFAULT_BLOCKS = (2 << 30) // (BLOCK_SIZE * 46_080)
-POOLS = ("page", "default")
+POOL_BLOCKS = {"page": BLOCKS, "default": DEFAULT_BLOCKS}  # vLLM's blocks, by --pool
 TESTBED = {
     "radix_lpm": ["cache=radix", "scheduler=lpm"],
     # beyond SGLang: a waiting request whose prefix another request of the step computes waits
@@ -71,8 +70,7 @@ def testbed_server(name: str, pool: str = "page"):
                            "serve.model_name=" + live.SERVED_NAME, *TESTBED[name]],
                           in_process=False, timeout_s=600)
     try:
-        yield live.Served(handle.url, BLOCK_SIZE, BLOCKS if pool == "page" else DEFAULT_BLOCKS,
-                          None)
+        yield live.Served(handle.url, BLOCK_SIZE, POOL_BLOCKS[pool], None)
     finally:
         handle.stop()
 
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vllm-url", default=None, help=f"a vLLM already served (`experiments.validation.vllm.caching serve`, "
                     f"{BLOCKS} blocks of {BLOCK_SIZE}); else one is started")
-    ap.add_argument("--pool", choices=POOLS, default="page",
+    ap.add_argument("--pool", choices=list(POOL_BLOCKS), default="page",
                     help=f"page: both servers given {CAPACITY:,} tokens ({BLOCKS} of vLLM's blocks); "
                          f"default: each its own 2 GiB default")
     ap.add_argument("--cache-dir", type=Path, default=live.DEFAULT_CACHE)
@@ -158,10 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in args.servers:  # one at a time: an idle vLLM's worker keeps a core busy
             print(f"starting {server}", file=sys.stderr, flush=True)
-            blocks = BLOCKS if args.pool == "page" else DEFAULT_BLOCKS
             context = testbed_server(server, args.pool) if server != "vllm" else \
-                live.vllm_server(args.vllm_url, BLOCK_SIZE, blocks, args.cache_dir,
-                                 out / "vllm.log")
+                live.vllm_server(args.vllm_url, BLOCK_SIZE, POOL_BLOCKS[args.pool],
+                                 args.cache_dir, out / "vllm.log")
             with context as served:
                 for r in range(args.repeats):
                     for name in args.workload:
@@ -188,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(steps.round(2), list(steps.columns)))
     log = out / "vllm.log"
     if args.pool == "default" and log.exists():  # vLLM's own count for its 2 GiB, as told
-        own = re.findall(r"num_gpu_blocks=(\d+) with", log.read_text(errors="replace"))
-        print(f"vLLM's own count for its 2 GiB: {own[-1] if own else '?'} blocks "
+        own = live.kv_blocks(log.read_text(errors="replace"), own=True)
+        print(f"vLLM's own count for its 2 GiB: {own if own is not None else '?'} blocks "
               f"(told {DEFAULT_BLOCKS})")
     print(f"runs in {out}")
     return 0

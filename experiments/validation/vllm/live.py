@@ -66,11 +66,15 @@ def venv_python(cache: Path) -> Path:
 
 
 # ---------------------------------------------------------------- the server
-def kv_blocks(log: str) -> int | None:
+_BLOCKS_LINE = re.compile(r"num_gpu_blocks=(\d+) with num_gpu_blocks_override=(\d+)")
+
+
+def kv_blocks(log: str, own: bool = False) -> int | None:
     """The number of KV blocks vLLM's engine allocated, from its log line ``Overriding
-    num_gpu_blocks=M with num_gpu_blocks_override=N`` (None: no such line yet)."""
-    found = re.findall(r"with num_gpu_blocks_override=(\d+)", log)
-    return int(found[-1]) if found else None
+    num_gpu_blocks=M with num_gpu_blocks_override=N``: N, or with ``own`` M, what vLLM counted
+    for its KV space itself (None: no such line yet)."""
+    found = _BLOCKS_LINE.findall(log)
+    return int(found[-1][0 if own else 1]) if found else None
 
 
 @dataclass
