@@ -52,6 +52,12 @@ QUOTES: dict[str, list[tuple[str, str]]] = {
         (README, r"\*\*" + X + r"\*\* on tree-of-thought\s+\(6 problems\), \*\*" + X
                  + r"\*\* on few-shot arithmetic in text \(8 shots; " + X + r" with 32\), "
                  + X + r" on\s+decode-bound ShareGPT chat, and (\+[\d.]+%) engine time")],
+    "routing_live: the simulator within 0.03 of the hit rate, within 10% of the throughput": [
+        ("docs/results/routing_live.md",
+         r"- The simulator within 0\.03 of the hit rate: (\d+ of \d+) .*?within\s+10% of the "
+         r"throughput: (\d+ of \d+) with a fit made beside the study"),
+        (INDEX, r"hit rate within 0\.03 in (\d+ of \d+) runs, throughput within 10% in "
+                r"(\d+ of \d+) with a fit made beside it")],
     "cpu_engine: a decode step of 32 requests, before over after (the first host)": [
         ("docs/results/cpu_engine.md", r"\| decode 32 × 448 \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| "
                                        + X + r" \|"),

@@ -8,7 +8,7 @@ replica): the front end starts as its own process in front of the running replic
 workload is driven through it by ``backend=server`` with text prompts
 (``server.prompt_format=text``: smg takes no token ids; the same texts for every front end),
 forced output lengths, as a closed loop; then it stops. Reported per run: each replica's hit
-rate and the total, from the replicas' own counts (``/debug/state`` counters before and after),
+rate and the total, from the replicas' own counts (their ``/metrics`` counters before and after),
 requests per second and TTFT p50/p99 (the client's), imbalance (max/mean of the requests each
 replica served), failed calls, and the replicas' steps as they timed them (``/debug/steps``:
 the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
@@ -16,7 +16,15 @@ loops took and the time they waited for a core on this shared 2-core machine); a
 the replicas tokenized, the outputs they returned, the workload's programs and closed loop:
 `experiments.validation.vllm.caching.as_ran_trace`) with the same policy (smg's: ``cache_aware`` at
 smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
-(conf/calibration/smollm2_135m_cpu.yaml).
+(conf/calibration/smollm2_135m_cpu.yaml, or ``--fitted``: a fit made beside the study, which a
+throughput comparison needs, since this machine's speed moves between days).
+
+``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
+`experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
+KV pool in blocks of 32 (what its CPU attention takes); the fronts ``round_robin``,
+``cache_aware`` (at both thresholds) and smg's, hit rates from vLLM's own ``/metrics``; no
+simulator twin (the fitted model prices the testbed's engine, not vLLM's) and no ``kv_events``
+(vLLM publishes no cache events over HTTP).
 
 Workloads: ``chat``: multi-tenant chat (``workload=chat_tenants`` scaled to this CPU: 8 tenants
 with 384-token system prompts, 16 sessions of 3 turns, 6 sessions at once); ``mooncake``: the
@@ -25,7 +33,7 @@ ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` 
 
     python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
-        [--out DIR]
+        [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm] [--out DIR]
 
 Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptance checks
 (docs/results/routing_live.md).
@@ -52,11 +60,13 @@ from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
 from experiments.validation.vllm import caching
 from experiments.validation.vllm import live as vllm_live
+from testbed.errors import BadInput
 
 SMG_VERSION = "1.13.0"
 MODEL = "smollm2_135m"
 CAPACITY = 6144  # tokens of KV per replica: less than the workloads' distinct prefixes
-SIM = ["backend=sim", f"model={MODEL}", "hardware=cpu", "cost_model=fitted_smollm2_cpu"]
+SIM = ["backend=sim", f"model={MODEL}", "hardware=cpu"]
+SHIPPED_FIT = "cost_model=fitted_smollm2_cpu"
 WORKLOADS = {
     "chat": (["workload=chat_tenants", "workload.num_tenants=8", "workload.num_sessions=16",
               "workload.turns=3", "workload.system_prompt_len=384",
@@ -74,6 +84,9 @@ FRONT_ROUTERS = {"cache_aware_smg_thresholds": SMG_CACHE_AWARE,
                  "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
 FRONTS = ["round_robin", "random", "least_load", "cache_aware", "cache_aware_smg_thresholds",
           "kv_events", "smg_cache_aware"]
+VLLM_FRONTS = ["round_robin", "cache_aware", "cache_aware_smg_thresholds", "smg_cache_aware"]
+REPLICA_KINDS = ("testbed", "vllm")
+VLLM_BLOCK = 32  # vLLM 0.32's CPU attention takes blocks in multiples of 32
 
 
 # ---------------------------------------------------------------- the processes
@@ -135,15 +148,41 @@ def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[s
 
 
 def counters(urls: list[str]) -> list[dict]:
-    return [httpx.get(u + "/debug/state", timeout=60).json()["counters"] for u in urls]
+    """Each replica's own prefix-cache and request counts, from its ``GET /metrics`` (vLLM's
+    names, under ``vllm:`` or the testbed's ``testbed:``): prompt tokens queried and hit, and
+    finished requests by reason."""
+    return [metric_counters(httpx.get(u + "/metrics", timeout=60).text) for u in urls]
+
+
+def metric_counters(text: str) -> dict:
+    """``prefix_cache_queries``, ``prefix_cache_hits`` and ``request_success`` (reason ->
+    count) of a Prometheus text exposition in vLLM's names, whatever their prefix."""
+    out: dict = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "request_success": {}}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name, _, labels = sample.partition("{")
+        name = name.split(":", 1)[-1]
+        if name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+            out[name.removesuffix("_total")] += float(value)
+        elif name == "request_success_total":
+            reason = labels.split('finished_reason="', 1)[-1].split('"', 1)[0]
+            out["request_success"][reason] = out["request_success"].get(reason, 0) + float(value)
+    return out
 
 
 def reset(urls: list[str]) -> None:
+    """Empty every replica's prefix cache (``POST /reset_prefix_cache``: testbed.serve answers
+    with ``success``, vLLM in dev mode with an empty body), retrying while a request ends."""
     for u in urls:
         for _ in range(100):  # a request may still be ending
-            if httpx.post(u + "/reset_prefix_cache", timeout=60).json()["success"]:
+            r = httpx.post(u + "/reset_prefix_cache", timeout=60)
+            if r.status_code == 200 and (not r.content or r.json().get("success", True)):
                 break
             time.sleep(0.1)
+        else:
+            raise RuntimeError(f"{u}/reset_prefix_cache did not succeed")
 
 
 # ---------------------------------------------------------------- one run
@@ -161,22 +200,24 @@ def workload_words(name: str, out: Path) -> list[str]:
 
 
 def live(front: str, words: list[str], arrival: list[str], urls: list[str], out: Path,
-         cache: Path) -> dict:
+         cache: Path, kind: str = "testbed") -> dict:
+    """One front end in front of the running replicas (``kind``: testbed.serve or vLLM, whose
+    steps are not recorded) on the workload, from empty caches: the run's row."""
     from testbed.config.assembly import compose_config
     from testbed.execute import execute
 
     reset(urls)
     before = counters(urls)
-    first = [steps_recorded(u) for u in urls]
+    first = [steps_recorded(u) for u in urls] if kind == "testbed" else None
+    served_name = MODEL if kind == "testbed" else vllm_live.SERVED_NAME
     with front_end(front, urls, cache, out / "front.log") as url:
         execute(compose_config([*words, *arrival, "backend=server", f"server.url={url}",
-                                f"server.model={MODEL}", "server.prompt_format=text",
+                                f"server.model={served_name}", "server.prompt_format=text",
                                 f"model={MODEL}", "engine.forced=true", "save_token_ids=true",
                                 "progress=false"]), out / "client")
         state = httpx.get(url + "/debug/state", timeout=30).json() \
             if not front.startswith("smg_") else None
     after = counters(urls)
-    steps = [steps_since(u, n) for u, n in zip(urls, first)]
     s = json.loads((out / "client" / "summary.json").read_text())
     per = [(a["prefix_cache_hits"] - b["prefix_cache_hits"],
             a["prefix_cache_queries"] - b["prefix_cache_queries"]) for a, b in zip(after, before)]
@@ -187,20 +228,23 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
            "requests_per_s": s["throughput_req_s"], "ttft_p50_s": s["ttft_p50_s"],
            "ttft_p99_s": s["ttft_p99_s"], "imbalance": max(served) / np.mean(served),
            "served": " ".join(map(str, served)), "failed": s.get("failed_requests", 0),
-           "client_hit_rate": s["hit_rate"],
-           # the replicas' steps as they timed them: the engine's own cost (what the fitted
-           # model predicts: CPU-clocked) against the wall time its loop took around them
-           "engine_busy_s": sum(x["gpu_s"] + x["host_s"] for st in steps for x in st),
-           "wall_busy_s": sum(x["turn_s"] for st in steps for x in st),
-           "waited_for_core_s": sum(x["runqueue_s"] or 0.0 for st in steps for x in st)}
+           "client_hit_rate": s["hit_rate"]}
+    if first is not None:
+        steps = [steps_since(u, n) for u, n in zip(urls, first)]
+        # the replicas' steps as they timed them: the engine's own cost (what the fitted model
+        # predicts: CPU-clocked) against the wall time its loop took around them
+        row |= {"engine_busy_s": sum(x["gpu_s"] + x["host_s"] for st in steps for x in st),
+                "wall_busy_s": sum(x["turn_s"] for st in steps for x in st),
+                "waited_for_core_s": sum(x["runqueue_s"] or 0.0 for st in steps for x in st)}
     if state is not None:
         row["decisions"] = " ".join(f"{k}={v}" for k, v in state["decisions"].items())
     return row
 
 
 def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
-              out: Path) -> dict:
-    """The simulator's run of the calls as they ran live, with the same policy."""
+              out: Path, fitted: Path | None = None) -> dict:
+    """The simulator's run of the calls as they ran live, with the same policy, priced by the
+    shipped SmolLM2 CPU fit or by the cost_model.yaml ``fitted``."""
     from testbed.config.assembly import assemble, compose_config
     from testbed.execute import execute
 
@@ -208,7 +252,8 @@ def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
     trace = out / "as_ran.jsonl"
     trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(requests, rows)))
-    execute(compose_config([*SIM, *router_of(front), f"replicas={replicas}", "workload=trace",
+    cost = ["cost_model=fitted", f"cost_model.path={fitted}"] if fitted else [SHIPPED_FIT]
+    execute(compose_config([*SIM, *cost, *router_of(front), f"replicas={replicas}", "workload=trace",
                             f"workload.path={trace}", "workload.format=tokens",
                             f"cache.capacity_tokens={CAPACITY}", *arrival, "engine.forced=true",
                             "progress=false"]), out / "sim")
@@ -225,15 +270,19 @@ def checks(table: pd.DataFrame) -> list[str]:
     lines = []
     for w, t in table.groupby("workload"):
         by = t.set_index("front")
-        if {"cache_aware", "smg_cache_aware", "kv_events"} <= set(by.index):
-            ca, smg, kv = (by.loc[f, "hit_rate"] for f in ("cache_aware", "smg_cache_aware",
-                                                             "kv_events"))
+        if {"cache_aware", "smg_cache_aware"} <= set(by.index):
+            ca, smg = by.loc["cache_aware", "hit_rate"], by.loc["smg_cache_aware", "hit_rate"]
             lines.append(f"{w}: cache_aware hit {ca:.3f} >= smg's {smg:.3f}: {ca >= smg}")
-            lines.append(f"{w}: kv_events hit {kv:.3f} >= both: {kv >= max(ca, smg)}")
+            if "kv_events" in by.index:
+                kv = by.loc["kv_events", "hit_rate"]
+                lines.append(f"{w}: kv_events hit {kv:.3f} >= both: {kv >= max(ca, smg)}")
             thr = by.loc["smg_cache_aware", "requests_per_s"]
             for f in ("cache_aware", "kv_events"):
-                lines.append(f"{w}: {f} {by.loc[f, 'requests_per_s']:.2f} req/s >= smg's "
-                             f"{thr:.2f}: {by.loc[f, 'requests_per_s'] >= thr}")
+                if f in by.index:
+                    lines.append(f"{w}: {f} {by.loc[f, 'requests_per_s']:.2f} req/s >= smg's "
+                                 f"{thr:.2f}: {by.loc[f, 'requests_per_s'] >= thr}")
+        if "sim_hit_rate" not in by.columns:  # vLLM replicas: no simulator twin
+            continue
         for f, r in by.iterrows():
             dh = abs(r.sim_hit_rate - r.hit_rate)
             dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
@@ -247,41 +296,97 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--fronts", nargs="+", default=FRONTS)
+    ap.add_argument("--fronts", nargs="+", default=None,
+                    help=f"default: {' '.join(FRONTS)}; with vLLM replicas "
+                         f"{' '.join(VLLM_FRONTS)}")
+    ap.add_argument("--replica-kind", choices=REPLICA_KINDS, default="testbed",
+                    help="testbed.serve replicas (default), or vLLM 0.32's CPU server (in the "
+                         "venv `experiments.validation.vllm.caching` installs), each bound to a "
+                         "core of its own; no simulator twin and no kv_events for vLLM")
     ap.add_argument("--cache-dir", type=Path, default=vllm_live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing_live")
+    ap.add_argument("--fitted", type=Path, default=None,
+                    help="a cost_model.yaml to price the simulator's runs (default: the shipped "
+                         "fitted_smollm2_cpu); fit one beside the study with `python -m "
+                         "experiments.validation.sim_vs_engine --real --out DIR`")
     args = ap.parse_args(argv)
-    from testbed.gateway.launch import start_replicas
-
-    handles = start_replicas(args.replicas, [f"model={MODEL}", "device=cpu",
-                                             f"cache.capacity_tokens={CAPACITY}"], 600)
-    urls = [h.url for h in handles]
-    print(f"{args.replicas} replicas of {MODEL}: {' '.join(urls)}", file=sys.stderr, flush=True)
+    if args.fitted is not None and not args.fitted.is_file():
+        raise BadInput(f"--fitted: no file {args.fitted}")
+    vllm = args.replica_kind == "vllm"
+    fronts = args.fronts or (VLLM_FRONTS if vllm else FRONTS)
+    if vllm and "kv_events" in fronts:
+        raise BadInput("--fronts: kv_events needs the cache events of testbed.serve replicas, "
+                       "not vLLM's")
     rows = []
-    try:
-        for w in args.workloads:
-            words = workload_words(w, args.out / w)
-            _, arrival = WORKLOADS[w]
-            for front in args.fronts:
-                out = args.out / w / front
-                started = time.perf_counter()
-                row = {"workload": w, "front": front,
-                       **live(front, words, arrival, urls, out, args.cache_dir)}
-                row |= simulated(front, words, arrival, args.replicas, out)
-                row["wall_s"] = time.perf_counter() - started
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
-    finally:
-        for h in handles:
-            h.stop()
-        if rows:
-            args.out.mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_csv(args.out / "routing_live.csv", index=False)
+    with replicas(args.replica_kind, args.replicas, args.cache_dir, args.out) as urls:
+        print(f"{args.replicas} {args.replica_kind} replicas of {MODEL}: {' '.join(urls)}",
+              file=sys.stderr, flush=True)
+        try:
+            study(args, fronts, urls, rows)
+        finally:
+            if rows:
+                args.out.mkdir(parents=True, exist_ok=True)
+                pd.DataFrame(rows).to_csv(args.out / "routing_live.csv", index=False)
     from testbed.report.markdown import markdown_table
     table = pd.DataFrame(rows)
     print(markdown_table(table.round(3), list(table.columns)))
     print("\n".join(checks(table)))
     return 0
+
+
+def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: list[dict]
+          ) -> None:
+    """Every workload through every front end, a row each into ``rows`` as it is done."""
+    vllm = args.replica_kind == "vllm"
+    for w in args.workloads:
+        words = workload_words(w, args.out / w)
+        _, arrival = WORKLOADS[w]
+        for front in fronts:
+            out = args.out / w / front
+            started = time.perf_counter()
+            row = {"workload": w, "front": front, "replicas": args.replica_kind,
+                   **live(front, words, arrival, urls, out, args.cache_dir, args.replica_kind)}
+            if not vllm:
+                row |= simulated(front, words, arrival, args.replicas, out, args.fitted)
+            row["wall_s"] = time.perf_counter() - started
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def replicas(kind: str, n: int, cache: Path, out: Path) -> Iterator[list[str]]:
+    """``n`` replicas of SmolLM2 with ``CAPACITY`` tokens of KV each, started side by side,
+    until the block ends: their URLs."""
+    if kind == "testbed":
+        from testbed.gateway.launch import start_replicas
+        handles = start_replicas(n, [f"model={MODEL}", "device=cpu",
+                                     f"cache.capacity_tokens={CAPACITY}"], 600)
+        try:
+            yield [h.url for h in handles]
+        finally:
+            for h in handles:
+                h.stop()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from testbed.data import resolve_model
+    python, model = vllm_live.venv_python(cache), resolve_model(vllm_live.MODEL)
+    blocks = CAPACITY // VLLM_BLOCK + 1  # vLLM keeps its first block (the null block) out
+    servers = [vllm_live.serve(python, model, VLLM_BLOCK, blocks, out / f"vllm_{i}.log",
+                               env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))})
+               for i in range(n)]
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(n) as pool:
+        started = [pool.submit(s.__enter__) for s in servers]
+        failure = None
+        for s, f in zip(servers, started):
+            try:
+                f.result()
+                stack.push(s)  # its __exit__ stops it
+            except Exception as e:  # noqa: BLE001 - stop the others, then report this one
+                failure = failure or e
+        if failure is not None:
+            raise BadInput(f"a vLLM replica did not start: {failure}")
+        yield [f.result().url for f in started]
 
 
 if __name__ == "__main__":

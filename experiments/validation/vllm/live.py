@@ -111,13 +111,15 @@ def server_command(python: Path, model_dir: Path, block_size: int, blocks: int, 
 
 @contextlib.contextmanager
 def serve(python: Path, model_dir: Path, block_size: int, blocks: int, log: Path,
-          timeout_s: float = START_TIMEOUT_S) -> Iterator[Served]:
-    """vLLM serving ``model_dir`` on a free loopback port until the block ends."""
+          timeout_s: float = START_TIMEOUT_S, env: dict[str, str] | None = None
+          ) -> Iterator[Served]:
+    """vLLM serving ``model_dir`` on a free loopback port until the block ends (``env``: more
+    environment, such as ``VLLM_CPU_OMP_THREADS_BIND``)."""
     from testbed.api.server import free_port
 
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib(blocks, block_size)),
-               VLLM_SERVER_DEV_MODE="1")  # for /reset_prefix_cache
+               VLLM_SERVER_DEV_MODE="1", **(env or {}))  # dev mode: /reset_prefix_cache
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         proc = subprocess.Popen(server_command(python, model_dir, block_size, blocks, port),

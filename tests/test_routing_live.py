@@ -1,0 +1,76 @@
+"""The live routing study's own logic (experiments/studies/routing_live.py), without servers:
+each replica's counts read from its /metrics in vLLM's names (testbed.serve's and vLLM's alike),
+and the acceptance lines with and without the simulator's twin."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from experiments.studies import routing_live
+from testbed.api.metrics import ServerMetrics
+
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2_135m_instruct"} 1184.0
+vllm:prefix_cache_queries_created{engine="0",model_name="smollm2_135m_instruct"} 1.7e+09
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2_135m_instruct"} 768.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="smollm2_135m_instruct"} 1.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="smollm2_135m_instruct"} 5.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="smollm2_135m_instruct"} 0.0
+"""
+
+
+def test_vllm_metrics_give_its_token_counts_and_finished_requests_by_reason():
+    assert routing_live.metric_counters(VLLM_METRICS) == {
+        "prefix_cache_queries": 1184.0, "prefix_cache_hits": 768.0,
+        "request_success": {"stop": 1.0, "length": 5.0, "abort": 0.0}}
+
+
+def test_a_testbed_servers_metrics_read_back_as_its_debug_state_counters():
+    m = ServerMetrics("smollm2_135m")
+    for prompt, cached, reason in ((40, 0, "length"), (56, 32, "length"), (24, 16, "stop")):
+        req = SimpleNamespace(prompt=[0] * prompt, output=[1, 2, 3], cached_tokens=cached,
+                              first_token_s=None, finish_s=None, submitted_s=0.0, aborted=False)
+        m.request_finished(req, reason)
+    read = routing_live.metric_counters(m.exposition())
+    state = m.counters()
+    assert read["prefix_cache_queries"] == state["prefix_cache_queries"] == 120
+    assert read["prefix_cache_hits"] == state["prefix_cache_hits"] == 48
+    assert read["request_success"] == {"stop": 1, "length": 2, "abort": 0, "error": 0}
+
+
+def row(front: str, hit: float, rps: float, **sim) -> dict:
+    return {"workload": "chat", "front": front, "hit_rate": hit, "requests_per_s": rps, **sim}
+
+
+def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
+    testbed = pd.DataFrame([
+        row("cache_aware", 0.767, 2.85, sim_hit_rate=0.767, sim_requests_per_s=3.117),
+        row("kv_events", 0.767, 2.70, sim_hit_rate=0.767, sim_requests_per_s=3.117),
+        row("smg_cache_aware", 0.767, 2.90, sim_hit_rate=0.767, sim_requests_per_s=3.117)])
+    lines = routing_live.checks(testbed)
+    assert "chat: cache_aware hit 0.767 >= smg's 0.767: True" in lines
+    assert "chat: kv_events hit 0.767 >= both: True" in lines
+    assert "chat: cache_aware 2.85 req/s >= smg's 2.90: False" in lines
+    assert ("chat: smg_cache_aware: simulator's hit rate within 0.03 (0.000): True; "
+            "throughput within 10% (7.5%): True") in lines
+    vllm = pd.DataFrame([row("round_robin", 0.60, 1.5), row("cache_aware", 0.75, 1.9),
+                         row("smg_cache_aware", 0.74, 1.8)])
+    assert routing_live.checks(vllm) == ["chat: cache_aware hit 0.750 >= smg's 0.740: True",
+                                         "chat: cache_aware 1.90 req/s >= smg's 1.80: True"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--replica-kind", "vllm", "--fronts", "cache_aware", "kv_events"],
+     "kv_events needs the cache events of testbed.serve replicas"),
+    (["--fitted", "/nonexistent/cost_model.yaml"], "--fitted: no file"),
+])
+def test_bad_options_are_refused_before_any_replica_starts(argv, says, capsys):
+    with pytest.raises(SystemExit) as stop:
+        routing_live.entry(routing_live.main, argv)
+    assert stop.value.code == 2
+    assert says in capsys.readouterr().err
