@@ -7,7 +7,7 @@ from testbed.cache import CACHES, EVICTION, BlockHashCache, NoCache, RadixCache,
 from testbed.results.metrics import ideal_hit_rate, summarize
 from testbed.backends.replay import replay
 from testbed.workloads.synthetic import shared_prefix
-from testbed.workloads.request import Request
+from testbed.workloads.request import TOKEN_DTYPE, Request
 from testbed.workloads.traces import load_mooncake
 from tests.conftest import toks
 
@@ -194,6 +194,26 @@ def test_the_ideal_trie_gives_every_request_the_hit_of_an_unlimited_radix_replay
                            vocab_size=3, seed=seed)
     requests.insert(7, req("empty", []))
     assert ideal_hits(requests) == [r.cached_tokens for r in replay(requests, RadixCache(None))]
+
+
+def test_the_ideal_trie_reads_the_requests_own_tokens_instead_of_copying_them():
+    from testbed.cache.token_runs import as_bytes, token_view
+    from testbed.workloads.ideal import ideal_hits
+
+    tokens = np.arange(12, dtype=TOKEN_DTYPE)
+    view = token_view(tokens)
+    assert view.readonly and bytes(view) == as_bytes(tokens)
+    assert np.shares_memory(np.frombuffer(view, dtype=TOKEN_DTYPE), tokens)
+    strided = tokens[::2]  # not contiguous: a copy, the same bytes
+    assert not np.shares_memory(np.frombuffer(token_view(strided), TOKEN_DTYPE), tokens)
+    assert bytes(token_view(strided)) == as_bytes(strided)
+    # the same hits whether the trie views the arrays or copies them
+    from testbed.workloads.synthetic import random_tree
+    requests = random_tree(num_requests=200, root_len=5, segment_len=3, output_len=2,
+                           vocab_size=3, seed=9)
+    spread = [Request(r.id, np.repeat(r.prompt, 2)[::2], np.repeat(r.output, 2)[::2])
+              for r in requests]
+    assert ideal_hits(spread) == ideal_hits(requests)
 
 
 def test_an_unlimited_radix_replay_reports_its_own_hit_rate_as_the_ideal():

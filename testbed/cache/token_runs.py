@@ -24,6 +24,15 @@ def as_bytes(tokens: np.ndarray) -> bytes:
     return np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()
 
 
+def token_view(tokens: np.ndarray) -> memoryview:
+    """The bytes of a token run as a read-only view of its own memory where it is a contiguous
+    ``TOKEN_DTYPE`` array (no copy: for structures that would otherwise hold a trace's tokens a
+    second time), else of a copy. Compares as `as_bytes` does (``bytes.startswith`` takes it)."""
+    if getattr(tokens, "dtype", None) is _DTYPE and tokens.flags.c_contiguous:
+        return memoryview(tokens).cast("B").toreadonly()
+    return memoryview(as_bytes(tokens))
+
+
 def joined_bytes(first: np.ndarray, second: np.ndarray) -> bytes:
     """``as_bytes(first) + as_bytes(second)`` in one copy when both are contiguous token arrays."""
     if getattr(first, "dtype", None) is _DTYPE and getattr(second, "dtype", None) is _DTYPE:

@@ -7,13 +7,18 @@ capped at the prompt, are the hit; the rest becomes a new leaf. The trie keeps n
 slots, access times, locks or eviction order), so it costs a fraction of a cache's replay; edges
 are token bytes compared in C (`testbed.cache.token_runs`). An unlimited radix cache replaying the
 same requests reaches exactly these hits (a test checks it).
+
+A new leaf's edge is a view of the request's own token arrays (`token_view`), not a copy: the trie
+would otherwise hold every distinct token of the trace a second time beside the trace (300 MB for
+the Mooncake conversation trace). A leaf made of prompt and output is two nodes, the prompt's
+tail and the output, which changes no match: a walk passes both or stops inside one.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes, matched_bytes
+from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes, matched_bytes, token_view
 from testbed.perf import gc_paused
 from testbed.workloads.request import Request
 
@@ -43,12 +48,17 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
                 k = matched_bytes(edge, kb, at, end)
                 at += k
                 if at < end:  # diverges inside the edge: split it; the new leaf goes beside
-                    head = {edge[k : k + w]: (edge[k:], below)}
-                    kids[edge[:w]] = (edge[:k], head)
+                    head = {bytes(edge[k : k + w]): (edge[k:], below)}
+                    kids[bytes(edge[:w])] = (edge[:k], head)
                     kids = head
                 break
-            if at < end:
-                kids[kb[at : at + w]] = (kb[at:], {})
+            if at < end:  # the new leaf: views of the request's own tokens past the match
+                output = (token_view(r.output), {}) if len(r.output) else None
+                if at < prompt:
+                    below = {kb[prompt : prompt + w]: output} if output else {}
+                    kids[kb[at : at + w]] = (token_view(r.prompt)[at:], below)
+                else:
+                    kids[kb[at : at + w]] = (output[0][at - prompt :], {})
             append((at if at < prompt else prompt) // w)
     return hits
 
