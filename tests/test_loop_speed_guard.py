@@ -111,3 +111,20 @@ def test_a_scheduling_step_costs_the_same_whatever_the_length_of_the_queue(polic
 
     short, long = step_calls(300), step_calls(3000)
     assert long < 1.2 * short, f"{short:.0f} calls a step with 300 queued, {long:.0f} with 3,000"
+
+
+def test_the_streamed_forest_is_the_random_tree_workload_with_its_arrays_made_up_front():
+    # The scaling table's requests are random_tree's, streamed; the generator's own arrays
+    # exist (and are written) when it is called, before a caller's memory baseline, so its
+    # memory is the trace's and not the replay's.
+    import numpy as np
+
+    from experiments.benchmarks.traces import forest
+
+    calls = forest(2_000, root_len=32, segment_len=8, output_len=8)
+    frame = calls.gi_frame  # not started, its arrays already in hand
+    assert frame is not None and frame.f_locals["own"].shape == (2_000, 40)
+    made = random_tree(num_requests=2_000, root_len=32, segment_len=8, output_len=8)
+    for a, b in zip(calls, made, strict=True):
+        assert (a.id, a.after, a.program) == (b.id, b.after, b.program)
+        assert np.array_equal(a.prompt, b.prompt) and np.array_equal(a.output, b.output)
