@@ -9,9 +9,10 @@ are token bytes compared in C (`testbed.cache.token_runs`). An unlimited radix c
 same requests reaches exactly these hits (a test checks it).
 
 A new leaf's edge is a view of the request's own token arrays (`token_view`), not a copy: the trie
-would otherwise hold every distinct token of the trace a second time beside the trace (300 MB for
-the Mooncake conversation trace). A leaf made of prompt and output is two nodes, the prompt's
-tail and the output, which changes no match: a walk passes both or stops inside one.
+would otherwise hold every distinct token of the trace a second time beside the trace (about 330
+MB at the Mooncake conversation simulation's peak). A leaf made of prompt and output is two
+nodes, the prompt's tail and the output, which changes no match: a walk passes both or stops
+inside one.
 """
 
 from __future__ import annotations
