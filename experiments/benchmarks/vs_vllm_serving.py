@@ -47,8 +47,8 @@ BLOCK_SIZE, BLOCKS = 32, 512  # vLLM's CPU attention takes multiples of 32
 CAPACITY = (BLOCKS - 1) * BLOCK_SIZE  # vLLM's pool less its null block
 # --pool default: each server's own default pool, testbed.serve's engine.cpu_kv_cache_gib (2) and
 # vLLM's VLLM_CPU_KVCACHE_SPACE of the same 2 GiB, whose blocks vLLM counts itself (its log's
-# "num_gpu_blocks=M", checked: SmolLM2 in fp32 takes 46,080 bytes a token)
-DEFAULT_BLOCKS = (2 << 30) // (BLOCK_SIZE * 46_080)
+# "num_gpu_blocks=M", checked)
+DEFAULT_BLOCKS = (2 << 30) // (BLOCK_SIZE * live.KV_BYTES_PER_TOKEN)
 POOL_BLOCKS = {"page": BLOCKS, "default": DEFAULT_BLOCKS}  # vLLM's blocks, by --pool
 TESTBED = {
     "radix_lpm": ["cache=radix", "scheduler=lpm"],

@@ -54,12 +54,12 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
                     kids = head
                 break
             if at < end:  # the new leaf: views of the request's own tokens past the match
-                output = (token_view(r.output), {}) if len(r.output) else None
+                output = token_view(r.output)
                 if at < prompt:
-                    below = {kb[prompt : prompt + w]: output} if output else {}
+                    below = {kb[prompt : prompt + w]: (output, {})} if len(output) else {}
                     kids[kb[at : at + w]] = (token_view(r.prompt)[at:], below)
                 else:
-                    kids[kb[at : at + w]] = (output[0][at - prompt :], {})
+                    kids[kb[at : at + w]] = (output[at - prompt :], {})
             append((at if at < prompt else prompt) // w)
     return hits
 

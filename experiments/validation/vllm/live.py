@@ -145,11 +145,14 @@ def vllm_server(url: str | None, block_size: int, blocks: int, cache_dir: Path, 
     return serve(venv_python(cache_dir), resolve_model(MODEL), block_size, blocks, log)
 
 
+# KV bytes a token of SmolLM2-135M in fp32: 30 layers x K,V x 3 heads x 64 x 4 bytes
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+
+
 def kv_gib(blocks: int, block_size: int) -> int:
     """GiB of KV space for ``blocks`` (SmolLM2-135M in fp32: 30 layers x K,V x 3 heads x 64),
     rounded up, at least 1: vLLM's CPU backend sizes its pool from this before the override."""
-    per_token = 30 * 2 * 3 * 64 * 4
-    return max(1, -(-blocks * block_size * per_token // (1 << 30)))
+    return max(1, -(-blocks * block_size * KV_BYTES_PER_TOKEN // (1 << 30)))
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
