@@ -81,10 +81,16 @@ def test_live_choices_equal_the_simulators_on_the_same_calls(replicas, tmp_path,
                                                       *(f"router.{k}={v}" for k, v in keys.items())])
     try:
         rows = served_workload(router.url, tmp_path / "live", FEW_SHOT)
-        live = router.state()["routed"]
+        state = router.state()
+        live = state["routed"]
     finally:
         router.stop()
     assert not any(r["failed"] for r in rows) and len(live) == len(rows)
+    # each decision logged as made: the client's call id (X-Request-Id), replica, time received
+    sent = sorted(rows, key=lambda r: r["arrival_s"])
+    assert [x[0] for x in state["routing"]] == [r["id"] for r in sent]
+    assert [x[1] for x in state["routing"]] == live
+    assert [x[2] for x in state["routing"]] == sorted(x[2] for x in state["routing"])
     calls = [Request(r["id"], np.asarray(r["prompt_ids"], np.int32),
                      np.asarray(r["output_ids"], np.int32), arrival_s=float(i))
              for i, r in enumerate(sorted(rows, key=lambda r: r["arrival_s"]))]

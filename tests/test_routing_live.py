@@ -74,3 +74,16 @@ def test_bad_options_are_refused_before_any_replica_starts(argv, says, capsys):
         routing_live.entry(routing_live.main, argv)
     assert stop.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_twins_first_wave_is_when_the_router_first_routed_each_call():
+    """A retried call is routed twice: its first decision is when the router received it; a
+    call without an X-Request-Id is left out."""
+    routing = [["b", 1, 0.5], ["a", 0, 0.7], [None, 1, 0.8], ["b", 0, 2.0]]
+    assert routing_live.received(routing) == {"b": 0.5, "a": 0.7}
+
+
+def test_the_twins_decisions_are_compared_call_by_call_with_the_last_live_one():
+    routing = [["b", 1, 0.5], ["a", 0, 0.7], ["b", 0, 2.0], ["c", 1, 2.1]]
+    assert routing_live.same_replica(routing, {"a": 0, "b": 0, "c": 0}) == pytest.approx(2 / 3)
+    assert routing_live.same_replica(None, {"a": 0}) is None

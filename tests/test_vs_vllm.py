@@ -129,6 +129,22 @@ def test_the_as_ran_trace_sends_the_first_wave_when_the_client_sent_it():
         pytest.approx([0.0, 0.001, 0.003, 0.003])
 
 
+def test_the_as_ran_trace_takes_the_first_waves_order_from_the_router_that_received_it():
+    """The client sent q0, q1, q2 a millisecond apart; the router in front received q2 first
+    and q1 last (its own clock): the first wave arrives in the router's order at its times
+    relative to the first it received, and the held fourth call with the last of them."""
+    from testbed.workloads.request import Request
+    requests = [Request(f"q{i}", np.array([1, i]), np.array([5]), program=f"p{i}")
+                for i in range(4)]
+    ran = rows(("q0", 10.0, [1, 0], [5], 0), ("q1", 10.001, [1, 1], [5], 0),
+               ("q2", 10.002, [1, 2], [5], 0), ("q3", 10.4, [1, 3], [5], 0))
+    received = {"q2": 500.0, "q0": 500.0015, "q1": 500.004, "q3": 500.41}
+    assert [x["arrival_s"] for x in caching.as_ran_trace(requests, ran, received)] == \
+        pytest.approx([0.0015, 0.004, 0.0, 0.004])
+    with pytest.raises(caching.Fail, match=r"no receipt of 1 first-wave calls \(the first: q1\)"):
+        caching.as_ran_trace(requests, ran, {"q0": 1.0, "q2": 1.0})
+
+
 def test_latency_rounds_are_summarized_as_medians_with_vllms_spread():
     from experiments.validation.vllm.latency import METRICS, summarize_rounds
     runs = pd.DataFrame([{"workload": "w", "loop": 4, "round": r, "held_out": True,

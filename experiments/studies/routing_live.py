@@ -14,10 +14,14 @@ replica served), failed calls, and the replicas' steps as they timed them (``/de
 the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
 loops took and the time they waited for a core on this shared 2-core machine); and the simulator's run of the calls as they ran (the prompts
 the replicas tokenized, the outputs they returned, the workload's programs and closed loop:
-`experiments.validation.vllm.caching.as_ran_trace`) with the same policy (smg's: ``cache_aware`` at
+`experiments.validation.vllm.caching.as_ran_trace`; behind testbed.route, the first wave at the
+times and in the order the router received it, ``/debug/state`` ``routing``, since calls sent a
+millisecond apart may reach it in another order; behind smg, at the client's send times) with the same policy (smg's: ``cache_aware`` at
 smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
 (conf/calibration/smollm2_135m_cpu.yaml, or ``--fitted``: a fit made beside the study, which a
-throughput comparison needs, since this machine's speed moves between days).
+throughput comparison needs, since this machine's speed moves between days). Behind
+testbed.route, ``sim_same_replica`` is the share of calls the twin sent to the replica that
+served them live (``/debug/state`` ``routing``, saved as ``routing.json`` in the run's folder).
 
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
@@ -207,6 +211,7 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
     from testbed.execute import execute
 
     reset(urls)
+    (out / ROUTING).unlink(missing_ok=True)  # (an earlier run's, which this one replaces)
     before = counters(urls)
     first = [steps_recorded(u) for u in urls] if kind == "testbed" else None
     served_name = MODEL if kind == "testbed" else vllm_live.SERVED_NAME
@@ -238,7 +243,21 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
                 "waited_for_core_s": sum(x["runqueue_s"] or 0.0 for st in steps for x in st)}
     if state is not None:
         row["decisions"] = " ".join(f"{k}={v}" for k, v in state["decisions"].items())
+        (out / ROUTING).write_text(json.dumps(state["routing"]))
     return row
+
+
+ROUTING = "routing.json"  # a testbed.route front's decisions (/debug/state `routing`)
+
+
+def received(routing: list[list]) -> dict[str, float]:
+    """Each call's id -> when the router first routed it (seconds on its clock), from
+    ``/debug/state``'s ``routing`` (a retry routes a call again: its first decision counts)."""
+    out: dict[str, float] = {}
+    for request_id, _, t in routing:
+        if request_id is not None:
+            out.setdefault(request_id, t)
+    return out
 
 
 def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
@@ -251,18 +270,32 @@ def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
     rows = vllm_live.records(out / "client")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
     trace = out / "as_ran.jsonl"
-    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(requests, rows)))
+    got = out / ROUTING  # the order our router received the first wave in (smg's is not known)
+    routing = json.loads(got.read_text()) if got.is_file() else None
+    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(
+        requests, rows, received(routing) if routing is not None else None)))
     cost = ["cost_model=fitted", f"cost_model.path={fitted}"] if fitted else [SHIPPED_FIT]
     execute(compose_config([*SIM, *cost, *router_of(front), f"replicas={replicas}", "workload=trace",
                             f"workload.path={trace}", "workload.format=tokens",
                             f"cache.capacity_tokens={CAPACITY}", *arrival, "engine.forced=true",
                             "progress=false"]), out / "sim")
     s = json.loads((out / "sim" / "summary.json").read_text())
-    served = vllm_live.records(out / "sim")["replica"].value_counts().reindex(
-        range(replicas), fill_value=0)
+    sim = vllm_live.records(out / "sim")
+    served = sim["replica"].value_counts().reindex(range(replicas), fill_value=0)
     return {"sim_hit_rate": s["hit_rate"], "sim_requests_per_s": s["throughput_req_s"],
             "sim_ttft_p50_s": s["ttft_p50_s"], "sim_imbalance": served.max() / served.mean(),
-            "sim_busy_s": s["busy_s"]}
+            "sim_busy_s": s["busy_s"],
+            "sim_same_replica": same_replica(routing, dict(zip(sim["id"], sim["replica"])))}
+
+
+def same_replica(routing: list[list] | None, simulated: dict[str, int]) -> float | None:
+    """The share of calls the simulator sent to the replica that served them live (the last
+    decision for each: a retry's replaced the first), None behind smg (its decisions are not
+    logged)."""
+    if routing is None:
+        return None
+    live = {request_id: w for request_id, w, _ in routing if request_id is not None}
+    return sum(simulated.get(i) == w for i, w in live.items()) / max(1, len(live))
 
 
 # ---------------------------------------------------------------- the study

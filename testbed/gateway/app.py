@@ -66,11 +66,13 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await proxy.handle(await _object(request), chat=False)
+        return await proxy.handle(await _object(request), chat=False,
+                                  request_id=request.headers.get("x-request-id"))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(await _object(request), chat=True)
+        return await proxy.handle(await _object(request), chat=True,
+                                  request_id=request.headers.get("x-request-id"))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -88,6 +90,7 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
         out = {"router": router.name, "replicas": [r.state() for r in replicas.members],
                "decisions": dict(sorted(router.decisions.items())),
                "router_info": router.info(), "routed": list(proxy.routed),
+               "routing": [list(x) for x in proxy.routing],
                "counts": dict(proxy.counts)}
         if feed is not None:
             index = router.index

@@ -46,7 +46,7 @@ from testbed.remote.openai_client import error_message
 from testbed.router import NoWorker, Router
 from testbed.workloads.request import TOKEN_DTYPE
 
-ROUTED_KEPT = 100_000  # the replica of each request, in routing order (/debug/state)
+ROUTED_KEPT = 100_000  # /debug/state's `routed` and `routing`: the last this many
 
 
 class ReplicaFailed(Exception):
@@ -64,12 +64,16 @@ class Proxy:
     connect_timeout_s: float
     t0: float = field(default_factory=time.monotonic)
     routed: deque = field(default_factory=lambda: deque(maxlen=ROUTED_KEPT))
+    # every decision as made (a retry's too): (the call's X-Request-Id or None, replica, seconds
+    # since the router started): the order and times the router received the calls in, which a
+    # client's own send times need not show under concurrency (a simulator twin replays these)
+    routing: deque = field(default_factory=lambda: deque(maxlen=ROUTED_KEPT))
     counts: Counter = field(default_factory=Counter)  # retried, failed_mid_stream, no_replica
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    async def handle(self, body: Any, chat: bool) -> Response:
+    async def handle(self, body: Any, chat: bool, request_id: str | None = None) -> Response:
         tokens = route_tokens(body, chat, self.tokenizer)  # 400 as the replica would answer
         stream = body.get("stream") is True
         inject = self.router.wants_completions and body.get("return_token_ids") is not True
@@ -81,10 +85,12 @@ class Proxy:
         tried: set[int] = set()
         errors: list[str] = []
         for attempt in range(self.retries + 1):
+            now = self.now()
             try:
-                w = self.router.route(tokens, self.replicas.loads(exclude=tried), self.now())
+                w = self.router.route(tokens, self.replicas.loads(exclude=tried), now)
             except NoWorker:
                 break
+            self.routing.append((request_id, w, round(now, 6)))
             call = Call(self, self.replicas.members[w], tokens, max(0, max_tokens), inject)
             try:
                 answer = await call.open(path, sent, stream)

@@ -74,7 +74,7 @@ async def _run(run: Assembly, requests: list[Request]) -> ServerRun:
             limit = 1 if one_token else call.output_limit
             body = completion_body(model, text.decode(prompt) if text else prompt.tolist(),
                                    limit, forced and not call.generates, temperature, top_p)
-            done = await client.complete(body)
+            done = await client.complete(body, call.id)
             if text is not None and not done.failed and done.output_ids is None:
                 done.output_ids = text.encode("".join(done.text))  # the server sent text only
             if one_token and not done.failed:

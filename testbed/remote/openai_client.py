@@ -172,12 +172,15 @@ class OpenAIClient:
             raise BadInput(f"the server at {self.url} lists no model at /v1/models; "
                            "name one with server.model=ID") from None
 
-    async def complete(self, body: dict[str, Any]) -> Completion:
-        """Send one call and read its stream to the end (or the failure)."""
+    async def complete(self, body: dict[str, Any], request_id: str | None = None) -> Completion:
+        """Send one call and read its stream to the end (or the failure). ``request_id`` (the
+        workload's call id) goes along as ``X-Request-Id``, the header servers and routers log
+        a request by (testbed.route's ``/debug/state`` ``routing``)."""
         done = Completion(sent=time.perf_counter())
         limit = self.settings.timeout_s
+        headers = {"X-Request-Id": request_id} if request_id is not None else None
         try:
-            await asyncio.wait_for(self._stream(body, done), limit)
+            await asyncio.wait_for(self._stream(body, done, headers), limit)
         except TimeoutError:
             done.error = f"timed out after {limit:g} s (server.timeout_s)"
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -187,8 +190,10 @@ class OpenAIClient:
         done.finish = time.perf_counter()
         return done
 
-    async def _stream(self, body: dict[str, Any], done: Completion) -> None:
-        async with self._http.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+    async def _stream(self, body: dict[str, Any], done: Completion,
+                      headers: dict[str, str] | None = None) -> None:
+        async with self._http.stream("POST", f"{self.url}/v1/completions", json=body,
+                                     headers=headers) as resp:
             done.status = resp.status_code
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")

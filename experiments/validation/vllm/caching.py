@@ -101,7 +101,8 @@ def mooncake_trace(path: Path, requests: int = MOONCAKE_REQUESTS, prompt: int = 
     return lines
 
 
-def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
+def as_ran_trace(requests: list, rows: pd.DataFrame,
+                 received: dict[str, float] | None = None) -> list[dict]:
     """The workload's calls (their ids, programs, dependencies, think and arrival times) with the
     prompts a server run sent and the outputs it received, whole: the simulator computes the
     last output token's KV no more than vLLM does (docs/design.md §4, *Results*).
@@ -112,17 +113,27 @@ def as_ran_trace(requests: list, rows: pd.DataFrame) -> list[dict]:
     sends the first wave one call after another, about a millisecond apart, and an idle vLLM
     starts a step with the first alone (few-shot's first question then answers in 0.25 s while
     the other 15 wait 1.4 s; tree-of-thought's first problem runs a step ahead of the others to
-    the end)."""
+    the end). ``received``: where a router in front logged when it received each call (call id
+    -> seconds on its own clock: testbed.route's ``/debug/state`` ``routing``), the first wave
+    arrives at those times instead (relative to the first it received): calls sent a
+    millisecond apart may reach it in another order, and its order decides its routing."""
     ran = rows.set_index("id")
-    start = rows["arrival_s"].min()
-    first = rows["arrival_s"] < rows["finish_s"].min()
-    last_first = rows.loc[first, "arrival_s"].max() - start  # the loop held the others past it
+    wave = list(rows.loc[rows["arrival_s"] < rows["finish_s"].min(), "id"])
+    sent = dict(zip(rows["id"], rows["arrival_s"] - rows["arrival_s"].min()))
+    if received is not None:
+        missing = sorted(set(wave) - set(received))
+        if missing:
+            raise Fail(f"the router logged no receipt of {len(missing)} first-wave calls "
+                       f"(the first: {missing[0]}): it cannot give their order")
+        start = min(received[i] for i in wave)
+        sent |= {i: received[i] - start for i in wave}
+    last_first = max(sent[i] for i in wave)  # the loop held the others past it
     lines = []
     for r in requests:
         row = ran.loc[r.id]
         if row.failed:
             raise Fail(f"request {r.id} failed ({row.error}): the trace would not be what ran")
-        arrival = max(r.arrival_s, min(row.arrival_s - start, last_first))
+        arrival = max(r.arrival_s, min(sent[r.id], last_first))
         line = {"id": r.id, "prompt": list(row.prompt_ids), "output": list(row.output_ids),
                 "arrival_s": arrival, "think_time_s": r.think_time_s}
         if r.program is not None:
