@@ -64,3 +64,23 @@ def test_replay_counts_cold_requests_but_has_no_ttft():
     assert s["cold_requests"] == 1  # the first; the others hit 4 of 5 prompt tokens
     assert s["ttft_p50_s"] is None
     assert (s["ttft_p50_cold_s"], s["ttft_p99_cold_s"], s["ttft_p99_warm_s"]) == (None, None, None)
+
+
+def test_a_record_stores_only_what_differs_from_the_defaults_and_reads_the_rest_from_its_class():
+    import copy
+    import dataclasses
+    import pickle
+    import sys
+
+    plain = RequestRecord("a", None, 0.0, None, None, 5, 2, 3, 0, True)
+    assert sys.getsizeof(plain) < 150  # the ten core slots and a __dict__ pointer, not 32 slots
+    assert (plain.preemptions, plain.aborted, plain.prompt_ids, plain.failed) == (0, False, None,
+                                                                                   False)
+    preempted = RequestRecord("a", None, 0.0, None, None, 5, 2, 3, 0, True, preemptions=2)
+    assert vars(preempted) == {"preemptions": 2} and vars(plain) == {}
+    assert preempted != plain == copy.copy(plain)
+    assert dataclasses.replace(plain, preemptions=2) == preempted
+    assert pickle.loads(pickle.dumps(preempted)) == preempted
+    assert RequestRecord(**dataclasses.asdict(preempted)) == preempted
+    plain.prompt_ids, plain.output_ids = [1, 2], [3]  # set later: lives in the record
+    assert plain.to_json()["prompt_ids"] == [1, 2] and RequestRecord.prompt_ids is None

@@ -216,6 +216,29 @@ def test_the_ideal_trie_reads_the_requests_own_tokens_instead_of_copying_them():
     assert ideal_hits(spread) == ideal_hits(requests)
 
 
+def test_a_requests_joined_bytes_leave_nothing_on_short_arrays_and_are_the_same_bytes():
+    """Reading a numpy array's buffer in place leaves its description (56 bytes) on the array for
+    its life: a request's sequence under `SMALL_JOIN` tokens is copied out instead."""
+    import tracemalloc
+
+    from testbed.cache.token_runs import SMALL_JOIN, as_bytes, joined_bytes
+
+    for n in (0, 7, SMALL_JOIN - 9, SMALL_JOIN + 5):
+        a, b = np.arange(n, dtype=TOKEN_DTYPE), np.arange(8, 0, -1, dtype=TOKEN_DTYPE)
+        assert joined_bytes(a, b) == as_bytes(a) + as_bytes(b)
+        assert joined_bytes(a[::2], b) == as_bytes(a[::2]) + as_bytes(b)  # strided: copied
+        assert joined_bytes(a.astype(np.int64), b) == as_bytes(a) + as_bytes(b)
+    short = [(np.arange(40, dtype=TOKEN_DTYPE), np.arange(8, dtype=TOKEN_DTYPE))
+             for _ in range(100)]
+    tracemalloc.start()
+    try:
+        out = [joined_bytes(a, b) for a, b in short]
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 100 * (len(out[0]) + 64) + 2_000  # the results alone: nothing per array
+
+
 def test_an_unlimited_radix_replay_reports_its_own_hit_rate_as_the_ideal():
     from testbed.backends.dispatch import own_hit_rate_is_ideal
 
