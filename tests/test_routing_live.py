@@ -86,4 +86,7 @@ def test_the_twins_first_wave_is_when_the_router_first_routed_each_call():
 def test_the_twins_decisions_are_compared_call_by_call_with_the_last_live_one():
     routing = [["b", 1, 0.5], ["a", 0, 0.7], ["b", 0, 2.0], ["c", 1, 2.1]]
     assert routing_live.same_replica(routing, {"a": 0, "b": 0, "c": 0}) == pytest.approx(2 / 3)
+    # the same split under the other names of two identical replicas: the same routing
+    assert routing_live.same_replica(routing, {"a": 1, "b": 1, "c": 0}) == 1.0
+    assert routing_live.same_replica(routing, {"a": 2, "b": 2, "c": 0}) == 1.0
     assert routing_live.same_replica(None, {"a": 0}) is None

@@ -21,7 +21,8 @@ smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
 (conf/calibration/smollm2_135m_cpu.yaml, or ``--fitted``: a fit made beside the study, which a
 throughput comparison needs, since this machine's speed moves between days). Behind
 testbed.route, ``sim_same_replica`` is the share of calls the twin sent to the replica that
-served them live (``/debug/state`` ``routing``, saved as ``routing.json`` in the run's folder).
+served them live, under the naming of the replicas that agrees most (``/debug/state``
+``routing``, saved as ``routing.json`` in the run's folder).
 
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -290,12 +292,17 @@ def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
 
 def same_replica(routing: list[list] | None, simulated: dict[str, int]) -> float | None:
     """The share of calls the simulator sent to the replica that served them live (the last
-    decision for each: a retry's replaced the first), None behind smg (its decisions are not
-    logged)."""
+    decision for each: a retry's replaced the first), under the naming of the replicas that
+    agrees most (identical replicas started empty: which one is called 0 decides nothing);
+    None behind smg (its decisions are not logged)."""
     if routing is None:
         return None
     live = {request_id: w for request_id, w, _ in routing if request_id is not None}
-    return sum(simulated.get(i) == w for i, w in live.items()) / max(1, len(live))
+    names = sorted(set(live.values()) | {w for w in simulated.values() if w is not None})
+    best = max(sum(simulated.get(i) is not None and rename[names.index(simulated[i])] == w
+                   for i, w in live.items())
+               for rename in itertools.permutations(names))
+    return best / max(1, len(live))
 
 
 # ---------------------------------------------------------------- the study
