@@ -148,3 +148,41 @@ def test_cluster_summary_has_per_replica_summaries_and_decisions():
     for rep in s["replicas"]:
         assert 0.0 <= rep["hit_rate"] <= rep["ideal_hit_rate"] + 1e-12
         assert rep["mean_load_tokens"] >= 0
+
+
+class Recorder(Router):
+    """Least outstanding tokens (ties: the lowest index), recording the loads each call saw."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[float, ...]] = []
+
+    def _choose(self, tokens, loads, now):
+        self.seen.append(tuple(loads.tokens))
+        return int(np.argmin(loads.tokens)), "load"
+
+
+def test_a_router_in_front_of_servers_sees_a_prompt_until_its_request_ends():
+    """A (100-token prompt, 10 out) goes to replica 0 and C (20, 50) to replica 1 at t = 0; B
+    comes when both are decoding. Seen as progress, A's replica holds its 10 - k outputs and
+    C's its 50 - k: B goes to replica 0. Seen as a stream, their prompts still count (110 - k,
+    70 - k): B goes to replica 1. Both views end at zero."""
+    toks = lambda n, base: np.arange(base, base + n, dtype=np.int32)  # noqa: E731
+    a = Request("a", toks(100, 1), toks(10, 500), arrival_s=0.0)
+    c = Request("c", toks(20, 1000), toks(50, 2000), arrival_s=0.0)
+    b = Request("b", toks(30, 3000), toks(5, 4000), arrival_s=0.2)
+    routed = {}
+    for seen in ("progress", "stream"):
+        router = Recorder()
+        result = run([a, c, b], router, replicas=2, load_seen=seen)
+        routed[seen] = dict(zip([r.id for r in result.reqs], result.replica_of))
+        assert result.final_loads.tokens == (0, 0) and result.final_loads.requests == (0, 0)
+        left_a, left_c = router.seen[2]  # what B's routing saw: a decode step or more in
+        assert 0 < left_a < 10 and 0 < left_c < 50 if seen == "progress" else \
+            100 < left_a < 110 and 20 < left_c < 70
+    assert (routed["progress"]["b"], routed["stream"]["b"]) == (0, 1)
+    assert routed["progress"]["a"] == routed["stream"]["a"] == 0
+    with pytest.raises(ValueError, match="router.load_seen must be one of progress, stream"):
+        run([a], Recorder(), replicas=2, load_seen="prefill")

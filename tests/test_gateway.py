@@ -240,6 +240,11 @@ def test_route_settings_refuse_bad_values_in_one_line():
         plan("router=oracle")
     with pytest.raises(BadInput, match="route.health_interval_s"):
         plan("route.health_interval_s=0")
+    with pytest.raises(BadInput, match="testbed.route sees a replica's work only as it streams"):
+        plan("route.urls=[http://127.0.0.1:1]", "router.load_seen=progress")
+    with pytest.raises(BadInput, match="router.load_seen must be one of progress, stream"):
+        plan("route.urls=[http://127.0.0.1:1]", "router.load_seen=prefill")
+    assert plan("route.urls=[http://127.0.0.1:1]", "router.load_seen=stream").replicas == 1
     assert replica_overrides(["model=tiny", "router=kv_events", "route.port=9", "replicas=3",
                               "router.cache_threshold=0.2", "cache.capacity_tokens=9"]) == \
         ["model=tiny", "cache.capacity_tokens=9"]

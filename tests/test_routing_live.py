@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from experiments.studies import routing_live
+from experiments.studies import routing_live, routing_twin
 from testbed.api.metrics import ServerMetrics
 
 VLLM_METRICS = """\
@@ -68,6 +68,7 @@ def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
     (["--replica-kind", "vllm", "--fronts", "cache_aware", "kv_events"],
      "kv_events needs the cache events of testbed.serve replicas"),
     (["--fitted", "/nonexistent/cost_model.yaml"], "--fitted: no file"),
+    (["--twin-runs", "0"], "--twin-runs must be >= 1"),
 ])
 def test_bad_options_are_refused_before_any_replica_starts(argv, says, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -80,13 +81,35 @@ def test_the_twins_first_wave_is_when_the_router_first_routed_each_call():
     """A retried call is routed twice: its first decision is when the router received it; a
     call without an X-Request-Id is left out."""
     routing = [["b", 1, 0.5], ["a", 0, 0.7], [None, 1, 0.8], ["b", 0, 2.0]]
-    assert routing_live.received(routing) == {"b": 0.5, "a": 0.7}
+    assert routing_twin.received(routing) == {"b": 0.5, "a": 0.7}
 
 
 def test_the_twins_decisions_are_compared_call_by_call_with_the_last_live_one():
     routing = [["b", 1, 0.5], ["a", 0, 0.7], ["b", 0, 2.0], ["c", 1, 2.1]]
-    assert routing_live.same_replica(routing, {"a": 0, "b": 0, "c": 0}) == pytest.approx(2 / 3)
+    assert routing_twin.same_replica(routing, {"a": 0, "b": 0, "c": 0}) == pytest.approx(2 / 3)
     # the same split under the other names of two identical replicas: the same routing
-    assert routing_live.same_replica(routing, {"a": 1, "b": 1, "c": 0}) == 1.0
-    assert routing_live.same_replica(routing, {"a": 2, "b": 2, "c": 0}) == 1.0
-    assert routing_live.same_replica(None, {"a": 0}) is None
+    assert routing_twin.same_replica(routing, {"a": 1, "b": 1, "c": 0}) == 1.0
+    assert routing_twin.same_replica(routing, {"a": 2, "b": 2, "c": 0}) == 1.0
+    assert routing_twin.same_replica(None, {"a": 0}) is None
+
+
+def test_a_jittered_twin_moves_only_the_first_waves_arrivals_within_the_bound():
+    lines = [{"id": "a", "arrival_s": 0.0}, {"id": "b", "arrival_s": 0.001},
+             {"id": "c", "arrival_s": 0.004}, {"id": "d", "arrival_s": 0.004}]
+    moved = routing_twin.jittered(lines, ["a", "b", "c"], 3.0, seed=1)
+    assert moved == routing_twin.jittered(lines, ["a", "b", "c"], 3.0, seed=1)  # a seed, a run
+    assert moved != routing_twin.jittered(lines, ["a", "b", "c"], 3.0, seed=2)
+    assert moved[3] == lines[3]  # held by the loop, not sent at will: as it ran
+    for before, after in zip(lines[:3], moved[:3]):
+        assert after["arrival_s"] >= 0.0 and abs(after["arrival_s"] - before["arrival_s"]) <= 0.003
+        assert after["arrival_s"] != before["arrival_s"] or before["arrival_s"] == 0.0
+    assert routing_twin.jittered(lines, ["a", "b", "c"], 0.0, seed=1) == lines
+
+
+def test_the_jittered_twins_range_is_checked_beside_the_exact_run():
+    row = {"workload": "chat", "front": "least_load", "hit_rate": 0.716, "requests_per_s": 2.4,
+           "sim_hit_rate": 0.654, "sim_requests_per_s": 2.3, "sim_hit_rate_min": 0.63,
+           "sim_hit_rate_max": 0.70}
+    lines = routing_live.checks(pd.DataFrame([row]))
+    assert lines[-1] == ("chat: least_load: the jittered twins' hit rates 0.630..0.700; the live "
+                         "0.716 within 0.03 of that range: True")

@@ -13,7 +13,8 @@ requests per second and TTFT p50/p99 (the client's), imbalance (max/mean of the 
 replica served), failed calls, and the replicas' steps as they timed them (``/debug/steps``:
 the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
 loops took and the time they waited for a core on this shared 2-core machine); and the simulator's run of the calls as they ran (the prompts
-the replicas tokenized, the outputs they returned, the workload's programs and closed loop:
+the replicas tokenized, the outputs they returned, the workload's programs and closed loop, the
+replicas' load seen as the live router sees it, ``router.load_seen=stream``:
 `experiments.validation.vllm.caching.as_ran_trace`; behind testbed.route, the first wave at the
 times and in the order the router received it, ``/debug/state`` ``routing``, since calls sent a
 millisecond apart may reach it in another order; behind smg, at the client's send times) with the same policy (smg's: ``cache_aware`` at
@@ -22,7 +23,10 @@ smg's defaults), the same KV pool and the fitted SmolLM2 CPU cost model
 throughput comparison needs, since this machine's speed moves between days). Behind
 testbed.route, ``sim_same_replica`` is the share of calls the twin sent to the replica that
 served them live, under the naming of the replicas that agrees most (``/debug/state``
-``routing``, saved as ``routing.json`` in the run's folder).
+``routing``, saved as ``routing.json`` in the run's folder). ``--twin-runs N`` simulates each
+testbed front's calls N - 1 more times with the first wave's arrivals jittered by
+``± --twin-jitter-ms`` and reports the range of the hit rate and throughput
+(`experiments.studies.routing_twin`: how far milliseconds move a timing-bound policy).
 
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
@@ -38,7 +42,8 @@ ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` 
 
     python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
-        [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm] [--out DIR]
+        [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm]
+        [--twin-runs 1] [--twin-jitter-ms 3] [--out DIR]
 
 Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptance checks
 (docs/results/routing_live.md).
@@ -48,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import signal
@@ -64,6 +68,7 @@ import pandas as pd
 
 from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
+from experiments.studies.routing_twin import ROUTING, twin
 from experiments.validation.vllm import caching
 from experiments.validation.vllm import live as vllm_live
 from testbed.errors import BadInput
@@ -249,60 +254,21 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
     return row
 
 
-ROUTING = "routing.json"  # a testbed.route front's decisions (/debug/state `routing`)
-
-
-def received(routing: list[list]) -> dict[str, float]:
-    """Each call's id -> when the router first routed it (seconds on its clock), from
-    ``/debug/state``'s ``routing`` (a retry routes a call again: its first decision counts)."""
-    out: dict[str, float] = {}
-    for request_id, _, t in routing:
-        if request_id is not None:
-            out.setdefault(request_id, t)
-    return out
-
-
-def simulated(front: str, words: list[str], arrival: list[str], replicas: int,
-              out: Path, fitted: Path | None = None) -> dict:
-    """The simulator's run of the calls as they ran live, with the same policy, priced by the
-    shipped SmolLM2 CPU fit or by the cost_model.yaml ``fitted``."""
+def simulated(front: str, words: list[str], arrival: list[str], replicas: int, out: Path,
+              fitted: Path | None = None, runs: int = 1, jitter_ms: float = 0.0) -> dict:
+    """The simulator's twin of the run in ``out`` (`experiments.studies.routing_twin.twin`) with
+    the same policy, priced by the shipped SmolLM2 CPU fit or by the cost_model.yaml ``fitted``;
+    ``runs - 1`` more with the first wave jittered by ``± jitter_ms``."""
     from testbed.config.assembly import assemble, compose_config
-    from testbed.execute import execute
 
-    rows = vllm_live.records(out / "client")
     requests = assemble(compose_config([*words, "backend=replay"])).requests()
-    trace = out / "as_ran.jsonl"
-    got = out / ROUTING  # the order our router received the first wave in (smg's is not known)
-    routing = json.loads(got.read_text()) if got.is_file() else None
-    trace.write_text("".join(json.dumps(x) + "\n" for x in caching.as_ran_trace(
-        requests, rows, received(routing) if routing is not None else None)))
     cost = ["cost_model=fitted", f"cost_model.path={fitted}"] if fitted else [SHIPPED_FIT]
-    execute(compose_config([*SIM, *cost, *router_of(front), f"replicas={replicas}", "workload=trace",
-                            f"workload.path={trace}", "workload.format=tokens",
-                            f"cache.capacity_tokens={CAPACITY}", *arrival, "engine.forced=true",
-                            "progress=false"]), out / "sim")
-    s = json.loads((out / "sim" / "summary.json").read_text())
-    sim = vllm_live.records(out / "sim")
-    served = sim["replica"].value_counts().reindex(range(replicas), fill_value=0)
-    return {"sim_hit_rate": s["hit_rate"], "sim_requests_per_s": s["throughput_req_s"],
-            "sim_ttft_p50_s": s["ttft_p50_s"], "sim_imbalance": served.max() / served.mean(),
-            "sim_busy_s": s["busy_s"],
-            "sim_same_replica": same_replica(routing, dict(zip(sim["id"], sim["replica"])))}
-
-
-def same_replica(routing: list[list] | None, simulated: dict[str, int]) -> float | None:
-    """The share of calls the simulator sent to the replica that served them live (the last
-    decision for each: a retry's replaced the first), under the naming of the replicas that
-    agrees most (identical replicas started empty: which one is called 0 decides nothing);
-    None behind smg (its decisions are not logged)."""
-    if routing is None:
-        return None
-    live = {request_id: w for request_id, w, _ in routing if request_id is not None}
-    names = sorted(set(live.values()) | {w for w in simulated.values() if w is not None})
-    best = max(sum(simulated.get(i) is not None and rename[names.index(simulated[i])] == w
-                   for i, w in live.items())
-               for rename in itertools.permutations(names))
-    return best / max(1, len(live))
+    # the router sees a replica's load as a router in front of servers does: a prompt counts
+    # until its request ends (router.load_seen=stream; testbed.route's view, and smg's)
+    return twin([*SIM, *cost, *router_of(front), "router.load_seen=stream",
+                 f"replicas={replicas}", f"cache.capacity_tokens={CAPACITY}", *arrival,
+                 "engine.forced=true"],
+                requests, out, replicas, runs, jitter_ms)
 
 
 # ---------------------------------------------------------------- the study
@@ -328,6 +294,11 @@ def checks(table: pd.DataFrame) -> list[str]:
             dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
             lines.append(f"{w}: {f}: simulator's hit rate within 0.03 ({dh:.3f}): {dh <= 0.03}; "
                          f"throughput within 10% ({dt:.1%}): {dt <= 0.10}")
+            if pd.notna(r.get("sim_hit_rate_min")):
+                lo, hi = r.sim_hit_rate_min, r.sim_hit_rate_max
+                lines.append(f"{w}: {f}: the jittered twins' hit rates {lo:.3f}..{hi:.3f}; the "
+                             f"live {r.hit_rate:.3f} within 0.03 of that range: "
+                             f"{lo - 0.03 <= r.hit_rate <= hi + 0.03}")
     return lines
 
 
@@ -345,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
                          "core of its own; no simulator twin and no kv_events for vLLM")
     ap.add_argument("--cache-dir", type=Path, default=vllm_live.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=REPO / "outputs" / "routing_live")
+    ap.add_argument("--twin-runs", type=int, default=1,
+                    help="simulator runs of each testbed front's calls: the exact one, and "
+                         "RUNS - 1 with the first wave's arrivals jittered (default 1: none)")
+    ap.add_argument("--twin-jitter-ms", type=float, default=3.0,
+                    help="how far the jittered runs move each first-wave arrival, +- ms "
+                         "(default 3: the router received the chat's first calls 3-4 ms apart)")
     ap.add_argument("--fitted", type=Path, default=None,
                     help="a cost_model.yaml to price the simulator's runs (default: the shipped "
                          "fitted_smollm2_cpu); fit one beside the study with `python -m "
@@ -352,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.fitted is not None and not args.fitted.is_file():
         raise BadInput(f"--fitted: no file {args.fitted}")
+    if args.twin_runs < 1 or args.twin_jitter_ms < 0:
+        raise BadInput(f"--twin-runs must be >= 1 and --twin-jitter-ms >= 0, got "
+                       f"{args.twin_runs} and {args.twin_jitter_ms}")
     vllm = args.replica_kind == "vllm"
     fronts = args.fronts or (VLLM_FRONTS if vllm else FRONTS)
     if vllm and "kv_events" in fronts:
@@ -387,7 +367,8 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
             row = {"workload": w, "front": front, "replicas": args.replica_kind,
                    **live(front, words, arrival, urls, out, args.cache_dir, args.replica_kind)}
             if not vllm:
-                row |= simulated(front, words, arrival, args.replicas, out, args.fitted)
+                row |= simulated(front, words, arrival, args.replicas, out, args.fitted,
+                                 args.twin_runs, args.twin_jitter_ms)
             row["wall_s"] = time.perf_counter() - started
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

@@ -223,7 +223,8 @@ def _serve_cluster(run: Assembly, requests: list[Request], executor, capacity: i
         max_in_flight=run.max_in_flight, max_concurrency=run.max_concurrency,
         network_delay_s=network_delay_s,
         transfer_s_per_token=transfer_s_per_token, progress=run.get("progress", False),
-        observe=True, check_invariants=run.check_invariants, decode_groups=run.decode_groups)
+        observe=True, check_invariants=run.check_invariants, decode_groups=run.decode_groups,
+        load_seen=run.cluster_load_seen())
     extra = {**_served_by(run, capacity), **cluster_summary(result), "router": run.router.label,
              **_sim_attention(run, executor)}
     records = cluster_records(result, run.get("save_token_ids", False))

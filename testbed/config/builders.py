@@ -22,7 +22,7 @@ from testbed.config.engine_config import EngineConfig, check_kernels_run_here
 from testbed.config.engine_timing import apply_timing, check_fit_timing, timing_settings
 from testbed.config.registry import Lazy, Resolved
 from testbed.errors import BadInput
-from testbed.router import cluster_delays
+from testbed.router import cluster_delays, cluster_load_seen
 from testbed.scheduler.cascade_rule import CascadeRule
 from testbed.scheduler.config import SchedulerConfig
 from testbed.scheduler.decode_groups import DecodeGroups, cascades, default_attention
@@ -238,6 +238,7 @@ class Assembly:
                 self.host_cost  # noqa: B018 - the host block checked
         if self.replicas > 1:
             self.cluster_delays()
+            self.cluster_load_seen()
             self.build_router(None)
 
     def build_executor(self, capacity: int | None, requests: list[Request] | None = None):
@@ -280,3 +281,6 @@ class Assembly:
 
     def cluster_delays(self) -> tuple[float, float]:
         return cluster_delays(self.config["router"])
+
+    def cluster_load_seen(self) -> str:
+        return cluster_load_seen(self.config["router"])

@@ -77,7 +77,8 @@ ROUTER_KEYS: dict[str, Table] = {
                   ("event_delay_s", [0.0, 0.01], 0.4)),
 }
 CLUSTER_KEYS: Table = (("network_delay_s", [0.0, 0.0005], 0.2),
-                       ("transfer_s_per_token", [0.0, 4e-8], 0.2))
+                       ("transfer_s_per_token", [0.0, 4e-8], 0.2),
+                       ("load_seen", ["progress", "stream", "null"], 0.3))
 HOST_KEYS: Table = (("prefill_s", [0.0, 1e-3], 0.1), ("prefill_request_s", [0.0, 1e-4], 0.1),
                     ("prefill_token_s", [0.0, 1e-6], 0.1), ("decode_s", [0.0, 1e-3], 0.1),
                     ("decode_request_s", [0.0, 1e-4], 0.1), ("concurrent", ["true", "false"], 0.1))

@@ -20,7 +20,7 @@ from testbed.errors import BadInput
 from testbed.config.model_group import resolve_model_group
 from testbed.config.registry import Resolved
 from testbed.remote.settings import _base_url
-from testbed.router import ROUTERS
+from testbed.router import ROUTERS, cluster_load_seen
 
 ROUTE_KEYS = ("urls", "host", "port", "model_name", "health_interval_s", "health_timeout_s",
               "connect_timeout_s", "stall_timeout_s", "retries", "events_wait_s", "log_level",
@@ -87,6 +87,7 @@ def assemble_route(cfg: DictConfig | Mapping[str, Any]) -> RoutePlan:
         log_level=level, **seconds)
     replicas = group_values.integer(config, "replicas", "", minimum=1, default=2)
     router = ROUTERS.resolve(config.get("router") or {})
+    cluster_load_seen(config.get("router") or {}, live=True)  # it sees streams, nothing else
     if router.label == "oracle":
         raise BadInput("router=oracle reads the replicas' caches in the simulator's process; "
                        "live, router=kv_events routes on what the replicas report they hold")

@@ -32,6 +32,9 @@ import numpy as np
 from testbed.cache.base import PrefixCache
 
 LOAD_UNITS = ("tokens", "requests")
+#: what a router sees of a replica's outstanding tokens (``router.load_seen``): ``progress``, a
+#: prompt's tokens leave as they are prefilled; ``stream``, a prompt counts until its request ends
+LOAD_SEEN = ("progress", "stream")
 
 
 @dataclass(frozen=True)

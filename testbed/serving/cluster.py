@@ -19,7 +19,9 @@ change is handed to the router ``router.event_delay_s`` after the step that made
 
 Load (see `testbed.router.base`): outstanding tokens, prompt tokens not yet prefilled (a cache
 hit counts as prefilled at admission; re-prefill after a retraction is not counted again) plus
-output tokens not yet generated; and outstanding requests. **Imbalance** is max/mean of the
+output tokens not yet generated; and outstanding requests. With ``router.load_seen=stream`` a
+prompt's tokens count until its request ends instead, as a router in front of HTTP servers sees
+them (testbed.route, SGLang's gateway: a prompt + ``max_tokens`` less the tokens streamed). **Imbalance** is max/mean of the
 replicas' outstanding tokens over the run: ``imbalance`` = ∫max dt / ∫mean dt (the time average
 of max/mean weighted by load, so idle moments do not dominate), ``imbalance_unweighted`` = the
 plain time average of max/mean over the time some work is outstanding. 1 is perfect balance,
@@ -37,7 +39,8 @@ import numpy as np
 from testbed.cache import PrefixCache
 from testbed.cache.events import CacheEvent, EventLog
 from testbed.results.metrics import RequestRecord, ideal_hit_rate, summarize
-from testbed.router.base import Loads, Router
+from testbed.errors import check_choice
+from testbed.router.base import LOAD_SEEN, Loads, Router
 from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 from testbed.scheduler.scheduler import Scheduler
@@ -99,13 +102,17 @@ class ClusterDriver(Driver):
     def __init__(self, requests: list[Request], schedulers: list[Scheduler], executor: Executor,
                  router: Router, max_in_flight: int | None = None, network_delay_s: float = 0.0,
                  transfer_s_per_token: float = 0.0, progress: bool = False,
-                 observer: RunObserver | None = None, max_concurrency: int | None = None) -> None:
+                 observer: RunObserver | None = None, max_concurrency: int | None = None,
+                 load_seen: str = "progress") -> None:
         super().__init__(requests, schedulers, executor, max_in_flight=max_in_flight,
                          progress=progress, observer=observer, max_concurrency=max_concurrency)
         if network_delay_s < 0 or transfer_s_per_token < 0:
             raise ValueError("router.network_delay_s and router.transfer_s_per_token must be >= 0, "
                              f"got {network_delay_s} and {transfer_s_per_token}")
+        check_choice("router.load_seen", load_seen, LOAD_SEEN, error=ValueError)
         self.router = router
+        self.prefill_seen = load_seen == "progress"  # else a prompt counts until it finishes
+        self._routed_prompt: dict[str, int] = {}  # id -> prompt tokens its routing added (stream)
         self.network_delay_s = network_delay_s
         self.transfer_s_per_token = transfer_s_per_token
         n = len(schedulers)
@@ -153,12 +160,15 @@ class ClusterDriver(Driver):
         delta = 0
         for e, before in zip(batch.entries, remaining_before):
             req = e.req
+            delta += req.remaining_new_tokens - before
+            if not self.prefill_seen:
+                continue
             n = len(req.prompt)
             prompt_left = self.prompt_left[rep.index]
             left = prompt_left.get(id(req), n)
             now_left = min(left, max(0, n - (e.context + e.new)))
             prompt_left[id(req)] = now_left
-            delta += (now_left - left) + (req.remaining_new_tokens - before)
+            delta += now_left - left
         self._add_load(rep.index, delta)
 
     # ------------------------------------------------------------------ processes
@@ -193,6 +203,8 @@ class ClusterDriver(Driver):
         routed_s = self.env.now
         self._route[call.id] = (w, routed_s, len(self._route))
         self._add_load(w, len(call.prompt) + len(call.output), 1)
+        if not self.prefill_seen:
+            self._routed_prompt[call.id] = len(call.prompt)
         delay = self.network_delay_s + self.transfer_s_per_token * len(call.prompt)
         if delay > 0:
             yield self.env.timeout(delay)
@@ -200,10 +212,12 @@ class ClusterDriver(Driver):
 
     def _aborted(self, rep: Replica, call: Request) -> None:
         self._add_load(rep.index, -(len(call.prompt) + len(call.output)))
+        self._routed_prompt.pop(call.id, None)
 
     def _on_finish(self, req: Req) -> None:
         w = self._route[req.id][0]
-        self._add_load(w, 0, -1)
+        # under load_seen=stream its prompt leaves with it (what a router in front of a server sees)
+        self._add_load(w, -self._routed_prompt.pop(req.id, 0), -1)
         self.prompt_left[w].pop(id(req), None)
         super()._on_finish(req)
         if self.router.wants_completions:
@@ -244,13 +258,16 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                      transfer_s_per_token: float = 0.0, observe: bool = False,
                      check_invariants: bool = False,
                      max_concurrency: int | None = None,
-                     decode_groups: Callable[[], Any] | None = None) -> ClusterResult:
+                     decode_groups: Callable[[], Any] | None = None,
+                     load_seen: str = "progress") -> ClusterResult:
     """Serve ``requests`` on ``replicas`` replicas (each with a fresh ``make_cache()`` and its own
     scheduler, seeded ``seed + i``) behind ``router``, in virtual time (a router that reads
     cache events: ``make_cache(events=log)``, see the module docstring); with ``observe`` the
     result carries a `RunObserver`'s steps and request phases; with ``check_invariants`` every
     scheduler checks its cache after every step; ``decode_groups()``: each replica's cascade
-    groups (`testbed.scheduler.decode_groups.DecodeGroups`, or None without cascade)."""
+    groups (`testbed.scheduler.decode_groups.DecodeGroups`, or None without cascade);
+    ``load_seen``: ``progress`` or ``stream``, what the router sees of each replica's load
+    (`testbed.router.LOAD_SEEN`, module docstring)."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     config = scheduler_config(scheduler_cfg)
@@ -268,7 +285,7 @@ def simulate_cluster(requests: list[Request], make_cache: Callable[[], PrefixCac
                            network_delay_s=network_delay_s,
                            transfer_s_per_token=transfer_s_per_token, progress=progress,
                            observer=RunObserver(schedulers) if observe else None,
-                           max_concurrency=max_concurrency)
+                           max_concurrency=max_concurrency, load_seen=load_seen)
     for i, log in enumerate(logs or ()):
         log.listeners.append(lambda event, i=i: driver.cache_event(i, event))
     result = driver.run()

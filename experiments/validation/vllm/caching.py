@@ -101,6 +101,11 @@ def mooncake_trace(path: Path, requests: int = MOONCAKE_REQUESTS, prompt: int = 
     return lines
 
 
+def first_wave(rows: pd.DataFrame) -> list[str]:
+    """The ids of the calls a server run sent before any call finished (`as_ran_trace`)."""
+    return list(rows.loc[rows["arrival_s"] < rows["finish_s"].min(), "id"])
+
+
 def as_ran_trace(requests: list, rows: pd.DataFrame,
                  received: dict[str, float] | None = None) -> list[dict]:
     """The workload's calls (their ids, programs, dependencies, think and arrival times) with the
@@ -118,7 +123,7 @@ def as_ran_trace(requests: list, rows: pd.DataFrame,
     arrives at those times instead (relative to the first it received): calls sent a
     millisecond apart may reach it in another order, and its order decides its routing."""
     ran = rows.set_index("id")
-    wave = list(rows.loc[rows["arrival_s"] < rows["finish_s"].min(), "id"])
+    wave = first_wave(rows)
     sent = dict(zip(rows["id"], rows["arrival_s"] - rows["arrival_s"].min()))
     if received is not None:
         missing = sorted(set(wave) - set(received))
