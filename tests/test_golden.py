@@ -175,26 +175,29 @@ def report_digest(tmp: Path) -> str:
 # Every run case recorded again on 2026-12-06 (issue 60): the config's engine block gained
 # cpu_kv_cache_gib (2; the server's CPU pool, which no run case reads); with it left out of the
 # summary's config every case gives the digest before, byte for byte (checked case by case).
+# Every run case recorded again on 2026-12-06 (issue 59, later): the router block gained
+# load_seen (null: the simulator's view as before); with it left out of the summary's config
+# every case gives the digest before, byte for byte (checked case by case at 6af8c00).
 GOLDEN = {
-    "blend": "dcce1fe814e7a7f9",
-    "block_hash_replay": "a9bfa3028497ed48",
-    "block_hash_sim": "481702aaa65b8f3b",
-    "chat": "e50499ffbcdcfe5b",
-    "chat_long": "ca2bd207e084e372",
-    "cluster_cache_aware": "9225b371b3ee5c34",
-    "default_sim": "3c6cbb5463b58a40",
-    "engine_tiny": "2115d9cfba649b09",
-    "few_shot": "4357278d9d4c772d",
-    "mixed": "cdd718c540b60ab9",
-    "mooncake_replay": "56ccea6e978e942b",
-    "multimodal": "4cb6ec09af066d60",
-    "paraphrase": "55d46a377c9169b1",
-    "rag": "80fce7a1c42bd735",
-    "random_tree": "be56785442ff2638",
-    "self_consistency": "e9bb0632967966ab",
-    "shared_prefix": "2ccc74953fa8b57b",
-    "tiers": "30120196b19f3f8a",
-    "tree_of_thought": "c3739c4a01ab89b0",
+    "blend": "63bd3db38552da2a",
+    "block_hash_replay": "6e753498ce5cea7c",
+    "block_hash_sim": "4774c884b020b117",
+    "chat": "75402fe788c346b2",
+    "chat_long": "20f87585a53b44c5",
+    "cluster_cache_aware": "d843f52f05c3d010",
+    "default_sim": "20acae78aad95619",
+    "engine_tiny": "5096a5cd95e73930",
+    "few_shot": "e3019b6a6876951d",
+    "mixed": "a7bc2135c0007d2f",
+    "mooncake_replay": "8d050a9668f9e5a2",
+    "multimodal": "2741e932df9656fd",
+    "paraphrase": "1fbd18d5c2cd4774",
+    "rag": "b3660f66e21c61f5",
+    "random_tree": "4e71209929ca6591",
+    "self_consistency": "476cb3ac0b309f12",
+    "shared_prefix": "ef5cd6de6c8d427e",
+    "tiers": "3c7b8f78ca5f6ccf",
+    "tree_of_thought": "3044fc776d366162",
     "sweep_report": "6bc0e1e87893d000",
 }
 
