@@ -32,16 +32,24 @@ def tidy_layout(children: Mapping[K, Sequence[K]], root: K,
     """``{node: (x, depth)}`` for every node reachable from ``root`` (depth 0); the leftmost node
     has x = 0. ``children`` maps a node to its children in left-to-right order."""
     offset: dict[K, float] = {}  # a child's x relative to its parent's
-    contour: dict[K, list[tuple[float, float]]] = {}  # per level from the node down, relative x
+    # per level of the node's subtree, relative x, the deepest level first: a node with one child
+    # takes over the child's list and appends its own level (a chain is linear, not quadratic)
+    contour: dict[K, list[tuple[float, float]]] = {}
     for node in postorder(children, root):
         kids = children.get(node, ())
         if not kids:
             contour[node] = [(0.0, 0.0)]
             continue
+        if len(kids) == 1:  # centred over its one child: the child's contour, one level more
+            offset[kids[0]] = 0.0
+            shape = contour.pop(kids[0])
+            shape.append((0.0, 0.0))
+            contour[node] = shape
+            continue
         merged: list[list[float]] = []  # [left, right] per level of the kids placed so far
         placed: list[float] = []
         for kid in kids:
-            shape = contour.pop(kid)
+            shape = contour.pop(kid)[::-1]  # from the kid's own level down
             x = 0.0
             if merged:
                 common = range(min(len(merged), len(shape)))
@@ -55,7 +63,8 @@ def tidy_layout(children: Mapping[K, Sequence[K]], root: K,
         middle = (placed[0] + placed[-1]) / 2
         for kid, x in zip(kids, placed):
             offset[kid] = x - middle
-        contour[node] = [(0.0, 0.0)] + [(left - middle, right - middle) for left, right in merged]
+        contour[node] = [(left - middle, right - middle) for left, right in reversed(merged)]
+        contour[node].append((0.0, 0.0))
     positions: dict[K, tuple[float, int]] = {root: (0.0, 0)}
     stack = [root]
     while stack:
