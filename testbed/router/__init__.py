@@ -22,7 +22,8 @@ from testbed.router.kv_events import KvEvents, KvIndex
 from testbed.router.policies import (CacheAware, LeastLoad, Oracle, RandomRouter, RoundRobin,
                                      peek_match)
 
-CLUSTER_KEYS = ("network_delay_s", "transfer_s_per_token", "load_seen")
+DELAY_KEYS = ("network_delay_s", "transfer_s_per_token")  # `cluster_delays`
+CLUSTER_KEYS = (*DELAY_KEYS, "load_seen")
 
 ROUTERS = Registry("router", methods=("bind", "route", "on_complete", "info"),
                    run_keys=CLUSTER_KEYS, what="a router (testbed.router.Router)")
@@ -40,7 +41,7 @@ def cluster_delays(cfg: Mapping[str, Any] | str) -> tuple[float, float]:
     """(``network_delay_s``, ``transfer_s_per_token``) of the ``router`` config, validated."""
     params = {} if isinstance(cfg, str) else dict(cfg)
     out = []
-    for key in CLUSTER_KEYS[:2]:
+    for key in DELAY_KEYS:
         value = float(check_setting(f"router.{key}", "float", params.get(key)) or 0.0)
         if value < 0:
             raise BadInput(f"router.{key} must be >= 0, got {value}")

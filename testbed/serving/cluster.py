@@ -21,10 +21,11 @@ Load (see `testbed.router.base`): outstanding tokens, prompt tokens not yet pref
 hit counts as prefilled at admission; re-prefill after a retraction is not counted again) plus
 output tokens not yet generated; and outstanding requests. With ``router.load_seen=stream`` a
 prompt's tokens count until its request ends instead, as a router in front of HTTP servers sees
-them (testbed.route, SGLang's gateway: a prompt + ``max_tokens`` less the tokens streamed). **Imbalance** is max/mean of the
-replicas' outstanding tokens over the run: ``imbalance`` = ∫max dt / ∫mean dt (the time average
-of max/mean weighted by load, so idle moments do not dominate), ``imbalance_unweighted`` = the
-plain time average of max/mean over the time some work is outstanding. 1 is perfect balance,
+them (testbed.route, SGLang's gateway: a prompt + ``max_tokens`` less the tokens streamed).
+**Imbalance** is max/mean of the replicas' outstanding tokens over the run: ``imbalance`` =
+∫max dt / ∫mean dt (the time average of max/mean weighted by load, so idle moments do not
+dominate), ``imbalance_unweighted`` = the plain time average of max/mean over the time some work
+is outstanding. 1 is perfect balance,
 N = everything on one replica.
 """
 
