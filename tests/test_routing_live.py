@@ -1,15 +1,18 @@
-"""The live routing study's own logic (experiments/studies/routing_live.py), without servers:
-each replica's counts read from its /metrics in vLLM's names (testbed.serve's and vLLM's alike),
-and the acceptance lines with and without the simulator's twin."""
+"""The live routing study's own logic (experiments/studies/routing_live.py and the modules beside
+it), without servers: each replica's counts read from its /metrics in vLLM's names (testbed.serve's
+and vLLM's alike), the acceptance lines with and without the simulator's twin, and a front's calls
+split by the replica that served them for the served fit."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
-from experiments.studies import routing_live, routing_twin
+from experiments.studies import routing_fronts, routing_live, routing_served_fit, routing_twin
+from testbed.errors import BadInput
 from testbed.api.metrics import ServerMetrics
 
 VLLM_METRICS = """\
@@ -25,7 +28,7 @@ vllm:request_success_total{engine="0",finished_reason="abort",model_name="smollm
 
 
 def test_vllm_metrics_give_its_token_counts_and_finished_requests_by_reason():
-    assert routing_live.metric_counters(VLLM_METRICS) == {
+    assert routing_fronts.metric_counters(VLLM_METRICS) == {
         "prefix_cache_queries": 1184.0, "prefix_cache_hits": 768.0,
         "request_success": {"stop": 1.0, "length": 5.0, "abort": 0.0}}
 
@@ -36,7 +39,7 @@ def test_a_testbed_servers_metrics_read_back_as_its_debug_state_counters():
         req = SimpleNamespace(prompt=[0] * prompt, output=[1, 2, 3], cached_tokens=cached,
                               first_token_s=None, finish_s=None, submitted_s=0.0, aborted=False)
         m.request_finished(req, reason)
-    read = routing_live.metric_counters(m.exposition())
+    read = routing_fronts.metric_counters(m.exposition())
     state = m.counters()
     assert read["prefix_cache_queries"] == state["prefix_cache_queries"] == 120
     assert read["prefix_cache_hits"] == state["prefix_cache_hits"] == 48
@@ -69,6 +72,10 @@ def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
      "kv_events needs the cache events of testbed.serve replicas"),
     (["--fitted", "/nonexistent/cost_model.yaml"], "--fitted: no file"),
     (["--twin-runs", "0"], "--twin-runs must be >= 1"),
+    (["--served-fit", "smg_cache_aware"], "--served-fit: smg_cache_aware: each must be a "
+                                          "testbed.route front the study runs"),
+    (["--served-fit", "round_robin", "--fronts", "cache_aware"], "--served-fit: round_robin:"),
+    (["--served-fit", "round_robin", "--fitted", "x.yaml"], "give it without --fitted"),
 ])
 def test_bad_options_are_refused_before_any_replica_starts(argv, says, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -113,3 +120,23 @@ def test_the_jittered_twins_range_is_checked_beside_the_exact_run():
     lines = routing_live.checks(pd.DataFrame([row]))
     assert lines[-1] == ("chat: least_load: the jittered twins' hit rates 0.630..0.700; the live "
                          "0.716 within 0.03 of that range: True")
+
+
+def test_the_served_fit_reads_each_replicas_calls_where_the_router_last_sent_them(tmp_path):
+    """A retried call ("b") counts for the replica that served it; a replica's folder holds its
+    calls' records as the client wrote them, in the client's order."""
+    run = tmp_path / "chat" / "round_robin"
+    (run / "client").mkdir(parents=True)
+    records = [{"id": i, "arrival_s": t} for i, t in (("a", 0.0), ("b", 0.1), ("c", 0.2))]
+    (run / "client" / "requests.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    (run / routing_twin.ROUTING).write_text(json.dumps(
+        [["a", 0, 0.0], ["b", 0, 0.1], [None, 1, 0.15], ["c", 1, 0.2], ["b", 1, 0.3]]))
+    dirs = routing_served_fit.split_by_replica(run, tmp_path / "fit")
+    assert [d.name for d in dirs] == ["r0", "r1"]
+    read = [[json.loads(x)["id"] for x in (d / "requests.jsonl").read_text().splitlines()]
+            for d in dirs]
+    assert read == [["a"], ["b", "c"]]
+    (run / routing_twin.ROUTING).unlink()
+    with pytest.raises(BadInput, match="only a testbed.route front logs"):
+        routing_served_fit.split_by_replica(run, tmp_path / "fit2")

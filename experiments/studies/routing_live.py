@@ -27,6 +27,9 @@ served them live, under the naming of the replicas that agrees most (``/debug/st
 testbed front's calls N - 1 more times with the first wave's arrivals jittered by
 ``± --twin-jitter-ms`` and reports the range of the hit rate and throughput
 (`experiments.studies.routing_twin`: how far milliseconds move a timing-bound policy).
+``--served-fit FRONT ...`` prices the twins by the replicas' own served steps instead (wall clock,
+the serving path included), fitted on the named fronts' runs and checked on the others
+(`experiments.studies.routing_served_fit`; the table's ``sim_priced_by``).
 
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
@@ -43,7 +46,7 @@ ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` 
     python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
         [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm]
-        [--twin-runs 1] [--twin-jitter-ms 3] [--out DIR]
+        [--twin-runs 1] [--twin-jitter-ms 3] [--served-fit FRONT ...] [--out DIR]
 
 Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptance checks
 (docs/results/routing_live.md).
@@ -52,15 +55,11 @@ Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptan
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import numpy as np
@@ -68,14 +67,14 @@ import pandas as pd
 
 from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
+from experiments.studies.routing_fronts import (CAPACITY, MODEL, counters, front_end,
+                                                replicas, reset, router_of)
+from experiments.studies.routing_served_fit import fit_served
 from experiments.studies.routing_twin import ROUTING, twin
 from experiments.validation.vllm import caching
 from experiments.validation.vllm import live as vllm_live
 from testbed.errors import BadInput
 
-SMG_VERSION = "1.13.0"
-MODEL = "smollm2_135m"
-CAPACITY = 6144  # tokens of KV per replica: less than the workloads' distinct prefixes
 SIM = ["backend=sim", f"model={MODEL}", "hardware=cpu"]
 SHIPPED_FIT = "cost_model=fitted_smollm2_cpu"
 WORKLOADS = {
@@ -87,113 +86,10 @@ WORKLOADS = {
     "mooncake": (None, ["arrival.max_in_flight=4"]),
 }
 MOONCAKE_REQUESTS = 32
-# smg 1.13.0's cache_aware defaults (smg/router_args.py): the simulator runs its twin with these
-SMG_CACHE_AWARE = ["router=cache_aware", "router.cache_threshold=0.3",
-                   "router.balance_abs_threshold=64", "router.balance_rel_threshold=1.5"]
-# our cache_aware at smg's thresholds too: the same rules as smg's, on tokens instead of characters
-FRONT_ROUTERS = {"cache_aware_smg_thresholds": SMG_CACHE_AWARE,
-                 "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
 FRONTS = ["round_robin", "random", "least_load", "cache_aware", "cache_aware_smg_thresholds",
           "kv_events", "smg_cache_aware"]
 VLLM_FRONTS = ["round_robin", "cache_aware", "cache_aware_smg_thresholds", "smg_cache_aware"]
 REPLICA_KINDS = ("testbed", "vllm")
-VLLM_BLOCK = 32  # vLLM 0.32's CPU attention takes blocks in multiples of 32
-
-
-# ---------------------------------------------------------------- the processes
-def smg_binary(cache: Path) -> Path:
-    """smg's launcher in its own virtual environment under ``cache``, installed once."""
-    venv = cache / "venvs" / f"smg-{SMG_VERSION}"
-    smg = venv / "bin" / "smg"
-    if smg.exists():
-        return smg
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"installing smg=={SMG_VERSION} into {venv} (once)", file=sys.stderr)
-    for cmd in ([sys.executable, "-m", "venv", str(venv)],
-                [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-                 f"smg=={SMG_VERSION}"]):
-        subprocess.run(cmd, check=True)
-    return smg
-
-
-def front_command(front: str, urls: list[str], port: int, cache: Path) -> list[str]:
-    if front.startswith("smg_"):
-        return [str(smg_binary(cache)), "launch", "--worker-urls", *urls, "--policy",
-                front.removeprefix("smg_"), "--host", "127.0.0.1", "--port", str(port),
-                "--log-level", "warn"]
-    return [sys.executable, "-m", "testbed.route", *router_of(front), f"model={MODEL}",
-            f"route.urls=[{','.join(urls)}]", f"route.port={port}"]
-
-
-def router_of(front: str) -> list[str]:
-    """The ``router`` overrides of a front end (its simulator twin's, for smg's)."""
-    return FRONT_ROUTERS.get(front, [f"router={front}"])
-
-
-@contextlib.contextmanager
-def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[str]:
-    """The router (ours or smg) in front of ``urls``, as its own process, until the block ends."""
-    from testbed.api.server import free_port
-
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as f:
-        proc = subprocess.Popen(front_command(front, urls, port, cache), cwd=REPO, env=env,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{front} exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{front} did not answer {url}/health; see {log}")
-            time.sleep(0.1)
-        yield url
-    finally:
-        vllm_live.stop(proc)
-
-
-def counters(urls: list[str]) -> list[dict]:
-    """Each replica's own prefix-cache and request counts, from its ``GET /metrics`` (vLLM's
-    names, under ``vllm:`` or the testbed's ``testbed:``): prompt tokens queried and hit, and
-    finished requests by reason."""
-    return [metric_counters(httpx.get(u + "/metrics", timeout=60).text) for u in urls]
-
-
-def metric_counters(text: str) -> dict:
-    """``prefix_cache_queries``, ``prefix_cache_hits`` and ``request_success`` (reason ->
-    count) of a Prometheus text exposition in vLLM's names, whatever their prefix."""
-    out: dict = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0, "request_success": {}}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        sample, _, value = line.rpartition(" ")
-        name, _, labels = sample.partition("{")
-        name = name.split(":", 1)[-1]
-        if name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-            out[name.removesuffix("_total")] += float(value)
-        elif name == "request_success_total":
-            reason = labels.split('finished_reason="', 1)[-1].split('"', 1)[0]
-            out["request_success"][reason] = out["request_success"].get(reason, 0) + float(value)
-    return out
-
-
-def reset(urls: list[str]) -> None:
-    """Empty every replica's prefix cache (``POST /reset_prefix_cache``: testbed.serve answers
-    with ``success``, vLLM in dev mode with an empty body), retrying while a request ends."""
-    for u in urls:
-        for _ in range(100):  # a request may still be ending
-            r = httpx.post(u + "/reset_prefix_cache", timeout=60)
-            if r.status_code == 200 and (not r.content or r.json().get("success", True)):
-                break
-            time.sleep(0.1)
-        else:
-            raise RuntimeError(f"{u}/reset_prefix_cache did not succeed")
 
 
 # ---------------------------------------------------------------- one run
@@ -292,8 +188,10 @@ def checks(table: pd.DataFrame) -> list[str]:
         for f, r in by.iterrows():
             dh = abs(r.sim_hit_rate - r.hit_rate)
             dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
+            priced = r.get("sim_priced_by")
             lines.append(f"{w}: {f}: simulator's hit rate within 0.03 ({dh:.3f}): {dh <= 0.03}; "
-                         f"throughput within 10% ({dt:.1%}): {dt <= 0.10}")
+                         f"throughput within 10% ({dt:.1%}): {dt <= 0.10}"
+                         + (f" [{priced}]" if isinstance(priced, str) else ""))
             if pd.notna(r.get("sim_hit_rate_min")):
                 lo, hi = r.sim_hit_rate_min, r.sim_hit_rate_max
                 lines.append(f"{w}: {f}: the jittered twins' hit rates {lo:.3f}..{hi:.3f}; the "
@@ -326,7 +224,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="a cost_model.yaml to price the simulator's runs (default: the shipped "
                          "fitted_smollm2_cpu); fit one beside the study with `python -m "
                          "experiments.validation.sim_vs_engine --real --out DIR`")
+    ap.add_argument("--served-fit", nargs="+", default=None, metavar="FRONT",
+                    help="price the twins by a cost model fitted to the replicas' steps in these "
+                         "testbed.route fronts' runs, every workload's (e.g. round_robin random; "
+                         "`experiments.studies.routing_served_fit`): their rows are the fit's "
+                         "training data, the other fronts' held out")
     args = ap.parse_args(argv)
+    if args.served_fit is not None:
+        if args.fitted is not None or args.replica_kind == "vllm":
+            raise BadInput("--served-fit prices testbed replicas' twins by their served steps: "
+                           "give it without --fitted and --replica-kind vllm")
+        bad = [f for f in args.served_fit
+               if f.startswith("smg_") or f not in (args.fronts or FRONTS)]
+        if bad:
+            raise BadInput(f"--served-fit: {' '.join(bad)}: each must be a testbed.route front "
+                           f"the study runs (smg logs no routing decisions); the fronts: "
+                           f"{' '.join(f for f in args.fronts or FRONTS if not f.startswith('smg_'))}")
     if args.fitted is not None and not args.fitted.is_file():
         raise BadInput(f"--fitted: no file {args.fitted}")
     if args.twin_runs < 1 or args.twin_jitter_ms < 0:
@@ -358,6 +271,7 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
           ) -> None:
     """Every workload through every front end, a row each into ``rows`` as it is done."""
     vllm = args.replica_kind == "vllm"
+    later = []  # with --served-fit the twins wait for the fit, made once every run is live
     for w in args.workloads:
         words = workload_words(w, args.out / w)
         _, arrival = WORKLOADS[w]
@@ -366,48 +280,29 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
             started = time.perf_counter()
             row = {"workload": w, "front": front, "replicas": args.replica_kind,
                    **live(front, words, arrival, urls, out, args.cache_dir, args.replica_kind)}
+            row["wall_s"] = time.perf_counter() - started
+            if not vllm and args.served_fit:
+                later.append((row, words, arrival, out))
+                print(f"{w} {front}: live {row['requests_per_s']:.2f} req/s, hit rate "
+                      f"{row['hit_rate']:.3f}; its twin after the served fit", file=sys.stderr,
+                      flush=True)
+                continue
             if not vllm:
                 row |= simulated(front, words, arrival, args.replicas, out, args.fitted,
                                  args.twin_runs, args.twin_jitter_ms)
-            row["wall_s"] = time.perf_counter() - started
+                row["sim_priced_by"] = "engine fit"
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def replicas(kind: str, n: int, cache: Path, out: Path) -> Iterator[list[str]]:
-    """``n`` replicas of SmolLM2 with ``CAPACITY`` tokens of KV each, started side by side,
-    until the block ends: their URLs."""
-    if kind == "testbed":
-        from testbed.gateway.launch import start_replicas
-        handles = start_replicas(n, [f"model={MODEL}", "device=cpu",
-                                     f"cache.capacity_tokens={CAPACITY}"], 600)
-        try:
-            yield [h.url for h in handles]
-        finally:
-            for h in handles:
-                h.stop()
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    from testbed.data import resolve_model
-    python, model = vllm_live.venv_python(cache), resolve_model(vllm_live.MODEL)
-    blocks = CAPACITY // VLLM_BLOCK + 1  # vLLM keeps its first block (the null block) out
-    servers = [vllm_live.serve(python, model, VLLM_BLOCK, blocks, out / f"vllm_{i}.log",
-                               env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))})
-               for i in range(n)]
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(n) as pool:
-        started = [pool.submit(s.__enter__) for s in servers]
-        failure = None
-        for s, f in zip(servers, started):
-            try:
-                f.result()
-                stack.push(s)  # its __exit__ stops it
-            except Exception as e:  # noqa: BLE001 - stop the others, then report this one
-                failure = failure or e
-        if failure is not None:
-            raise BadInput(f"a vLLM replica did not start: {failure}")
-        yield [f.result().url for f in started]
+    if later:
+        fit = fit_served([args.out / w / f for w in args.workloads for f in args.served_fit],
+                         args.out / "served_fit", MODEL)
+        for row, words, arrival, out in later:
+            row |= simulated(row["front"], words, arrival, args.replicas, out, fit,
+                             args.twin_runs, args.twin_jitter_ms)
+            row["sim_priced_by"] = "served fit (trained here)" \
+                if row["front"] in args.served_fit else "served fit (held out)"
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
