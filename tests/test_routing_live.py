@@ -140,3 +140,24 @@ def test_the_served_fit_reads_each_replicas_calls_where_the_router_last_sent_the
     (run / routing_twin.ROUTING).unlink()
     with pytest.raises(BadInput, match="only a testbed.route front logs"):
         routing_served_fit.split_by_replica(run, tmp_path / "fit2")
+
+
+def test_a_front_ends_cpu_seconds_are_its_sessions_and_no_one_elses():
+    """The child burns 0.3 s of CPU, says so and waits: its session has used that (less the
+    kernel's rounding of user and system time down to clock ticks), and a session with no live
+    process none."""
+    import os
+    import subprocess
+    import sys
+
+    burn = ("import sys, time\nwhile time.process_time() < 0.3: pass\n"
+            "print('burnt', flush=True)\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "burnt"
+        assert routing_fronts.session_cpu_s(child.pid) >= 0.3 - 2 / os.sysconf("SC_CLK_TCK")
+    finally:
+        child.kill()
+        child.wait()
+    assert routing_fronts.session_cpu_s(child.pid) == 0.0

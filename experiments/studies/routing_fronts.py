@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -61,9 +61,26 @@ def router_of(front: str) -> list[str]:
     return FRONT_ROUTERS.get(front, [f"router={front}"])
 
 
+def session_cpu_s(session: int) -> float:
+    """CPU seconds (user and system) the live processes of a session have used (Linux's
+    /proc/PID/stat; 0 where there is none): a front end's own work, its children's included."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[3]) == session:  # (after the name: state, ppid, pgrp, session, ...)
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
 @contextlib.contextmanager
-def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[str]:
-    """The router (ours or smg) in front of ``urls``, as its own process, until the block ends."""
+def front_end(front: str, urls: list[str], cache: Path, log: Path
+              ) -> Iterator[tuple[str, Callable[[], float]]]:
+    """The router (ours or smg) in front of ``urls``, as its own process (a session of its own),
+    until the block ends: its URL, and what reads the CPU seconds its processes have used."""
     from testbed.api.server import free_port
 
     port = free_port()
@@ -84,7 +101,7 @@ def front_end(front: str, urls: list[str], cache: Path, log: Path) -> Iterator[s
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{front} did not answer {url}/health; see {log}")
             time.sleep(0.1)
-        yield url
+        yield url, lambda: session_cpu_s(proc.pid)
     finally:
         vllm_live.stop(proc)
 

@@ -10,7 +10,9 @@ workload is driven through it by ``backend=server`` with text prompts
 forced output lengths, as a closed loop; then it stops. Reported per run: each replica's hit
 rate and the total, from the replicas' own counts (their ``/metrics`` counters before and after),
 requests per second and TTFT p50/p99 (the client's), imbalance (max/mean of the requests each
-replica served), failed calls, and the replicas' steps as they timed them (``/debug/steps``:
+replica served), failed calls, the front end's own CPU seconds during the workload
+(``front_cpu_s``: its processes' share of the cores the replicas run on), and the replicas'
+steps as they timed them (``/debug/steps``:
 the engine's own CPU-clocked cost, which the fitted model predicts, against the wall time the
 loops took and the time they waited for a core on this shared 2-core machine); and the simulator's run of the calls as they ran (the prompts
 the replicas tokenized, the outputs they returned, the workload's programs and closed loop, the
@@ -118,11 +120,13 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
     before = counters(urls)
     first = [steps_recorded(u) for u in urls] if kind == "testbed" else None
     served_name = MODEL if kind == "testbed" else vllm_live.SERVED_NAME
-    with front_end(front, urls, cache, out / "front.log") as url:
+    with front_end(front, urls, cache, out / "front.log") as (url, front_cpu_s):
+        ready_cpu_s = front_cpu_s()
         execute(compose_config([*words, *arrival, "backend=server", f"server.url={url}",
                                 f"server.model={served_name}", "server.prompt_format=text",
                                 f"model={MODEL}", "engine.forced=true", "save_token_ids=true",
                                 "progress=false"]), out / "client")
+        front_cpu = front_cpu_s() - ready_cpu_s  # the workload's share, start-up left out
         state = httpx.get(url + "/debug/state", timeout=30).json() \
             if not front.startswith("smg_") else None
     after = counters(urls)
@@ -136,7 +140,7 @@ def live(front: str, words: list[str], arrival: list[str], urls: list[str], out:
            "requests_per_s": s["throughput_req_s"], "ttft_p50_s": s["ttft_p50_s"],
            "ttft_p99_s": s["ttft_p99_s"], "imbalance": max(served) / np.mean(served),
            "served": " ".join(map(str, served)), "failed": s.get("failed_requests", 0),
-           "client_hit_rate": s["hit_rate"]}
+           "client_hit_rate": s["hit_rate"], "front_cpu_s": front_cpu}
     if first is not None:
         steps = [steps_since(u, n) for u, n in zip(urls, first)]
         # the replicas' steps as they timed them: the engine's own cost (what the fitted model
