@@ -241,3 +241,40 @@ def test_alloc_hands_out_the_lowest_free_pages_once_the_freed_ones_are_merged(op
             held.append(got)
         assert pool.num_free == (len(stack) + len(released)) * page
     pool.check_ownership(held)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "split", "free"]), st.integers(0, 30),
+                          st.integers(0, 30)), max_size=30),
+       st.sampled_from([None, 160]), st.sampled_from([1, 4]))
+def test_alloc_split_hands_out_alloc_s_slots_cut_in_two_arrays_of_their_own(ops, capacity, page):
+    """Two pools driven alike, one by ``alloc`` and one by ``alloc_split`` where the op says:
+    the same slots, the first ``k`` of them first, neither array a view (each owns its memory);
+    bounded or not, paged or not, with frees in between (the slow path's stale entries)."""
+    plain, split = KVSlotPool(capacity, page_size=page), KVSlotPool(capacity, page_size=page)
+    held: list[np.ndarray] = []
+    for op, n, k in ops:
+        n = n * page
+        if op == "free":
+            if held:
+                slots = held.pop(k % len(held))
+                plain.free(slots)
+                split.free(slots)
+            continue
+        if not plain.can_alloc(n):
+            continue
+        whole = plain.alloc(n)
+        if op == "alloc":
+            assert split.alloc(n).tolist() == whole.tolist()
+        else:
+            cut = min(k * page, n)
+            first, rest = split.alloc_split(n, cut)
+            assert first.tolist() == whole[:cut].tolist() and rest.tolist() == whole[cut:].tolist()
+            assert first.base is None and rest.base is None
+        held.append(whole)
+    assert split.num_free == plain.num_free
+
+
+def test_alloc_split_refuses_a_cut_outside_the_allocation():
+    with pytest.raises(ValueError, match="cannot cut 3 slots after 4"):
+        KVSlotPool(8, page_size=2).alloc_split(3, 4)

@@ -101,7 +101,6 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
         node.lock_ref += 1
     if protect:
         evicted = cache.evict(need - pool.num_free)
-    fresh = pool.alloc(need)
     # the insert's walk: the root and the path (c1 + 1 ...), then the new leaf's tick
     c2 = c1 + 1 + k
     cut_at = p if cache._checkpoints and hit < p < n else 0
@@ -109,10 +108,11 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
         # The prompt walk will cut the new leaf at the prompt's end: make the two nodes the cut
         # leaves (the leaf's id first), the head with the cut's tick, one more urgent.
         c3 = c2 + 4 + k  # the leaf; the prompt walk's root and path; the leaf touched; the cut
-        leaf = TreeNode(next(cache._ids), None, kb[p * TOKEN_BYTES :], fresh[p - hit :], c2 + 1,
-                        p, requester)
-        head = TreeNode(next(cache._ids), node, kb[at : p * TOKEN_BYTES], fresh[: p - hit], c3,
-                        hit, requester)
+        head_slots, leaf_slots = pool.alloc_split(need, p - hit)
+        leaf = TreeNode(next(cache._ids), None, kb[p * TOKEN_BYTES :], leaf_slots, c2 + 1, p,
+                        requester)
+        head = TreeNode(next(cache._ids), node, kb[at : p * TOKEN_BYTES], head_slots, c3, hit,
+                        requester)
         leaf.parent = head
         leaf.hits = head.hits = 1
         head.priority = leaf.priority  # a cut's head takes the tail's (a requester's or 0)...
@@ -126,7 +126,7 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
         last = [head, leaf]
     else:
         cache._clock = c2
-        leaf = cache._add_leaf(node, kb[at:], fresh, hit, requester)
+        leaf = cache._add_leaf(node, kb[at:], pool.alloc(need), hit, requester)
         last = [leaf]  # what the last walk passes after the path
     if cache._checkpoints:
         prompt_walk = 0 < p < n
