@@ -275,6 +275,17 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
           ) -> None:
     """Every workload through every front end, a row each into ``rows`` as it is done."""
     vllm = args.replica_kind == "vllm"
+
+    def done(row: dict, words: list[str], arrival: list[str], out: Path,
+             fit: Path | None = None, priced: str | None = None) -> None:
+        """The row into ``rows``, with its simulator twin (none behind vLLM) priced by ``fit``."""
+        if priced is not None:
+            row |= simulated(row["front"], words, arrival, args.replicas, out, fit,
+                             args.twin_runs, args.twin_jitter_ms)
+            row["sim_priced_by"] = priced
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
     later = []  # with --served-fit the twins wait for the fit, made once every run is live
     for w in args.workloads:
         words = workload_words(w, args.out / w)
@@ -285,29 +296,19 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
             row = {"workload": w, "front": front, "replicas": args.replica_kind,
                    **live(front, words, arrival, urls, out, args.cache_dir, args.replica_kind)}
             row["wall_s"] = time.perf_counter() - started
-            if not vllm and args.served_fit:
+            if args.served_fit:  # (never behind vLLM: main refuses the two together)
                 later.append((row, words, arrival, out))
                 print(f"{w} {front}: live {row['requests_per_s']:.2f} req/s, hit rate "
                       f"{row['hit_rate']:.3f}; its twin after the served fit", file=sys.stderr,
                       flush=True)
-                continue
-            if not vllm:
-                row |= simulated(front, words, arrival, args.replicas, out, args.fitted,
-                                 args.twin_runs, args.twin_jitter_ms)
-                row["sim_priced_by"] = "engine fit"
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            else:
+                done(row, words, arrival, out, args.fitted, None if vllm else "engine fit")
     if later:
         fit = fit_served([args.out / w / f for w in args.workloads for f in args.served_fit],
                          args.out / "served_fit", MODEL)
         for row, words, arrival, out in later:
-            row |= simulated(row["front"], words, arrival, args.replicas, out, fit,
-                             args.twin_runs, args.twin_jitter_ms)
-            row["sim_priced_by"] = "served fit (trained here)" \
-                if row["front"] in args.served_fit else "served fit (held out)"
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-
+            done(row, words, arrival, out, fit, "served fit (trained here)"
+                 if row["front"] in args.served_fit else "served fit (held out)")
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from experiments import REPO
-from experiments.studies.routing_twin import ROUTING
+from experiments.studies.routing_twin import ROUTING, served_by
 from testbed.errors import BadInput
 
 
@@ -35,7 +35,7 @@ def split_by_replica(run: Path, dst: Path) -> list[Path]:
     if not routing.is_file():
         raise BadInput(f"--served-fit: {run} has no {ROUTING} (only a testbed.route front logs "
                        f"which replica served each call)")
-    served = {i: w for i, w, _ in json.loads(routing.read_text()) if i is not None}
+    served = served_by(json.loads(routing.read_text()))
     by: dict[int, list[str]] = {}
     for line in (run / "client" / "requests.jsonl").read_text().splitlines():
         by.setdefault(served[json.loads(line)["id"]], []).append(line)

@@ -38,6 +38,12 @@ def received(routing: list[list]) -> dict[str, float]:
     return out
 
 
+def served_by(routing: list[list]) -> dict[str, int]:
+    """Each call's id -> the replica that served it: the router's last decision for it (a retry's
+    replaced the first), from ``/debug/state``'s ``routing``; calls without an id left out."""
+    return {request_id: w for request_id, w, _ in routing if request_id is not None}
+
+
 def same_replica(routing: list[list] | None, simulated: dict[str, int]) -> float | None:
     """The share of calls the simulator sent to the replica that served them live (the last
     decision for each: a retry's replaced the first), under the naming of the replicas that
@@ -45,7 +51,7 @@ def same_replica(routing: list[list] | None, simulated: dict[str, int]) -> float
     None behind smg (its decisions are not logged)."""
     if routing is None:
         return None
-    live = {request_id: w for request_id, w, _ in routing if request_id is not None}
+    live = served_by(routing)
     names = sorted(set(live.values()) | {w for w in simulated.values() if w is not None})
     best = max(sum(simulated.get(i) is not None and rename[names.index(simulated[i])] == w
                    for i, w in live.items())

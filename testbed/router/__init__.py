@@ -32,8 +32,9 @@ for _name, _router in (("round_robin", RoundRobin), ("random", RandomRouter),
                        ("oracle", Oracle), ("kv_events", KvEvents)):
     ROUTERS.register(_name, _router)
 
-__all__ = ["ApproxTree", "CLUSTER_KEYS", "CacheAware", "KvEvents", "KvIndex", "LOAD_UNITS",
-           "LOAD_SEEN", "LeastLoad", "Loads", "NoWorker", "Oracle", "ROUTERS", "RandomRouter", "RoundRobin", "Router", "cluster_delays", "cluster_load_seen",
+__all__ = ["ApproxTree", "CLUSTER_KEYS", "CacheAware", "DELAY_KEYS", "KvEvents", "KvIndex",
+           "LOAD_SEEN", "LOAD_UNITS", "LeastLoad", "Loads", "NoWorker", "Oracle", "ROUTERS",
+           "RandomRouter", "RoundRobin", "Router", "cluster_delays", "cluster_load_seen",
            "is_imbalanced", "least_loaded", "peek_match"]
 
 
