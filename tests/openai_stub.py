@@ -8,7 +8,7 @@ run one call at a time reaches the ideal hit rate). Options make it misbehave: o
 tokens or the token ids, stop early at its EOS unless told to ignore it, fail chosen calls (by
 order of receipt) with a status and message, cut their stream or wait before answering. It
 records every body it
-received. Runs in a thread on a free loopback port (`StubServer.start`).
+received and the connection (the caller's port) it came on. Runs in a thread on a free loopback port (`StubServer.start`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class StubServer:
     def __init__(self) -> None:
         self.options = StubOptions()
         self.received: list[dict[str, Any]] = []
+        self.peers: list[int] = []  # each received call's connection (the caller's port)
         self.history: list[list[int]] = []  # prompt + output of every answered call
         self.cached: list[int] = []  # cached_tokens of each answered call, in answer order
         self.app = self._app()
@@ -60,6 +61,7 @@ class StubServer:
     def reset(self, **options: Any) -> "StubServer":
         self.options = StubOptions(**options)
         self.received.clear()
+        self.peers.clear()
         self.history.clear()
         self.cached.clear()
         return self
@@ -81,6 +83,7 @@ class StubServer:
             body = await request.json()
             index = len(self.received)
             self.received.append(body)
+            self.peers.append(request.client.port)
             if index in self.options.delay_s:
                 await asyncio.sleep(self.options.delay_s[index])
             if self.options.refuse_zero and body["max_tokens"] == 0:

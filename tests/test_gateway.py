@@ -266,6 +266,10 @@ def test_the_router_fronts_any_openai_server(name, tmp_path):
         assert sorted(set(state["routed"])) == [0, 1] if name == "round_robin" else \
             state["decisions"].get("cache", 0) > 0
         assert all(b.get("return_token_ids") for s in stubs for b in s.received)
+        # the router reads each replica's stream to its end, so its connections are reused:
+        # one for the calls, one more where a health check met a call in flight
+        assert len(rows) == sum(len(s.peers) for s in stubs) == 12
+        assert all(len(set(s.peers)) <= 2 for s in stubs), [s.peers for s in stubs]
     finally:
         router.stop()
         for s in stubs:

@@ -72,6 +72,13 @@ def test_prompts_splice_in_the_outputs_the_server_returned(compose, tmp_path, st
     assert (summary["server_url"], summary["server_model"]) == (stub.url, MODEL)
 
 
+def test_calls_one_at_a_time_share_one_connection(compose, tmp_path, stub):
+    """Each call reads its stream to the end after ``[DONE]``, which hands its connection back
+    to the pool for the next (closed with bytes unread, httpx drops it: a connection a call)."""
+    run(compose, tmp_path, stub)
+    assert len(stub.peers) == 4 and len(set(stub.peers)) == 1
+
+
 def test_forced_lengths_ask_for_exactly_the_workloads_output(compose, tmp_path, stub):
     run(compose, tmp_path, stub)
     sent = {tuple(b["prompt"][:5]): b for b in stub.received}

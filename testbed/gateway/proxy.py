@@ -42,7 +42,7 @@ from testbed.api.app import AbortingStream
 from testbed.api.protocol import ApiError
 from testbed.gateway.prompts import route_tokens
 from testbed.gateway.replicas import Replica, Replicas
-from testbed.remote.openai_client import error_message
+from testbed.remote.openai_client import drain, error_message
 from testbed.router import NoWorker, Router
 from testbed.workloads.request import TOKEN_DTYPE
 
@@ -213,6 +213,8 @@ class Call:
                     self._failed(e)
                 yield self._error_chunk(f"the stream broke: {type(e).__name__}: {e}".rstrip(": "))
         finally:
+            if ok:
+                await drain(lines)  # the connection back to the pool
             await _close(resp)
             self.end(self._output() if ok else None)
 

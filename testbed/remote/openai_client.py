@@ -25,12 +25,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import httpx
 
 from testbed.errors import BadInput
 from testbed.remote.settings import ServerSettings
+
+
+#: after ``data: [DONE]``: how long the rest of a stream is read for (`drain`)
+DRAIN_S = 0.5
 
 
 class ServerUnreachable(BadInput):
@@ -98,6 +102,20 @@ def error_message(status: int | None, text: str) -> str:
                 return json.dumps(found)
     text = text.strip()
     return text[:500] if text else f"HTTP {status}"
+
+
+async def drain(lines: AsyncIterator[str]) -> None:
+    """Read what a stream sends after ``data: [DONE]`` (the end of its chunked body, at once from
+    any server that ends the stream there), so its connection goes back to the client's pool:
+    httpx drops a connection closed with bytes unread, and every call would then open one of its
+    own, a TCP handshake and a server-side set-up each. A server that holds a stream open past
+    ``[DONE]`` is not waited for longer than `DRAIN_S`."""
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def read_chunk(done: Completion, chunk: dict[str, Any], now: float) -> None:
@@ -200,12 +218,14 @@ class OpenAIClient:
                 done.error = error_message(resp.status_code, text)
                 return
             ended = False
-            async for line in resp.aiter_lines():
+            lines = resp.aiter_lines()
+            async for line in lines:
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
                     ended = True
+                    await drain(lines)
                     break
                 try:
                     chunk = json.loads(data)
