@@ -76,6 +76,22 @@ def session_cpu_s(session: int) -> float:
     return total / tick
 
 
+def wait_answering(url: str, proc: subprocess.Popen, name: str, see: str = "",
+                   timeout_s: float = 120) -> None:
+    """Until ``url``'s ``GET /health`` answers 200; raises (naming ``name``, then ``see``) if
+    ``proc`` exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}{see}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not answer {url}/health{see}")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def front_end(front: str, urls: list[str], cache: Path, log: Path
               ) -> Iterator[tuple[str, Callable[[], float]]]:
@@ -91,16 +107,7 @@ def front_end(front: str, urls: list[str], cache: Path, log: Path
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{front} exited with {proc.returncode}; see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{front} did not answer {url}/health; see {log}")
-            time.sleep(0.1)
+        wait_answering(url, proc, front, f"; see {log}")
         yield url, lambda: session_cpu_s(proc.pid)
     finally:
         vllm_live.stop(proc)
