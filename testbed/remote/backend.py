@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -58,7 +58,18 @@ class ServerRun:
 
 def run_server(run: Assembly, requests: list[Request]) -> ServerRun:
     """Serve ``requests`` on the server of ``run.server``."""
-    return asyncio.run(_run(run, requests))
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(_run(run, requests))
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (as uvicorn's servers run theirs), else
+    asyncio's own (None): the client reads every streamed chunk, on the cores the server uses."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _run(run: Assembly, requests: list[Request]) -> ServerRun:

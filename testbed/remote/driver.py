@@ -101,14 +101,22 @@ class RemoteDriver:
             while self.max_in_flight is not None and self._in_flight >= self.max_in_flight:
                 self._program_done.clear()
                 await self._program_done.wait()
-            await asyncio.sleep(max(0.0, self.graph.first_arrival(index) - self.now()))
+            await self.until(self.graph.first_arrival(index))
             self._in_flight += 1
             for call in self.graph.roots[program]:
                 self._spawn(self._serve(call, call.arrival_s))
 
+    async def until(self, when: float) -> None:
+        """Until ``when`` (run seconds) has come: a timer may fire early (uvloop's keep whole
+        milliseconds), and a call is never sent before its time. Yields at least once, as a
+        sleep of nothing does."""
+        await asyncio.sleep(max(0.0, when - self.now()))
+        while (left := when - self.now()) > 0:
+            await asyncio.sleep(left)
+
     async def _serve(self, call: Request, when: float) -> None:
         """Send ``call`` at ``when`` once a call slot is free; then release what it waited on."""
-        await asyncio.sleep(max(0.0, when - self.now()))
+        await self.until(when)
         await self._take_slot()
         prompt = materialize(call.segments, self._outputs) if call.segments else call.prompt
         sent = Sent(call, prompt, self.now())
