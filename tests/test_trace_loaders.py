@@ -54,6 +54,25 @@ def test_tokens_round_trip_keeps_think_time_and_priority(tmp_path):
     assert (b.id, b.program, b.after) == ("b", "p", ["a"])
 
 
+def test_a_trace_loaded_again_unchanged_is_read_once_and_each_load_gets_its_own_requests(
+        tmp_path, monkeypatch):
+    """A sweep's jobs in one process read a trace file once: the same requests again, each
+    load its own copies (read-only token arrays); a changed file is read anew."""
+    path = write_lines(tmp_path / "t.jsonl", {"prompt": [1, 2, 3], "output": [4]},
+                       {"prompt": [1, 2], "output": [5, 6]})
+    reads = []
+    monkeypatch.setitem(LOADERS, "tokens", lambda p: reads.append(p) or load_tokens(p))
+    first = load_trace(path)
+    first[0].priority = 7  # a run's change stays its own
+    second = load_trace(path)
+    assert len(reads) == 1 and second[0] is not first[0] and second[0].priority == 0
+    assert [r.sequence().tolist() for r in second] == [[1, 2, 3, 4], [1, 2, 5, 6]]
+    with pytest.raises(ValueError, match="read-only"):
+        second[1].output[0] = 9
+    write_lines(path, {"prompt": [8], "output": [9]})  # another size: read again
+    assert [r.sequence().tolist() for r in load_trace(path)] == [[8, 9]] and len(reads) == 2
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"think_time_s": -1}, "'think_time_s' must be a number >= 0"),
     ({"think_time_s": "1"}, "field 'think_time_s' has the wrong type"),
