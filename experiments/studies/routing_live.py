@@ -310,6 +310,7 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
             done(row, words, arrival, out, fit, "served fit (trained here)"
                  if row["front"] in args.served_fit else "served fit (held out)")
 
+
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     entry(main)

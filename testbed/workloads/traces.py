@@ -192,19 +192,18 @@ def load_trace(path: str | Path, fmt: str | None = None, **options) -> list[Requ
         raise ValueError(f"unknown trace option(s) {', '.join(unknown)}; "
                          f"known: {', '.join(TRACE_OPTIONS)}")
     key = _kept_key(path, fmt) if not spec.options else None
-    if key is not None and key in _KEPT:
-        return [copy.copy(r) for r in _KEPT[key]]
-    requests = LOADERS[fmt](path, **{k: options.get(k) for k in spec.options})
-    if not requests:  # a run of nothing would end with an all-zero summary and no word why
-        raise TraceError(f"{path}: the trace holds no requests (an empty file, or nothing but "
-                         "blank lines or a header); a trace needs at least one")
-    if key is not None:
+    if key is None or key not in _KEPT:
+        requests = LOADERS[fmt](path, **{k: options.get(k) for k in spec.options})
+        if not requests:  # a run of nothing would end with an all-zero summary and no word why
+            raise TraceError(f"{path}: the trace holds no requests (an empty file, or nothing "
+                             "but blank lines or a header); a trace needs at least one")
+        if key is None:
+            return requests
         for r in requests:
             _read_only(r)
         _KEPT.clear()
         _KEPT[key] = requests
-        return [copy.copy(r) for r in requests]
-    return requests
+    return [copy.copy(r) for r in _KEPT[key]]
 
 
 #: The last trace this process loaded, by `_kept_key`: a sweep's jobs served by one process
