@@ -93,6 +93,9 @@ class QueuePolicy:
         # SGLang refreshes under --radix-eviction-policy lru only (a user's class: never)
         self._refreshes = (sglang == "0.5.23" and isinstance(cache, RadixCache)
                            and getattr(cache.policy, "name", None) == "lru")
+        # the refreshed requests' fills as bytes, kept from one refresh to the next (the head of
+        # a long queue changes little in `REFRESH_EVERY` passes; a Mooncake fill is 48 KB)
+        self._refresh_keys = FillKeys() if self._refreshes else None
 
     def effective(self, num_waiting: int) -> str:
         """The policy actually applied with this many requests waiting."""
@@ -114,8 +117,8 @@ class QueuePolicy:
         refresh = self._refresh_calls % REFRESH_EVERY == 0
         self._refresh_calls += 1
         if refresh:
-            for r in reversed(ordering.queue[:REFRESH_FIRST]):
-                self.cache.match(r.fill())
+            for kb in reversed(self._refresh_keys(ordering.queue[:REFRESH_FIRST])):
+                self.cache.match_bytes(kb)
         return ordering
 
 

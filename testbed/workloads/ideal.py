@@ -17,7 +17,10 @@ inside one.
 
 from __future__ import annotations
 
+import weakref
 from typing import Iterable
+
+import numpy as np
 
 from testbed.cache.token_runs import TOKEN_BYTES, joined_bytes, matched_bytes, token_view
 from testbed.perf import gc_paused
@@ -65,7 +68,36 @@ def ideal_hits(requests: Iterable[Request]) -> list[int]:
 
 
 def ideal_hit_rate(requests: Iterable[Request]) -> float:
-    """Hit rate of an unlimited cache with perfect reuse, requests taken in the given order."""
+    """Hit rate of an unlimited cache with perfect reuse, requests taken in the given order.
+    Over read-only token arrays (a kept trace's, `testbed.workloads.traces.load_trace`) the last
+    rate is kept: the next call on the same arrays in the same order returns it (a sweep's jobs
+    in one process count a trace's ideal once: 0.2 s a Mooncake conversation job)."""
     requests = list(requests)
+    key = _frozen_key(requests)
+    if key is not None and _KEPT and _KEPT[0] == key \
+            and all(ref() is not None for ref in _KEPT[1]):
+        return _KEPT[2]
     total = sum(len(r.prompt) for r in requests)
-    return sum(ideal_hits(requests)) / total if total else 0.0
+    rate = sum(ideal_hits(requests)) / total if total else 0.0
+    _KEPT[:] = [] if key is None else [
+        key, [weakref.ref(a) for r in requests for a in (r.prompt, r.output)], rate]
+    return rate
+
+
+#: [the arrays' ids, weak references to them, the rate] of the last `ideal_hit_rate` over
+#: read-only arrays. Their ids name them only while they live: a live reference for each one
+#: says they are the same arrays, and read-only arrays hold the same tokens.
+_KEPT: list = []
+
+
+def _frozen_key(requests: list[Request]) -> tuple[int, ...] | None:
+    """The ids of the requests' prompt and output arrays, in order, when every one is a read-only
+    numpy array over read-only memory (a view's base too); else None (nothing is kept)."""
+    ids = []
+    for r in requests:
+        for a in (r.prompt, r.output):
+            if not isinstance(a, np.ndarray) or a.flags.writeable or (
+                    isinstance(a.base, np.ndarray) and a.base.flags.writeable):
+                return None
+            ids.append(id(a))
+    return tuple(ids)

@@ -224,5 +224,9 @@ def _kept_key(path: Path, fmt: str) -> tuple | None:
 
 
 def _read_only(r: Request) -> None:
+    """The request's token arrays read-only, and the arrays they are views of (nothing else
+    holds those: a kept trace's tokens cannot change)."""
     for a in (r.prompt, r.output, *(x for x in r.segments or () if isinstance(x, np.ndarray))):
         a.flags.writeable = False
+        if isinstance(a.base, np.ndarray):
+            a.base.flags.writeable = False
