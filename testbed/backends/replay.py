@@ -28,6 +28,9 @@ def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool
     """One record per request, in order (``requests`` may be any iterable, read once); with
     ``check_invariants`` the cache checks its bookkeeping after every request."""
     records = []
+    count_slots = getattr(cache, "count_slots", None)
+    if count_slots is not None:  # no KV here: a pool that counts its slots, not names them
+        count_slots()
     tiered = bool(cache.lower_tiers)
     serve = cache.replay_one
     with gc_paused():

@@ -27,8 +27,9 @@ a radix cache's KV lies much as a block cache's pages do. From the first `alloc_
 page's state (on the stack, released, taken) is kept, so a page taken where it lies leaves a stale
 stack entry that popping skips. A pool that never hands out runs (the simulator's, the replay's)
 keeps no per-page state: its freed pages wait in a list, and the merge sorts them with what is
-left on the stack, so a merge costs the free pages, not the pool (the replay of a full cache
-merges once per eviction). ``capacity=None`` makes an unbounded pool that mints fresh pages when
+left on the stack, so a merge costs the free pages, not the pool (a simulated full cache merges
+about once per eviction; the replay, which holds no KV, counts its slots instead:
+`testbed.cache.slot_count`). ``capacity=None`` makes an unbounded pool that mints fresh pages when
 its free list runs dry (the replay backend's "unlimited cache").
 """
 

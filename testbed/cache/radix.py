@@ -28,8 +28,10 @@ import numpy as np
 from testbed.cache.base import EMPTY_SLOTS, Lease, PrefixCache, Released
 from testbed.cache.eviction import Requester
 from testbed.cache.leaf_eviction import LeafEviction
+from testbed.cache.pool import KVSlotPool
 from testbed.cache.radix_replay import prompt_requester, replay_fast, replay_walking
 from testbed.cache.radix_tree import SPLIT_RECENCY, RadixTree  # noqa: F401 (re-exported)
+from testbed.cache.slot_count import SlotCount
 from testbed.cache.token_runs import TOKEN_BYTES, TOKEN_DTYPE, as_bytes, joined_bytes
 from testbed.cache.tree_checks import check_radix_tree
 from testbed.cache.tree_node import TreeNode, common_prefix_length  # noqa: F401 (re-exported)
@@ -144,6 +146,16 @@ class RadixCache(RadixTree, PrefixCache):
             return 0, 0, False, None
         serve = replay_fast if self._one_walk else replay_walking
         return serve(self, kb, len(prompt), n, requester)
+
+    def count_slots(self) -> None:
+        """Count the pool's slots rather than name them (`testbed.cache.slot_count.SlotCount`),
+        for a backend that holds no KV (the replay): where `replay_one` takes its one-walk path
+        (page size 1, no lower tiers) and nothing is allocated yet; else nothing changes. Every
+        count, hit and eviction stays the same; the slot ids become placeholders."""
+        pool = self.pool
+        if self.page_size == 1 and not self.lower_tiers and type(pool) is KVSlotPool \
+                and pool.num_free == pool.num_minted and not pool.keep_runs:
+            self.pool = SlotCount(pool.capacity)
 
     def commit(self, lease: Lease, tokens: np.ndarray) -> None:
         if len(tokens) > lease.num_tokens:
