@@ -37,7 +37,7 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
                              limits=limits)
     replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router, http,
                         settings.health_interval_s, settings.health_timeout_s)
-    proxy = Proxy(replicas, router, http, tokenizer, settings.retries, settings.stall_timeout_s,
+    proxy = Proxy(replicas, router, tokenizer, settings.retries, settings.stall_timeout_s,
                   settings.connect_timeout_s)
     feed = EventsFeed(replicas, router, http, settings.events_wait_s,
                       settings.health_interval_s) \
@@ -45,6 +45,7 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        proxy.start()
         await asyncio.gather(*(replicas.probe(r) for r in replicas.members))  # in rotation now
         tasks = [asyncio.create_task(replicas.watch())]
         if feed is not None:
@@ -55,6 +56,7 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await proxy.close()
             await http.aclose()
 
     app = FastAPI(title=f"testbed.route: {router.name}", lifespan=lifespan)
