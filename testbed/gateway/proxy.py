@@ -35,7 +35,6 @@ output ids, or None when it failed (a retried attempt included).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections import Counter, deque
@@ -50,20 +49,20 @@ from testbed.api.app import AbortingStream
 from testbed.api.protocol import ApiError
 from testbed.gateway.prompts import route_tokens
 from testbed.gateway.replicas import Replica, Replicas
-from testbed.remote.openai_client import DRAIN_S, error_message
+from testbed.remote.openai_client import (
+    HTTP_ERRORS as UPSTREAM_ERRORS, LINE_BYTES, drain, error_message, http_session, stream_lines,
+)
 from testbed.router import NoWorker, Router
 from testbed.workloads.request import TOKEN_DTYPE
 
 ROUTED_KEPT = 100_000  # /debug/state's `routed` and `routing`: the last this many
 
 
-#: what a failed upstream call raises (a read that stalls past ``stall_timeout_s``: a timeout)
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
-#: of those, what says the replica is gone (refused, not accepted in time, reset, cut mid-body):
+#: of the upstream errors (`testbed.remote.openai_client.HTTP_ERRORS`; a read that stalls past
+#: ``stall_timeout_s`` is a timeout), what says the replica is gone (refused, not accepted in time, reset, cut mid-body):
 #: out of rotation until its health says otherwise (a stall is not)
 GONE = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError,
         aiohttp.ClientPayloadError)
-LINE_BYTES = 1 << 20  # the longest stream line read (aiohttp's default is 64 KB)
 
 
 class ReplicaFailed(Exception):
@@ -74,11 +73,7 @@ def upstream_session(stall_timeout_s: float, connect_timeout_s: float) -> aiohtt
     """The session the proxy calls the replicas through (made inside the running loop): no
     limit on connections, kept alive; a call fails when connecting takes ``connect_timeout_s``
     or a read waits ``stall_timeout_s``."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s,
-                                      sock_read=stall_timeout_s),
-        read_bufsize=LINE_BYTES, auto_decompress=False)
+    return http_session(connect_timeout_s, stall_timeout_s)
 
 
 @dataclass
@@ -176,7 +171,7 @@ class Call:
             return Response(content, resp.status, media_type=resp.headers.get("content-type"))
         if not stream:
             return self._whole(await self._read_all(resp))
-        lines = _lines(resp)
+        lines = stream_lines(resp)
         held: list[str] = []
         try:
             async for line in lines:
@@ -248,7 +243,7 @@ class Call:
                 yield self._error_chunk(f"the stream broke: {type(e).__name__}: {e}".rstrip(": "))
         finally:
             if ok:
-                await _drain(resp)  # the connection back to the pool
+                await drain(resp)  # the connection back to the pool
             else:
                 resp.close()
             self.end(self._output() if ok else None)
@@ -346,21 +341,3 @@ def _strip(doc: dict) -> None:
     for choice in doc.get("choices") or ():
         choice.pop("token_ids", None)
         choice.pop("prompt_token_ids", None)
-
-
-async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The lines of a streamed answer, without their line ends."""
-    async for raw in resp.content:
-        yield raw.decode(errors="replace").rstrip("\r\n")
-
-
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    """Read what a stream sends after ``data: [DONE]`` (the end of its chunked body, at once from
-    any server that ends the stream there; a server that holds it open is not waited for longer
-    than `DRAIN_S`), so its connection goes back to the pool; else it is closed."""
-    try:
-        await asyncio.wait_for(resp.content.read(), DRAIN_S)
-    except (*UPSTREAM_ERRORS, ValueError):
-        resp.close()
-    else:
-        resp.release()
