@@ -19,13 +19,10 @@ is passed through chunk by chunk; a failure then ends it with an error chunk
 tokens: ..."}}``) and ``data: [DONE]``, which the testbed's client records as the call's error.
 No replica left: 503 ``no_replica`` naming each attempt's failure.
 
-*Upstream client.* The calls to the replicas go through one aiohttp session (`upstream_session`,
-its HTTP parser in C, connections kept alive and reused), not httpx, whose pure-Python HTTP/1.1
-layers (h11, a timeout scope around every read) cost 86-109 us of CPU a streamed chunk against
-aiohttp's 26-35 us, read side by side from one stub (2026-12-07); the health watch and the event
-feeds, a few requests a second, stay on httpx. A stream read to its end goes back to the pool
-(the rest after ``[DONE]`` read for at most `DRAIN_S`); one abandoned is closed, which aborts the
-replica's request.
+*Upstream client.* The calls to the replicas go through one aiohttp session, the client's
+(`testbed.remote.openai_client.http_session`, reads limited by ``stall_timeout_s``); the health
+watch and the event feeds, a few requests a second, stay on httpx. A stream read to its end goes
+back to the pool (`drain`); one abandoned is closed, which aborts the replica's request.
 
 Load: a request counts towards its replica from routing to its end (`Replica.requests`), and its
 prompt plus ``max_tokens`` less the output tokens streamed so far (`Replica.tokens`; prefill
@@ -50,7 +47,7 @@ from testbed.api.protocol import ApiError
 from testbed.gateway.prompts import route_tokens
 from testbed.gateway.replicas import Replica, Replicas
 from testbed.remote.openai_client import (
-    HTTP_ERRORS as UPSTREAM_ERRORS, LINE_BYTES, drain, error_message, http_session, stream_lines,
+    HTTP_ERRORS, drain, error_message, http_session, stream_lines,
 )
 from testbed.router import NoWorker, Router
 from testbed.workloads.request import TOKEN_DTYPE
@@ -58,22 +55,14 @@ from testbed.workloads.request import TOKEN_DTYPE
 ROUTED_KEPT = 100_000  # /debug/state's `routed` and `routing`: the last this many
 
 
-#: of the upstream errors (`testbed.remote.openai_client.HTTP_ERRORS`; a read that stalls past
-#: ``stall_timeout_s`` is a timeout), what says the replica is gone (refused, not accepted in time, reset, cut mid-body):
-#: out of rotation until its health says otherwise (a stall is not)
+#: of `HTTP_ERRORS`, what says the replica is gone (refused, not accepted in time, reset, cut
+#: mid-body): out of rotation until its health says otherwise (a stall, a timeout, is not)
 GONE = (aiohttp.ClientOSError, aiohttp.ConnectionTimeoutError, aiohttp.ServerDisconnectedError,
         aiohttp.ClientPayloadError)
 
 
 class ReplicaFailed(Exception):
     """The attempt failed before anything was streamed to the client: retry elsewhere."""
-
-
-def upstream_session(stall_timeout_s: float, connect_timeout_s: float) -> aiohttp.ClientSession:
-    """The session the proxy calls the replicas through (made inside the running loop): no
-    limit on connections, kept alive; a call fails when connecting takes ``connect_timeout_s``
-    or a read waits ``stall_timeout_s``."""
-    return http_session(connect_timeout_s, stall_timeout_s)
 
 
 @dataclass
@@ -97,7 +86,7 @@ class Proxy:
         return time.monotonic() - self.t0
 
     def start(self) -> None:
-        self.upstream = upstream_session(self.stall_timeout_s, self.connect_timeout_s)
+        self.upstream = http_session(self.connect_timeout_s, self.stall_timeout_s)
 
     async def close(self) -> None:
         if self.upstream is not None:
@@ -158,7 +147,7 @@ class Call:
         p = self.proxy
         try:
             resp = await p.upstream.post(self.replica.url + path, json=body)
-        except UPSTREAM_ERRORS as e:
+        except HTTP_ERRORS as e:
             raise self._failed(e) from None
         if resp.status != 200:
             content = await self._read_all(resp)
@@ -180,7 +169,7 @@ class Call:
                     held.append(out)
                 if self.committed:
                     break
-        except UPSTREAM_ERRORS as e:
+        except HTTP_ERRORS as e:
             resp.close()
             raise self._failed(e) from None
         except ReplicaFailed:
@@ -196,7 +185,7 @@ class Call:
     async def _read_all(self, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.read()
-        except UPSTREAM_ERRORS as e:
+        except HTTP_ERRORS as e:
             resp.close()
             raise self._failed(e) from None
         finally:
@@ -237,7 +226,7 @@ class Call:
                 ok = self.error is None
             except StopAsyncIteration:
                 yield self._error_chunk("the stream ended before its last chunk ([DONE])")
-            except (*UPSTREAM_ERRORS, ReplicaFailed) as e:
+            except (*HTTP_ERRORS, ReplicaFailed) as e:
                 if not isinstance(e, ReplicaFailed):
                     self._failed(e)
                 yield self._error_chunk(f"the stream broke: {type(e).__name__}: {e}".rstrip(": "))

@@ -73,31 +73,30 @@ def ideal_hit_rate(requests: Iterable[Request]) -> float:
     rate is kept: the next call on the same arrays in the same order returns it (a sweep's jobs
     in one process count a trace's ideal once: 0.2 s a Mooncake conversation job)."""
     requests = list(requests)
-    key = _frozen_key(requests)
-    if key is not None and _KEPT and _KEPT[0] == key \
-            and all(ref() is not None for ref in _KEPT[1]):
-        return _KEPT[2]
+    arrays = _frozen_arrays(requests)
+    if arrays is not None and _KEPT and len(_KEPT[0]) == len(arrays) \
+            and all(ref() is a for ref, a in zip(_KEPT[0], arrays)):
+        return _KEPT[1]
     total = sum(len(r.prompt) for r in requests)
     rate = sum(ideal_hits(requests)) / total if total else 0.0
-    _KEPT[:] = [] if key is None else [
-        key, [weakref.ref(a) for r in requests for a in (r.prompt, r.output)], rate]
+    _KEPT[:] = [] if arrays is None else [[weakref.ref(a) for a in arrays], rate]
     return rate
 
 
-#: [the arrays' ids, weak references to them, the rate] of the last `ideal_hit_rate` over
-#: read-only arrays. Their ids name them only while they live: a live reference for each one
-#: says they are the same arrays, and read-only arrays hold the same tokens.
+#: [weak references to the arrays, the rate] of the last `ideal_hit_rate` over read-only arrays:
+#: a reference that still gives the same array says it is that array (a gone one's id could name
+#: another), and a read-only array holds the same tokens.
 _KEPT: list = []
 
 
-def _frozen_key(requests: list[Request]) -> tuple[int, ...] | None:
-    """The ids of the requests' prompt and output arrays, in order, when every one is a read-only
-    numpy array over read-only memory (a view's base too); else None (nothing is kept)."""
-    ids = []
+def _frozen_arrays(requests: list[Request]) -> list[np.ndarray] | None:
+    """The requests' prompt and output arrays, in order, when every one is a read-only numpy
+    array over read-only memory (a view's base too); else None (nothing is kept)."""
+    arrays = []
     for r in requests:
         for a in (r.prompt, r.output):
             if not isinstance(a, np.ndarray) or a.flags.writeable or (
                     isinstance(a.base, np.ndarray) and a.base.flags.writeable):
                 return None
-            ids.append(id(a))
-    return tuple(ids)
+            arrays.append(a)
+    return arrays
