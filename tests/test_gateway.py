@@ -67,7 +67,7 @@ def test_the_routers_policy_is_the_simulators_object(replicas):
     try:
         policy = router.app.state.proxy.router
         assert type(policy) is ROUTERS.resolve({"name": "cache_aware"}).entry
-        assert policy.cache_threshold == 0.5  # the router group's defaults, as in the simulator
+        assert policy.cache_threshold == 0.3  # the router group's defaults, as in the simulator
     finally:
         router.stop()
 

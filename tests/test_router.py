@@ -129,13 +129,16 @@ def test_cache_aware_routes_to_the_best_match_above_the_threshold():
 
 
 def test_cache_aware_below_the_threshold_goes_to_the_least_loaded():
+    r = cache_aware()  # SGLang's default threshold, 0.3
+    r.tree.insert(toks(1, 9, 9, 9), 2)
+    assert r.route(toks(1, 2, 3, 4, 5), loads(20, 0, 10), 0.0) == 1  # 1/5 is not above 0.3
+    assert dict(r.decisions) == {"low_match": 1}
     r = cache_aware()
     r.tree.insert(toks(1, 2, 9, 9), 2)
-    assert r.route(toks(1, 2, 3, 4, 5), loads(20, 0, 10), 0.0) == 1  # 2/5 is not above 0.5
-    assert dict(r.decisions) == {"low_match": 1}
-    r = cache_aware(cache_threshold=0.3)
-    r.tree.insert(toks(1, 2, 9, 9), 2)
     assert r.route(toks(1, 2, 3, 4, 5), loads(20, 0, 10), 0.0) == 2  # 2/5 is above 0.3
+    r = cache_aware(cache_threshold=0.5)  # sglang-router 0.1's
+    r.tree.insert(toks(1, 2, 9, 9), 2)
+    assert r.route(toks(1, 2, 3, 4, 5), loads(20, 0, 10), 0.0) == 1  # 2/5 is not above 0.5
 
 
 def test_cache_aware_smallest_tree_fallback():

@@ -88,9 +88,9 @@ WORKLOADS = {
     "mooncake": (None, ["arrival.max_in_flight=4"]),
 }
 MOONCAKE_REQUESTS = 32
-FRONTS = ["round_robin", "random", "least_load", "cache_aware", "cache_aware_smg_thresholds",
+FRONTS = ["round_robin", "random", "least_load", "cache_aware", "cache_aware_router_0_1",
           "kv_events", "smg_cache_aware"]
-VLLM_FRONTS = ["round_robin", "cache_aware", "cache_aware_smg_thresholds", "smg_cache_aware"]
+VLLM_FRONTS = ["round_robin", "cache_aware", "cache_aware_router_0_1", "smg_cache_aware"]
 REPLICA_KINDS = ("testbed", "vllm")
 
 

@@ -85,8 +85,8 @@ class KvEvents(Oracle):
     name = "kv_events"
     wants_cache_events = True
 
-    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 32,
-                 balance_rel_threshold: float = 1.0001, load: str = "requests",
+    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 64,
+                 balance_rel_threshold: float = 1.5, load: str = "requests",
                  in_flight: bool = True, event_delay_s: float = 0.0) -> None:
         super().__init__(cache_threshold, balance_abs_threshold, balance_rel_threshold, load,
                          in_flight)

@@ -114,10 +114,10 @@ class CacheAware(Router):
     name = "cache_aware"
     wants_completions = True
 
-    def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
-                 balance_rel_threshold: float = 1.0001, load: str = "requests",
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: float = 64,
+                 balance_rel_threshold: float = 1.5, load: str = "requests",
                  fallback: str = "least_load", max_tree_size: int | None = None,
-                 eviction_interval_s: float = 60.0, update_on_complete: bool = True,
+                 eviction_interval_s: float = 120.0, update_on_complete: bool = True,
                  update_delay_s: float = 0.0) -> None:
         super().__init__()
         _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
@@ -227,15 +227,15 @@ class Oracle(Router):
     history was partly evicted would be sent to the least loaded worker and lose the part that
     is left, which ``cache_aware``'s optimistic tree keeps by sending it back. A heuristic with
     perfect information, to measure what the tree's approximation costs; neither deployable nor a
-    bound: routing changes what later requests find, and on 8-replica chat it hit 0.602 where
-    ``cache_aware`` hit 0.611 (experiments/studies/routing.py).
+    bound: routing changes what later requests find (an earlier study's 8-replica chat had it
+    below ``cache_aware``; docs/results/routing.md has today's figures).
     """
 
     name = "oracle"
     wants_completions = True
 
-    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 32,
-                 balance_rel_threshold: float = 1.0001, load: str = "requests",
+    def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 64,
+                 balance_rel_threshold: float = 1.5, load: str = "requests",
                  in_flight: bool = True) -> None:
         super().__init__()
         _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
