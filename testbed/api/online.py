@@ -270,7 +270,7 @@ class OnlineEngine:
              process_cpu_s: float, runqueue_s: float | None, idle_s: float) -> None:
         batch = event.batch
         self.steps.add(ServedStep(
-            step=self.steps.recorded, kind=batch.kind, requests=len(batch.entries),
+            step=self.steps.recorded, kind=batch.kind, requests=batch.size,
             new_tokens=batch.num_new_tokens,
             context_tokens=sum(int(e.context) for e in batch.entries),
             start_s=event.start_s, duration_s=event.duration_s, gpu_s=event.gpu_s,

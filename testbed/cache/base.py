@@ -230,9 +230,14 @@ class PrefixCache(ABC):
                         [lease.slots[-1] if lease.num_tokens else 0 for lease in leases]))
                 else:
                     fresh = pool.alloc(total)
-                if single:
+                if single:  # `Lease.push`, inline: once per decoded token
                     for lease, slot in zip(leases, fresh.tolist()):
-                        lease.push(slot)
+                        n, buf = lease._n, lease._buf
+                        if n == len(buf):
+                            lease.push(slot)
+                        else:
+                            buf[n] = slot
+                            lease._n = n + 1
                 else:
                     at = 0
                     for lease, cost in zip(leases, costs):

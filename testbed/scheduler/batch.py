@@ -10,11 +10,17 @@ Reuse beyond exact prefixes (`testbed.cache.reuse`): a prefill entry's ``reuse``
 `ReusedSpan`s inside its positions, whose KV the executor copies from donor slots, re-rotates and
 partly recomputes (positions outside them are computed as usual); the batch's ``kv_copies`` are
 `KVCopy`s (chunk stores) the executor runs after the step's forward pass, in order.
+
+A plain decode step (one token for each running request, no drafts) is a `DecodeBatch`: the same
+`Batch`, formed as columns (its requests, contexts, retraction counts and slot buffers), whose
+`BatchEntry`s are made only when something reads ``entries``. The simulator reads the columns
+and never makes them: most of a simulation's steps are decode steps, one entry a running request.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import repeat
 from operator import is_not
 
@@ -122,6 +128,11 @@ class Batch:
         return self._verifies
 
     @property
+    def size(self) -> int:
+        """Requests in the step (one entry each)."""
+        return len(self.entries)
+
+    @property
     def num_new_tokens(self) -> int:
         return sum(self.shape()[0])
 
@@ -133,6 +144,36 @@ class Batch:
             self._shape = (tuple([e.new for e in entries]),
                            tuple([e.context for e in entries]))
         return self._shape
+
+
+class DecodeBatch(Batch):
+    """A plain decode step as columns: request ``reqs[i]`` computes one token on top of
+    ``contexts[i]`` tokens of KV, formed at its retraction count ``gens[i]``, its slots the
+    lease's buffer ``buffers[i]`` then (`BatchEntry`'s ``gen`` and ``slots``): the step of the
+    `Batch` of those entries, whose `entries` it makes on first read and keeps."""
+
+    def __init__(self, reqs: list[Req], contexts: list[int], gens: list[int],
+                 buffers: list[np.ndarray]) -> None:
+        self.kind = "decode"
+        self.kv_copies = []
+        self.decode_groups = None
+        self.reqs, self.contexts, self.gens, self.buffers = reqs, contexts, gens, buffers
+        self._shape = ((1,) * len(reqs), tuple(contexts))
+        self._verifies = False
+
+    @cached_property
+    def entries(self) -> list[BatchEntry]:  # type: ignore[override]
+        return [BatchEntry(req, context, 1, True, gen, buffer, (), True)
+                for req, context, gen, buffer in zip(self.reqs, self.contexts, self.gens,
+                                                     self.buffers)]
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.reqs)
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,15 @@ every running request gets one slot, or with ``speculative`` its last token and 
 (`testbed.scheduler.spec_steps` drafts them and applies a verification).
 
 `_decode_batch`'s loop over the running batch runs once per decoded token: it stays inline, its
-calls counted by tests/test_loop_speed_guard.py.
+calls counted by tests/test_loop_speed_guard.py, and forms a plain step as columns
+(`DecodeBatch`), not an entry object a request.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from testbed.scheduler.batch import Batch, BatchEntry
+from testbed.scheduler.batch import Batch, BatchEntry, DecodeBatch
 
 
 class DecodeSteps:
@@ -62,19 +63,21 @@ class DecodeSteps:
         if drafts is not None:
             return self._verify_batch([drafts[id(r)] for r in self.running], early)
         running = self.running
-        evicted = self.cache.extend_each([req.lease for req in running], 1)
+        leases = [req.lease for req in running]
+        evicted = self.cache.extend_each(leases, 1)
         if early or any(evicted):
             for req, ev, ev_early in zip(running, evicted,
                                          self._attribute(early, [1] * len(running))):
                 req.evicted_tokens += ev + ev_early
-        entries = []
-        append = entries.append
-        for req in running:  # once per running request per step: positional, its slot taken
+        contexts = []
+        append = contexts.append
+        for req in running:  # once per running request per step: its slot taken
             computed = req.computed
-            append(BatchEntry(req, computed, 1, True, req.preemptions, req.lease.buffer, (),
-                              True))
+            append(computed)
             req.computed = computed + 1
-        return Batch("decode", entries)
+        # (a copy of the running list: the scheduler grows and cuts it in place)
+        return DecodeBatch(running[:], contexts, [req.preemptions for req in running],
+                           [lease.buffer for lease in leases])
 
     def _verify_batch(self, drafts: list[tuple[np.ndarray, tuple[int, ...] | None]],
                       early: int) -> Batch:
@@ -100,7 +103,12 @@ class DecodeSteps:
         0.4.10 decodes them one step more and drops that token."""
         if not (self.rules.skip_finishing_decode and self._unapplied):
             return set()
-        return {id(e.req) for e in self._unapplied[-1].entries
+        batch = self._unapplied[-1]
+        if isinstance(batch, DecodeBatch):  # (its columns: every entry produces a token)
+            return {id(req) for req, gen in zip(batch.reqs, batch.gens)
+                    if gen == req.preemptions and req.finish_s is None
+                    and len(req.output) + 1 >= req.max_new_tokens}
+        return {id(e.req) for e in batch.entries
                 if e.produces_token and e.gen == e.req.preemptions and not e.req.finished
                 and len(e.req.output) + 1 >= e.req.max_new_tokens}
 

@@ -271,9 +271,10 @@ class Driver:
         """A step's results are applied: beams, records, totals, finishes."""
         batch, outcome = event.batch, event.outcome
         before, reread = launched
-        for entry, top in zip(batch.entries, outcome.logprobs or ()):
-            if top is not None and self.beams.owns(entry.req.id):
-                self.beams.observe(entry.req.id, *top)
+        if outcome.logprobs:  # (a plain decode step's entries are not made for nothing)
+            for entry, top in zip(batch.entries, outcome.logprobs):
+                if top is not None and self.beams.owns(entry.req.id):
+                    self.beams.observe(entry.req.id, *top)
         if self.record_steps:
             new, context = batch.shape()
             self.steps.append(StepRecord(batch.kind, tuple(e.req.id for e in batch.entries),

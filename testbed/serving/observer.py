@@ -173,7 +173,7 @@ class RunObserver:
         self.rows.append(StepRow(
             replica=replica, start_s=start, duration_s=duration,
             gpu_s=float(step.gpu_s), host_s=float(step.host_s), kind=batch.kind,
-            batch_size=len(batch.entries), new_tokens=batch.num_new_tokens,
+            batch_size=batch.size, new_tokens=batch.num_new_tokens,
             context_tokens=sum(batch.shape()[1]), admitted=admitted,
             admitted_hit_tokens=hit, admitted_prompt_tokens=prompt,
             waiting=len(scheduler.waiting), running=len(rep.active),

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from testbed.scheduler.batch import Batch, StepOutcome  # StepOutcome: re-exported
+from testbed.scheduler.batch import Batch, DecodeBatch, StepOutcome  # StepOutcome: re-exported
 from testbed.scheduler.decode_groups import DecodeGroups, SharedReads, cascades
+from testbed.scheduler.request_state import Req
 from testbed.serving.executor import Done
 from testbed.sim.acceptance import Acceptance
 from testbed.sim.cost_model import CostModel
@@ -31,6 +32,8 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
     position comes from the entry (`BatchEntry.output_index`), so a step launched before the
     last step's results were applied (overlap) gets the right ones. A verification entry's are
     the tokens ``acceptance`` verifies (`testbed.sim.acceptance`)."""
+    if isinstance(batch, DecodeBatch):  # its columns (once per decoded token)
+        return decode_tokens(batch)
     tokens: list[int | tuple[int, ...] | None] = []
     plain_decode = batch.kind == "decode" and not batch.verifies
     for e in batch.entries:
@@ -43,14 +46,31 @@ def predetermined_tokens(batch: Batch, acceptance: Acceptance | None = None
         if at is None:
             tokens.append(None)
         elif e.draft is None:
-            recorded = e.req.recorded_output
-            if recorded is None:  # 4 bytes a token, read as ints (a list would hold an object each)
-                recorded = e.req.recorded_output = array(TOKEN_TYPECODE,
-                                                         e.req.request.output.tobytes())
-            tokens.append(recorded[at])
+            tokens.append((e.req.recorded_output or recorded_output(e.req))[at])
         else:
             tokens.append((acceptance or Acceptance()).tokens(e))
     return tokens
+
+
+def decode_tokens(batch: DecodeBatch) -> list[int | None]:
+    """`predetermined_tokens` of a plain decode step: request ``i``'s output token at fill
+    position ``contexts[i] + 1`` (None past its last)."""
+    tokens: list[int | None] = []
+    append = tokens.append
+    for req, context in zip(batch.reqs, batch.contexts):
+        at = context + 1 - len(req.prompt)
+        if 0 <= at < req.max_new_tokens:
+            append((req.recorded_output or recorded_output(req))[at])
+        else:
+            append(None)
+    return tokens
+
+
+def recorded_output(req: Req) -> array:
+    """The request's workload output, kept on it at the first read: 4 bytes a token, read as
+    ints (a list would hold an object each)."""
+    req.recorded_output = array(TOKEN_TYPECODE, req.request.output.tobytes())
+    return req.recorded_output
 
 
 class SimExecutor:
@@ -119,6 +139,8 @@ class SimExecutor:
             if batch.decode_groups is not None else self.groups(batch.entries)
         if batch.kv_copies or (batch.kind == "prefill" and any(e.reuse for e in batch.entries)):
             step = reuse_shape(batch)
+        elif not shared and self.shared_reads is None and isinstance(batch, DecodeBatch):
+            step = StepShape.of_decode(context)  # (once a step: its shape needs no checks)
         else:
             reread = self.shared_reads(batch.entries) if self.shared_reads is not None else 0
             step = StepShape(new=new, context=context, shared=shared, reread=reread,

@@ -46,7 +46,7 @@ class HostCost:
 
     def host_time(self, batch: Batch) -> float:
         """Host seconds ``batch``'s step costs."""
-        return self.price(batch.kind, len(batch.entries), batch.num_new_tokens)
+        return self.price(batch.kind, batch.size, batch.num_new_tokens)
 
     def price(self, kind: str, requests: int, new_tokens: int) -> float:
         if kind == "decode":

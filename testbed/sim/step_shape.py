@@ -123,6 +123,22 @@ class StepShape:
                    reread=reread)
 
     @classmethod
+    def of_decode(cls, contexts: tuple[int, ...]) -> StepShape:
+        """`decode` of ``contexts`` without shared prefixes or rereads, made once a step by the
+        simulator (`testbed.sim.executor`): when every context is a Python int (their sum is
+        one) nothing needs converting, so the checks are the sums' and the shape is written
+        whole, Σnew and Σcontext with it; otherwise `decode`'s conversions."""
+        total = sum(contexts)
+        if type(total) is not int or type(contexts) is not tuple or not contexts \
+                or min(contexts) < 0:
+            return cls.decode(contexts)
+        step = object.__new__(cls)
+        step.__dict__.update(new=(1,) * len(contexts), context=contexts, shared=(), rotated=0,
+                             copied=0, reread=0, verify=False, num_new=len(contexts),
+                             num_context=total, is_decode=True)
+        return step
+
+    @classmethod
     def verification(cls, queries: tuple[int, ...] | list[int],
                      contexts: tuple[int, ...] | list[int]) -> StepShape:
         """A speculative verification step: request ``i``'s last token and its drafts,
