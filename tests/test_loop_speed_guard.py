@@ -129,3 +129,21 @@ def test_the_streamed_forest_is_the_random_tree_workload_with_its_arrays_made_up
     for a, b in zip(calls, made, strict=True):
         assert (a.id, a.after, a.program) == (b.id, b.after, b.program)
         assert np.array_equal(a.prompt, b.prompt) and np.array_equal(a.output, b.output)
+
+
+def test_the_speed_tables_csv_keeps_the_rows_of_the_parts_not_run(tmp_path):
+    import pandas as pd
+
+    from experiments.benchmarks.speed import write_rows
+
+    path = tmp_path / "speed.csv"
+    write_rows(path, [{"part": "replay", "side": "ours", "seconds": 0.3},
+                      {"part": "sim", "side": "ours", "seconds": 18.4},
+                      {"part": "scaling", "side": "ours", "seconds": 2.0}],
+               ["replay", "sim", "scaling"])
+    write_rows(path, [{"part": "sim", "side": "ours", "seconds": 15.8, "commit": "abc1234"}],
+               ["sim"])
+    table = pd.read_csv(path)
+    assert list(table["part"]) == ["replay", "sim", "scaling"]
+    assert list(table["seconds"]) == [0.3, 15.8, 2.0]
+    assert list(table["commit"].fillna("")) == ["", "abc1234", ""]

@@ -30,7 +30,8 @@ Three parts (``--part``, default all of them):
   peak memory beyond the loaded trace (random trees are made whole first; the repeated
   Mooncake trace, 47 GB of tokens at 1M requests, a chunk at a time inside the measure).
 
-``--out DIR`` writes every row to ``DIR/speed.csv`` (pandas reads it).
+``--out DIR`` writes the rows to ``DIR/speed.csv`` (pandas reads it), each with its ``date`` and
+``commit``; the rows of parts not run this time are kept.
 
     python -m experiments.benchmarks.speed [--part replay,sim,scaling] [--rounds 3]
         [--traces random_tree,mooncake] [--sizes 10000,100000,1000000] [--out DIR]
@@ -44,6 +45,7 @@ import itertools
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -283,11 +285,37 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts:
         rows += {"replay": part_replay, "sim": part_sim, "scaling": part_scaling}[part](args)
     if args.out is not None and rows:
-        import pandas as pd
-        args.out.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame(rows).to_csv(args.out / "speed.csv", index=False)
-        print(f"\nrows in {args.out / 'speed.csv'}")
+        stamp = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": head_commit()}
+        path = write_rows(args.out / "speed.csv", [{**row, **stamp} for row in rows], parts)
+        print(f"\nrows in {path}")
     return 0
+
+
+def head_commit() -> str | None:
+    """The checkout's commit (short), or None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def write_rows(path: Path, rows: list[dict], parts: list[str]) -> Path:
+    """``rows`` into the CSV at ``path``: the rows of the parts not run this time are kept (a
+    ``--part sim`` run leaves the replay's and the scaling's rows as they were), each row
+    saying when (``date``, UTC) and at which ``commit`` it was measured (empty in rows older
+    than those columns)."""
+    import pandas as pd
+
+    new = pd.DataFrame(rows)
+    if path.exists():
+        old = pd.read_csv(path)
+        new = pd.concat([old[~old["part"].isin(parts)], new], ignore_index=True)
+        new["order"] = new["part"].map({part: i for i, part in enumerate(PARTS)})
+        new = new.sort_values("order", kind="stable").drop(columns="order")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new.to_csv(path, index=False)
+    return path
 
 
 if __name__ == "__main__":
