@@ -296,3 +296,72 @@ def test_a_broken_event_stream_is_re_read_not_trusted():
     finally:
         router.stop()
         handle.stop()
+
+
+def test_the_health_watch_asks_only_replicas_not_heard_from_within_its_interval():
+    from testbed.gateway.replicas import Replica, Replicas
+
+    class Health:  # a replica's /health: 200 with an epoch, counted
+        status_code = 200
+
+        def json(self):
+            return {"epoch": "e"}
+
+    asked: list[str] = []
+
+    class Http:
+        async def get(self, url, timeout):
+            asked.append(url.removesuffix("/health"))
+            return Health()
+
+    members = [Replica(i, f"http://r{i}") for i in range(3)]
+    router = ROUTERS.resolve({"name": "round_robin"}).build(seed=0, max_tree_size=None)
+    router.bind(3)
+    replicas = Replicas(members, router, Http(), health_interval_s=0.25, health_timeout_s=1.0)
+
+    async def one_round() -> list[str]:
+        asked.clear()
+        for r in replicas.unheard(time.monotonic()):
+            await replicas.probe(r)
+        return sorted(asked)
+
+    assert asyncio.run(one_round()) == ["http://r0", "http://r1", "http://r2"]  # all out: asked
+    assert all(r.up for r in members)
+    now = time.monotonic()
+    members[0].seen = now  # streamed a line just now
+    members[1].seen = now - 0.3  # last heard from before the interval
+    assert [r.index for r in replicas.unheard(now)] == [1, 2]
+    assert asyncio.run(one_round()) == ["http://r1", "http://r2"]
+    members[0].up = False  # out of rotation: asked whatever it streamed
+    assert [r.index for r in replicas.unheard(now)] == [0, 1, 2]
+    assert [r.health_checks for r in members] == [1, 2, 2]
+
+
+def test_a_replica_streaming_through_the_router_is_not_asked_for_its_health(replicas):
+    # Two replicas (600 tokens of KV each), one of them streaming a long answer (0.8 s here):
+    # the router's watch (every 0.05 s) keeps asking the idle one and stops asking the one it
+    # hears from (`Replica.health_checks`).
+    router = start_router([h.url for h in replicas], ["router=round_robin",
+                                                      "route.health_interval_s=0.05"])
+    body = {"prompt": list(range(1, 20)), "max_tokens": 560, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    try:
+        assert [r["up"] for r in router.state()["replicas"]] == [True, True]
+        out: dict = {}
+
+        async def stream_and_count() -> list[int]:
+            task = asyncio.create_task(_stream(router.url, body, out))
+            while not out.get("tokens"):
+                await asyncio.sleep(0.005)
+            before = [r["health_checks"] for r in router.state()["replicas"]]
+            await task
+            return [r["health_checks"] - b for r, b in zip(router.state()["replicas"], before)]
+
+        asked = asyncio.run(asyncio.wait_for(stream_and_count(), 120))
+        assert out["error"] is None and out["tokens"] == 560
+        busy = 0 if router.state()["replicas"][0]["routed"] == 1 else 1
+        # (a pause of more than 0.05 s between two lines of the stream earns the busy one a
+        # check: a loaded machine may make a few)
+        assert asked[1 - busy] >= 3 and 3 * asked[busy] <= asked[1 - busy], asked
+    finally:
+        router.stop()

@@ -149,7 +149,9 @@ class Call:
             resp = await p.upstream.post(self.replica.url + path, json=body)
         except HTTP_ERRORS as e:
             raise self._failed(e) from None
-        if resp.status != 200:
+        if resp.status == 200:
+            self.replica.seen = time.monotonic()  # it answers: alive (`Replicas.unheard`)
+        else:
             content = await self._read_all(resp)
             if resp.status >= 500:
                 if resp.status == 503:
@@ -267,6 +269,7 @@ class Call:
         """One line of the replica's stream: the text to pass on (None: nothing), with what it
         says noted (tokens, finish, error). Before the commit point an error chunk fails the
         attempt."""
+        self.replica.seen = time.monotonic()  # a line streamed: alive (`Replicas.unheard`)
         if not line.startswith("data:"):
             return None
         data = line[len("data:"):].strip()

@@ -5,8 +5,13 @@ it back.
 A replica leaves the rotation when its ``GET /health`` fails (an error status, a refused
 connection, no answer in ``health_timeout_s``) or when a request to it cannot connect or breaks
 before its first token (`Replicas.leave`, at once); the watch asks every ``health_interval_s``,
-so a killed replica is out within that (a refused connection needs no timeout). It rejoins at its
-next good answer. A replica that comes back with another ``epoch`` (``testbed.serve`` names a new
+so a killed replica is out within that (a refused connection needs no timeout). A replica in
+rotation that has shown it is alive since the last round (an answer of 200, a streamed
+line: `Replica.seen`) is not asked: under load the traffic is the health check, and the watch
+neither spends the router's CPU nor takes the replica's (SGLang's gateway checks health every
+60 s by default; this router's one-second exit for a killed replica needs the short interval).
+A stream that stops (a replica stalled or killed mid-answer) stops renewing it, so the next round
+asks. It rejoins at its next good answer. A replica that comes back with another ``epoch`` (``testbed.serve`` names a new
 one at every start) or that names none (another server: it may have restarted) has lost its cache:
 the policy is told to forget what it believed it held (`Router.forget_worker`).
 """
@@ -36,12 +41,14 @@ class Replica:
     left: int = 0  # times it left the rotation
     last_error: str | None = None
     left_at: float | None = None  # time.monotonic() when it last left
+    seen: float = float("-inf")  # time.monotonic() of its last sign of life (an answer, a line)
+    health_checks: int = 0  # GET /health asked of it
 
     def state(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "up": self.up, "epoch": self.epoch,
                 "outstanding_requests": self.requests, "outstanding_tokens": self.tokens,
                 "routed": self.routed, "failed": self.failed, "left_rotation": self.left,
-                "last_error": self.last_error}
+                "health_checks": self.health_checks, "last_error": self.last_error}
 
 
 @dataclass
@@ -82,6 +89,7 @@ class Replicas:
 
     async def probe(self, replica: Replica) -> None:
         """One health check: join on 200, leave otherwise."""
+        replica.health_checks += 1
         try:
             r = await self.http.get(replica.url + "/health", timeout=self.health_timeout_s)
         except httpx.HTTPError as e:
@@ -96,8 +104,17 @@ class Replicas:
             epoch = None
         self.join(replica, epoch if isinstance(epoch, str) else None)
 
+    def unheard(self, now: float) -> list[Replica]:
+        """The replicas a round of the watch asks: those out of rotation, and those in it that
+        have not shown they are alive (`Replica.seen`) for ``health_interval_s``."""
+        return [r for r in self.members
+                if not r.up or now - r.seen >= self.health_interval_s]
+
     async def watch(self) -> None:
-        """Probe every replica every ``health_interval_s``, for ever (cancel to stop)."""
+        """Every ``health_interval_s``, probe the `unheard` replicas, for ever (cancel to
+        stop)."""
         while True:
-            await asyncio.gather(*(self.probe(r) for r in self.members))
+            asked = self.unheard(time.monotonic())
+            if asked:
+                await asyncio.gather(*(self.probe(r) for r in asked))
             await asyncio.sleep(self.health_interval_s)
