@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 
 from experiments.studies import routing_fronts, routing_live, routing_served_fit, routing_twin
+from testbed.config.assembly import compose_config
 from testbed.errors import BadInput
+from testbed.router import ROUTERS
 from testbed.api.metrics import ServerMetrics
 
 VLLM_METRICS = """\
@@ -161,3 +163,16 @@ def test_a_front_ends_cpu_seconds_are_its_sessions_and_no_one_elses():
         child.kill()
         child.wait()
     assert routing_fronts.session_cpu_s(child.pid) == 0.0
+
+
+def test_smgs_twin_and_the_at_routing_front_insert_a_prompt_only_when_they_route_it():
+    # smg's cache-aware tree learns nothing from answers: its twin, and our front run at its
+    # rule, are `cache_aware` with update_on_complete=false (the group's defaults otherwise)
+    for front in ("smg_cache_aware", "cache_aware_at_routing"):
+        policy = ROUTERS.build(compose_config(routing_fronts.router_of(front)).router,
+                               seed=0, max_tree_size=None)
+        assert (policy.update_on_complete, policy.wants_completions) == (False, False)
+        assert (policy.cache_threshold, policy.balance_abs_threshold,
+                policy.balance_rel_threshold, policy.eviction_interval_s) == (0.3, 64, 1.5, 120)
+    assert ROUTERS.build(compose_config(routing_fronts.router_of("cache_aware")).router,
+                         seed=0, max_tree_size=None).update_on_complete

@@ -24,13 +24,16 @@ SMG_VERSION = "1.13.0"
 MODEL = "smollm2_135m"
 CAPACITY = 6144  # tokens of KV per replica: less than the workloads' distinct prefixes
 # smg 1.13.0's cache_aware defaults (smg/router_args.py: threshold 0.3, imbalance 64 requests and
-# 1.5x, pruning every 120 s) are the router group's: the simulator runs smg's twin at them
-SMG_CACHE_AWARE = ["router=cache_aware"]
+# 1.5x, pruning every 120 s) are the router group's, and smg inserts a prompt only when it routes
+# it (no answer teaches its tree): the simulator runs smg's twin so
+SMG_CACHE_AWARE = ["router=cache_aware", "router.update_on_complete=false"]
 # our cache_aware at sglang-router 0.1's thresholds (the group's defaults until 2026-12-07)
 SGLANG_ROUTER_0_1 = ["router=cache_aware", "router.cache_threshold=0.5",
                      "router.balance_abs_threshold=32", "router.balance_rel_threshold=1.0001",
                      "router.eviction_interval_s=60"]
 FRONT_ROUTERS = {"cache_aware_router_0_1": SGLANG_ROUTER_0_1,
+                 # our cache_aware at smg's rule: a prompt inserted when routed, never an answer
+                 "cache_aware_at_routing": SMG_CACHE_AWARE,
                  "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
 VLLM_BLOCK = 32  # vLLM 0.32's CPU attention takes blocks in multiples of 32
 
