@@ -301,23 +301,16 @@ def test_a_broken_event_stream_is_re_read_not_trusted():
 def test_the_health_watch_asks_only_replicas_not_heard_from_within_its_interval():
     from testbed.gateway.replicas import Replica, Replicas
 
-    class Health:  # a replica's /health: 200 with an epoch, counted
-        status_code = 200
-
-        def json(self):
-            return {"epoch": "e"}
-
     asked: list[str] = []
 
-    class Http:
-        async def get(self, url, timeout):
-            asked.append(url.removesuffix("/health"))
-            return Health()
+    async def get(url: str, timeout_s: float) -> tuple[int, bytes]:  # /health: 200, an epoch
+        asked.append(url.removesuffix("/health"))
+        return 200, b'{"status": "ok", "epoch": "e"}'
 
     members = [Replica(i, f"http://r{i}") for i in range(3)]
     router = ROUTERS.resolve({"name": "round_robin"}).build(seed=0, max_tree_size=None)
     router.bind(3)
-    replicas = Replicas(members, router, Http(), health_interval_s=0.25, health_timeout_s=1.0)
+    replicas = Replicas(members, router, get, health_interval_s=0.25, health_timeout_s=1.0)
 
     async def one_round() -> list[str]:
         asked.clear()

@@ -23,7 +23,7 @@ from testbed.api.app import json_body
 from testbed.api.protocol import ApiError
 from testbed.gateway.events_feed import EventsFeed
 from testbed.gateway.proxy import Proxy
-from testbed.gateway.replicas import Replica, Replicas
+from testbed.gateway.replicas import Replica, Replicas, session_get
 from testbed.gateway.settings import RouteSettings
 from testbed.router import Router
 
@@ -35,8 +35,9 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
     http = httpx.AsyncClient(timeout=httpx.Timeout(settings.stall_timeout_s,
                                                    connect=settings.connect_timeout_s),
                              limits=limits)
-    replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router, http,
-                        settings.health_interval_s, settings.health_timeout_s)
+    replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router,
+                        session_get(lambda: proxy.upstream), settings.health_interval_s,
+                        settings.health_timeout_s)
     proxy = Proxy(replicas, router, tokenizer, settings.retries, settings.stall_timeout_s,
                   settings.connect_timeout_s)
     feed = EventsFeed(replicas, router, http, settings.events_wait_s,

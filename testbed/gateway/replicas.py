@@ -19,13 +19,28 @@ the policy is told to forget what it believed it held (`Router.forget_worker`).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-import httpx
+import aiohttp
 
+from testbed.remote.openai_client import HTTP_ERRORS
 from testbed.router import Loads, Router
+
+#: a GET of ``url`` answered within ``timeout_s``: its status and body (raises `HTTP_ERRORS`)
+Get = Callable[[str, float], Awaitable[tuple[int, bytes]]]
+
+
+def session_get(session: Callable[[], aiohttp.ClientSession]) -> Get:
+    """`Get` through the aiohttp session ``session()`` returns (the proxy's, made when the loop
+    starts): 0.4 ms of CPU a health check against httpx's 1.0–1.1 ms (2026-12-07, 300 GETs each
+    from one local server)."""
+    async def get(url: str, timeout_s: float) -> tuple[int, bytes]:
+        async with session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            return r.status, await r.read()
+    return get
 
 
 @dataclass
@@ -57,7 +72,7 @@ class Replicas:
 
     members: list[Replica]
     router: Router
-    http: httpx.AsyncClient
+    get: Get  # the health checks' GET
     health_interval_s: float
     health_timeout_s: float
     on_leave: list[Callable[[Replica], None]] = field(default_factory=list)
@@ -91,15 +106,15 @@ class Replicas:
         """One health check: join on 200, leave otherwise."""
         replica.health_checks += 1
         try:
-            r = await self.http.get(replica.url + "/health", timeout=self.health_timeout_s)
-        except httpx.HTTPError as e:
+            status, body = await self.get(replica.url + "/health", self.health_timeout_s)
+        except HTTP_ERRORS as e:
             self.leave(replica, f"GET /health: {type(e).__name__}: {e}".rstrip(": "))
             return
-        if r.status_code != 200:
-            self.leave(replica, f"GET /health answered {r.status_code}")
+        if status != 200:
+            self.leave(replica, f"GET /health answered {status}")
             return
         try:
-            epoch = r.json().get("epoch")
+            epoch = json.loads(body).get("epoch")
         except (ValueError, AttributeError):
             epoch = None
         self.join(replica, epoch if isinstance(epoch, str) else None)
