@@ -132,6 +132,10 @@ class Batch:
         """Requests in the step (one entry each)."""
         return len(self.entries)
 
+    def columns(self) -> tuple[list[Req], list[int]]:
+        """Each entry's request and its retraction count when formed (``gen``), in order."""
+        return [e.req for e in self.entries], [e.gen for e in self.entries]
+
     @property
     def num_new_tokens(self) -> int:
         return sum(self.shape()[0])
@@ -170,6 +174,9 @@ class DecodeBatch(Batch):
     @property
     def size(self) -> int:
         return len(self.reqs)
+
+    def columns(self) -> tuple[list[Req], list[int]]:
+        return self.reqs, self.gens
 
     @property
     def num_new_tokens(self) -> int:

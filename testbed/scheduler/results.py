@@ -13,7 +13,7 @@ tests/test_loop_speed_guard.py.
 
 from __future__ import annotations
 
-from testbed.scheduler.batch import Batch, DecodeBatch
+from testbed.scheduler.batch import Batch
 from testbed.scheduler.request_state import Req
 
 
@@ -45,11 +45,8 @@ class Results:
         if not prefill and reuse is None and not batch.verifies:
             # A plain decode step, whose every entry makes its request's next token: the loop
             # below without the branches that cannot apply (it runs for every decoded token),
-            # over its columns (`DecodeBatch`; the engine's formed elsewhere has entries)
-            if isinstance(batch, DecodeBatch):
-                reqs, gens = batch.reqs, batch.gens
-            else:
-                reqs, gens = [e.req for e in batch.entries], [e.gen for e in batch.entries]
+            # over its columns (a `DecodeBatch` makes no entries for them)
+            reqs, gens = batch.columns()
             for req, gen, token in zip(reqs, gens, tokens):
                 if req.finish_s is None and gen == req.preemptions \
                         and req.take_token(token, now):
