@@ -69,11 +69,58 @@ def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
                                          "chat: cache_aware 1.90 req/s >= smg's 1.80: True"]
 
 
+def test_each_repeat_turns_the_fronts_order_by_one():
+    fronts = ["round_robin", "cache_aware", "smg_cache_aware"]
+    assert [routing_live.front_order(fronts, r) for r in (1, 2, 3, 4)] == [
+        ["round_robin", "cache_aware", "smg_cache_aware"],
+        ["cache_aware", "smg_cache_aware", "round_robin"],
+        ["smg_cache_aware", "round_robin", "cache_aware"],
+        ["round_robin", "cache_aware", "smg_cache_aware"]]
+
+
+def repeated(*runs: tuple[float, float, float]) -> pd.DataFrame:
+    """Three repeats of three fronts: each run's (cache_aware, kv_events, smg) throughput, the
+    hit rates 0.75 / 0.77 / 0.75 every time, each twin 1% fast."""
+    return pd.DataFrame([
+        row(front, hit, rps, repeat=k, sim_hit_rate=hit, sim_requests_per_s=rps * 1.01)
+        for k, rates in enumerate(runs, 1)
+        for front, hit, rps in zip(("cache_aware", "kv_events", "smg_cache_aware"),
+                                   (0.75, 0.77, 0.75), rates)])
+
+
+def test_with_repeats_smg_is_compared_by_medians_and_the_runs_each_front_led():
+    table = repeated((1.30, 1.36, 1.33), (1.35, 1.31, 1.32), (1.34, 1.33, 1.35))
+    lines = routing_live.checks(table)
+    assert lines[:4] == [
+        "chat: cache_aware hit 0.750 >= smg's 0.750 (median of 3 runs): True; at least theirs "
+        "in 3 of 3",
+        "chat: kv_events hit 0.770 >= both (median of 3 runs): True; at least theirs in 3 of 3",
+        "chat: cache_aware 1.34 req/s >= smg's 1.33 (median of 3 runs): True; at least theirs "
+        "in 1 of 3",
+        "chat: kv_events 1.33 req/s >= smg's 1.33 (median of 3 runs): True; at least theirs "
+        "in 1 of 3"]
+    # every run's twin is checked against that run
+    assert ("chat: kv_events (run 2): simulator's hit rate within 0.03 (0.000): True; "
+            "throughput within 10% (1.0%): True") in lines
+    assert len(lines) == 4 + 9
+
+
+def test_the_summary_gives_each_fronts_median_least_and_most_over_its_runs():
+    table = repeated((1.30, 1.36, 1.33), (1.35, 1.31, 1.32), (1.34, 1.33, 1.35))
+    s = routing_live.summary(table).set_index("front")
+    assert list(s.index) == ["cache_aware", "kv_events", "smg_cache_aware"]
+    assert s.loc["cache_aware", ["runs", "requests_per_s", "requests_per_s_min",
+                                 "requests_per_s_max"]].tolist() == [3, 1.34, 1.30, 1.35]
+    assert s.loc["kv_events", "hit_rate"] == 0.77
+    assert s.loc["smg_cache_aware", "sim_requests_per_s_error_max"] == pytest.approx(0.01)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--replica-kind", "vllm", "--fronts", "cache_aware", "kv_events"],
      "kv_events needs the cache events of testbed.serve replicas"),
     (["--fitted", "/nonexistent/cost_model.yaml"], "--fitted: no file"),
     (["--twin-runs", "0"], "--twin-runs must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--served-fit", "smg_cache_aware"], "--served-fit: smg_cache_aware: each must be a "
                                           "testbed.route front the study runs"),
     (["--served-fit", "round_robin", "--fronts", "cache_aware"], "--served-fit: round_robin:"),

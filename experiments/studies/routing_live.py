@@ -33,6 +33,13 @@ testbed front's calls N - 1 more times with the first wave's arrivals jittered b
 the serving path included), fitted on the named fronts' runs and checked on the others
 (`experiments.studies.routing_served_fit`; the table's ``sim_priced_by``).
 
+``--repeats N`` runs the whole study N times over the same replicas, each run's row numbered
+(``repeat``) and each repeat taking the fronts in an order turned by one (the first repeat's first
+front runs last in the next), so that no front always meets the machine's drift at the same
+point. With more than one run a comparison with smg is of the fronts' medians, beside how many
+repeats each front led in; each run keeps its own simulator twin, checked against its own run.
+``routing_live_summary.csv`` holds each front's median, least and most over the runs.
+
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
 KV pool in blocks of 32 (what its CPU attention takes); the fronts ``round_robin``,
@@ -48,10 +55,10 @@ ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` 
     python -m experiments.studies.routing_live [--replicas 2] [--workloads chat mooncake]
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
         [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm]
-        [--twin-runs 1] [--twin-jitter-ms 3] [--served-fit FRONT ...] [--out DIR]
+        [--twin-runs 1] [--twin-jitter-ms 3] [--served-fit FRONT ...] [--repeats 1] [--out DIR]
 
-Writes ``routing_live.csv`` into ``--out`` and prints the table and the acceptance checks
-(docs/results/routing_live.md).
+Writes ``routing_live.csv`` (a row a run) and ``routing_live_summary.csv`` (a row a workload and
+front) into ``--out`` and prints both and the acceptance checks (docs/results/routing_live.md).
 """
 
 from __future__ import annotations
@@ -172,24 +179,71 @@ def simulated(front: str, words: list[str], arrival: list[str], replicas: int, o
 
 
 # ---------------------------------------------------------------- the study
+def front_order(fronts: list[str], repeat: int) -> list[str]:
+    """The fronts in the order repeat ``repeat`` (from 1) runs them: turned by one a repeat."""
+    k = (repeat - 1) % len(fronts)
+    return fronts[k:] + fronts[:k]
+
+
+def runs_of(table: pd.DataFrame) -> int:
+    return int(table["repeat"].max()) if "repeat" in table.columns else 1
+
+
+def summary(table: pd.DataFrame) -> pd.DataFrame:
+    """A row a workload and front: how many runs, and the median, least and most of each run's
+    hit rate and throughput; the median of the other measured figures; the twin's largest
+    error over the runs."""
+    rows = []
+    for (w, f), t in table.groupby(["workload", "front"], sort=False):
+        row = {"workload": w, "front": f, "runs": len(t)}
+        for c in ("hit_rate", "requests_per_s"):
+            row |= {c: t[c].median(), f"{c}_min": t[c].min(), f"{c}_max": t[c].max()}
+        for c in ("ttft_p50_s", "imbalance", "front_cpu_s", "engine_busy_s"):
+            if c in t.columns:
+                row[c] = t[c].median()
+        if "sim_hit_rate" in t.columns and t["sim_hit_rate"].notna().any():
+            row["sim_hit_rate_error_max"] = (t.sim_hit_rate - t.hit_rate).abs().max()
+            row["sim_requests_per_s_error_max"] = (t.sim_requests_per_s / t.requests_per_s
+                                                   - 1).abs().max()
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def checks(table: pd.DataFrame) -> list[str]:
+    """The acceptance lines: beside smg (the medians over the runs when there are several, with
+    how many runs each front led in), then each run's simulator twin."""
     lines = []
+    runs = runs_of(table)
     for w, t in table.groupby("workload"):
-        by = t.set_index("front")
+        by = t.groupby("front", sort=False)[["hit_rate", "requests_per_s"]].median()
         if {"cache_aware", "smg_cache_aware"} <= set(by.index):
+            of = f" (median of {runs} runs)" if runs > 1 else ""
+
+            def led(f: str, column: str, also: tuple[str, ...] = ()) -> str:
+                """In how many repeats ``f``'s ``column`` was at least the others'."""
+                if runs == 1:
+                    return ""
+                per = t.pivot_table(index="repeat", columns="front", values=column)
+                rivals = per[["smg_cache_aware", *also]].max(axis=1)
+                return f"; at least theirs in {int((per[f] >= rivals).sum())} of {len(per)}"
+
             ca, smg = by.loc["cache_aware", "hit_rate"], by.loc["smg_cache_aware", "hit_rate"]
-            lines.append(f"{w}: cache_aware hit {ca:.3f} >= smg's {smg:.3f}: {ca >= smg}")
+            lines.append(f"{w}: cache_aware hit {ca:.3f} >= smg's {smg:.3f}{of}: {ca >= smg}"
+                         + led("cache_aware", "hit_rate"))
             if "kv_events" in by.index:
                 kv = by.loc["kv_events", "hit_rate"]
-                lines.append(f"{w}: kv_events hit {kv:.3f} >= both: {kv >= max(ca, smg)}")
+                lines.append(f"{w}: kv_events hit {kv:.3f} >= both{of}: {kv >= max(ca, smg)}"
+                             + led("kv_events", "hit_rate", ("cache_aware",)))
             thr = by.loc["smg_cache_aware", "requests_per_s"]
             for f in ("cache_aware", "kv_events"):
                 if f in by.index:
                     lines.append(f"{w}: {f} {by.loc[f, 'requests_per_s']:.2f} req/s >= smg's "
-                                 f"{thr:.2f}: {by.loc[f, 'requests_per_s'] >= thr}")
-        if "sim_hit_rate" not in by.columns:  # vLLM replicas: no simulator twin
+                                 f"{thr:.2f}{of}: {by.loc[f, 'requests_per_s'] >= thr}"
+                                 + led(f, "requests_per_s"))
+        if "sim_hit_rate" not in t.columns:  # vLLM replicas: no simulator twin
             continue
-        for f, r in by.iterrows():
+        for _, r in t.iterrows():
+            f = r.front if runs == 1 else f"{r.front} (run {int(r['repeat'])})"
             dh = abs(r.sim_hit_rate - r.hit_rate)
             dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
             priced = r.get("sim_priced_by")
@@ -233,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                          "testbed.route fronts' runs, every workload's (e.g. round_robin random; "
                          "`experiments.studies.routing_served_fit`): their rows are the fit's "
                          "training data, the other fronts' held out")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the whole study this many times, each repeat's fronts in an order "
+                         "turned by one; smg is compared by medians (default 1)")
     args = ap.parse_args(argv)
     if args.served_fit is not None:
         if args.fitted is not None or args.replica_kind == "vllm":
@@ -246,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"{' '.join(f for f in args.fronts or FRONTS if not f.startswith('smg_'))}")
     if args.fitted is not None and not args.fitted.is_file():
         raise BadInput(f"--fitted: no file {args.fitted}")
+    if args.repeats < 1:
+        raise BadInput(f"--repeats must be >= 1, got {args.repeats}")
     if args.twin_runs < 1 or args.twin_jitter_ms < 0:
         raise BadInput(f"--twin-runs must be >= 1 and --twin-jitter-ms >= 0, got "
                        f"{args.twin_runs} and {args.twin_jitter_ms}")
@@ -261,12 +320,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             study(args, fronts, urls, rows)
         finally:
-            if rows:
+            if rows:  # (a study cut short keeps the runs it made)
                 args.out.mkdir(parents=True, exist_ok=True)
                 pd.DataFrame(rows).to_csv(args.out / "routing_live.csv", index=False)
+                summary(pd.DataFrame(rows)).to_csv(args.out / "routing_live_summary.csv",
+                                                   index=False)
     from testbed.report.markdown import markdown_table
     table = pd.DataFrame(rows)
     print(markdown_table(table.round(3), list(table.columns)))
+    if args.repeats > 1:
+        medians = summary(table)
+        print(markdown_table(medians.round(3), list(medians.columns)))
     print("\n".join(checks(table)))
     return 0
 
@@ -287,25 +351,32 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
         print(json.dumps(row), file=sys.stderr, flush=True)
 
     later = []  # with --served-fit the twins wait for the fit, made once every run is live
-    for w in args.workloads:
-        words = workload_words(w, args.out / w)
-        _, arrival = WORKLOADS[w]
-        for front in fronts:
-            out = args.out / w / front
-            started = time.perf_counter()
-            row = {"workload": w, "front": front, "replicas": args.replica_kind,
-                   **live(front, words, arrival, urls, out, args.cache_dir, args.replica_kind)}
-            row["wall_s"] = time.perf_counter() - started
-            if args.served_fit:  # (never behind vLLM: main refuses the two together)
-                later.append((row, words, arrival, out))
-                print(f"{w} {front}: live {row['requests_per_s']:.2f} req/s, hit rate "
-                      f"{row['hit_rate']:.3f}; its twin after the served fit", file=sys.stderr,
-                      flush=True)
-            else:
-                done(row, words, arrival, out, args.fitted, None if vllm else "engine fit")
+    trained: list[Path] = []  # the runs the served fit learns from
+    words_of = {w: workload_words(w, args.out / w) for w in args.workloads}
+    for repeat in range(1, args.repeats + 1):
+        for w in args.workloads:
+            words, (_, arrival) = words_of[w], WORKLOADS[w]
+            for front in front_order(fronts, repeat):
+                out = args.out / w / front
+                if args.repeats > 1:
+                    out = out / f"run_{repeat}"
+                started = time.perf_counter()
+                row = {"workload": w, "front": front, "repeat": repeat,
+                       "replicas": args.replica_kind,
+                       **live(front, words, arrival, urls, out, args.cache_dir,
+                              args.replica_kind)}
+                row["wall_s"] = time.perf_counter() - started
+                if args.served_fit:  # (never behind vLLM: main refuses the two together)
+                    later.append((row, words, arrival, out))
+                    if front in args.served_fit:
+                        trained.append(out)
+                    print(f"{w} {front} (run {repeat}): live {row['requests_per_s']:.2f} req/s, "
+                          f"hit rate {row['hit_rate']:.3f}; its twin after the served fit",
+                          file=sys.stderr, flush=True)
+                else:
+                    done(row, words, arrival, out, args.fitted, None if vllm else "engine fit")
     if later:
-        fit = fit_served([args.out / w / f for w in args.workloads for f in args.served_fit],
-                         args.out / "served_fit", MODEL)
+        fit = fit_served(trained, args.out / "served_fit", MODEL)
         for row, words, arrival, out in later:
             done(row, words, arrival, out, fit, "served fit (trained here)"
                  if row["front"] in args.served_fit else "served fit (held out)")
