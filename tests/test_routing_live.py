@@ -191,6 +191,32 @@ def test_the_served_fit_reads_each_replicas_calls_where_the_router_last_sent_the
         routing_served_fit.split_by_replica(run, tmp_path / "fit2")
 
 
+def test_the_served_fit_learns_from_every_run_of_a_front_each_in_a_folder_of_its_own(
+        tmp_path, monkeypatch):
+    """One front's runs in two workloads and two repeats: four runs, eight replica folders, each
+    holding its own run's calls (none written over by another run's)."""
+    runs = [tmp_path / w / "round_robin" / f"run_{k}" for w in ("chat", "mooncake")
+            for k in (1, 2)]
+    for run in runs:  # two calls a run, named after it: "<run> a" on replica 0, "<run> b" on 1
+        (run / "client").mkdir(parents=True)
+        (run / "client" / "requests.jsonl").write_text("".join(
+            json.dumps({"id": f"{run} {c}", "arrival_s": 0.0}) + "\n" for c in "ab"))
+        (run / routing_twin.ROUTING).write_text(json.dumps([[f"{run} a", 0, 0.0],
+                                                            [f"{run} b", 1, 0.1]]))
+    called = []
+    monkeypatch.setattr(routing_served_fit.subprocess, "run",
+                        lambda argv, **_: called.append(argv))
+    routing_served_fit.fit_served(runs, tmp_path / "fit", "tiny", tmp_path)
+    (given,) = [a for a in called[0] if a.startswith("calibrate.server_runs=")]
+    dirs = given.removeprefix("calibrate.server_runs=[").removesuffix("]").split(",")
+    assert len(dirs) == len(set(dirs)) == 8
+    for run in runs:
+        for k, c in enumerate("ab"):
+            mine = tmp_path / "fit" / "replicas" / run.relative_to(tmp_path) / f"r{k}"
+            assert str(mine) in dirs
+            assert json.loads((mine / "requests.jsonl").read_text())["id"] == f"{run} {c}"
+
+
 def test_a_front_ends_cpu_seconds_are_its_sessions_and_no_one_elses():
     """The child burns 0.3 s of CPU, says so and waits: its session has used that (less the
     kernel's rounding of user and system time down to clock ticks), and a session with no live

@@ -376,7 +376,7 @@ def study(args: argparse.Namespace, fronts: list[str], urls: list[str], rows: li
                 else:
                     done(row, words, arrival, out, args.fitted, None if vllm else "engine fit")
     if later:
-        fit = fit_served(trained, args.out / "served_fit", MODEL)
+        fit = fit_served(trained, args.out / "served_fit", MODEL, args.out)
         for row, words, arrival, out in later:
             done(row, words, arrival, out, fit, "served fit (trained here)"
                  if row["front"] in args.served_fit else "served fit (held out)")

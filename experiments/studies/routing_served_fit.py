@@ -48,11 +48,13 @@ def split_by_replica(run: Path, dst: Path) -> list[Path]:
     return out
 
 
-def fit_served(runs: list[Path], out: Path, model: str) -> Path:
-    """``testbed.calibrate`` on the replicas' calls in the front runs ``runs``, into ``out``; the
-    cost model's path."""
-    dirs = [d for run in runs for d in split_by_replica(run, out / "replicas" / run.parent.name
-                                                         / run.name)]
+def fit_served(runs: list[Path], out: Path, model: str, root: Path) -> Path:
+    """``testbed.calibrate`` on the replicas' calls in the front runs ``runs`` (folders under the
+    study's ``root``), into ``out``; the cost model's path. Each run's calls are split into
+    ``out/replicas/<the run's path under root>/r<k>``, so runs of one front in two workloads or
+    two repeats never share a folder."""
+    dirs = [d for run in runs
+            for d in split_by_replica(run, out / "replicas" / run.relative_to(root))]
     subprocess.run([sys.executable, "-m", "testbed.calibrate", f"model={model}", "hardware=cpu",
                     f"calibrate.server_runs=[{','.join(map(str, dirs))}]",
                     f"hydra.run.dir={out}"], check=True, cwd=REPO)
