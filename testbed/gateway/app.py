@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -31,16 +30,12 @@ from testbed.router import Router
 def make_router_app(urls: list[str], router: Router, settings: RouteSettings, tokenizer: Any,
                     model_name: str) -> FastAPI:
     router.bind(len(urls))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(settings.stall_timeout_s,
-                                                   connect=settings.connect_timeout_s),
-                             limits=limits)
-    replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router,
-                        session_get(lambda: proxy.upstream), settings.health_interval_s,
-                        settings.health_timeout_s)
+    get = session_get(lambda: proxy.upstream)  # the health checks' and the event feeds' GETs
+    replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router, get,
+                        settings.health_interval_s, settings.health_timeout_s)
     proxy = Proxy(replicas, router, tokenizer, settings.retries, settings.stall_timeout_s,
                   settings.connect_timeout_s)
-    feed = EventsFeed(replicas, router, http, settings.events_wait_s,
+    feed = EventsFeed(replicas, router, get, settings.events_wait_s,
                       settings.health_interval_s) \
         if getattr(router, "wants_cache_events", False) else None
 
@@ -58,7 +53,6 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await proxy.close()
-            await http.aclose()
 
     app = FastAPI(title=f"testbed.route: {router.name}", lifespan=lifespan)
     app.state.proxy, app.state.replicas, app.state.feed = proxy, replicas, feed

@@ -21,7 +21,7 @@ No replica left: 503 ``no_replica`` naming each attempt's failure.
 
 *Upstream client.* The calls to the replicas go through one aiohttp session, the client's
 (`testbed.remote.openai_client.http_session`, reads limited by ``stall_timeout_s``), and so do
-the health watch's checks; the event feeds' long polls stay on httpx. A stream read to its end goes
+the health watch's checks and the event feeds' long polls (router=kv_events). A stream read to its end goes
 back to the pool (`drain`); one abandoned is closed, which aborts the replica's request.
 
 Load: a request counts towards its replica from routing to its end (`Replica.requests`), and its
