@@ -21,8 +21,9 @@ No replica left: 503 ``no_replica`` naming each attempt's failure.
 
 *Upstream client.* The calls to the replicas go through one aiohttp session, the client's
 (`testbed.remote.openai_client.http_session`, reads limited by ``stall_timeout_s``), and so do
-the health watch's checks and the event feeds' long polls (router=kv_events). A stream read to its end goes
-back to the pool (`drain`); one abandoned is closed, which aborts the replica's request.
+the health watch's checks and the event feeds' long polls (router=kv_events). A stream read to
+its end goes back to the pool (`drain`); one abandoned is closed, which aborts the replica's
+request.
 
 Load: a request counts towards its replica from routing to its end (`Replica.requests`), and its
 prompt plus ``max_tokens`` less the output tokens streamed so far (`Replica.tokens`; prefill
