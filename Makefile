@@ -9,8 +9,9 @@ ARGS ?=
 setup: $(VENV)/.installed
 
 # torch: reuse one that is already importable (GPU machines); otherwise install the CPU build
-# first, so the bare `torch` requirement below never pulls a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# first, so the bare `torch` requirement below never pulls a multi-GB CUDA build. The install
+# builds the replay's C loops (setup.py) where a compiler is found; editing them re-runs it.
+$(VENV)/.installed: pyproject.toml setup.py testbed/cache/_radix_core.c
 	@if python3 -c "import torch" 2>/dev/null; then \
 	  python3 -m venv --system-site-packages $(VENV); \
 	else \

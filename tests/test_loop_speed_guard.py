@@ -22,6 +22,7 @@ import pytest
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge
 from testbed.config.assembly import assemble, compose_config
 from testbed.backends.dispatch import run_backend
+from testbed.cache import native
 from testbed.cache.radix import RadixCache
 from testbed.backends.replay import replay
 from testbed.workloads.synthetic import random_tree
@@ -48,14 +49,19 @@ REQUESTS = random_tree(num_requests=2000, root_len=32, segment_len=8, output_len
 CAPACITY = 10 * len(REQUESTS)
 
 
-@pytest.mark.parametrize("release,budget", [
-    ("0.5.23", 104),  # 82 calls a request when set (86 before the slot count, 249 before issue 57)
-    ("0.4.10", 72),  # 56 (60; 91 before)
+@pytest.mark.parametrize("release,budget,in_c", [
+    # 82 calls a request when set (86 before the slot count, 249 before issue 57); 32 with the
+    # C loops (testbed.cache.native), 81 with their Python twins
+    ("0.5.23", 104, 40),
+    ("0.4.10", 72, 39),  # 56 (60; 91 before); 31 with the C loops, 57 without
 ])
-def test_a_replayed_request_costs_a_bounded_number_of_calls(release, budget):
+def test_a_replayed_request_costs_a_bounded_number_of_calls(release, budget, in_c):
     per_request = calls(lambda: replay(REQUESTS, RadixCache(CAPACITY, sglang=release))) \
         / len(REQUESTS)
-    assert per_request <= budget, f"{per_request:.1f} calls a request under {release}'s rules"
+    if native.NATIVE:
+        budget = in_c
+    assert per_request <= budget, f"{per_request:.1f} calls a request under {release}'s rules " \
+                                  f"(C loops: {native.NATIVE})"
 
 
 def test_the_replay_makes_fewer_calls_than_the_plain_tree_under_the_default_rules():

@@ -56,6 +56,7 @@ from experiments.benchmarks.cells import child, mb, peak_during, status, token_m
 from experiments.benchmarks.speed_sim import part_sim, sim_cell
 from experiments.benchmarks.traces import forest, mooncake_tiled
 from experiments.benchmarks.trees import EdgeRadix, as_lists, replay_edge, replay_sglang
+from testbed.cache import native
 from testbed.cache.radix import SGLANG_RELEASES, RadixCache
 from testbed.backends.replay import replay
 from testbed.workloads.request import Request
@@ -280,12 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     print(f"{time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} cores, "
-          f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
+          f"{platform.processor() or platform.machine()}, Python {platform.python_version()}; "
+          f"the replay's loops in {'C' if native.NATIVE else 'Python (C not built)'}")
     rows = []
     for part in parts:
         rows += {"replay": part_replay, "sim": part_sim, "scaling": part_scaling}[part](args)
     if args.out is not None and rows:
-        stamp = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": head_commit()}
+        stamp = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "commit": head_commit(),
+                 "c_loops": native.NATIVE}
         path = write_rows(args.out / "speed.csv", [{**row, **stamp} for row in rows], parts)
         print(f"\nrows in {path}")
     return 0
@@ -303,8 +306,9 @@ def head_commit() -> str | None:
 def write_rows(path: Path, rows: list[dict], parts: list[str]) -> Path:
     """``rows`` into the CSV at ``path``: the rows of the parts not run this time are kept (a
     ``--part sim`` run leaves the replay's and the scaling's rows as they were), each row
-    saying when (``date``, UTC) and at which ``commit`` it was measured (empty in rows older
-    than those columns)."""
+    saying when (``date``, UTC), at which ``commit`` and whether with the replay's C loops
+    (``c_loops``, `testbed.cache.native`) it was measured (empty in rows older than those
+    columns)."""
     import pandas as pd
 
     new = pd.DataFrame(rows)

@@ -34,8 +34,9 @@ def replay(requests: Iterable[Request], cache: PrefixCache, save_token_ids: bool
     tiered = bool(cache.lower_tiers)
     serve = cache.replay_one
     with gc_paused():
-        for r in tqdm(requests, desc=f"replay {cache.name}", unit="req",
-                      disable=None if progress else True):
+        # (without a bar, the requests themselves: a disabled bar still wraps each in a generator)
+        for r in (tqdm(requests, desc=f"replay {cache.name}", unit="req", disable=None) if progress
+                  else requests):
             hit, evicted, inserted, loaded = serve(r.prompt, r.output,
                                                    Requester(r.id, r.priority, r.category))
             # positional: twice as fast as keywords, once per request (RequestRecord's order)

@@ -21,9 +21,11 @@ leaf.
 from __future__ import annotations
 
 import heapq
+from functools import partial
 from typing import Protocol
 
 from testbed.cache.eviction import EvictionPolicy
+from testbed.cache.native import evict_lru, offer_lru
 from testbed.cache.tree_node import TreeNode
 from testbed.errors import check_choice
 
@@ -56,7 +58,7 @@ class LeafEviction:
     needed (in pages of ``page_size`` tokens)."""
 
     def __init__(self, tree: LeafTree, policy: EvictionPolicy, page_size: int = 1,
-                 evict_unit: str = "node") -> None:
+                 evict_unit: str = "node", own_unlink: bool = False) -> None:
         self.tree = tree
         self.policy = policy
         self.page_size = page_size
@@ -67,6 +69,15 @@ class LeafEviction:
         # only where the policy's class has one (as the tree calls its other hooks)
         self._by_recency = type(policy).priority is EvictionPolicy.priority
         self._hooks_evict = type(policy).on_evict is not EvictionPolicy.on_evict
+        # LRU over whole leaves of one token without hooks, on a tree whose `unlink_leaf` is
+        # `RadixTree`'s (``own_unlink``): `offer` and `evict` in C where it is built
+        # (`testbed.cache.native`); the instance's `offer` then shadows the method (an offer per
+        # request and evicted leaf, where a Python call in between would cost what C saves)
+        native = (evict_lru is not None and self._by_recency and not self._hooks_evict
+                  and evict_unit == "node" and page_size == 1 and own_unlink)
+        self._evict_lru = evict_lru if native else None
+        if native:
+            self.offer = partial(offer_lru, self, tree, self._root)  # type: ignore[method-assign]
 
     def offer(self, node: TreeNode) -> None:
         """(Re)enter ``node`` as an eviction candidate if it is an unlocked leaf."""
@@ -82,6 +93,8 @@ class LeafEviction:
         """Free ``num_tokens`` from unlocked leaves in policy order, or as many as are unlocked.
         Returns tokens freed: with ``evict_unit="node"`` whole leaves (possibly more than asked),
         with ``"page"`` the asked amount rounded up to whole pages when that many are unlocked."""
+        if self._evict_lru is not None:
+            return self._evict_lru(self, self.tree, self._root, num_tokens)
         by_page = self.evict_unit == "page"
         tree, policy, hooked = self.tree, self.policy, self._hooks_evict
         freed = 0

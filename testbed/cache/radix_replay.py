@@ -21,11 +21,16 @@ Eviction heap entries: only the final offer of each node that a walk ends at or 
 children since), which changes no eviction: entries are ordered by the policy's key and the
 node's id, and a stale one is skipped when popped. `tests/test_replay.py` holds every release,
 policy, capacity and eviction unit to the calls' own results, node by node.
+
+The walk down the tree, the last walk's effects on the path and the two nodes a request adds
+under 0.5.23 are `testbed.cache.native`'s `match`, `touch` and `new_node`: C where it is built,
+else their Python twins, with the same results (tests/test_native.py).
 """
 
 from __future__ import annotations
 
 from testbed.cache.eviction import Requester
+from testbed.cache.native import match, new_node, touch
 from testbed.cache.token_runs import TOKEN_BYTES, matched_bytes
 from testbed.cache.tree_node import TreeNode, own_children
 from testbed.cache.radix_tree import RadixTree
@@ -48,22 +53,13 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
     of page size 1 whose policy has no hooks (module docstring); the calls' result."""
     c0 = cache._clock
     # ---- the match: the walk itself, touching nothing yet (a cut is made, at its own ticks)
-    node = cache.root
-    path: list[TreeNode] = []
-    at, end = 0, p * TOKEN_BYTES
-    cut = False
-    while at < end:
-        child = node.children.get(kb[at : at + TOKEN_BYTES])
-        if child is None:
-            break
-        edge = child.kb
-        if kb.startswith(edge, at, end):
-            at += len(edge)
-            path.append(child)
-            node = child
-            continue
+    end = p * TOKEN_BYTES
+    path, at, child = match(cache.root, kb, end)
+    node = path[-1] if path else cache.root
+    cut = child is not None
+    if cut:
         # the walk stops inside this edge: cut it as `RadixTree._descend` does, at its ticks
-        k = matched_bytes(edge, kb, at, end)
+        k = matched_bytes(child.kb, kb, at, end)
         before = child.last_access
         cache._clock = child.last_access = c0 + 2 + len(path)  # the walk touches it...
         node = cache._split(child, k // TOKEN_BYTES)  # ...then the cut ticks (the new head)
@@ -72,8 +68,6 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
             cache.eviction.offer(child)
         at += k
         path.append(node)
-        cut = True
-        break
     k = len(path)
     c1 = c0 + 1 + k + cut if p else c0  # after the match: the root, the path and a cut's tick
     urgent = requester.priority if requester is not None else None
@@ -109,9 +103,9 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
         # leaves (the leaf's id first), the head with the cut's tick, one more urgent.
         c3 = c2 + 4 + k  # the leaf; the prompt walk's root and path; the leaf touched; the cut
         head_slots, leaf_slots = pool.alloc_split(need, p - hit)
-        leaf = TreeNode(next(cache._ids), None, kb[p * TOKEN_BYTES :], leaf_slots, c2 + 1, p,
+        leaf = new_node(next(cache._ids), None, kb[p * TOKEN_BYTES :], leaf_slots, c2 + 1, p,
                         requester)
-        head = TreeNode(next(cache._ids), node, kb[at : p * TOKEN_BYTES], head_slots, c3, hit,
+        head = new_node(next(cache._ids), node, kb[at : p * TOKEN_BYTES], head_slots, c3, hit,
                         requester)
         leaf.parent = head
         leaf.hits = head.hits = 1
@@ -138,28 +132,10 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
     else:
         tick = c1 + 1  # the insert's walk was the last; the leaf keeps its creation tick
         last = []
-    root = cache.root
-    root.last_access = tick
-    if urgent is not None:
-        if urgent < root.priority:
-            root.priority = urgent
-        for x in path:
-            tick += 1
-            x.last_access = tick
-            x.access_count += 1  # the match
-            x.hits += 1  # the insert
-            if urgent < x.priority:
-                x.priority = urgent
-    else:
-        for x in path:
-            tick += 1
-            x.last_access = tick
-            x.access_count += 1
-            x.hits += 1
+    # the last walk: the root at ``tick``, the path after it (each with the match's and the
+    # insert's count), then what it passes beyond the path (one leaf, or the cut's two)
+    tick = touch(cache.root, path, last, tick, urgent)
     if last:
-        for x in last:
-            tick += 1
-            x.last_access = tick
         cache._clock = tick
         cache.eviction.offer(leaf)
     if whole:

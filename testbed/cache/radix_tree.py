@@ -101,7 +101,8 @@ class RadixTree:
     def _make_eviction(self, evict_unit: str) -> TreeEviction:
         """The eviction this tree owns (called once, at the end of `__init__`, with the tree
         empty). A subclass with its own eviction rules returns its own object here."""
-        return LeafEviction(self, self.policy, self.page_size, evict_unit)
+        return LeafEviction(self, self.policy, self.page_size, evict_unit,
+                            own_unlink=type(self).unlink_leaf is RadixTree.unlink_leaf)
 
     # ---------------------------------------------------------------- sizes
     @property
