@@ -238,6 +238,19 @@ def test_a_front_ends_cpu_seconds_are_its_sessions_and_no_one_elses():
     assert routing_fronts.session_cpu_s(child.pid) == 0.0
 
 
+def test_the_smallest_tree_front_is_cache_aware_sending_a_miss_to_the_smallest_tree():
+    # sgl-router's rule for a prompt matched below the threshold, where smg (and the group's
+    # default) take the least loaded replica; everything else at the group's defaults
+    policy = ROUTERS.build(compose_config(routing_fronts.router_of("cache_aware_smallest_tree"))
+                           .router, seed=0, max_tree_size=None)
+    assert type(policy).__name__ == "CacheAware" and policy.fallback == "smallest_tree"
+    assert policy.update_on_complete
+    assert (policy.cache_threshold, policy.balance_abs_threshold, policy.balance_rel_threshold,
+            policy.eviction_interval_s) == (0.3, 64, 1.5, 120)
+    assert ROUTERS.build(compose_config(routing_fronts.router_of("cache_aware")).router,
+                         seed=0, max_tree_size=None).fallback == "least_load"
+
+
 def test_smgs_twin_and_the_at_routing_front_insert_a_prompt_only_when_they_route_it():
     # smg's cache-aware tree learns nothing from answers: its twin, and our front run at its
     # rule, are `cache_aware` with update_on_complete=false (the group's defaults otherwise)

@@ -34,6 +34,10 @@ SGLANG_ROUTER_0_1 = ["router=cache_aware", "router.cache_threshold=0.5",
 FRONT_ROUTERS = {"cache_aware_router_0_1": SGLANG_ROUTER_0_1,
                  # our cache_aware at smg's rule: a prompt inserted when routed, never an answer
                  "cache_aware_at_routing": SMG_CACHE_AWARE,
+                 # our cache_aware sending a miss to the smallest tree (SGLang's router's choice)
+                 # rather than the least loaded replica (smg's)
+                 "cache_aware_smallest_tree": ["router=cache_aware",
+                                               "router.fallback=smallest_tree"],
                  "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
 VLLM_BLOCK = 32  # vLLM 0.32's CPU attention takes blocks in multiples of 32
 

@@ -47,6 +47,11 @@ KV pool in blocks of 32 (what its CPU attention takes); the fronts ``round_robin
 simulator twin (the fitted model prices the testbed's engine, not vLLM's) and no ``kv_events``
 (vLLM publishes no cache events over HTTP).
 
+Fronts beyond the default list (`experiments.studies.routing_fronts.FRONT_ROUTERS`):
+``cache_aware_at_routing`` (our cache_aware inserting a prompt only when it routes it, as smg)
+and ``cache_aware_smallest_tree`` (a prompt matched below the threshold sent to the replica with
+the smallest tree, sgl-router's rule, rather than the least loaded, smg's).
+
 Workloads: ``chat``: multi-tenant chat (``workload=chat_tenants`` scaled to this CPU: 8 tenants
 with 384-token system prompts, 16 sessions of 3 turns, 6 sessions at once); ``mooncake``: the
 first requests of the Mooncake conversation trace (prompts cut to 1,024 tokens, outputs to 16,
