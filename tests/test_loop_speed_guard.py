@@ -50,9 +50,9 @@ CAPACITY = 10 * len(REQUESTS)
 
 
 @pytest.mark.parametrize("release,budget,in_c", [
-    # 82 calls a request when set (86 before the slot count, 249 before issue 57); 32 with the
+    # 82 calls a request when set (86 before the slot count, 249 before issue 57); 28 with the
     # C loops (testbed.cache.native), 81 with their Python twins
-    ("0.5.23", 104, 40),
+    ("0.5.23", 104, 36),
     ("0.4.10", 72, 39),  # 56 (60; 91 before); 31 with the C loops, 57 without
 ])
 def test_a_replayed_request_costs_a_bounded_number_of_calls(release, budget, in_c):

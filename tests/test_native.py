@@ -47,7 +47,7 @@ def use_python_loops(mp: pytest.MonkeyPatch) -> None:
     twins, whatever is built."""
     mp.setattr(radix_replay, "match", native.match_py)
     mp.setattr(radix_replay, "touch", native.touch_py)
-    mp.setattr(radix_replay, "new_node", TreeNode)
+    mp.setattr(radix_replay, "cut_leaf", native.cut_leaf_py)
     mp.setattr(leaf_eviction, "evict_lru", None)
     mp.setattr(leaf_eviction, "offer_lru", None)
 
@@ -130,15 +130,33 @@ def test_replays_of_any_requests_agree_in_c_and_in_python(seqs, capacity, releas
     assert run("c") == run("python")
 
 
+def node_fields(node: TreeNode) -> dict:
+    return {s: (getattr(node, s).id if s == "parent" and node.parent is not None
+                else {k: v.id for k, v in node.children.items()} if s == "children"
+                else getattr(node, s))
+            for s in TreeNode.__slots__}
+
+
 @needs_c
-def test_a_node_made_in_c_is_the_node_python_makes():
-    who = Requester("r", -3, "chat")
-    for requester in (who, None):
-        a = TreeNode(5, None, b"\x01\x00\x00\x00", range(1), 9, 2, requester)
-        b = native.new_node(5, None, b"\x01\x00\x00\x00", range(1), 9, 2, requester)
-        assert type(b) is TreeNode
-        assert {s: getattr(a, s) for s in TreeNode.__slots__} == \
-               {s: getattr(b, s) for s in TreeNode.__slots__}
+@pytest.mark.parametrize("requester", [Requester("r", -3, "chat"), None])
+@pytest.mark.parametrize("under", ["a leaf", "a node with children"])
+def test_the_two_nodes_cut_in_c_are_those_python_makes(requester, under):
+    from itertools import count
+
+    def made(cut_leaf) -> tuple:
+        node = TreeNode(0, None, b"\x07\x00\x00\x00", range(1), 1, 0)
+        if under == "a node with children":
+            node.children = {b"\x09\x00\x00\x00": TreeNode(1, node, b"\x09\x00\x00\x00",
+                                                           range(1), 2, 1)}
+        kb = bytes(range(24))  # six tokens: the node's one, a head of two, a leaf of three
+        pair = cut_leaf(count(5), node, kb, 4, 12, range(2), range(3), 40, 38, requester, -2)
+        return [node_fields(x) for x in pair], sorted(node.children), \
+            [x.id for x in node.children.values()]
+
+    assert made(native.cut_leaf) == made(native.cut_leaf_py)
+    head, leaf = made(native.cut_leaf)[0]
+    assert (leaf["id"], head["id"], head["priority"], leaf["priority"]) == \
+        (5, 6, -3 if requester else -2, -3 if requester else 0)
 
 
 @needs_c
@@ -161,6 +179,25 @@ def test_the_c_loops_refuse_what_is_not_a_tree_node():
         native.match(Other(), b"\x00" * 8, 8)
     with pytest.raises(TypeError, match="TreeNode"):
         native.touch(Other(), [], [], 0, None)
+
+
+@needs_c
+def test_a_node_class_with_other_fields_is_refused_and_the_bound_one_kept():
+    from testbed.cache import _radix_core
+    from testbed.cache.tree_node import NO_CHILDREN
+
+    class Grown:
+        __slots__ = (*TreeNode.__slots__, "extra")
+
+    class Renamed:
+        __slots__ = (*TreeNode.__slots__[:-1], "history2")
+
+    for other in (Grown, Renamed):
+        with pytest.raises(TypeError, match="bind"):
+            _radix_core.bind(other, NO_CHILDREN)
+    cache = RadixCache(None)  # the C loops still serve TreeNode
+    cache.replay_one(np.arange(6, dtype=np.int32), np.arange(2, dtype=np.int32))
+    assert native.match(cache.root, np.arange(8, dtype=np.int32).tobytes(), 24)[1] == 24
 
 
 def test_policies_other_than_lru_and_pages_other_than_one_keep_the_python_eviction():

@@ -34,10 +34,17 @@ static void put(PyObject *o, int i, PyObject *v) { /* steals v */
     Py_XDECREF(old);
 }
 
-static int is_node(PyObject *o) { return node_type != NULL && Py_TYPE(o) == node_type; }
+/* a TreeNode with every slot set (a deleted one would read as NULL below) and bytes for tokens */
+static int is_node(PyObject *o) {
+    if (node_type == NULL || Py_TYPE(o) != node_type) return 0;
+    for (int i = 0; i < NUM_SLOTS; i++)
+        if (GET(o, i) == NULL) return 0;
+    return PyBytes_CheckExact(GET(o, KB));
+}
 
 static int not_node(void) {
-    PyErr_SetString(PyExc_TypeError, "_radix_core: expected a TreeNode (bind it first)");
+    PyErr_SetString(PyExc_TypeError, "_radix_core: expected a TreeNode with every field set and "
+                                     "bytes in kb (bind the class first)");
     return -1;
 }
 
@@ -52,6 +59,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
                      tp->tp_name, NUM_SLOTS);
         return NULL;
     }
+    Py_ssize_t found[NUM_SLOTS]; /* (a class refused leaves the bound one as it was) */
     for (int i = 0; i < NUM_SLOTS; i++) {
         PyObject *d = PyDict_GetItemString(tp->tp_dict, slot_names[i]);
         if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type ||
@@ -59,8 +67,9 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_TypeError, "bind: %s.%s is not a slot", tp->tp_name, slot_names[i]);
             return NULL;
         }
-        off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        found[i] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
+    memcpy(off, found, sizeof off);
     Py_XSETREF(node_type, (PyTypeObject *)Py_NewRef(t));
     Py_XSETREF(no_children, Py_NewRef(empty));
     Py_RETURN_NONE;
@@ -155,15 +164,18 @@ static PyObject *touch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromLongLong(tick);
 }
 
-/* new_node(id, parent, kb, slots, clock, start, requester): TreeNode(...) as its __init__ */
-static PyObject *new_node(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "new_node(id, parent, kb, slots, clock, start, requester)");
+/* TreeNode(id, parent, kb, slots, clock, start, requester) as its __init__ makes it (new ref) */
+static PyObject *make_node(PyObject *id, PyObject *parent, PyObject *kb, PyObject *slots,
+                           PyObject *clock, PyObject *start, PyObject *requester) {
+    if (node_type == NULL) return not_node(), NULL;
+    if (!PyBytes_CheckExact(kb)) {
+        PyErr_SetString(PyExc_TypeError, "a node's kb must be bytes");
         return NULL;
     }
-    if (node_type == NULL) return not_node(), NULL;
-    PyObject *requester = args[6], *priority = zero, *category = Py_None;
-    if (requester != Py_None && PyObject_IsTrue(requester)) { /* `if requester` */
+    PyObject *priority = zero, *category = Py_None;
+    int given = requester == Py_None ? 0 : PyObject_IsTrue(requester); /* `if requester` */
+    if (given < 0) return NULL;
+    if (given) {
         priority = PyObject_GetAttr(requester, s_priority);
         category = priority ? PyObject_GetAttr(requester, s_category) : NULL;
         if (!category) { Py_XDECREF(priority); return NULL; }
@@ -173,24 +185,85 @@ static PyObject *new_node(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     PyObject *o = node_type->tp_alloc(node_type, 0);
     if (!o) { Py_DECREF(priority); Py_DECREF(category); return NULL; }
-    GET(o, ID) = Py_NewRef(args[0]);
-    GET(o, PARENT) = Py_NewRef(args[1]);
+    GET(o, ID) = Py_NewRef(id);
+    GET(o, PARENT) = Py_NewRef(parent);
     GET(o, CHILDREN) = Py_NewRef(no_children);
-    GET(o, KB) = Py_NewRef(args[2]);
-    GET(o, SLOTS) = Py_NewRef(args[3]);
+    GET(o, KB) = Py_NewRef(kb);
+    GET(o, SLOTS) = Py_NewRef(slots);
     GET(o, LOCK_REF) = Py_NewRef(zero);
-    GET(o, LAST_ACCESS) = Py_NewRef(args[4]);
+    GET(o, LAST_ACCESS) = Py_NewRef(clock);
     GET(o, ACCESS_COUNT) = Py_NewRef(one);
     GET(o, HITS) = Py_NewRef(zero);
     GET(o, HISTORY) = Py_NewRef(zero);
-    GET(o, CREATED) = Py_NewRef(args[4]);
-    GET(o, START) = Py_NewRef(args[5]);
+    GET(o, CREATED) = Py_NewRef(clock);
+    GET(o, START) = Py_NewRef(start);
     GET(o, PRIORITY) = priority;
     GET(o, CATEGORY) = category;
     GET(o, OFFER) = Py_NewRef(zero);
     GET(o, ALIVE) = Py_NewRef(Py_True);
     GET(o, TIER) = Py_NewRef(Py_None);
     return o;
+}
+
+/* a child's key: the bytes of the token at byte ``at`` of ``kb`` (new ref) */
+static PyObject *token_key(PyObject *kb, Py_ssize_t at) {
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + at, TOKEN);
+}
+
+/* cut_leaf(ids, node, kb, at, cut, head_slots, leaf_slots, head_tick, leaf_tick, requester,
+   prompt_priority) -> [head, leaf]: native.cut_leaf_py */
+static PyObject *cut_leaf(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 11 || !PyBytes_CheckExact(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "cut_leaf(ids, node, kb: bytes, at, cut, head_slots, "
+                                         "leaf_slots, head_tick, leaf_tick, requester, prompt_priority)");
+        return NULL;
+    }
+    PyObject *ids = args[0], *node = args[1], *kb = args[2], *requester = args[9];
+    Py_ssize_t at = PyLong_AsSsize_t(args[3]), cut = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (!is_node(node)) return not_node(), NULL;
+    if (at < 0 || at % TOKEN || cut % TOKEN || cut <= at || cut + TOKEN > PyBytes_GET_SIZE(kb)) {
+        PyErr_SetString(PyExc_ValueError, "cut_leaf: at < cut < len(kb), in whole tokens");
+        return NULL;
+    }
+    PyObject *leaf = NULL, *head = NULL, *list = NULL, *kids = NULL, *key = NULL;
+    PyObject *leaf_id = PyIter_Next(ids), *head_id = leaf_id ? PyIter_Next(ids) : NULL;
+    PyObject *tail = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + cut, PyBytes_GET_SIZE(kb) - cut);
+    PyObject *front = PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + at, cut - at);
+    PyObject *leaf_start = PyLong_FromSsize_t(cut / TOKEN), *head_start = PyLong_FromSsize_t(at / TOKEN);
+    if (!head_id || !tail || !front || !leaf_start || !head_start) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "cut_leaf: the ids ran out");
+        goto done;
+    }
+    leaf = make_node(leaf_id, Py_None, tail, args[6], args[8], leaf_start, requester);
+    head = leaf ? make_node(head_id, node, front, args[5], args[7], head_start, requester) : NULL;
+    if (!head) goto done;
+    put(leaf, PARENT, Py_NewRef(head));
+    put(leaf, HITS, Py_NewRef(one));
+    put(head, HITS, Py_NewRef(one));
+    if (lower_priority(head, args[10])) goto done;
+    kids = PyDict_New();
+    key = kids ? token_key(kb, cut) : NULL;
+    if (!key || PyDict_SetItem(kids, key, leaf)) goto done;
+    put(head, CHILDREN, Py_NewRef(kids));
+    Py_SETREF(key, token_key(kb, at));
+    if (!key) goto done;
+    if (!PyDict_CheckExact(GET(node, CHILDREN))) { /* its first child: a dict of its own */
+        PyObject *own = PyDict_New();
+        if (!own) goto done;
+        put(node, CHILDREN, own);
+    }
+    if (PyDict_SetItem(GET(node, CHILDREN), key, head)) goto done;
+    list = PyList_New(2);
+    if (list) {
+        PyList_SET_ITEM(list, 0, Py_NewRef(head));
+        PyList_SET_ITEM(list, 1, Py_NewRef(leaf));
+    }
+done:
+    Py_XDECREF(leaf_id); Py_XDECREF(head_id); Py_XDECREF(tail); Py_XDECREF(front);
+    Py_XDECREF(leaf_start); Py_XDECREF(head_start); Py_XDECREF(leaf); Py_XDECREF(head);
+    Py_XDECREF(kids); Py_XDECREF(key);
+    return list;
 }
 
 static int has_children(PyObject *node) {
@@ -315,7 +388,8 @@ static PyObject *evict_lru(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (!current || !alive || kids || locked) { Py_DECREF(node); continue; } /* stale */
         /* RadixTree.unlink_leaf */
         PyObject *parent = Py_NewRef(GET(node, PARENT)), *slots = GET(node, SLOTS);
-        Py_ssize_t size = PyObject_Length(slots);
+        Py_ssize_t size = is_node(parent) && PyBytes_GET_SIZE(GET(node, KB)) >= TOKEN ?
+            PyObject_Length(slots) : not_node();
         PyObject *key = size < 0 ? NULL : PyBytes_FromStringAndSize(PyBytes_AS_STRING(GET(node, KB)), TOKEN);
         int r = key ? PyObject_DelItem(GET(parent, CHILDREN), key) : -1;
         Py_XDECREF(key);
@@ -343,17 +417,24 @@ static PyObject *evict_lru(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     Py_XDECREF(heap);
     Py_DECREF(give_back);
-    if (failed || set_attr_ssize(tree, s_num_nodes, nodes) ||
-        set_attr_ssize(tree, s_evictable, evictable))
+    /* the tree's counts as far as the eviction went, whatever stopped it (an error kept aside) */
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    int written = set_attr_ssize(tree, s_num_nodes, nodes) == 0 &&
+                  set_attr_ssize(tree, s_evictable, evictable) == 0;
+    if (failed) {
+        if (!written) PyErr_Clear();
+        PyErr_Restore(type, value, trace);
         return NULL;
-    return PyLong_FromSsize_t(freed);
+    }
+    return written ? PyLong_FromSsize_t(freed) : NULL;
 }
 
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(TreeNode, NO_CHILDREN): learn the node class's slots"},
     {"match", (PyCFunction)(void (*)(void))match, METH_FASTCALL, "native.match_py"},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, "native.touch_py"},
-    {"new_node", (PyCFunction)(void (*)(void))new_node, METH_FASTCALL, "TreeNode(...)"},
+    {"cut_leaf", (PyCFunction)(void (*)(void))cut_leaf, METH_FASTCALL, "native.cut_leaf_py"},
     {"offer_lru", (PyCFunction)(void (*)(void))offer_lru, METH_FASTCALL, "LeafEviction.offer, LRU"},
     {"evict_lru", (PyCFunction)(void (*)(void))evict_lru, METH_FASTCALL, "LeafEviction.evict, LRU"},
     {NULL, NULL, 0, NULL}};

@@ -15,9 +15,11 @@ The C code reads and writes `TreeNode`'s slots at their offsets, found once from
 from __future__ import annotations
 
 import os
+from typing import Iterator
 
 from testbed.cache.token_runs import TOKEN_BYTES
-from testbed.cache.tree_node import NO_CHILDREN, TreeNode
+from testbed.cache.eviction import Requester
+from testbed.cache.tree_node import NO_CHILDREN, TreeNode, own_children
 
 try:
     import testbed.cache._radix_core as _radix_core
@@ -27,7 +29,11 @@ except ImportError:  # not built (no compiler at setup): the Python loops below
 if os.environ.get("TESTBED_NATIVE", "1") == "0" or TOKEN_BYTES != 4:  # (the C code's token)
     _radix_core = None
 if _radix_core is not None:
-    _radix_core.bind(TreeNode, NO_CHILDREN)
+    try:
+        _radix_core.bind(TreeNode, NO_CHILDREN)
+    except TypeError as e:  # TreeNode's fields changed: the C code must learn them first
+        raise ImportError(f"{e}: update testbed/cache/_radix_core.c's slot list and rebuild it "
+                          "(make setup), or run the Python loops with TESTBED_NATIVE=0") from e
 
 #: whether the C loops run (False: the extension is not built, or TESTBED_NATIVE=0)
 NATIVE = _radix_core is not None
@@ -74,10 +80,28 @@ def touch_py(root: TreeNode, path: list[TreeNode], last: list[TreeNode], tick: i
     return tick
 
 
+def cut_leaf_py(ids: Iterator[int], node: TreeNode, kb: bytes, at: int, cut: int,
+                head_slots, leaf_slots, head_tick: int, leaf_tick: int,
+                requester: Requester | None, prompt_priority: int) -> list[TreeNode]:
+    """The new tokens ``kb[at:]`` under ``node`` as two nodes cut at byte ``cut`` (what SGLang
+    0.5.23's prompt insert leaves of one new leaf): the leaf ``kb[cut:]`` (its id drawn first
+    from ``ids``, made at ``leaf_tick``) below the head ``kb[at:cut]`` (made at ``head_tick``),
+    each with the requester's statistics and one insert hit, the head the more urgent of its
+    priority and ``prompt_priority``. Returns [head, leaf]."""
+    leaf = TreeNode(next(ids), None, kb[cut:], leaf_slots, leaf_tick, cut // 4, requester)
+    head = TreeNode(next(ids), node, kb[at:cut], head_slots, head_tick, at // 4, requester)
+    leaf.parent = head
+    leaf.hits = head.hits = 1
+    if prompt_priority < head.priority:
+        head.priority = prompt_priority
+    head.children = {kb[cut : cut + 4]: leaf}
+    own_children(node)[kb[at : at + 4]] = head
+    return [head, leaf]
+
+
 match = _radix_core.match if NATIVE else match_py
 touch = _radix_core.touch if NATIVE else touch_py
-#: ``TreeNode(id, parent, kb, slots, clock, start, requester)``, made in C where it is built
-new_node = _radix_core.new_node if NATIVE else TreeNode
+cut_leaf = _radix_core.cut_leaf if NATIVE else cut_leaf_py
 #: `LeafEviction.offer` and `evict` under LRU over whole leaves of page size 1, without hooks,
 #: called as ``(eviction, tree, root, node)`` and ``(eviction, tree, root, num_tokens)``; None:
 #: the methods' own Python

@@ -23,16 +23,16 @@ node's id, and a stale one is skipped when popped. `tests/test_replay.py` holds 
 policy, capacity and eviction unit to the calls' own results, node by node.
 
 The walk down the tree, the last walk's effects on the path and the two nodes a request adds
-under 0.5.23 are `testbed.cache.native`'s `match`, `touch` and `new_node`: C where it is built,
+under 0.5.23 are `testbed.cache.native`'s `match`, `touch` and `cut_leaf`: C where it is built,
 else their Python twins, with the same results (tests/test_native.py).
 """
 
 from __future__ import annotations
 
 from testbed.cache.eviction import Requester
-from testbed.cache.native import match, new_node, touch
+from testbed.cache.native import cut_leaf, match, touch
 from testbed.cache.token_runs import TOKEN_BYTES, matched_bytes
-from testbed.cache.tree_node import TreeNode, own_children
+from testbed.cache.tree_node import TreeNode
 from testbed.cache.radix_tree import RadixTree
 
 # ``cache`` below is a `testbed.cache.radix.RadixCache` (which calls these): typed as its tree,
@@ -103,21 +103,13 @@ def replay_fast(cache: RadixTree, kb: bytes, p: int, n: int,
         # leaves (the leaf's id first), the head with the cut's tick, one more urgent.
         c3 = c2 + 4 + k  # the leaf; the prompt walk's root and path; the leaf touched; the cut
         head_slots, leaf_slots = pool.alloc_split(need, p - hit)
-        leaf = new_node(next(cache._ids), None, kb[p * TOKEN_BYTES :], leaf_slots, c2 + 1, p,
-                        requester)
-        head = new_node(next(cache._ids), node, kb[at : p * TOKEN_BYTES], head_slots, c3, hit,
-                        requester)
-        leaf.parent = head
-        leaf.hits = head.hits = 1
-        head.priority = leaf.priority  # a cut's head takes the tail's (a requester's or 0)...
-        prompt_priority = urgent - 1 if urgent is not None else -1  # `prompt_requester`
-        if prompt_priority < head.priority:  # ... then the prompt walk's
-            head.priority = prompt_priority
-        head.children = {kb[p * TOKEN_BYTES : (p + 1) * TOKEN_BYTES]: leaf}
-        own_children(node)[kb[at : at + TOKEN_BYTES]] = head
+        # (a cut's head takes the tail's priority, here the requester's as the leaf's, then
+        # the prompt walk's, `prompt_requester`'s)
+        last = cut_leaf(cache._ids, node, kb, at, p * TOKEN_BYTES, head_slots, leaf_slots, c3,
+                        c2 + 1, requester, urgent - 1 if urgent is not None else -1)
+        leaf = last[1]
         cache.num_nodes += 2
         cache._evictable += need
-        last = [head, leaf]
     else:
         cache._clock = c2
         leaf = cache._add_leaf(node, kb[at:], pool.alloc(need), hit, requester)
