@@ -69,7 +69,7 @@ class LeafEviction:
         # only where the policy's class has one (as the tree calls its other hooks)
         self._by_recency = type(policy).priority is EvictionPolicy.priority
         self._hooks_evict = type(policy).on_evict is not EvictionPolicy.on_evict
-        # LRU over whole leaves of one token without hooks, on a tree whose `unlink_leaf` is
+        # LRU over whole leaves at page size 1 without hooks, on a tree whose `unlink_leaf` is
         # `RadixTree`'s (``own_unlink``): `offer` and `evict` in C where it is built
         # (`testbed.cache.native`); the instance's `offer` then shadows the method (an offer per
         # request and evicted leaf, where a Python call in between would cost what C saves)

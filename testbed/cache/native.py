@@ -1,9 +1,10 @@
 """The replay's hot loops (`testbed.cache.radix_replay`, `LeafEviction.evict`) in C where the
 extension `testbed.cache._radix_core` is built, else in Python; both do exactly the same.
 
-Three loops carry most of a replayed request's time, each a few attribute reads and writes per
-tree node: the match's walk down the tree, the ticks and counts its path takes, and LRU's
-eviction of whole leaves. `make setup` (``pip install -e .``) builds the extension where a C
+Four pieces carry most of a replayed request's time, each a few attribute reads and writes per
+tree node: the match's walk down the tree (`match`), the ticks and counts its path takes
+(`touch`), the two nodes a request adds under SGLang 0.5.23's rules (`cut_leaf`), and LRU's
+offer and eviction of whole leaves (`offer_lru`, `evict_lru`). `make setup` (``pip install -e .``) builds the extension where a C
 compiler is found; where it is not, or ``TESTBED_NATIVE=0`` is set, the Python loops below run
 instead, with every hit, eviction and node statistic the same (tests/test_native.py runs both
 on the same requests). `NATIVE` says which is in use.
@@ -17,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Iterator
 
-from testbed.cache.token_runs import TOKEN_BYTES
 from testbed.cache.eviction import Requester
+from testbed.cache.token_runs import TOKEN_BYTES
 from testbed.cache.tree_node import NO_CHILDREN, TreeNode, own_children
 
 try:
