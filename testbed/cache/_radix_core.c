@@ -75,6 +75,11 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* a child's key: the bytes of the token at byte ``at`` of ``kb`` (new ref) */
+static PyObject *token_key(PyObject *kb, Py_ssize_t at) {
+    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + at, TOKEN);
+}
+
 /* match(root, kb, end) -> (path, at, stop): native.match_py */
 static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyBytes_CheckExact(args[1])) {
@@ -92,7 +97,7 @@ static PyObject *match(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     while (at + TOKEN <= end) {
         PyObject *kids = GET(node, CHILDREN);
         if (!PyDict_CheckExact(kids)) break; /* NO_CHILDREN: a leaf */
-        PyObject *key = PyBytes_FromStringAndSize(buf + at, TOKEN);
+        PyObject *key = token_key(kb, at);
         if (!key) goto fail;
         PyObject *child = PyDict_GetItemWithError(kids, key); /* borrowed */
         Py_DECREF(key);
@@ -203,11 +208,6 @@ static PyObject *make_node(PyObject *id, PyObject *parent, PyObject *kb, PyObjec
     GET(o, ALIVE) = Py_NewRef(Py_True);
     GET(o, TIER) = Py_NewRef(Py_None);
     return o;
-}
-
-/* a child's key: the bytes of the token at byte ``at`` of ``kb`` (new ref) */
-static PyObject *token_key(PyObject *kb, Py_ssize_t at) {
-    return PyBytes_FromStringAndSize(PyBytes_AS_STRING(kb) + at, TOKEN);
 }
 
 /* cut_leaf(ids, node, kb, at, cut, head_slots, leaf_slots, head_tick, leaf_tick, requester,
@@ -390,7 +390,7 @@ static PyObject *evict_lru(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyObject *parent = Py_NewRef(GET(node, PARENT)), *slots = GET(node, SLOTS);
         Py_ssize_t size = is_node(parent) && PyBytes_GET_SIZE(GET(node, KB)) >= TOKEN ?
             PyObject_Length(slots) : not_node();
-        PyObject *key = size < 0 ? NULL : PyBytes_FromStringAndSize(PyBytes_AS_STRING(GET(node, KB)), TOKEN);
+        PyObject *key = size < 0 ? NULL : token_key(GET(node, KB), 0);
         int r = key ? PyObject_DelItem(GET(parent, CHILDREN), key) : -1;
         Py_XDECREF(key);
         if (r == 0) {

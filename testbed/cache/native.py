@@ -47,7 +47,7 @@ def match_py(root: TreeNode, kb: bytes, end: int) -> tuple[list[TreeNode], int, 
     path: list[TreeNode] = []
     at = 0
     while at < end:
-        child = node.children.get(kb[at : at + 4])
+        child = node.children.get(kb[at : at + TOKEN_BYTES])
         if child is None:
             break
         edge = child.kb
@@ -89,14 +89,16 @@ def cut_leaf_py(ids: Iterator[int], node: TreeNode, kb: bytes, at: int, cut: int
     from ``ids``, made at ``leaf_tick``) below the head ``kb[at:cut]`` (made at ``head_tick``),
     each with the requester's statistics and one insert hit, the head the more urgent of its
     priority and ``prompt_priority``. Returns [head, leaf]."""
-    leaf = TreeNode(next(ids), None, kb[cut:], leaf_slots, leaf_tick, cut // 4, requester)
-    head = TreeNode(next(ids), node, kb[at:cut], head_slots, head_tick, at // 4, requester)
+    leaf = TreeNode(next(ids), None, kb[cut:], leaf_slots, leaf_tick, cut // TOKEN_BYTES,
+                    requester)
+    head = TreeNode(next(ids), node, kb[at:cut], head_slots, head_tick, at // TOKEN_BYTES,
+                    requester)
     leaf.parent = head
     leaf.hits = head.hits = 1
     if prompt_priority < head.priority:
         head.priority = prompt_priority
-    head.children = {kb[cut : cut + 4]: leaf}
-    own_children(node)[kb[at : at + 4]] = head
+    head.children = {kb[cut : cut + TOKEN_BYTES]: leaf}
+    own_children(node)[kb[at : at + TOKEN_BYTES]] = head
     return [head, leaf]
 
 

@@ -65,9 +65,7 @@ class SlotCount:
         """`alloc(n)` cut after its first ``k`` slots."""
         if not 0 <= k <= n:
             raise ValueError(f"alloc_split: cannot cut {n} slots after {k}")
-        if self.capacity is not None and n > self.capacity - self.held:  # (`alloc`'s, inline)
-            raise OutOfSlots(f"asked for {n} slots, {self.num_free} free of {self.capacity}")
-        self.held += n
+        self.alloc(n)
         return range(k), range(n - k)
 
     def free(self, slots) -> None:
