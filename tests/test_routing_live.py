@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from experiments.studies import routing_fronts, routing_live, routing_served_fit, routing_twin
+from experiments.studies import (routing_checks, routing_fronts, routing_live, routing_served_fit,
+                                 routing_twin)
 from testbed.config.assembly import compose_config
 from testbed.errors import BadInput
 from testbed.router import ROUTERS
@@ -57,7 +58,7 @@ def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
         row("cache_aware", 0.767, 2.85, sim_hit_rate=0.767, sim_requests_per_s=3.117),
         row("kv_events", 0.767, 2.70, sim_hit_rate=0.767, sim_requests_per_s=3.117),
         row("smg_cache_aware", 0.767, 2.90, sim_hit_rate=0.767, sim_requests_per_s=3.117)])
-    lines = routing_live.checks(testbed)
+    lines = routing_checks.checks(testbed)
     assert "chat: cache_aware hit 0.767 >= smg's 0.767: True" in lines
     assert "chat: kv_events hit 0.767 >= both: True" in lines
     assert "chat: cache_aware 2.85 req/s >= smg's 2.90: False" in lines
@@ -65,7 +66,7 @@ def test_checks_compare_with_smg_and_the_simulator_where_there_is_one():
             "throughput within 10% (7.5%): True") in lines
     vllm = pd.DataFrame([row("round_robin", 0.60, 1.5), row("cache_aware", 0.75, 1.9),
                          row("smg_cache_aware", 0.74, 1.8)])
-    assert routing_live.checks(vllm) == ["chat: cache_aware hit 0.750 >= smg's 0.740: True",
+    assert routing_checks.checks(vllm) == ["chat: cache_aware hit 0.750 >= smg's 0.740: True",
                                          "chat: cache_aware 1.90 req/s >= smg's 1.80: True"]
 
 
@@ -88,26 +89,93 @@ def repeated(*runs: tuple[float, float, float]) -> pd.DataFrame:
                                    (0.75, 0.77, 0.75), rates)])
 
 
-def test_with_repeats_smg_is_compared_by_medians_and_the_runs_each_front_led():
+def test_with_repeats_smg_is_compared_by_medians_paired_runs_and_the_runs_each_front_led():
     table = repeated((1.30, 1.36, 1.33), (1.35, 1.31, 1.32), (1.34, 1.33, 1.35))
-    lines = routing_live.checks(table)
+    lines = routing_checks.checks(table)
     assert lines[:4] == [
         "chat: cache_aware hit 0.750 >= smg's 0.750 (median of 3 runs): True; at least theirs "
         "in 3 of 3",
         "chat: kv_events hit 0.770 >= both (median of 3 runs): True; at least theirs in 3 of 3",
-        "chat: cache_aware 1.34 req/s >= smg's 1.33 (median of 3 runs): True; at least theirs "
-        "in 1 of 3",
-        "chat: kv_events 1.33 req/s >= smg's 1.33 (median of 3 runs): True; at least theirs "
-        "in 1 of 3"]
+        "chat: cache_aware 1.34 req/s beside smg's 1.33 (median of 3 runs); paired -0.2% (95% "
+        "CI -6.0%..+5.5%, 3 runs); rules out 2% below smg's: False; at least theirs in 1 of 3",
+        "chat: kv_events 1.33 req/s beside smg's 1.33 (median of 3 runs); paired +0.0% (95% CI "
+        "-4.9%..+4.9%, 3 runs); rules out 2% below smg's: False; at least theirs in 1 of 3"]
     # every run's twin is checked against that run
     assert ("chat: kv_events (run 2): simulator's hit rate within 0.03 (0.000): True; "
             "throughput within 10% (1.0%): True") in lines
     assert len(lines) == 4 + 9
 
 
+def test_a_paired_estimate_is_the_mean_ratio_over_repeats_with_students_interval():
+    table = repeated((1.30, 1.36, 1.30), (1.32, 1.31, 1.20), (1.21, 1.33, 1.10))
+    p = routing_checks.paired(table, "cache_aware")
+    ratios = [1.30 / 1.30 - 1, 1.32 / 1.20 - 1, 1.21 / 1.10 - 1]
+    mean = sum(ratios) / 3
+    sd = (sum((r - mean) ** 2 for r in ratios) / 2) ** 0.5
+    half = 4.302652729911275 * sd / 3 ** 0.5  # t(0.975, 2 degrees of freedom)
+    assert (p.runs, p.led) == (3, 3)
+    assert (p.mean, p.low, p.high) == pytest.approx((mean, mean - half, mean + half))
+    # the interval reaches below zero: no deficit ruled out at 2%, one of 80% is
+    assert p.low < 0 and not p.not_below(0.02) and p.not_below(0.80)
+
+
+def test_a_paired_estimate_counts_only_repeats_that_ran_both_fronts():
+    table = repeated((1.30, 1.36, 1.30), (1.32, 1.31, 1.20), (1.21, 1.33, 1.10))
+    table = table[~((table.front == "smg_cache_aware") & (table.repeat == 3))]
+    p = routing_checks.paired(table, "cache_aware")
+    assert p.runs == 2 and p.mean == pytest.approx((0.0 + 0.1) / 2)
+    one = routing_checks.paired(table[table.repeat == 1], "cache_aware")
+    assert one.runs == 1 and not one.not_below(0.5)  # one run gives no interval
+    assert "no interval from one run" in one.says()
+    assert routing_checks.paired(table, "least_load") is None
+
+
+def test_the_machines_drift_is_taken_out_by_the_engines_own_step_seconds():
+    """smg's runs met a machine 10% slower: the same work took its engines 10% more CPU-clocked
+    seconds and it served 10% fewer requests a second; beside the engines' speed the fronts are
+    equal."""
+    table = repeated((1.10, 1.10, 1.00), (1.21, 1.21, 1.10))
+    table["engine_busy_s"] = [70.0, 70.0, 77.0, 70.0, 70.0, 77.0]
+    raw = routing_checks.paired(table, "cache_aware")
+    assert raw.mean == pytest.approx(0.10) and raw.low == pytest.approx(0.10)
+    even = routing_checks.paired(table, "cache_aware", speed="engine_busy_s")
+    assert (even.mean, even.low, even.high) == pytest.approx((0.0, 0.0, 0.0))
+    lines = routing_checks.checks(table)
+    assert ("chat: cache_aware beside smg's with the engines' speed taken out (req/s × their "
+            "CPU-clocked step seconds, the repeats in which both reached the same hit rate): "
+            "paired +0.0% (95% CI +0.0%..+0.0%, 2 runs)") in lines
+    # a repeat in which smg's engines did other work (another hit rate) is left out
+    table.loc[5, "hit_rate"] = 0.70
+    one = routing_checks.paired(table, "cache_aware", speed="engine_busy_s")
+    assert one.runs == 1 and routing_checks.paired(table, "cache_aware").runs == 2
+    # behind vLLM no steps are read: no such line
+    assert routing_checks.paired(table.drop(columns="engine_busy_s"), "cache_aware",
+                                 speed="engine_busy_s") is None
+
+
+def test_studies_pool_with_each_ones_repeats_numbered_after_the_last(tmp_path):
+    a = repeated((1.30, 1.36, 1.30), (1.32, 1.31, 1.20))
+    b = pd.DataFrame([row("cache_aware", 0.75, 1.4), row("smg_cache_aware", 0.75, 1.3)])
+    a.to_csv(tmp_path / "routing_live.csv", index=False)
+    b.to_csv(tmp_path / "single.csv", index=False)
+    pooled = routing_checks.read_studies([tmp_path, tmp_path / "single.csv"])
+    assert sorted(pooled.repeat.unique()) == [1, 2, 3]
+    assert pooled[pooled.repeat == 3].front.tolist() == ["cache_aware", "smg_cache_aware"]
+    with pytest.raises(BadInput, match="--pooled: no study table at"):
+        routing_checks.read_studies([tmp_path / "nowhere"])
+
+
+def test_pooled_studies_are_checked_without_starting_a_replica(tmp_path, capsys):
+    repeated((1.30, 1.36, 1.30), (1.32, 1.31, 1.20), (1.21, 1.33, 1.10)).to_csv(
+        tmp_path / "routing_live.csv", index=False)
+    assert routing_live.main(["--pooled", str(tmp_path), "--margin", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "rules out 50% below smg's: True; at least theirs in 3 of 3" in out
+
+
 def test_the_summary_gives_each_fronts_median_least_and_most_over_its_runs():
     table = repeated((1.30, 1.36, 1.33), (1.35, 1.31, 1.32), (1.34, 1.33, 1.35))
-    s = routing_live.summary(table).set_index("front")
+    s = routing_checks.summary(table).set_index("front")
     assert list(s.index) == ["cache_aware", "kv_events", "smg_cache_aware"]
     assert s.loc["cache_aware", ["runs", "requests_per_s", "requests_per_s_min",
                                  "requests_per_s_max"]].tolist() == [3, 1.34, 1.30, 1.35]
@@ -121,6 +189,8 @@ def test_the_summary_gives_each_fronts_median_least_and_most_over_its_runs():
     (["--fitted", "/nonexistent/cost_model.yaml"], "--fitted: no file"),
     (["--twin-runs", "0"], "--twin-runs must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--margin", "1.5"], "--margin must be in [0, 1)"),
+    (["--pooled", "/nonexistent/study"], "--pooled: no study table at /nonexistent/study"),
     (["--served-fit", "smg_cache_aware"], "--served-fit: smg_cache_aware: each must be a "
                                           "testbed.route front the study runs"),
     (["--served-fit", "round_robin", "--fronts", "cache_aware"], "--served-fit: round_robin:"),
@@ -166,7 +236,7 @@ def test_the_jittered_twins_range_is_checked_beside_the_exact_run():
     row = {"workload": "chat", "front": "least_load", "hit_rate": 0.716, "requests_per_s": 2.4,
            "sim_hit_rate": 0.654, "sim_requests_per_s": 2.3, "sim_hit_rate_min": 0.63,
            "sim_hit_rate_max": 0.70}
-    lines = routing_live.checks(pd.DataFrame([row]))
+    lines = routing_checks.checks(pd.DataFrame([row]))
     assert lines[-1] == ("chat: least_load: the jittered twins' hit rates 0.630..0.700; the live "
                          "0.716 within 0.03 of that range: True")
 

@@ -37,8 +37,11 @@ the serving path included), fitted on the named fronts' runs and checked on the 
 (``repeat``) and each repeat taking the fronts in an order turned by one (the first repeat's first
 front runs last in the next), so that no front always meets the machine's drift at the same
 point. With more than one run a comparison with smg is of the fronts' medians, beside how many
-repeats each front led in; each run keeps its own simulator twin, checked against its own run.
-``routing_live_summary.csv`` holds each front's median, least and most over the runs.
+repeats each front led in, and throughput's is paired (`experiments.studies.routing_checks`: not
+below smg's when the repeats' 95% interval rules out a deficit of ``--margin``); each run keeps
+its own simulator twin, checked against its own run. ``routing_live_summary.csv`` holds each
+front's median, least and most over the runs. ``--pooled STUDY ...`` starts nothing: it checks
+earlier studies' runs as one study.
 
 ``--replica-kind vllm``: the replicas are vLLM 0.32's CPU server (the venv
 `experiments.validation.vllm.caching` installs), each bound to a core of its own, with the same
@@ -61,6 +64,8 @@ ids remapped into SmolLM2's vocabulary as `experiments.validation.vllm.caching` 
         [--fronts round_robin random least_load cache_aware kv_events smg_cache_aware]
         [--fitted DIR/calibration/cost_model.yaml] [--replica-kind testbed|vllm]
         [--twin-runs 1] [--twin-jitter-ms 3] [--served-fit FRONT ...] [--repeats 1] [--out DIR]
+        [--margin 0.02]
+    python -m experiments.studies.routing_live --pooled STUDY [STUDY ...] [--margin 0.02]
 
 Writes ``routing_live.csv`` (a row a run) and ``routing_live_summary.csv`` (a row a workload and
 front) into ``--out`` and prints both and the acceptance checks (docs/results/routing_live.md).
@@ -83,6 +88,7 @@ from experiments import REPO, entry
 from experiments.benchmarks.served_step import steps_recorded, steps_since
 from experiments.studies.routing_fronts import (CAPACITY, MODEL, counters, front_end,
                                                 replicas, reset, router_of)
+from experiments.studies.routing_checks import MARGIN, read_studies, report, summary
 from experiments.studies.routing_served_fit import fit_served
 from experiments.studies.routing_twin import ROUTING, twin
 from experiments.validation.vllm import caching
@@ -190,79 +196,6 @@ def front_order(fronts: list[str], repeat: int) -> list[str]:
     return fronts[k:] + fronts[:k]
 
 
-def runs_of(table: pd.DataFrame) -> int:
-    return int(table["repeat"].max()) if "repeat" in table.columns else 1
-
-
-def summary(table: pd.DataFrame) -> pd.DataFrame:
-    """A row a workload and front: how many runs, and the median, least and most of each run's
-    hit rate and throughput; the median of the other measured figures; the twin's largest
-    error over the runs."""
-    rows = []
-    for (w, f), t in table.groupby(["workload", "front"], sort=False):
-        row = {"workload": w, "front": f, "runs": len(t)}
-        for c in ("hit_rate", "requests_per_s"):
-            row |= {c: t[c].median(), f"{c}_min": t[c].min(), f"{c}_max": t[c].max()}
-        for c in ("ttft_p50_s", "imbalance", "front_cpu_s", "engine_busy_s"):
-            if c in t.columns:
-                row[c] = t[c].median()
-        if "sim_hit_rate" in t.columns and t["sim_hit_rate"].notna().any():
-            row["sim_hit_rate_error_max"] = (t.sim_hit_rate - t.hit_rate).abs().max()
-            row["sim_requests_per_s_error_max"] = (t.sim_requests_per_s / t.requests_per_s
-                                                   - 1).abs().max()
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def checks(table: pd.DataFrame) -> list[str]:
-    """The acceptance lines: beside smg (the medians over the runs when there are several, with
-    how many runs each front led in), then each run's simulator twin."""
-    lines = []
-    runs = runs_of(table)
-    for w, t in table.groupby("workload"):
-        by = t.groupby("front", sort=False)[["hit_rate", "requests_per_s"]].median()
-        if {"cache_aware", "smg_cache_aware"} <= set(by.index):
-            of = f" (median of {runs} runs)" if runs > 1 else ""
-
-            def led(f: str, column: str, also: tuple[str, ...] = ()) -> str:
-                """In how many repeats ``f``'s ``column`` was at least the others'."""
-                if runs == 1:
-                    return ""
-                per = t.pivot_table(index="repeat", columns="front", values=column)
-                rivals = per[["smg_cache_aware", *also]].max(axis=1)
-                return f"; at least theirs in {int((per[f] >= rivals).sum())} of {len(per)}"
-
-            ca, smg = by.loc["cache_aware", "hit_rate"], by.loc["smg_cache_aware", "hit_rate"]
-            lines.append(f"{w}: cache_aware hit {ca:.3f} >= smg's {smg:.3f}{of}: {ca >= smg}"
-                         + led("cache_aware", "hit_rate"))
-            if "kv_events" in by.index:
-                kv = by.loc["kv_events", "hit_rate"]
-                lines.append(f"{w}: kv_events hit {kv:.3f} >= both{of}: {kv >= max(ca, smg)}"
-                             + led("kv_events", "hit_rate", ("cache_aware",)))
-            thr = by.loc["smg_cache_aware", "requests_per_s"]
-            for f in ("cache_aware", "kv_events"):
-                if f in by.index:
-                    lines.append(f"{w}: {f} {by.loc[f, 'requests_per_s']:.2f} req/s >= smg's "
-                                 f"{thr:.2f}{of}: {by.loc[f, 'requests_per_s'] >= thr}"
-                                 + led(f, "requests_per_s"))
-        if "sim_hit_rate" not in t.columns:  # vLLM replicas: no simulator twin
-            continue
-        for _, r in t.iterrows():
-            f = r.front if runs == 1 else f"{r.front} (run {int(r['repeat'])})"
-            dh = abs(r.sim_hit_rate - r.hit_rate)
-            dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
-            priced = r.get("sim_priced_by")
-            lines.append(f"{w}: {f}: simulator's hit rate within 0.03 ({dh:.3f}): {dh <= 0.03}; "
-                         f"throughput within 10% ({dt:.1%}): {dt <= 0.10}"
-                         + (f" [{priced}]" if isinstance(priced, str) else ""))
-            if pd.notna(r.get("sim_hit_rate_min")):
-                lo, hi = r.sim_hit_rate_min, r.sim_hit_rate_max
-                lines.append(f"{w}: {f}: the jittered twins' hit rates {lo:.3f}..{hi:.3f}; the "
-                             f"live {r.hit_rate:.3f} within 0.03 of that range: "
-                             f"{lo - 0.03 <= r.hit_rate <= hi + 0.03}")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m experiments.studies.routing_live",
                                  description=__doc__.split("\n")[0])
@@ -295,7 +228,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the whole study this many times, each repeat's fronts in an order "
                          "turned by one; smg is compared by medians (default 1)")
+    ap.add_argument("--margin", type=float, default=MARGIN,
+                    help="with repeats, a front's throughput counts as not below smg's when the "
+                         "paired 95%% interval rules out a deficit this large (a share of smg's; "
+                         f"default {MARGIN})")
+    ap.add_argument("--pooled", nargs="+", type=Path, default=None, metavar="STUDY",
+                    help="start nothing: print the summary and checks of earlier studies' runs "
+                         "pooled (each a routing_live.csv or the --out folder holding one; their "
+                         "repeats numbered one after the other)")
     args = ap.parse_args(argv)
+    if not 0 <= args.margin < 1:
+        raise BadInput(f"--margin must be in [0, 1), got {args.margin}")
+    if args.pooled is not None:
+        report(read_studies(args.pooled), args.margin)
+        return 0
     if args.served_fit is not None:
         if args.fitted is not None or args.replica_kind == "vllm":
             raise BadInput("--served-fit prices testbed replicas' twins by their served steps: "
@@ -330,13 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 pd.DataFrame(rows).to_csv(args.out / "routing_live.csv", index=False)
                 summary(pd.DataFrame(rows)).to_csv(args.out / "routing_live_summary.csv",
                                                    index=False)
-    from testbed.report.markdown import markdown_table
-    table = pd.DataFrame(rows)
-    print(markdown_table(table.round(3), list(table.columns)))
-    if args.repeats > 1:
-        medians = summary(table)
-        print(markdown_table(medians.round(3), list(medians.columns)))
-    print("\n".join(checks(table)))
+    report(pd.DataFrame(rows), args.margin)
     return 0
 
 
