@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from testbed.cache import BlockHashCache, NoCache, RadixCache
+from testbed.errors import BadInput
 from testbed.router import (ROUTERS, ApproxTree, CacheAware, LeastLoad, Loads, Oracle, RandomRouter,
                             RoundRobin, cluster_delays, is_imbalanced, peek_match)
 from tests.conftest import toks
@@ -158,6 +159,30 @@ def test_imbalance_overrides_a_cache_hit():
     r.tree.insert(toks(1, 2, 3, 4, 5, 6), 0)
     assert r.route(toks(1, 2, 3, 4, 5, 6, 7), loads(92, 60, 90), 0.0) == 0  # gap 32: not above
     assert dict(r.decisions) == {"cache": 1}
+
+
+@pytest.mark.parametrize("router", [CacheAware, Oracle])
+def test_a_tie_of_loads_goes_to_the_lowest_index_or_to_the_replica_sent_fewest(router):
+    """Replica 0 is sent two requests and replica 1 one; then a new prompt meets a tie of loads
+    (2 and 2 requests in flight): by index it goes to replica 0, by ``fewest_sent`` to replica 1;
+    a replica with less load still wins over one sent fewer."""
+    picks = {}
+    for tie_break in ("index", "fewest_sent"):
+        r = router(tie_break=tie_break)
+        r.bind(2, [filled_radix(), filled_radix()])
+        tied = Loads(tokens=(0, 0), requests=(2, 2))
+        assert r.route(toks(1, 1, 1), Loads(tokens=(0, 0), requests=(0, 1)), 0.0) == 0
+        assert r.route(toks(2, 2, 2), Loads(tokens=(0, 0), requests=(1, 0)), 0.0) == 1
+        assert r.route(toks(1, 1, 1, 1), tied, 0.0) == 0  # its prefix is believed on 0
+        assert r.requests_sent == {0: 2, 1: 1}
+        picks[tie_break] = (r.route(toks(9, 9, 9), tied, 0.0),
+                            r.route(toks(8, 8, 8), Loads(tokens=(0, 0), requests=(1, 2)), 0.0))
+    assert picks == {"index": (0, 0), "fewest_sent": (1, 0)}
+
+
+def test_a_bad_tie_break_names_the_key_and_the_choices():
+    with pytest.raises(BadInput, match="router.tie_break must be one of index, fewest_sent"):
+        CacheAware(tie_break="random")
 
 
 def test_ties_in_match_length_go_to_the_least_loaded_of_them():

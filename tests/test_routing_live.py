@@ -321,6 +321,16 @@ def test_the_smallest_tree_front_is_cache_aware_sending_a_miss_to_the_smallest_t
                          seed=0, max_tree_size=None).fallback == "least_load"
 
 
+@pytest.mark.parametrize("front, plain", [("cache_aware_fewest_sent", "cache_aware"),
+                                          ("kv_events_fewest_sent", "kv_events")])
+def test_the_fewest_sent_fronts_break_a_tie_of_loads_by_requests_sent(front, plain):
+    def built(name: str):
+        return ROUTERS.build(compose_config(routing_fronts.router_of(name)).router, seed=0,
+                             max_tree_size=None)
+    assert type(built(front)) is type(built(plain))
+    assert (built(front).tie_break, built(plain).tie_break) == ("fewest_sent", "index")
+
+
 def test_smgs_twin_and_the_at_routing_front_insert_a_prompt_only_when_they_route_it():
     # smg's cache-aware tree learns nothing from answers: its twin, and our front run at its
     # rule, are `cache_aware` with update_on_complete=false (the group's defaults otherwise)

@@ -38,6 +38,11 @@ FRONT_ROUTERS = {"cache_aware_router_0_1": SGLANG_ROUTER_0_1,
                  # rather than the least loaded replica (smg's)
                  "cache_aware_smallest_tree": ["router=cache_aware",
                                                "router.fallback=smallest_tree"],
+                 # our cache_aware and kv_events breaking a tie of loads towards the replica
+                 # sent the fewest requests, not the lowest index (routing_live.md: a chat run's
+                 # tenant 1 meets such a tie)
+                 "cache_aware_fewest_sent": ["router=cache_aware", "router.tie_break=fewest_sent"],
+                 "kv_events_fewest_sent": ["router=kv_events", "router.tie_break=fewest_sent"],
                  "smg_cache_aware": SMG_CACHE_AWARE}  # smg's: the simulator's twin
 VLLM_BLOCK = 32  # vLLM 0.32's CPU attention takes blocks in multiples of 32
 

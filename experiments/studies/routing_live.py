@@ -51,9 +51,11 @@ simulator twin (the fitted model prices the testbed's engine, not vLLM's) and no
 (vLLM publishes no cache events over HTTP).
 
 Fronts beyond the default list (`experiments.studies.routing_fronts.FRONT_ROUTERS`):
-``cache_aware_at_routing`` (our cache_aware inserting a prompt only when it routes it, as smg)
-and ``cache_aware_smallest_tree`` (a prompt matched below the threshold sent to the replica with
-the smallest tree, sgl-router's rule, rather than the least loaded, smg's).
+``cache_aware_at_routing`` (our cache_aware inserting a prompt only when it routes it, as
+smg), ``cache_aware_smallest_tree`` (a prompt matched below the threshold sent to the replica with
+the smallest tree, sgl-router's rule, rather than the least loaded, smg's), and
+``cache_aware_fewest_sent`` and ``kv_events_fewest_sent`` (a tie of loads broken towards the
+replica sent the fewest requests, ``router.tie_break=fewest_sent``, rather than the lowest index).
 
 Workloads: ``chat``: multi-tenant chat (``workload=chat_tenants`` scaled to this CPU: 8 tenants
 with 384-token system prompts, 16 sessions of 3 turns, 6 sessions at once); ``mooncake``: the

@@ -63,7 +63,8 @@ SCHEDULER_KEYS: Table = (
 ROUTERS = ["round_robin", "random", "least_load", "cache_aware", "oracle", "kv_events"]
 BALANCE: Table = (("cache_threshold", [0.0, 0.5, 1.0], 0.3), ("load", ["requests", "tokens"], 0.3),
                   ("balance_abs_threshold", [0, 32], 0.2),
-                  ("balance_rel_threshold", [1.0001, 2.0], 0.2))
+                  ("balance_rel_threshold", [1.0001, 2.0], 0.2),
+                  ("tie_break", ["index", "fewest_sent"], 0.2))
 ROUTER_KEYS: dict[str, Table] = {
     "cache_aware": (*BALANCE, ("fallback", ["least_load", "smallest_tree"], 0.3),
                     ("max_tree_size", ["null", 16, 256], 0.2),

@@ -35,6 +35,10 @@ LOAD_UNITS = ("tokens", "requests")
 #: what a router sees of a replica's outstanding tokens (``router.load_seen``): ``progress``, a
 #: prompt's tokens leave as they are prefilled; ``stream``, a prompt counts until its request ends
 LOAD_SEEN = ("progress", "stream")
+#: how a tie of loads is broken (``router.tie_break`` of the cache-aware policies): the lowest
+#: index, as SGLang's router takes the first of its workers; or the worker this router has sent
+#: the fewest requests so far (then the lowest index), so that a tie does not always favour one
+TIE_BREAKS = ("index", "fewest_sent")
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,14 @@ class NoWorker(RuntimeError):
     """Every worker is out of rotation: nothing can be routed."""
 
 
-def least_loaded(load: Sequence[float], among: Sequence[int] | None = None) -> int:
-    """The worker with the smallest load (ties: the lowest index)."""
+def least_loaded(load: Sequence[float], among: Sequence[int] | None = None,
+                 sent: Sequence[int] | None = None) -> int:
+    """The worker with the smallest load (ties: the one sent the fewest requests, given
+    ``sent``; then the lowest index)."""
     candidates = range(len(load)) if among is None else among
-    return min(candidates, key=lambda w: (load[w], w))
+    if sent is None:
+        return min(candidates, key=lambda w: (load[w], w))
+    return min(candidates, key=lambda w: (load[w], sent[w], w))
 
 
 def is_imbalanced(load: Sequence[float], abs_threshold: float, rel_threshold: float,
@@ -87,6 +95,7 @@ class Router(ABC):
     def __init__(self) -> None:
         self.num_workers = 0
         self.decisions: Counter[str] = Counter()
+        self.requests_sent: Counter[int] = Counter()  # requests routed to each worker
 
     def bind(self, num_workers: int, caches: Sequence[PrefixCache] = ()) -> None:
         """Attach the router to ``num_workers`` workers (and their real caches, which only the
@@ -95,6 +104,7 @@ class Router(ABC):
             raise ValueError(f"replicas must be >= 1, got {num_workers}")
         self.num_workers = num_workers
         self.decisions = Counter()
+        self.requests_sent = Counter()  # retries included; 0 for a worker sent none
 
     def route(self, tokens: np.ndarray, loads: Loads, now: float) -> int:
         """The worker that serves a request with prompt ``tokens``, one in rotation (`NoWorker`
@@ -106,6 +116,7 @@ class Router(ABC):
         if up is not None and worker not in up:  # a policy that ignores availability
             worker, why = least_loaded(loads.requests, up), "unavailable"
         self.decisions[why] += 1
+        self.requests_sent[worker] += 1
         return worker
 
     @abstractmethod

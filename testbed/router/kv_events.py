@@ -87,9 +87,10 @@ class KvEvents(Oracle):
 
     def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 64,
                  balance_rel_threshold: float = 1.5, load: str = "requests",
-                 in_flight: bool = True, event_delay_s: float = 0.0) -> None:
+                 in_flight: bool = True, event_delay_s: float = 0.0,
+                 tie_break: str = "index") -> None:
         super().__init__(cache_threshold, balance_abs_threshold, balance_rel_threshold, load,
-                         in_flight)
+                         in_flight, tie_break)
         if event_delay_s < 0:
             raise BadInput(f"router.event_delay_s must be >= 0, got {event_delay_s}")
         self.event_delay_s = event_delay_s

@@ -18,7 +18,7 @@ from testbed.cache.none import NoCache
 from testbed.cache.radix import RadixCache, common_prefix_length
 from testbed.errors import BadInput, check_choice
 from testbed.router.approx_tree import ApproxTree
-from testbed.router.base import LOAD_UNITS, Router, is_imbalanced, least_loaded
+from testbed.router.base import LOAD_UNITS, TIE_BREAKS, Router, is_imbalanced, least_loaded
 
 FALLBACKS = ("least_load", "smallest_tree")
 
@@ -58,10 +58,19 @@ class RandomRouter(Router):
         return up[int(self._rng.integers(len(up)))], "random"
 
 
+def _least(router: Router, load, among) -> int:
+    """`least_loaded` with the router's ``tie_break``."""
+    sent = router.requests_sent if router.tie_break == "fewest_sent" else None
+    return least_loaded(load, among, sent)
+
+
 def _set_balance(router: Router, cache_threshold: float, abs_threshold: float,
-                 rel_threshold: float, load: str) -> None:
+                 rel_threshold: float, load: str, tie_break: str) -> None:
     """Check and set what `CacheAware` and `Oracle` share: the match rate a cached prefix must
-    beat (``cache_threshold``), when loads count as imbalanced (``balance_*``) and what load is."""
+    beat (``cache_threshold``), when loads count as imbalanced (``balance_*``), what load is, and
+    how a tie of loads is broken (``tie_break``, `testbed.router.base.TIE_BREAKS`)."""
+    check_choice("router.tie_break", tie_break, TIE_BREAKS)
+    router.tie_break = tie_break
     if not 0.0 <= cache_threshold <= 1.0:
         raise BadInput(f"router.cache_threshold must be in [0, 1], got {cache_threshold}")
     if abs_threshold < 0:
@@ -118,9 +127,10 @@ class CacheAware(Router):
                  balance_rel_threshold: float = 1.5, load: str = "requests",
                  fallback: str = "least_load", max_tree_size: int | None = None,
                  eviction_interval_s: float = 120.0, update_on_complete: bool = True,
-                 update_delay_s: float = 0.0) -> None:
+                 update_delay_s: float = 0.0, tie_break: str = "index") -> None:
         super().__init__()
-        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
+        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load,
+                     tie_break)
         check_choice("router.fallback", fallback, FALLBACKS)
         if max_tree_size is not None and max_tree_size < 0:
             raise BadInput(f"router.max_tree_size must be >= 0 or null, got {max_tree_size}")
@@ -145,18 +155,18 @@ class CacheAware(Router):
         among = range(self.num_workers) if up is None else up
         self._maybe_prune(now)
         if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold, up):
-            worker, why = least_loaded(load, up), "balance"
+            worker, why = _least(self, load, up), "balance"
         else:
             lengths = self.tree.match(tokens)
             best = max(lengths[w] for w in among)
             if len(tokens) and best / len(tokens) > self.cache_threshold:
-                worker = least_loaded(load, [w for w in among if lengths[w] == best])
+                worker = _least(self, load, [w for w in among if lengths[w] == best])
                 why = "cache"
             elif self.fallback == "smallest_tree":
                 worker = min(among, key=lambda w: (self.tree.size[w], w))
                 why = "low_match"
             else:
-                worker, why = least_loaded(load, up), "low_match"
+                worker, why = _least(self, load, up), "low_match"
         self._insert(tokens, worker)
         return worker, why
 
@@ -236,9 +246,10 @@ class Oracle(Router):
 
     def __init__(self, cache_threshold: float = 0.0, balance_abs_threshold: float = 64,
                  balance_rel_threshold: float = 1.5, load: str = "requests",
-                 in_flight: bool = True) -> None:
+                 in_flight: bool = True, tie_break: str = "index") -> None:
         super().__init__()
-        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load)
+        _set_balance(self, cache_threshold, balance_abs_threshold, balance_rel_threshold, load,
+                     tie_break)
         self.in_flight = in_flight
 
     def bind(self, num_workers: int, caches: Sequence[PrefixCache] = ()) -> None:
@@ -268,15 +279,15 @@ class Oracle(Router):
         load, up = loads.of(self.load), loads.up()
         among = range(self.num_workers) if up is None else up
         if is_imbalanced(load, self.balance_abs_threshold, self.balance_rel_threshold, up):
-            worker, why = least_loaded(load, up), "balance"
+            worker, why = _least(self, load, up), "balance"
         else:
             lengths = self.hits(tokens)
             best = max(lengths[w] for w in among)
             if best > 0 and best / len(tokens) > self.cache_threshold:
-                worker = least_loaded(load, [w for w in among if lengths[w] == best])
+                worker = _least(self, load, [w for w in among if lengths[w] == best])
                 why = "cache"
             else:
-                worker, why = least_loaded(load, up), "low_match"
+                worker, why = _least(self, load, up), "low_match"
         if len(tokens):
             self._pending[worker].setdefault(int(tokens[0]), []).append(tokens)
         return worker, why
