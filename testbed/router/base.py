@@ -68,9 +68,7 @@ def least_loaded(load: Sequence[float], among: Sequence[int] | None = None,
     """The worker with the smallest load (ties: the one sent the fewest requests, given
     ``sent``; then the lowest index)."""
     candidates = range(len(load)) if among is None else among
-    if sent is None:
-        return min(candidates, key=lambda w: (load[w], w))
-    return min(candidates, key=lambda w: (load[w], sent[w], w))
+    return min(candidates, key=lambda w: (load[w], 0 if sent is None else sent[w], w))
 
 
 def is_imbalanced(load: Sequence[float], abs_threshold: float, rel_threshold: float,
