@@ -321,21 +321,119 @@ def test_the_health_watch_asks_only_replicas_not_heard_from_within_its_interval(
     assert asyncio.run(one_round()) == ["http://r0", "http://r1", "http://r2"]  # all out: asked
     assert all(r.up for r in members)
     now = time.monotonic()
+    assert replicas.unheard(now) == []  # a good answer is a sign of life too
     members[0].seen = now  # streamed a line just now
-    members[1].seen = now - 0.3  # last heard from before the interval
+    members[1].seen = members[2].seen = now - 0.3  # last heard from before the interval
     assert [r.index for r in replicas.unheard(now)] == [1, 2]
     assert asyncio.run(one_round()) == ["http://r1", "http://r2"]
     members[0].up = False  # out of rotation: asked whatever it streamed
-    assert [r.index for r in replicas.unheard(now)] == [0, 1, 2]
+    assert [r.index for r in replicas.unheard(now)] == [0]
     assert [r.health_checks for r in members] == [1, 2, 2]
+
+
+def test_an_idle_replica_held_open_is_asked_only_every_idle_interval():
+    from testbed.gateway.replicas import Replica, Replicas
+
+    async def get(url: str, timeout_s: float) -> tuple[int, bytes]:
+        return 200, b"{}"
+
+    members = [Replica(i, f"http://r{i}", up=True) for i in range(4)]
+    router = ROUTERS.resolve({"name": "round_robin"}).build(seed=0, max_tree_size=None)
+    router.bind(4)
+    replicas = Replicas(members, router, get, health_interval_s=0.25, health_timeout_s=1.0,
+                        idle_health_interval_s=10.0)
+    now = time.monotonic()
+    for r in members:
+        r.seen = now - 1.0  # silent for a second
+    members[0].held = True  # idle, its connection held open: not asked
+    members[1].held, members[1].requests = True, 2  # held, but silent with calls out: a stall?
+    members[3].requests = 1  # not held, busy and silent
+    assert [r.index for r in replicas.unheard(now)] == [1, 2, 3]
+    members[0].seen = now - 10.0  # idle and held, unheard for the idle interval: asked
+    assert [r.index for r in replicas.unheard(now)] == [0, 1, 2, 3]
+
+
+def test_a_held_connection_closed_by_the_replica_makes_the_router_ask_at_once():
+    # A plain TCP server stands for the replica's socket; the health checks are answered by a
+    # stub: 200 while the replica lives, a refused connection once it is gone.
+    import aiohttp
+
+    from testbed.gateway.replicas import Replica, Replicas
+
+    asked: list[float] = []
+    alive = [True]
+
+    async def get(url: str, timeout_s: float) -> tuple[int, bytes]:
+        asked.append(time.monotonic())
+        if not alive[0]:
+            raise aiohttp.ClientConnectionError("refused")
+        return 200, b'{"status": "ok", "epoch": "e"}'
+
+    async def until(condition, timeout_s: float = 5.0) -> float:
+        t0 = time.monotonic()
+        while not condition():
+            assert time.monotonic() - t0 < timeout_s
+            await asyncio.sleep(0.002)
+        return time.monotonic() - t0
+
+    async def scenario() -> None:
+        conns: list[asyncio.StreamWriter] = []
+        server = await asyncio.start_server(lambda r, w: conns.append(w), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        replica = Replica(0, f"http://127.0.0.1:{port}", up=True, epoch="e")
+        router = ROUTERS.resolve({"name": "round_robin"}).build(seed=0, max_tree_size=None)
+        router.bind(1)
+        replicas = Replicas([replica], router, get, health_interval_s=0.05,
+                            health_timeout_s=1.0, idle_health_interval_s=60.0)
+        hold = asyncio.create_task(replicas.hold(replica))
+        try:
+            await until(lambda: replica.held and len(conns) == 1)
+            assert asked == [] and replica.holds == 1
+            conns[0].close()  # a server closing an idle connection: asked at once, still up
+            await until(lambda: len(asked) == 1, 1.0)
+            assert replica.up
+            await until(lambda: replica.held and len(conns) == 2)  # held again
+            alive[0] = False  # the process exits: its sockets close with it
+            server.close()
+            conns[1].close()
+            took = await until(lambda: not replica.up, 1.0)
+            assert took < 1.0 and "refused" in replica.last_error and len(asked) == 2
+            assert not replica.held and replica.holds == 2
+        finally:
+            hold.cancel()
+            await asyncio.gather(hold, return_exceptions=True)
+            server.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_an_idle_replica_killed_leaves_the_rotation_within_a_second_without_health_rounds():
+    # The watch's rounds every 30 s cannot see it: the connection the router holds open does.
+    handle = start_server([*TINY, "cache.capacity_tokens=2000"], in_process=False)
+    router = start_router([handle.url], ["router=round_robin", "route.health_interval_s=30",
+                                         "route.idle_health_interval_s=30"])
+    try:
+        wait_until(lambda: router.state()["replicas"][0]["held"])
+        checks = router.state()["replicas"][0]["health_checks"]
+        os.kill(handle._proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not router.state()["replicas"][0]["up"], 5.0)
+        assert time.monotonic() - t0 < 1.0
+        state = router.state()["replicas"][0]
+        assert state["health_checks"] == checks + 1 and not state["held"]
+    finally:
+        router.stop()
+        handle.stop()
 
 
 def test_a_replica_streaming_through_the_router_is_not_asked_for_its_health(replicas):
     # Two replicas (600 tokens of KV each), one of them streaming a long answer (0.8 s here):
     # the router's watch (every 0.05 s) keeps asking the idle one and stops asking the one it
     # hears from (`Replica.health_checks`).
+    # (the idle one at the same interval: held open, it would be asked only every 10 s)
     router = start_router([h.url for h in replicas], ["router=round_robin",
-                                                      "route.health_interval_s=0.05"])
+                                                      "route.health_interval_s=0.05",
+                                                      "route.idle_health_interval_s=0.05"])
     body = {"prompt": list(range(1, 20)), "max_tokens": 560, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     try:

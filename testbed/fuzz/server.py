@@ -29,6 +29,7 @@ SERVED = ["model=tiny", "device=cpu", "debug.check_invariants=true"]
 ROUTE_KEYS: Table = (("model_name", ["null", "tiny"], 0.3),
                      ("health_interval_s", [0.05, 0.25, 2.0], 0.3),
                      ("health_timeout_s", [0.5, 1.0], 0.2),
+                     ("idle_health_interval_s", [0.05, 10.0], 0.3),
                      ("connect_timeout_s", [0.5, 2.0], 0.2),
                      ("stall_timeout_s", [5.0, 60.0], 0.2), ("retries", [0, 1, 2], 0.3),
                      ("events_wait_s", [0.05, 1.0], 0.3),

@@ -32,7 +32,8 @@ def make_router_app(urls: list[str], router: Router, settings: RouteSettings, to
     router.bind(len(urls))
     get = session_get(lambda: proxy.upstream)  # the health checks' and the event feeds' GETs
     replicas = Replicas([Replica(i, u) for i, u in enumerate(urls)], router, get,
-                        settings.health_interval_s, settings.health_timeout_s)
+                        settings.health_interval_s, settings.health_timeout_s,
+                        settings.idle_health_interval_s)
     proxy = Proxy(replicas, router, tokenizer, settings.retries, settings.stall_timeout_s,
                   settings.connect_timeout_s)
     feed = EventsFeed(replicas, router, get, settings.events_wait_s,

@@ -11,7 +11,18 @@ line: `Replica.seen`) is not asked: under load the traffic is the health check, 
 neither spends the router's CPU nor takes the replica's (SGLang's gateway checks health every
 60 s by default; this router's one-second exit for a killed replica needs the short interval).
 A stream that stops (a replica stalled or killed mid-answer) stops renewing it, so the next round
-asks. It rejoins at its next good answer. A replica that comes back with another ``epoch`` (``testbed.serve`` names a new
+asks. It rejoins at its next good answer.
+
+An idle replica (nothing outstanding) would be asked every round, each check taking CPU from the
+cores its engine runs on. Instead the router holds one idle connection open to each replica in
+rotation (`Replicas.hold`): a server sends nothing on a connection that asks nothing, and the
+kernel closes it the moment the server's process exits, so the router reads its end at once and
+asks at once. While that connection is open an idle replica is asked only every
+``idle_health_interval_s``, which catches what a held connection cannot show (a process stopped
+but not gone; a host lost without a word; a replica behind a proxy). A busy replica silent for
+``health_interval_s`` is asked as before: that is how a stall shows.
+
+A replica that comes back with another ``epoch`` (``testbed.serve`` names a new
 one at every start) or that names none (another server: it may have restarted) has lost its cache:
 the policy is told to forget what it believed it held (`Router.forget_worker`).
 """
@@ -21,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from urllib.parse import urlsplit
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -58,12 +70,15 @@ class Replica:
     left_at: float | None = None  # time.monotonic() when it last left
     seen: float = float("-inf")  # time.monotonic() of its last sign of life (an answer, a line)
     health_checks: int = 0  # GET /health asked of it
+    held: bool = False  # the router holds an idle connection to it open (`Replicas.hold`)
+    holds: int = 0  # such connections opened
 
     def state(self) -> dict[str, Any]:
         return {"index": self.index, "url": self.url, "up": self.up, "epoch": self.epoch,
                 "outstanding_requests": self.requests, "outstanding_tokens": self.tokens,
                 "routed": self.routed, "failed": self.failed, "left_rotation": self.left,
-                "health_checks": self.health_checks, "last_error": self.last_error}
+                "health_checks": self.health_checks, "held": self.held, "holds": self.holds,
+                "last_error": self.last_error}
 
 
 @dataclass
@@ -75,6 +90,7 @@ class Replicas:
     get: Get  # the health checks' GET
     health_interval_s: float
     health_timeout_s: float
+    idle_health_interval_s: float = 10.0
     on_leave: list[Callable[[Replica], None]] = field(default_factory=list)
     on_join: list[Callable[[Replica], None]] = field(default_factory=list)
 
@@ -117,19 +133,58 @@ class Replicas:
             epoch = json.loads(body).get("epoch")
         except (ValueError, AttributeError):
             epoch = None
+        replica.seen = time.monotonic()
         self.join(replica, epoch if isinstance(epoch, str) else None)
 
     def unheard(self, now: float) -> list[Replica]:
         """The replicas a round of the watch asks: those out of rotation, and those in it that
-        have not shown they are alive (`Replica.seen`) for ``health_interval_s``."""
-        return [r for r in self.members
-                if not r.up or now - r.seen >= self.health_interval_s]
+        have not shown they are alive (`Replica.seen`) for ``health_interval_s``, or for
+        ``idle_health_interval_s`` if idle with a connection held open to it."""
+        return [r for r in self.members if not r.up or now - r.seen >= (
+            self.idle_health_interval_s if r.held and r.requests == 0
+            else self.health_interval_s)]
 
     async def watch(self) -> None:
         """Every ``health_interval_s``, probe the `unheard` replicas, for ever (cancel to
-        stop)."""
+        stop); meanwhile `hold` a connection to each replica."""
+        holds = [asyncio.create_task(self.hold(r)) for r in self.members]
+        try:
+            while True:
+                asked = self.unheard(time.monotonic())
+                if asked:
+                    await asyncio.gather(*(self.probe(r) for r in asked))
+                await asyncio.sleep(self.health_interval_s)
+        finally:
+            for t in holds:
+                t.cancel()
+            await asyncio.gather(*holds, return_exceptions=True)
+
+    async def hold(self, replica: Replica) -> None:
+        """While ``replica`` is in rotation, keep an idle connection to it open; when the other
+        end closes it (the process exited, or the server closes idle connections), ask its
+        health at once. For ever (cancel to stop)."""
+        parts = urlsplit(replica.url)
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
         while True:
-            asked = self.unheard(time.monotonic())
-            if asked:
-                await asyncio.gather(*(self.probe(r) for r in asked))
-            await asyncio.sleep(self.health_interval_s)
+            if not replica.up:
+                await asyncio.sleep(self.health_interval_s)
+                continue
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(parts.hostname, port, ssl=https or None),
+                    self.health_timeout_s)
+            except (OSError, asyncio.TimeoutError):
+                await asyncio.sleep(self.health_interval_s)  # the watch's rounds ask it
+                continue
+            replica.held, replica.holds = True, replica.holds + 1
+            try:
+                while await reader.read(4096):  # nothing comes unasked: its end
+                    pass
+            except OSError:
+                pass
+            finally:
+                replica.held = False
+                writer.close()
+            await self.probe(replica)
+            await asyncio.sleep(self.health_interval_s)  # a server that closes at once: no spin

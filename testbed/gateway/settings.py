@@ -23,10 +23,11 @@ from testbed.remote.settings import _base_url
 from testbed.router import ROUTERS, cluster_load_seen
 
 ROUTE_KEYS = ("urls", "host", "port", "model_name", "health_interval_s", "health_timeout_s",
-              "connect_timeout_s", "stall_timeout_s", "retries", "events_wait_s", "log_level",
-              "start_timeout_s")
-SECONDS = {"health_interval_s": 0.25, "health_timeout_s": 1.0, "connect_timeout_s": 2.0,
-           "stall_timeout_s": 60.0, "events_wait_s": 1.0, "start_timeout_s": 600.0}
+              "idle_health_interval_s", "connect_timeout_s", "stall_timeout_s", "retries",
+              "events_wait_s", "log_level", "start_timeout_s")
+SECONDS = {"health_interval_s": 0.25, "health_timeout_s": 1.0, "idle_health_interval_s": 10.0,
+           "connect_timeout_s": 2.0, "stall_timeout_s": 60.0, "events_wait_s": 1.0,
+           "start_timeout_s": 600.0}
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class RouteSettings:
     model_name: str | None = None
     health_interval_s: float = 0.25
     health_timeout_s: float = 1.0
+    idle_health_interval_s: float = 10.0
     connect_timeout_s: float = 2.0
     stall_timeout_s: float = 60.0
     retries: int = 2
