@@ -58,11 +58,10 @@ QUOTES: dict[str, list[tuple[str, str]]] = {
          r"throughput: (\d+ of \d+) with a fit made beside the study"),
         (INDEX, r"hit rate within 0\.03 in (\d+ of \d+) runs, throughput within 10% in "
                 r"(\d+ of \d+) with a fit made beside it")],
-    "routing_live: testbed.route below smg's throughput with the machine's drift taken out": [
+    "routing_live: testbed.route below smg's throughput on chat with the drift taken out": [
         ("docs/results/routing_live.md",
-         r"neither meets it: they are\s+([\d.]+)–([\d.]+)% below"),
-        (INDEX, r"paired over 15–30 repeats, ([\d.]+)–([\d.]+)% below it with the machine's "
-                r"drift")],
+         r"with the drift taken out\s+they are ([\d.]+)% and ([\d.]+)% below"),
+        (INDEX, r"on chat ([\d.]+)–([\d.]+)% below it with the drift taken out")],
     "cpu_engine: a decode step of 32 requests, before over after (the first host)": [
         ("docs/results/cpu_engine.md", r"\| decode 32 × 448 \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| "
                                        + X + r" \|"),

@@ -171,6 +171,14 @@ def test_pooled_studies_are_checked_without_starting_a_replica(tmp_path, capsys)
     assert routing_live.main(["--pooled", str(tmp_path), "--margin", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "rules out 50% below smg's: True; at least theirs in 3 of 3" in out
+    # a study kept without its twins' columns adds pairs, and no twin line for its runs
+    live = repeated((1.30, 1.36, 1.30), (1.32, 1.31, 1.20))
+    live.drop(columns=[c for c in live.columns if c.startswith("sim_")]).to_csv(
+        tmp_path / "live.csv", index=False)
+    assert routing_live.main(["--pooled", str(tmp_path), str(tmp_path / "live.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "at least theirs in 5 of 5" in out and "(run 3): simulator's" in out
+    assert "(run 4): simulator's" not in out and "nan" not in out
 
 
 def test_the_summary_gives_each_fronts_median_least_and_most_over_its_runs():

@@ -199,6 +199,8 @@ def checks(table: pd.DataFrame, margin: float = MARGIN) -> list[str]:
         if "sim_hit_rate" not in t.columns:  # vLLM replicas: no simulator twin
             continue
         for _, r in t.iterrows():
+            if pd.isna(r.sim_hit_rate):  # a table kept without its twins' columns (--pooled)
+                continue
             f = r.front if runs == 1 else f"{r.front} (run {int(r['repeat'])})"
             dh = abs(r.sim_hit_rate - r.hit_rate)
             dt = abs(r.sim_requests_per_s / r.requests_per_s - 1)
