@@ -60,7 +60,7 @@ QUOTES: dict[str, list[tuple[str, str]]] = {
                 r"(\d+ of \d+) with a fit made beside it")],
     "routing_live: testbed.route below smg's throughput on chat with the drift taken out": [
         ("docs/results/routing_live.md",
-         r"with the drift taken out\s+they are ([\d.]+)% and ([\d.]+)% below"),
+         r"[Ww]ith the drift taken out\s+they are ([\d.]+)% and ([\d.]+)% below"),
         (INDEX, r"on chat ([\d.]+)–([\d.]+)% below it with the drift taken out")],
     "cpu_engine: a decode step of 32 requests, before over after (the first host)": [
         ("docs/results/cpu_engine.md", r"\| decode 32 × 448 \| [\d.,]+ \| [\d.,]+ \| [\d.,]+ \| "
