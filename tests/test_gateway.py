@@ -240,6 +240,10 @@ def test_route_settings_refuse_bad_values_in_one_line():
         plan("router=oracle")
     with pytest.raises(BadInput, match="route.health_interval_s"):
         plan("route.health_interval_s=0")
+    with pytest.raises(BadInput, match=r"route.idle_health_interval_s must be a number of "
+                                       r"seconds > 0, got -1"):
+        plan("route.idle_health_interval_s=-1")
+    assert plan("route.urls=[http://127.0.0.1:1]").settings.idle_health_interval_s == 10.0
     with pytest.raises(BadInput, match="testbed.route sees a replica's work only as it streams"):
         plan("route.urls=[http://127.0.0.1:1]", "router.load_seen=progress")
     with pytest.raises(BadInput, match="router.load_seen must be one of progress, stream"):
