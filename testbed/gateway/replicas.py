@@ -9,7 +9,8 @@ so a killed replica is out within that (a refused connection needs no timeout). 
 rotation that has shown it is alive since the last round (an answer of 200, a streamed
 line: `Replica.seen`) is not asked: under load the traffic is the health check, and the watch
 neither spends the router's CPU nor takes the replica's (SGLang's gateway checks health every
-60 s by default; this router's one-second exit for a killed replica needs the short interval).
+60 s by default; this router's one-second exit for a killed replica needs the short interval, or
+for an idle one the held connection below).
 A stream that stops (a replica stalled or killed mid-answer) stops renewing it, so the next round
 asks. It rejoins at its next good answer.
 
